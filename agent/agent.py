@@ -1,0 +1,217 @@
+"""The node agent: heartbeats with health and capabilities, and direct probes.
+
+Lifecycle: ``await agent.run()`` connects, serves until :meth:`Agent.stop` is
+called (SIGTERM in ``revenant agent``), then says goodbye with a last
+``leaving`` heartbeat and drains its NATS connection.  ``stop()`` is safe to
+call before ``run()`` and more than once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import random
+import secrets
+import shutil
+import socket
+import time
+from importlib import metadata
+from pathlib import Path
+
+import nats.errors
+import psutil
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from revenant.agent.criu import inspect_criu
+from revenant.agent.gpu import discover_gpus
+from revenant.agent.health import HealthSample, HealthThresholds, LoopMonitor, evaluate
+from revenant.common import bus
+from revenant.common.config import AgentConfig
+from revenant.common.errors import ConfigError
+from revenant.messages import (
+    Capabilities,
+    CriuInfo,
+    HealthSummary,
+    Heartbeat,
+    MessageError,
+    Probe,
+    ProbeReply,
+    decode_as,
+    encode,
+    subjects,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _revenant_version() -> str:
+    try:
+        return metadata.version("revenant")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        subjects.check_name(config.node)
+        self.config = config
+        self.node = config.node
+        self.incarnation = secrets.token_hex(8)
+        self.storage = Path(config.storage)
+        self.seq = 0
+        self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s)
+        self.thresholds = HealthThresholds(
+            memory_yellow_percent=config.memory_yellow_percent,
+            memory_red_percent=config.memory_red_percent,
+            storage_yellow_free_bytes=config.storage_yellow_free_bytes,
+            storage_red_free_bytes=config.storage_red_free_bytes,
+            loop_lag_yellow_s=config.loop_stall_threshold_s,
+        )
+        self.capabilities = Capabilities()
+        self.health = HealthSummary()
+        self._nc: Client | None = None
+        self._stopping = asyncio.Event()
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Connect, serve until stopped, then leave cleanly."""
+        if self._stopping.is_set():
+            return
+        try:
+            self.storage.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"storage {self.storage}: {exc.strerror or exc}") from None
+        self.capabilities = await self._inspect()
+        if not self.capabilities.criu.ok:
+            log.warning("criu unusable: %s", self.capabilities.criu.error)
+        self._nc = await bus.connect(
+            self.config.nats_url,
+            f"revenant-agent-{self.node}",
+            ping_interval_s=self.config.ping_interval_s,
+            max_outstanding_pings=self.config.max_outstanding_pings,
+            reconnect_wait_s=self.config.reconnect_wait_s,
+        )
+        self._started = True
+        await self._nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
+        log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
+                 self.capabilities.criu.version if self.capabilities.criu.ok else "unusable")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                monitor = tg.create_task(self.loop_monitor.run(), name="loop-monitor")
+                beats = tg.create_task(self._heartbeat_loop(), name="heartbeats")
+                await self._stopping.wait()
+                beats.cancel()
+                monitor.cancel()
+        finally:
+            await self._leave()
+
+    def stop(self) -> None:
+        """Ask the agent to stop; idempotent and safe before ``run()``."""
+        self._stopping.set()
+
+    async def _leave(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is None:
+            return
+        try:
+            if nc.is_connected:
+                await self._publish_heartbeat(nc, leaving=True)
+                await asyncio.wait_for(nc.drain(), self.config.shutdown_grace_s)
+            else:
+                await nc.close()
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            log.warning("drain did not finish cleanly: %s", exc or type(exc).__name__)
+            await nc.close()
+        log.info("agent %s stopped", self.node)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _inspect(self) -> Capabilities:
+        criu: CriuInfo = await inspect_criu(self.config.criu_path, self.config.criu_check_timeout_s)
+        gpu_kind, gpus = await asyncio.to_thread(discover_gpus)
+        return Capabilities(
+            hostname=socket.gethostname(),
+            kernel=platform.release(),
+            cpus=os.cpu_count() or 0,
+            memory_total_bytes=psutil.virtual_memory().total,
+            revenant_version=_revenant_version(),
+            criu=criu,
+            gpu=gpu_kind,
+            gpus=gpus,
+        )
+
+    def sample_health(self) -> HealthSummary:
+        worst_lag, recent_stalls = self.loop_monitor.take_window()
+        try:
+            free = shutil.disk_usage(self.storage).free
+        except OSError:
+            free = 0
+        sample = HealthSample(
+            loop_lag_s=worst_lag,
+            loop_stalls=self.loop_monitor.stalls,
+            recent_stalls=recent_stalls,
+            memory_percent=psutil.virtual_memory().percent,
+            storage_free_bytes=free,
+            criu_ok=self.capabilities.criu.ok,
+            criu_error=self.capabilities.criu.error,
+            nats_connected=self._nc is not None and self._nc.is_connected,
+        )
+        return evaluate(sample, self.thresholds)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        jitter = self.config.heartbeat_jitter
+        next_at = time.monotonic()
+        while True:
+            if self._nc is not None:
+                self.health = self.sample_health()
+                await self._publish_heartbeat(self._nc)
+            # Deadline-based, so a slow publish does not stretch the period.
+            next_at += interval * (1 + random.uniform(-jitter, jitter))
+            now = time.monotonic()
+            if next_at < now:  # we fell behind (loop stall): do not burst to catch up
+                next_at = now + interval * (1 + random.uniform(-jitter, jitter))
+            await asyncio.sleep(next_at - now)
+
+    async def _publish_heartbeat(self, nc: Client, leaving: bool = False) -> None:
+        self.seq += 1
+        hb = Heartbeat(
+            node=self.node,
+            seq=self.seq,
+            sent_at=time.time(),
+            incarnation=self.incarnation,
+            pid=os.getpid(),
+            interval_s=self.config.heartbeat_interval_s,
+            capabilities=self.capabilities,
+            health=self.health,
+            leaving=leaving,
+        )
+        try:
+            await nc.publish(subjects.heartbeat(self.node), encode(hb))
+            if leaving:
+                await nc.flush(timeout=1)
+        except nats.errors.OutboundBufferLimitError:
+            # Disconnected: drop it.  A heartbeat is only true when it is sent.
+            log.debug("heartbeat %d dropped: not connected", self.seq)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("heartbeat %d not sent: %s", self.seq, exc or type(exc).__name__)
+
+    # ------------------------------------------------------------------ probes
+
+    async def _on_probe(self, msg: Msg) -> None:
+        try:
+            decode_as(msg.data, Probe)
+            reply = encode(ProbeReply(node=self.node, incarnation=self.incarnation, seq=self.seq,
+                                      sent_at=time.time(), health=self.health))
+        except MessageError as exc:
+            reply = bus.error_reply(exc)
+        if msg.reply:
+            try:
+                await msg.respond(reply)
+            except nats.errors.Error as exc:
+                log.debug("probe reply not sent: %s", exc)

@@ -1,0 +1,191 @@
+"""``revenant up`` and ``revenant down``: a local cluster for development and demos.
+
+``up`` starts an embedded nats-server (JetStream, state under DIR/nats), one
+coordinator and N agents named node-1..node-N that share DIR/storage, which
+stands in for a cluster's shared filesystem.  Every process runs in its own
+session so that a Ctrl-C reaches ``up`` alone, which then stops them in order:
+agents first (they say goodbye), then the coordinator, then NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from revenant.common import bus
+from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
+from revenant.common.errors import ClusterNotFound, RevenantError
+from revenant.common.natsserver import start_nats_server
+from revenant.messages import NodesReply, NodesRequest, subjects
+
+STOP_ORDER = ("agent", "coordinator", "nats-server")
+
+
+def _spawn(role: str, name: str, argv: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, ProcessInfo(role=role, name=name, pid=proc.pid, create_time=_create_time(proc.pid),
+                             log=str(log_path), argv=argv)
+
+
+def _create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _ours(info: ProcessInfo) -> psutil.Process | None:
+    """The live process behind ``info``, or None if it is gone (or its pid was reused)."""
+    try:
+        proc = psutil.Process(info.pid)
+        if abs(proc.create_time() - info.create_time) > 0.5 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def _alive_nodes(url: str, timeout_s: float) -> list[str]:
+    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False)
+    try:
+        reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
+        return [n.name for n in reply.nodes if n.state == "alive"]
+    finally:
+        await nc.close()
+
+
+def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
+                timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    missing = set(names)
+    while time.monotonic() < deadline:
+        for proc, info in procs:
+            if proc.poll() is not None:
+                raise RevenantError(f"{info.role} {info.name} exited with status {proc.returncode} at start; "
+                                    f"log {info.log}:\n{_tail(info.log)}")
+        try:
+            missing = set(names) - set(asyncio.run(_alive_nodes(url, 1.0)))
+        except RevenantError:
+            pass
+        if not missing:
+            return
+        time.sleep(0.2)
+    raise RevenantError(f"nodes not alive after {timeout_s:g} s: {', '.join(sorted(missing))}")
+
+
+def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0) -> int:
+    if n_nodes < 1:
+        raise RevenantError(f"--nodes must be at least 1, got {n_nodes}")
+    root = Path(directory).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if cluster_file(root).exists():
+        try:
+            old = read_cluster(root)
+        except ClusterNotFound:
+            old = None
+        if old is not None and any(_ours(p) for p in old.processes):
+            raise RevenantError(f"a cluster is already running in {root}; stop it with 'revenant down --dir {root}'")
+    logs = root / "logs"
+    storage = root / "storage"
+    storage.mkdir(parents=True, exist_ok=True)
+
+    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
+    infos: list[ProcessInfo] = []
+    try:
+        if external_nats:
+            url = external_nats
+        else:
+            server = start_nats_server(root / "nats", log_file=logs / "nats-server.log", new_session=True)
+            url = server.url
+            infos.append(ProcessInfo(role="nats-server", name="nats-server", pid=server.pid,
+                                     create_time=_create_time(server.pid), log=str(logs / "nats-server.log"),
+                                     argv=[str(a) for a in server.process.args]))
+        py = [sys.executable, "-m", "revenant.cli"]
+        started.append(_spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator"],
+                              logs / "coordinator.log"))
+        names = [f"node-{i}" for i in range(1, n_nodes + 1)]
+        for name in names:
+            started.append(_spawn("agent", name, py + ["agent", "--node", name, "--nats", url,
+                                                       "--storage", str(storage)], logs / f"{name}.log"))
+        infos += [info for _, info in started]
+        cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(), processes=infos)
+        write_cluster(root, cluster)
+        _wait_alive(url, names, started, timeout_s)
+    except BaseException:
+        _stop_processes(infos, timeout_s=5.0)
+        cluster_file(root).unlink(missing_ok=True)
+        raise
+
+    print(f"revenant: cluster up in {root}: {n_nodes} node(s) alive, NATS at {url}", file=sys.stderr)
+    print(f"revenant: try 'revenant nodes --dir {root}'; stop with "
+          f"{'revenant down --dir ' + str(root) if detach else 'Ctrl-C'}", file=sys.stderr)
+    if detach:
+        return 0
+    return _foreground(root, infos, started)
+
+
+def _foreground(root: Path, infos: list[ProcessInfo], started: list[tuple[subprocess.Popen[bytes], ProcessInfo]]) -> int:
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop:
+        time.sleep(0.2)
+    print("revenant: stopping the cluster", file=sys.stderr)
+    _stop_processes(infos, timeout_s=10.0)
+    cluster_file(root).unlink(missing_ok=True)
+    return 0
+
+
+def _stop_processes(infos: list[ProcessInfo], timeout_s: float) -> list[str]:
+    """SIGTERM each role in order, wait, then SIGKILL what is left; returns what had to be killed."""
+    killed: list[str] = []
+    for role in STOP_ORDER:
+        procs = [(info, p) for info in infos if info.role == role and (p := _ours(info)) is not None]
+        for _, p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs([p for _, p in procs], timeout=timeout_s)
+        for p in alive:
+            try:
+                p.kill()
+                killed.append(f"{role} pid {p.pid}")
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+    return killed
+
+
+def down(directory: str, timeout_s: float = 10.0) -> int:
+    cluster = read_cluster(directory)
+    killed = _stop_processes(cluster.processes, timeout_s)
+    left = [f"{p.role} {p.name} (pid {p.pid})" for p in cluster.processes if _ours(p) is not None]
+    if left:
+        raise RevenantError(f"could not stop: {', '.join(left)}")
+    cluster_file(directory).unlink(missing_ok=True)
+    note = f" (killed after {timeout_s:g} s: {', '.join(killed)})" if killed else ""
+    print(f"revenant: cluster in {os.path.abspath(directory)} stopped{note}", file=sys.stderr)
+    return 0

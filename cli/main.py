@@ -1,0 +1,133 @@
+"""``revenant``: the command line.  See docs/cli.md for the contract."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from revenant.common.errors import RevenantError
+from revenant.messages import MessageError
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="cluster directory written by 'revenant up' (reads its cluster.json)")
+    p.add_argument("--nats", help="NATS URL of the cluster (default: $REVENANT_NATS)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply (default 5)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="revenant", description="Checkpoint/restore and failover for cluster jobs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("agent", help="run the node agent")
+    p.add_argument("--node", help="node name (a NATS subject token)")
+    p.add_argument("--nats", help="NATS URL(s), comma-separated")
+    p.add_argument("--storage", help="storage directory shared by the nodes")
+    p.add_argument("--config", help="TOML file with an [agent] table")
+    p.add_argument("--criu", help="criu binary (default: $REVENANT_CRIU, then PATH)")
+    p.add_argument("--heartbeat-interval", type=float, dest="heartbeat_interval_s", help="seconds between heartbeats")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_agent)
+
+    p = sub.add_parser("coordinator", help="run the coordinator")
+    p.add_argument("--nats", help="NATS URL(s), comma-separated")
+    p.add_argument("--config", help="TOML file with a [coordinator] table")
+    p.add_argument("--name", help="coordinator name (default: host-pid)")
+    p.add_argument("--node-timeout", type=float, dest="node_timeout_s", help="seconds of silence before a node is dead")
+    p.add_argument("--suspect-timeout", type=float, dest="suspect_timeout_s", help="seconds of silence before a node is suspect")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_coordinator)
+
+    p = sub.add_parser("up", help="start a local cluster: nats-server, a coordinator and N agents")
+    p.add_argument("--nodes", type=int, default=3, help="number of agents (default 3)")
+    p.add_argument("--dir", required=True, help="directory for state, logs, storage and cluster.json")
+    p.add_argument("--detach", action="store_true", help="return once every node is alive")
+    p.add_argument("--nats", help="use this external NATS server instead of starting one")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the nodes (default 30)")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("down", help="stop everything 'revenant up' started")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait before SIGKILL (default 10)")
+    p.set_defaults(func=_cmd_down)
+
+    p = sub.add_parser("nodes", help="show the nodes, their state and health")
+    _add_cluster_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_nodes)
+
+    p = sub.add_parser("events", help="print the event stream")
+    _add_cluster_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.set_defaults(func=_cmd_events)
+    return parser
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from revenant.agent.agent import Agent
+    from revenant.cli.service import run_service, setup_logging
+    from revenant.common.config import AgentConfig, load_config
+
+    cfg = load_config(AgentConfig, "agent", args.config, {
+        "node": args.node, "nats_url": args.nats, "storage": args.storage,
+        "criu_path": args.criu, "heartbeat_interval_s": args.heartbeat_interval_s,
+    })
+    if not cfg.node:
+        raise RevenantError("agent needs a node name: --node NAME")
+    setup_logging("agent", cfg.node, args.log_level)
+    return run_service(Agent(cfg))
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from revenant.cli.service import run_service, setup_logging
+    from revenant.common.config import CoordinatorConfig, load_config
+    from revenant.coordinator.coordinator import Coordinator
+
+    cfg = load_config(CoordinatorConfig, "coordinator", args.config, {
+        "nats_url": args.nats, "name": args.name,
+        "node_timeout_s": args.node_timeout_s, "suspect_timeout_s": args.suspect_timeout_s,
+    })
+    setup_logging("coordinator", cfg.name, args.log_level)
+    return run_service(Coordinator(cfg))
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from revenant.cli.local import up
+
+    return up(args.dir, args.nodes, detach=args.detach, external_nats=args.nats, timeout_s=args.timeout)
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from revenant.cli.local import down
+
+    return down(args.dir, timeout_s=args.timeout)
+
+
+def _cmd_nodes(args: argparse.Namespace) -> int:
+    from revenant.cli.client import nodes
+
+    return nodes(args)
+
+
+def _cmd_events(args: argparse.Namespace) -> int:
+    from revenant.cli.client import events
+
+    return events(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (RevenantError, MessageError) as exc:
+        print(f"revenant: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The thin layer between revenant and nats-py: connecting, requests, events.
+
+nats-py errors are mapped to :mod:`revenant.common.errors` here, at the boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from revenant.common.errors import BusError, NoResponders, RemoteError, RequestTimeout
+from revenant.messages import ErrorReply, Message, MessageError, decode, decode_as, encode
+from revenant.messages import subjects
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+EVENTS_MAX_AGE_S = 7 * 24 * 3600
+EVENTS_MAX_BYTES = 256 * 1024 * 1024
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    ping_interval_s: float = 2.0,
+    max_outstanding_pings: int = 2,
+    reconnect_wait_s: float = 0.5,
+    connect_timeout_s: float = 3.0,
+    endless_reconnect: bool = True,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+) -> Client:
+    """Connect with options suited to fast failure detection.
+
+    * a short ping interval, so a dead server is noticed in seconds;
+    * endless reconnects: a node agent never gives up on the bus;
+    * ``pending_size=0``: while disconnected a publish fails at once instead of
+      being buffered, so no stale heartbeat is flushed after a reconnect.
+    """
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats (%s): %s", name, exc or type(exc).__name__)
+
+    client: list[Client] = []
+
+    async def on_disconnect() -> None:
+        if client and not (client[0].is_closed or client[0].is_draining):
+            log.warning("nats (%s): disconnected", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats (%s): reconnected", name)
+        if on_reconnect is not None:
+            await on_reconnect()
+
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    try:
+        nc = await nats.connect(
+            servers=servers,
+            name=name,
+            ping_interval=ping_interval_s,
+            max_outstanding_pings=max_outstanding_pings,
+            max_reconnect_attempts=-1 if endless_reconnect else 3,
+            reconnect_time_wait=reconnect_wait_s,
+            connect_timeout=connect_timeout_s,
+            allow_reconnect=True,
+            pending_size=0,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from None
+    client.append(nc)
+    return nc
+
+
+async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
+    """Send a request and decode the typed reply; an ``error.v1`` reply raises :class:`RemoteError`."""
+    try:
+        resp = await nc.request(subject, encode(msg), timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        raise NoResponders(f"nothing is listening on {subject}") from None
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from None
+    except nats.errors.Error as exc:
+        raise BusError(f"request on {subject} failed: {exc or type(exc).__name__}") from None
+    try:
+        reply = decode(resp.data)
+    except MessageError as exc:
+        raise RemoteError(f"bad reply on {subject}: {exc}", code=exc.code) from None
+    if isinstance(reply, ErrorReply):
+        raise RemoteError(reply.message, code=reply.code, retriable=reply.retriable)
+    return decode_as(resp.data, reply_type)
+
+
+def error_reply(exc: Exception) -> bytes:
+    """The wire form of an error, for replying to a request that failed."""
+    code = getattr(exc, "code", "internal")
+    retriable = bool(getattr(exc, "retriable", False))
+    return encode(ErrorReply(code=code, message=str(exc) or type(exc).__name__, retriable=retriable))
+
+
+async def ensure_event_stream(js: JetStreamContext) -> None:
+    """Create or update the replayable event stream (idempotent)."""
+    config = StreamConfig(
+        name=subjects.EVENTS_STREAM,
+        subjects=[subjects.EVENTS_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=EVENTS_MAX_AGE_S,
+        max_bytes=EVENTS_MAX_BYTES,
+        discard=DiscardPolicy.OLD,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:
+        await js.update_stream(config)
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        raise BusError(f"cannot create event stream {subjects.EVENTS_STREAM}: {exc or type(exc).__name__}") from None
+
+
+async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeout_s: float) -> Any:
+    """Publish an event to JetStream and wait for the stream's ack."""
+    try:
+        return await js.publish(subject, encode(msg), timeout=timeout_s)
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        raise BusError(f"cannot publish event on {subject}: {exc or type(exc).__name__}") from None

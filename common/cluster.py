@@ -1,0 +1,70 @@
+"""Finding a cluster: ``--nats URL``, ``--dir DIR`` (its cluster.json) or ``$REVENANT_NATS``.
+
+``cluster.json`` is written by ``revenant up`` and is part of the CLI contract
+(docs/cli.md): the NATS URL and every process that ``up`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from revenant.common.errors import ClusterNotFound
+
+CLUSTER_FILE = "cluster.json"
+
+
+class ProcessInfo(msgspec.Struct, kw_only=True):
+    role: str  # "nats-server", "coordinator" or "agent"
+    name: str
+    pid: int
+    # psutil's create_time, so a recycled pid is never mistaken for ours.
+    create_time: float
+    log: str = ""
+    argv: list[str] = []
+
+
+class ClusterFile(msgspec.Struct, kw_only=True):
+    version: int = 1
+    nats_url: str
+    dir: str
+    storage: str
+    created_at: float
+    processes: list[ProcessInfo] = []
+
+
+def cluster_file(directory: str | os.PathLike[str]) -> Path:
+    return Path(directory) / CLUSTER_FILE
+
+
+def read_cluster(directory: str | os.PathLike[str]) -> ClusterFile:
+    path = cluster_file(directory)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=ClusterFile)
+    except FileNotFoundError:
+        raise ClusterNotFound(f"no cluster in {directory}: {path} not found (start one with 'revenant up')") from None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ClusterNotFound(f"cannot read {path}: {exc}") from None
+
+
+def write_cluster(directory: str | os.PathLike[str], cluster: ClusterFile) -> Path:
+    path = cluster_file(directory)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_bytes(json.dumps(msgspec.to_builtins(cluster), indent=2).encode() + b"\n")
+    os.replace(tmp, path)
+    return path
+
+
+def resolve_nats_url(directory: str | None, nats_url: str | None, environ: dict[str, Any] | None = None) -> str:
+    if nats_url:
+        return nats_url
+    if directory:
+        return read_cluster(directory).nats_url
+    env = os.environ if environ is None else environ
+    if env.get("REVENANT_NATS"):
+        return env["REVENANT_NATS"]
+    raise ClusterNotFound("no cluster given: pass --dir DIR or --nats URL, or set REVENANT_NATS")

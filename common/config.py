@@ -1,0 +1,127 @@
+"""Typed configuration: TOML file, then environment, then command-line flags.
+
+Each section is a msgspec Struct.  Unknown keys are errors, names carry their
+units, and environment overrides are ``REVENANT_<SECTION>_<FIELD>``, for
+example ``REVENANT_COORDINATOR_NODE_TIMEOUT_S=5``.  docs/configuration.md lists
+every key; tests/test_config.py checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from revenant.common.errors import ConfigError
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+
+class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    node: str = ""
+    nats_url: str = "nats://127.0.0.1:4222"
+    storage: str = "/var/lib/revenant"
+    # Heartbeats: one every interval, +/- jitter (a fraction of the interval).
+    heartbeat_interval_s: float = 1.0
+    heartbeat_jitter: float = 0.1
+    # criu binary; empty means $REVENANT_CRIU, then PATH.
+    criu_path: str = ""
+    criu_check_timeout_s: float = 30.0
+    # NATS client: short pings so a dead server is noticed fast.
+    ping_interval_s: float = 2.0
+    max_outstanding_pings: int = 2
+    reconnect_wait_s: float = 0.5
+    # The event loop counts a stall when a wake-up is this late.
+    loop_stall_threshold_s: float = 0.25
+    # Health thresholds (see docs/configuration.md for the reasoning).
+    memory_yellow_percent: float = 85.0
+    memory_red_percent: float = 95.0
+    storage_yellow_free_bytes: int = 2 * 1024**3
+    storage_red_free_bytes: int = 256 * 1024**2
+    # On SIGTERM: how long running work may take to finish before it is cancelled.
+    shutdown_grace_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s",
+                  "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
+        if not 0 <= self.heartbeat_jitter < 1:
+            raise ValueError("heartbeat_jitter must be in [0, 1)")
+
+
+class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    nats_url: str = "nats://127.0.0.1:4222"
+    name: str = ""
+    # Failure detection (Slurm's SlurmdTimeout -> node_timeout_s).  A node is
+    # suspect after suspect_timeout_s of silence (or sooner, when phi-accrual
+    # says its heartbeats are overdue) and dead once node_timeout_s has passed
+    # and a direct probe has failed.
+    suspect_timeout_s: float = 1.6
+    node_timeout_s: float = 2.5
+    phi_suspect: float = 8.0
+    probe_timeout_s: float = 0.4
+    probe_interval_s: float = 0.4
+    tick_interval_s: float = 0.1
+    # If the coordinator's own loop stalls or it loses NATS for this long, every
+    # node gets a fresh grace period instead of a verdict.
+    self_stall_grace_s: float = 1.0
+    # Dead and left nodes are dropped from the table after this long.
+    forget_after_s: float = 3600.0
+    event_publish_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",
+                  "probe_interval_s", "tick_interval_s", "self_stall_grace_s", "forget_after_s",
+                  "event_publish_timeout_s")
+        if self.node_timeout_s < self.suspect_timeout_s:
+            raise ValueError("node_timeout_s must be at least suspect_timeout_s")
+
+
+def _positive(cfg: msgspec.Struct, *names: str) -> None:
+    for name in names:
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
+
+
+def _env_overrides(section: str, cls: type[msgspec.Struct], environ: dict[str, str]) -> dict[str, Any]:
+    prefix = f"REVENANT_{section.upper()}_"
+    fields = set(cls.__struct_fields__)
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):].lower()
+        if name not in fields:
+            raise ConfigError(f"unknown setting {key} (no field {name!r} in [{section}])")
+        out[name] = value
+    return out
+
+
+def load_config(
+    cls: type[C],
+    section: str,
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> C:
+    """Build a config from the ``[section]`` of a TOML file, the environment and overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        section_values = doc.get(section, {})
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"config file {path}: [{section}] must be a table")
+        values.update(section_values)
+    values.update(_env_overrides(section, cls, dict(os.environ if environ is None else environ)))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"[{section}] {exc}") from None

@@ -1,0 +1,55 @@
+"""The one exception root for revenant's runtime (the wire codec has its own,
+:class:`revenant.messages.MessageError`).
+
+Every error carries a short machine-readable ``code`` and a ``retriable`` flag;
+its ``str()`` is the one line a user sees.
+"""
+
+from __future__ import annotations
+
+
+class RevenantError(Exception):
+    code = "error"
+    retriable = False
+
+    def __init__(self, message: str, *, code: str | None = None, retriable: bool | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if retriable is not None:
+            self.retriable = retriable
+
+
+class ConfigError(RevenantError):
+    code = "bad_config"
+
+
+class ClusterNotFound(RevenantError):
+    code = "no_cluster"
+
+
+class BusError(RevenantError):
+    """NATS could not be reached or did not answer in time."""
+
+    code = "bus"
+    retriable = True
+
+
+class NoResponders(BusError):
+    code = "no_responders"
+
+
+class RequestTimeout(BusError):
+    code = "timeout"
+
+
+class RemoteError(RevenantError):
+    """The peer answered with an ``error.v1`` reply."""
+
+
+class CriuError(RevenantError):
+    code = "criu"
+
+
+class NatsServerError(RevenantError):
+    code = "nats_server"

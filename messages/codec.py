@@ -1,0 +1,98 @@
+"""Encoding and decoding: msgspec structs <-> MessagePack maps.
+
+Decoding never raises anything but :class:`~revenant.messages.errors.MessageError`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar, Union
+
+import msgspec
+
+from revenant.messages.errors import (
+    MalformedMessage,
+    OversizedMessage,
+    UnexpectedMessage,
+    UnknownMessageType,
+    UnsupportedVersion,
+)
+from revenant.messages.types import MESSAGE_TYPES, Message
+
+# Big data never rides the bus: images stay on storage, messages carry paths.
+# 256 KiB leaves room under NATS's default 1 MiB max_payload.
+MAX_MESSAGE_BYTES = 256 * 1024
+
+M = TypeVar("M", bound=Message)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Union[MESSAGE_TYPES])  # type: ignore[valid-type]
+_raw_decoder = msgspec.msgpack.Decoder()
+_TAG_RE = re.compile(r"^(?P<kind>[a-z_]+)\.v(?P<version>[0-9]+)$")
+_KNOWN: dict[str, int] = {}
+for _t in MESSAGE_TYPES:
+    _m = _TAG_RE.match(_t.__struct_config__.tag)
+    assert _m, _t
+    _KNOWN[_m["kind"]] = max(_KNOWN.get(_m["kind"], 0), int(_m["version"]))
+
+
+def tag_of(cls: type[Message]) -> str:
+    return cls.__struct_config__.tag
+
+
+def encode(msg: Message) -> bytes:
+    """Encode a message, refusing one too large for the bus."""
+    data = _encoder.encode(msg)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise OversizedMessage(len(data), MAX_MESSAGE_BYTES)
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """Decode any known message, or raise a typed :class:`MessageError`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise OversizedMessage(len(data), MAX_MESSAGE_BYTES)
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise _explain(data, exc) from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # pragma: no cover - defensive
+        raise MalformedMessage(f"undecodable message: {exc}") from None
+
+
+def decode_as(data: bytes, cls: type[M]) -> M:
+    """Decode a message that must be of type ``cls``."""
+    msg = decode(data)
+    if not isinstance(msg, cls):
+        raise UnexpectedMessage(
+            f"expected {tag_of(cls)}, got {tag_of(type(msg))}", tag=tag_of(type(msg))
+        )
+    return msg
+
+
+def _explain(data: bytes, exc: msgspec.DecodeError) -> Exception:
+    """Turn msgspec's error into the most specific MessageError."""
+    try:
+        raw = _raw_decoder.decode(data)
+    except (msgspec.DecodeError, TypeError, ValueError, OverflowError, RecursionError):
+        return MalformedMessage(f"not MessagePack: {exc}")
+    if not isinstance(raw, dict):
+        return MalformedMessage(f"expected a map, got {type(raw).__name__}")
+    tag = raw.get("type")
+    if not isinstance(tag, str):
+        return MalformedMessage("message has no string 'type' field")
+    m = _TAG_RE.match(tag)
+    if m is None or m["kind"] not in _KNOWN:
+        return UnknownMessageType(f"unknown message type {tag[:64]!r}", tag=tag[:64])
+    known = _KNOWN[m["kind"]]
+    if int(m["version"]) != known and f"{m['kind']}.v{m['version']}" not in _ALL_TAGS:
+        newer = int(m["version"]) > known
+        return UnsupportedVersion(
+            f"{tag} is {'newer' if newer else 'older'} than this peer reads ({m['kind']}.v{known})"
+            + ("; upgrade revenant" if newer else "; upgrade the sender"),
+            tag=tag,
+        )
+    return MalformedMessage(f"invalid {tag}: {exc}", tag=tag)
+
+
+_ALL_TAGS = frozenset(tag_of(t) for t in MESSAGE_TYPES)

@@ -1,0 +1,82 @@
+"""The subject hierarchy: every NATS subject revenant uses is built here.
+
+Layout (``<node>`` is always a single token, so per-node permissions can be
+granted with ``revenant.*.<node>.>``-style rules):
+
+==============================  ==========================  =======================
+subject                         transport                   payload
+==============================  ==========================  =======================
+revenant.hb.<node>              core NATS, fire and forget  Heartbeat
+revenant.node.<node>.probe      core request/reply          Probe -> ProbeReply
+revenant.node.<node>.cmd.<verb> core request/reply          command -> reply
+revenant.coord.<verb>           core request/reply          command -> reply
+revenant.evt.node.<node>.<kind> JetStream stream EVENTS     NodeEvent
+revenant.evt.<area>.>           JetStream stream EVENTS     events
+==============================  ==========================  =======================
+"""
+
+from __future__ import annotations
+
+import re
+
+from revenant.messages.errors import MessageError
+
+ROOT = "revenant"
+
+HEARTBEAT_PREFIX = f"{ROOT}.hb"
+HEARTBEATS_ALL = f"{HEARTBEAT_PREFIX}.*"
+
+EVENTS_PREFIX = f"{ROOT}.evt"
+EVENTS_ALL = f"{EVENTS_PREFIX}.>"
+EVENTS_STREAM = "REVENANT_EVENTS"
+
+COORDINATOR_PREFIX = f"{ROOT}.coord"
+
+# Names become subject tokens and directory names: keep them boring.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+
+class InvalidName(MessageError):
+    code = "invalid_name"
+
+
+def check_name(name: str, what: str = "node name") -> str:
+    """Return ``name`` if it is usable as a subject token, else raise :class:`InvalidName`."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidName(
+            f"invalid {what} {name!r}: use 1-63 letters, digits, '-' or '_', starting with a letter or digit"
+        )
+    return name
+
+
+def heartbeat(node: str) -> str:
+    return f"{HEARTBEAT_PREFIX}.{check_name(node)}"
+
+
+def node_from_heartbeat(subject: str) -> str | None:
+    """The node token of a heartbeat subject, or None if it is not one."""
+    prefix = HEARTBEAT_PREFIX + "."
+    if not subject.startswith(prefix):
+        return None
+    node = subject[len(prefix):]
+    return node if _NAME_RE.match(node) else None
+
+
+def probe(node: str) -> str:
+    return f"{ROOT}.node.{check_name(node)}.probe"
+
+
+def node_command(node: str, verb: str) -> str:
+    return f"{ROOT}.node.{check_name(node)}.cmd.{check_name(verb, 'verb')}"
+
+
+def coordinator(verb: str) -> str:
+    return f"{COORDINATOR_PREFIX}.{check_name(verb, 'verb')}"
+
+
+def node_event(node: str, kind: str) -> str:
+    return f"{EVENTS_PREFIX}.node.{check_name(node)}.{check_name(kind, 'event kind')}"
+
+
+def cluster_event(kind: str) -> str:
+    return f"{EVENTS_PREFIX}.cluster.{check_name(kind, 'event kind')}"

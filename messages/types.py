@@ -1,0 +1,183 @@
+"""Every message that crosses the bus.
+
+Rules (see docs/protocol.md):
+
+* A top-level message is a msgspec Struct tagged ``"<kind>.v<N>"`` in the field
+  ``type``.  It is encoded as a MessagePack map keyed by field name.
+* A new field always gets a default, so an older sender stays readable.
+* Unknown fields are ignored, so a newer sender stays readable.
+* A breaking change is a new tag (``heartbeat.v2``), never an edit of v1.
+* Times are float seconds: ``*_at`` fields are Unix wall-clock times, ``*_s``
+  fields are durations.  Sizes are ``*_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+HealthState = Literal["GREEN", "YELLOW", "RED"]
+NodeState = Literal["alive", "suspect", "dead", "left"]
+NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left"]
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    """A nested, untagged value (only ever found inside a tagged message)."""
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Base of every tagged top-level message."""
+
+
+# --------------------------------------------------------------------------- parts
+
+
+class CriuInfo(_Body):
+    """What the agent found out about its criu binary."""
+
+    path: str | None = None
+    version: str | None = None
+    ok: bool = False
+    # `criu check` failed or criu is missing: criu's own last error line.
+    error: str | None = None
+    # `criu check --feature NAME` results, e.g. {"mem_dirty_track": False}.
+    features: dict[str, bool] = {}
+
+
+class GpuInfo(_Body):
+    index: int
+    name: str = ""
+    uuid: str = ""
+    memory_total_bytes: int = 0
+    driver_version: str = ""
+
+
+class Capabilities(_Body):
+    hostname: str = ""
+    kernel: str = ""
+    cpus: int = 0
+    memory_total_bytes: int = 0
+    revenant_version: str = ""
+    criu: CriuInfo = msgspec.field(default_factory=CriuInfo)
+    # "none" when NVML has no driver or no device; that is normal, not an error.
+    gpu: str = "none"
+    gpus: list[GpuInfo] = []
+
+
+class HealthSummary(_Body):
+    state: HealthState = "GREEN"
+    reasons: list[str] = []
+    loop_lag_s: float = 0.0
+    loop_stalls: int = 0
+    memory_percent: float = 0.0
+    storage_free_bytes: int = 0
+
+
+class NodeStatus(_Body):
+    """One row of the coordinator's membership table."""
+
+    name: str
+    state: NodeState
+    health: HealthState = "GREEN"
+    reasons: list[str] = []
+    pid: int = 0
+    incarnation: str = ""
+    seq: int = 0
+    last_heartbeat_age_s: float | None = None
+    phi: float = 0.0
+    state_since_age_s: float = 0.0
+    capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
+
+
+# ------------------------------------------------------------------------ messages
+
+
+class Heartbeat(Message, tag="heartbeat.v1"):
+    """Published by every agent on ``revenant.hb.<node>`` each interval."""
+
+    node: str
+    seq: int
+    sent_at: float
+    # Random per agent start: a new incarnation means the agent restarted.
+    incarnation: str
+    pid: int = 0
+    interval_s: float = 1.0
+    capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
+    health: HealthSummary = msgspec.field(default_factory=HealthSummary)
+    # The agent is shutting down cleanly: this is its last heartbeat.
+    leaving: bool = False
+
+
+class Probe(Message, tag="probe.v1"):
+    """A direct liveness probe, sent by the coordinator to a silent node."""
+
+    sent_at: float
+    sender: str = ""
+
+
+class ProbeReply(Message, tag="probe_reply.v1"):
+    node: str
+    incarnation: str
+    seq: int
+    sent_at: float
+    health: HealthSummary = msgspec.field(default_factory=HealthSummary)
+
+
+class NodeEvent(Message, tag="node_event.v1"):
+    """A membership change, on the JetStream stream at ``revenant.evt.node.<node>.<kind>``."""
+
+    node: str
+    kind: NodeEventKind
+    at: float
+    incarnation: str = ""
+    # Seconds between the node's last heartbeat and this event.
+    silence_s: float = 0.0
+    reason: str = ""
+
+
+class NodesRequest(Message, tag="nodes_request.v1"):
+    pass
+
+
+class NodesReply(Message, tag="nodes_reply.v1"):
+    nodes: list[NodeStatus] = []
+    coordinator: str = ""
+
+
+class ErrorReply(Message, tag="error.v1"):
+    """The reply to any request that could not be served."""
+
+    code: str
+    message: str
+    retriable: bool = False
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Heartbeat,
+    Probe,
+    ProbeReply,
+    NodeEvent,
+    NodesRequest,
+    NodesReply,
+    ErrorReply,
+)
+
+__all__ = [
+    "Capabilities",
+    "CriuInfo",
+    "ErrorReply",
+    "GpuInfo",
+    "HealthState",
+    "HealthSummary",
+    "Heartbeat",
+    "Message",
+    "NodeEvent",
+    "NodeEventKind",
+    "NodeState",
+    "NodeStatus",
+    "NodesReply",
+    "NodesRequest",
+    "Probe",
+    "ProbeReply",
+]

@@ -1,0 +1,214 @@
+"""Failure detection rules, driven by an injected clock: no NATS, no sleeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from revenant.common.config import CoordinatorConfig
+from revenant.coordinator.detector import FailureDetector, phi
+from revenant.messages import Heartbeat
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def advance(self, dt: float) -> float:
+        self.now += dt
+        return self.now
+
+
+def hb(node="n1", seq=1, inc="i1", leaving=False):
+    return Heartbeat(node=node, seq=seq, sent_at=0.0, incarnation=inc, leaving=leaving)
+
+
+class Cluster:
+    """A detector fed by steady 1 s heartbeats, ticked every 100 ms."""
+
+    def __init__(self, cfg: CoordinatorConfig | None = None, jitter: float = 0.05) -> None:
+        self.cfg = cfg or CoordinatorConfig()
+        self.det = FailureDetector(self.cfg)
+        self.clock = Clock()
+        self.seq: dict[str, int] = {}
+        self.inc: dict[str, str] = {}
+        self.events: list[tuple[float, str, str]] = []
+        self.probes: list[tuple[float, str]] = []
+        self.rng = random.Random(1)
+        self.jitter = jitter
+
+    def beat(self, node="n1", inc=None, **kw):
+        inc = self.inc.setdefault(node, "i1") if inc is None else inc
+        self.inc[node] = inc
+        self.seq[node] = self.seq.get(node, 0) + 1
+        self._record(self.det.heartbeat(hb(node, self.seq[node], inc, **kw), self.clock.now))
+
+    def _record(self, transitions):
+        self.events += [(self.clock.now, t.node, t.kind) for t in transitions]
+
+    def tick(self, answer_probes: bool = False):
+        transitions, probes = self.det.tick(self.clock.now)
+        self._record(transitions)
+        for node in probes:
+            self.probes.append((self.clock.now, node))
+            self._record(self.det.probe_result(node, answer_probes, self.clock.now,
+                                               self.det.nodes[node].incarnation if answer_probes else None))
+
+    def run(self, seconds: float, beating: set[str], answer_probes: bool = False, period: float = 1.0):
+        next_beat = {n: self.clock.now + period for n in beating}
+        end = self.clock.now + seconds
+        while self.clock.now < end - 1e-9:
+            self.clock.advance(0.1)
+            for n in beating:
+                if self.clock.now >= next_beat[n] - 1e-9:
+                    self.beat(n)
+                    next_beat[n] = self.clock.now + period * (1 + self.rng.uniform(-self.jitter, self.jitter))
+            self.tick(answer_probes)
+
+    def kinds(self, node="n1"):
+        return [k for _, n, k in self.events if n == node]
+
+
+def test_first_heartbeat_joins():
+    c = Cluster()
+    c.beat()
+    assert c.kinds() == ["joined"]
+    assert c.det.nodes["n1"].state == "alive"
+
+
+def test_steady_node_stays_alive():
+    c = Cluster()
+    c.beat()
+    c.run(60, {"n1"})
+    assert c.kinds() == ["joined"]
+    assert not c.probes
+
+
+def test_silent_node_is_dead_within_3_s_and_only_after_a_failed_probe():
+    c = Cluster()
+    c.beat()
+    c.run(20, {"n1"})
+    last = c.det.nodes["n1"].last_heartbeat_at
+    c.run(5, set())
+    assert c.kinds() == ["joined", "suspect", "dead"]
+    dead_at = next(t for t, _, k in c.events if k == "dead")
+    suspect_at = next(t for t, _, k in c.events if k == "suspect")
+    assert dead_at - last <= 3.0
+    assert dead_at - last >= c.cfg.node_timeout_s
+    assert any(suspect_at <= t < dead_at for t, _ in c.probes), "a probe must be sent before the verdict"
+
+
+def test_node_that_answers_probes_is_never_dead():
+    c = Cluster()
+    c.beat()
+    c.run(10, {"n1"})
+    c.run(30, set(), answer_probes=True)  # heartbeats lost, but the node answers directly
+    assert "dead" not in c.kinds()
+    assert "recovered" in c.kinds()
+
+
+def test_probe_in_flight_delays_the_verdict():
+    c = Cluster()
+    c.beat()
+    c.run(10, {"n1"})
+    # Silence, with probes that never come back (neither answer nor failure yet).
+    for _ in range(60):
+        c.clock.advance(0.1)
+        c.det.tick(c.clock.now)
+    assert c.det.nodes["n1"].state == "suspect"
+    c._record(c.det.probe_result("n1", False, c.clock.now))
+    assert c.det.nodes["n1"].state == "dead"
+
+
+def test_heartbeat_after_suspect_or_dead_recovers():
+    c = Cluster()
+    c.beat()
+    c.run(10, {"n1"})
+    c.run(5, set())
+    assert c.det.nodes["n1"].state == "dead"
+    c.beat()
+    assert c.kinds()[-1] == "recovered"
+    assert c.det.nodes["n1"].state == "alive"
+
+
+def test_erratic_node_gets_more_slack_than_a_steady_one():
+    steady, erratic = Cluster(jitter=0.02), Cluster(jitter=0.45)
+    for c in (steady, erratic):
+        c.beat()
+        c.run(120, {"n1"})
+        c.run(5, set())
+
+    def suspect_delay(c):
+        return next(t for t, _, k in c.events if k == "suspect")
+
+    s_rec, e_rec = steady.det.nodes["n1"], erratic.det.nodes["n1"]
+    assert s_rec.state == e_rec.state == "dead"
+    s_delay = suspect_delay(steady) - s_rec.last_heartbeat_at
+    e_delay = suspect_delay(erratic) - e_rec.last_heartbeat_at
+    assert s_delay <= e_delay
+    assert e_delay <= (steady.cfg.suspect_timeout_s + steady.cfg.node_timeout_s) / 2 + 0.1
+
+
+def test_phi_grows_with_silence():
+    intervals = [1.0, 1.02, 0.98, 1.01, 0.99]
+    values = [phi(t, intervals, 1.0) for t in (0.5, 1.0, 1.2, 1.5, 2.0, 3.0)]
+    assert values == sorted(values)
+    assert values[0] < 0.5 and values[-1] > 8
+    assert phi(5.0, [1.0], 1.0) == 0.0  # too little history: no opinion
+
+
+def test_coordinator_stall_gives_everyone_a_grace_period():
+    c = Cluster()
+    for n in ("a", "b"):
+        c.beat(n)
+    c.run(10, {"a", "b"})
+    # The coordinator's loop freezes for 10 s: nobody heartbeats as far as it knows.
+    c.clock.advance(10)
+    c.tick()
+    c.run(1.0, {"a", "b"})
+    assert "dead" not in c.kinds("a") and "dead" not in c.kinds("b")
+
+
+def test_new_incarnation_is_a_new_join():
+    c = Cluster()
+    c.beat(inc="old")
+    c.run(3, {"n1"})
+    c.seq["n1"] = 0
+    c.beat(inc="new")
+    assert c.kinds() == ["joined", "joined"]
+    assert c.det.nodes["n1"].incarnation == "new"
+
+
+def test_stale_or_duplicate_heartbeats_are_ignored():
+    c = Cluster()
+    c.beat()
+    c.beat()
+    rec = c.det.nodes["n1"]
+    before = rec.last_heartbeat_at
+    c.clock.advance(0.5)
+    assert c.det.heartbeat(hb(seq=1), c.clock.now) == []
+    assert rec.last_heartbeat_at == before
+
+
+def test_leaving_node_is_left_not_dead_and_is_forgotten_later():
+    c = Cluster(CoordinatorConfig(forget_after_s=30))
+    c.beat()
+    c.run(3, {"n1"})
+    c.beat(leaving=True)
+    c.run(10, set())
+    assert c.kinds() == ["joined", "left"]
+    c.run(30, set())
+    assert "n1" not in c.det.nodes
+
+
+def test_counts_and_snapshot():
+    c = Cluster()
+    c.beat("a")
+    c.beat("b")
+    c.run(5, {"a"})
+    c.run(0.1, {"a"})
+    snap = {s.name: s for s in c.det.snapshot(c.clock.now)}
+    assert snap["a"].state == "alive" and snap["b"].state == "dead"
+    assert snap["b"].last_heartbeat_age_s == pytest.approx(5.1, abs=0.01)
+    assert c.det.counts() == {"alive": 1, "suspect": 0, "dead": 1, "left": 0}

@@ -1,0 +1,205 @@
+"""The wire protocol: round trips, plain-msgpack readability, and decoders that never crash."""
+
+from __future__ import annotations
+
+import msgpack
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from revenant.messages import (
+    MAX_MESSAGE_BYTES,
+    MESSAGE_TYPES,
+    Capabilities,
+    CriuInfo,
+    ErrorReply,
+    GpuInfo,
+    HealthSummary,
+    Heartbeat,
+    MalformedMessage,
+    MessageError,
+    NodeEvent,
+    NodesReply,
+    NodeStatus,
+    OversizedMessage,
+    Probe,
+    ProbeReply,
+    UnexpectedMessage,
+    UnknownMessageType,
+    UnsupportedVersion,
+    decode,
+    decode_as,
+    encode,
+    subjects,
+)
+from revenant.messages.codec import tag_of
+
+CAPS = Capabilities(
+    hostname="h", kernel="6.18", cpus=2, memory_total_bytes=1 << 34, revenant_version="0.1.0",
+    criu=CriuInfo(path="/usr/sbin/criu", version="4.1.1", ok=True, features={"mem_dirty_track": False}),
+    gpu="nvml", gpus=[GpuInfo(index=0, name="H200", uuid="GPU-1", memory_total_bytes=1 << 37, driver_version="580")],
+)
+HEALTH = HealthSummary(state="YELLOW", reasons=["memory 90% >= 85%"], loop_lag_s=0.01, loop_stalls=3,
+                       memory_percent=90.0, storage_free_bytes=123)
+
+SAMPLES = [
+    Heartbeat(node="node-1", seq=7, sent_at=1.5, incarnation="abc", pid=42, capabilities=CAPS, health=HEALTH),
+    Probe(sent_at=2.0, sender="coord"),
+    ProbeReply(node="node-1", incarnation="abc", seq=7, sent_at=2.1, health=HEALTH),
+    NodeEvent(node="node-1", kind="dead", at=3.0, incarnation="abc", silence_s=2.5, reason="silent"),
+    NodesReply(nodes=[NodeStatus(name="node-1", state="alive", capabilities=CAPS)], coordinator="c"),
+    ErrorReply(code="unknown_job", message="no job 'x'", retriable=False),
+]
+
+
+def test_every_type_has_a_sample():
+    assert {type(m) for m in SAMPLES} | {t for t in MESSAGE_TYPES if t.__name__ == "NodesRequest"} == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: tag_of(type(m)))
+def test_round_trip(msg):
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: tag_of(type(m)))
+def test_plain_msgpack_reads_every_message(msg):
+    plain = msgpack.unpackb(encode(msg), raw=False)
+    assert plain == msgspec.to_builtins(msg)
+    assert plain["type"] == tag_of(type(msg))
+    assert "." in plain["type"] and plain["type"].rsplit(".", 1)[1].startswith("v")
+
+
+def test_message_written_by_plain_msgpack_decodes():
+    data = msgpack.packb({"type": "heartbeat.v1", "node": "n", "seq": 1, "sent_at": 0.5, "incarnation": "i"})
+    hb = decode_as(data, Heartbeat)
+    assert hb.node == "n" and hb.health.state == "GREEN" and hb.capabilities.gpu == "none"
+
+
+def test_unknown_fields_from_a_newer_sender_are_ignored():
+    data = msgpack.packb({"type": "probe.v1", "sent_at": 1.0, "future_field": [1, 2]})
+    assert decode(data) == Probe(sent_at=1.0)
+
+
+@pytest.mark.parametrize(
+    "data, error",
+    [
+        (b"", MalformedMessage),
+        (b"\xc1", MalformedMessage),
+        (msgpack.packb([1, 2]), MalformedMessage),
+        (msgpack.packb({"node": "x"}), MalformedMessage),
+        (msgpack.packb({"type": 5}), MalformedMessage),
+        (msgpack.packb({"type": "launch_missiles.v1"}), UnknownMessageType),
+        (msgpack.packb({"type": "heartbeat.v9"}), UnsupportedVersion),
+        (msgpack.packb({"type": "heartbeat.v1", "node": "n", "seq": "seven", "sent_at": 0.0, "incarnation": "i"}),
+         MalformedMessage),
+        (msgpack.packb({"type": "heartbeat.v1"}), MalformedMessage),
+    ],
+)
+def test_bad_messages_raise_typed_errors(data, error):
+    with pytest.raises(error) as info:
+        decode(data)
+    assert str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_newer_version_error_says_to_upgrade():
+    with pytest.raises(UnsupportedVersion, match="upgrade revenant"):
+        decode(msgpack.packb({"type": "heartbeat.v2"}))
+
+
+def test_oversized_is_refused_both_ways():
+    with pytest.raises(OversizedMessage):
+        decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+    huge = ErrorReply(code="x", message="y" * MAX_MESSAGE_BYTES)
+    with pytest.raises(OversizedMessage):
+        encode(huge)
+
+
+def test_decode_as_rejects_the_wrong_type():
+    with pytest.raises(UnexpectedMessage, match="expected heartbeat.v1, got probe.v1"):
+        decode_as(encode(Probe(sent_at=1.0)), Heartbeat)
+
+
+# ------------------------------------------------------------------------ fuzzing
+
+def _decodes_or_typed_error(data: bytes) -> None:
+    try:
+        msg = decode(data)
+    except MessageError:
+        return
+    assert type(msg) in MESSAGE_TYPES
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data):
+    _decodes_or_typed_error(data)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+known_tags = st.sampled_from([tag_of(t) for t in MESSAGE_TYPES] + ["heartbeat.v2", "x.v1", "", "heartbeat"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(known_tags, st.dictionaries(st.text(max_size=15), msgpack_values, max_size=8))
+def test_fuzz_maps_with_real_tags(tag, fields):
+    _decodes_or_typed_error(msgpack.packb({**fields, "type": tag}, use_bin_type=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_mutated_valid_messages(msg, data):
+    raw = bytearray(encode(msg))
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        raw[pos] = data.draw(st.integers(0, 255))
+    _decodes_or_typed_error(bytes(raw))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_fuzz_truncated_valid_messages(msg, data):
+    raw = encode(msg)
+    _decodes_or_typed_error(raw[: data.draw(st.integers(0, len(raw) - 1))])
+
+
+# ------------------------------------------------------------------------ subjects
+
+def test_subjects_put_the_node_in_one_token():
+    assert subjects.heartbeat("node-1") == "revenant.hb.node-1"
+    assert subjects.probe("node-1") == "revenant.node.node-1.probe"
+    assert subjects.node_event("node-1", "dead") == "revenant.evt.node.node-1.dead"
+    assert subjects.node_from_heartbeat("revenant.hb.node-1") == "node-1"
+    assert subjects.node_from_heartbeat("revenant.hb.a.b") is None
+    assert subjects.node_event("n", "dead").startswith(subjects.EVENTS_PREFIX + ".")
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "a b", "*", ">", "-x", "x" * 64, "nöde"])
+def test_bad_node_names_are_refused(bad):
+    with pytest.raises(subjects.InvalidName):
+        subjects.heartbeat(bad)
+
+
+def test_messages_package_is_pure():
+    import ast
+    import pathlib
+
+    import revenant.messages as pkg
+
+    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                root = name.split(".")[0]
+                assert root not in {"nats", "asyncio", "socket", "subprocess", "os", "psutil"}, (path.name, name)
