@@ -74,7 +74,8 @@ class Agent:
         self.health = HealthSummary()
         self._nc: Client | None = None
         self._stopping = asyncio.Event()
-        self._started = False
+        # Set once connected and serving; tests and embedders wait on it.
+        self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -96,7 +97,6 @@ class Agent:
             max_outstanding_pings=self.config.max_outstanding_pings,
             reconnect_wait_s=self.config.reconnect_wait_s,
         )
-        self._started = True
         await self._nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
         log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
                  self.capabilities.criu.version if self.capabilities.criu.ok else "unusable")
@@ -104,6 +104,7 @@ class Agent:
             async with asyncio.TaskGroup() as tg:
                 monitor = tg.create_task(self.loop_monitor.run(), name="loop-monitor")
                 beats = tg.create_task(self._heartbeat_loop(), name="heartbeats")
+                self.ready.set()
                 await self._stopping.wait()
                 beats.cancel()
                 monitor.cancel()

@@ -35,7 +35,7 @@ def _node_row(n: NodeStatus) -> list[str]:
     criu = n.capabilities.criu
     age = "-" if n.last_heartbeat_age_s is None else f"{n.last_heartbeat_age_s:.1f}s"
     return [
-        n.name, n.state, n.health, str(n.pid), age,
+        n.name, n.state, n.health if n.state in ("alive", "suspect") else "-", str(n.pid), age,
         criu.version if criu.ok else "unusable",
         n.capabilities.gpu if not n.capabilities.gpus else f"{len(n.capabilities.gpus)} gpu",
         "; ".join(n.reasons) or "-",

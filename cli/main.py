@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from revenant.common.errors import RevenantError
@@ -118,6 +119,8 @@ def _cmd_events(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Client commands speak through their one-line errors; services reconfigure logging.
+    logging.basicConfig(level=logging.ERROR, format="revenant: %(message)s")
     try:
         return args.func(args)
     except (RevenantError, MessageError) as exc:

@@ -22,6 +22,7 @@ def setup_logging(role: str, name: str = "", level: str = "INFO") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s",
         stream=sys.stderr,
+        force=True,
     )
     # nats-py logs every reconnect attempt at ERROR; our callbacks already say it once.
     logging.getLogger("nats").setLevel(logging.CRITICAL)

@@ -54,6 +54,8 @@ class Coordinator:
         self._probe_slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        # Set once subscribed and serving; tests and embedders wait on it.
+        self.ready = asyncio.Event()
         self._reconnected = False
         self.malformed_heartbeats = 0
         self.events_dropped = 0
@@ -75,6 +77,7 @@ class Coordinator:
             await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat)
             await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
             log.info("coordinator %s up", self.name)
+            self.ready.set()
             async with asyncio.TaskGroup() as tg:
                 ticker = tg.create_task(self._tick_loop(), name="detector-tick")
                 publisher = tg.create_task(self._publish_loop(), name="event-publisher")

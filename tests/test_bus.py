@@ -1,0 +1,193 @@
+"""Agent and coordinator in-process against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgpack
+import nats
+import pytest
+
+from revenant.agent.agent import Agent
+from revenant.common import bus
+from revenant.common.config import AgentConfig, CoordinatorConfig
+from revenant.common.errors import NoResponders, RemoteError
+from revenant.coordinator.coordinator import Coordinator
+from revenant.messages import (
+    ErrorReply,
+    Heartbeat,
+    NodeEvent,
+    NodesReply,
+    NodesRequest,
+    Probe,
+    ProbeReply,
+    decode,
+    decode_as,
+    encode,
+    subjects,
+)
+
+
+@contextlib.asynccontextmanager
+async def running(service):
+    task = asyncio.create_task(service.run())
+    ready = asyncio.create_task(service.ready.wait())
+    await asyncio.wait([task, ready], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        await task  # raises what made it stop
+    assert service.ready.is_set(), "service did not become ready"
+    try:
+        yield service
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 10)
+
+
+def agent_config(nats_url, tmp_path, node="node-1", **kw):
+    return AgentConfig(node=node, nats_url=nats_url, storage=str(tmp_path / "storage"),
+                       heartbeat_interval_s=0.2, **kw)
+
+
+async def wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = await predicate()
+        if result:
+            return result
+        await asyncio.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+async def test_heartbeats_carry_sequence_capabilities_and_health(nats_url, tmp_path):
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.heartbeat("node-1"))
+    async with running(Agent(agent_config(nats_url, tmp_path))):
+        beats = [decode_as((await sub.next_msg(timeout=5)).data, Heartbeat) for _ in range(3)]
+    await nc.close()
+    assert [b.seq for b in beats] == sorted(b.seq for b in beats)
+    assert beats[1].seq == beats[0].seq + 1
+    hb = beats[-1]
+    assert hb.sent_at == pytest.approx(time.time(), abs=5)
+    assert hb.capabilities.criu.ok, hb.capabilities.criu.error
+    assert hb.capabilities.criu.version >= "4.1"
+    assert "mem_dirty_track" in hb.capabilities.criu.features
+    assert hb.capabilities.gpu == "none" and hb.capabilities.gpus == []
+    assert hb.health.state in ("GREEN", "YELLOW", "RED")
+    assert hb.health.storage_free_bytes > 0
+
+
+async def test_agent_answers_probes_and_rejects_garbage(nats_url, tmp_path):
+    async with running(Agent(agent_config(nats_url, tmp_path))) as agent:
+        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        reply = await wait_for(lambda: _probe(nc))
+        assert reply.node == "node-1" and reply.incarnation == agent.incarnation
+        raw = await nc.request(subjects.probe("node-1"), b"\x00garbage", timeout=2)
+        err = decode(raw.data)
+        assert isinstance(err, ErrorReply) and err.code == "malformed"
+        # The agent is still fine after garbage.
+        assert (await _probe(nc)).node == "node-1"
+        await nc.close()
+
+
+async def _probe(nc):
+    try:
+        return await bus.request(nc, subjects.probe("node-1"), Probe(sent_at=time.time()), ProbeReply, 1.0)
+    except NoResponders:
+        return None
+
+
+async def test_coordinator_tracks_nodes_and_publishes_events(nats_url, tmp_path):
+    cfg = CoordinatorConfig(nats_url=nats_url)
+    async with running(Coordinator(cfg)):
+        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+
+        async def nodes():
+            try:
+                return (await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, 1)).nodes
+            except NoResponders:
+                return None
+
+        async with running(Agent(agent_config(nats_url, tmp_path, "node-a"))):
+            async with running(Agent(agent_config(nats_url, tmp_path, "node-b"))):
+                table = await wait_for(lambda: _all_alive(nodes, {"node-a", "node-b"}))
+                assert {n.name for n in table} == {"node-a", "node-b"}
+                assert all(n.capabilities.criu.ok and n.pid > 0 for n in table)
+        table = await wait_for(lambda: _states(nodes, {"node-a": "left", "node-b": "left"}))
+
+        js = nc.jetstream()
+        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        seen = []
+        while len(seen) < 4:
+            msg = await sub.next_msg(timeout=5)
+            seen.append(decode_as(msg.data, NodeEvent))
+            assert msg.subject == subjects.node_event(seen[-1].node, seen[-1].kind)
+        assert sorted((e.node, e.kind) for e in seen) == [
+            ("node-a", "joined"), ("node-a", "left"), ("node-b", "joined"), ("node-b", "left")]
+        # Consumers in any language can read the stream: plain msgpack.
+        assert msgpack.unpackb(msg.data)["type"] == "node_event.v1"
+        await nc.close()
+
+
+async def _all_alive(nodes, names):
+    table = await nodes()
+    if table and {n.name for n in table if n.state == "alive"} == names:
+        return table
+    return None
+
+
+async def _states(nodes, want):
+    table = await nodes()
+    if table and {n.name: n.state for n in table} == want:
+        return table
+    return None
+
+
+async def test_coordinator_survives_malformed_and_spoofed_heartbeats(nats_url, tmp_path):
+    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url))) as coord:
+        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        await nc.publish(subjects.heartbeat("node-x"), b"\xc1\xc1")
+        await nc.publish(subjects.heartbeat("node-x"), msgpack.packb({"type": "heartbeat.v1", "seq": "x"}))
+        await nc.publish(subjects.heartbeat("node-x"), encode(Heartbeat(node="other", seq=1, sent_at=0, incarnation="i")))
+        await nc.publish(subjects.heartbeat("node-x"), b"x" * 300_000)
+        await nc.flush()
+        await wait_for(lambda: _true(coord.malformed_heartbeats >= 4), timeout=3)
+        # Still serving.
+        reply = await wait_for(lambda: _nodes_or_none(nc))
+        assert reply.nodes == []
+        with pytest.raises(RemoteError, match="expected nodes_request.v1"):
+            await bus.request(nc, subjects.coordinator("nodes"), Probe(sent_at=0), NodesReply, 2)
+        await nc.close()
+
+
+async def _true(value):
+    return value
+
+
+async def _nodes_or_none(nc):
+    try:
+        return await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, 1)
+    except NoResponders:
+        return None
+
+
+async def test_agent_stop_is_idempotent_and_safe_before_run(nats_url, tmp_path):
+    agent = Agent(agent_config(nats_url, tmp_path))
+    agent.stop()
+    agent.stop()
+    await asyncio.wait_for(agent.run(), 5)  # returns at once: it was stopped before it started
+
+
+async def test_agent_with_missing_criu_still_heartbeats_and_reports_red(nats_url, tmp_path):
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.heartbeat("node-1"))
+    cfg = agent_config(nats_url, tmp_path, criu_path=str(tmp_path / "no-such-criu"))
+    async with running(Agent(cfg)):
+        hb = decode_as((await sub.next_msg(timeout=5)).data, Heartbeat)
+        hb = decode_as((await sub.next_msg(timeout=5)).data, Heartbeat)
+    await nc.close()
+    assert not hb.capabilities.criu.ok
+    assert "criu not found" in hb.capabilities.criu.error
+    assert hb.health.state == "RED"
+    assert any("criu" in r for r in hb.health.reasons)
