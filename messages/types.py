@@ -65,6 +65,32 @@ class Capabilities(_Body):
     gpus: list[GpuInfo] = []
 
 
+class GpuProcess(_Body):
+    pid: int
+    used_memory_bytes: int = 0
+    # The revenant job this pid belongs to, when it is one.
+    job: str = ""
+
+
+class GpuHealth(_Body):
+    """One GPU's readings from NVML, as of the heartbeat."""
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    temperature_c: float = 0.0
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
+    utilization_percent: float = 0.0
+    power_w: float = 0.0
+    ecc_uncorrected_volatile: int = 0
+    remapped_rows_pending: int = 0
+    remapped_rows_failed: int = 0
+    # XID codes seen since the previous heartbeat.
+    xids: list[int] = []
+    processes: list[GpuProcess] = []
+
+
 class HealthSummary(_Body):
     state: HealthState = "GREEN"
     reasons: list[str] = []
@@ -72,6 +98,11 @@ class HealthSummary(_Body):
     loop_stalls: int = 0
     memory_percent: float = 0.0
     storage_free_bytes: int = 0
+    criu_ok: bool = True
+    nats_connected: bool = True
+    checkpoint_failures: int = 0
+    pending_ops: int = 0
+    gpus: list[GpuHealth] = []
 
 
 class NodeStatus(_Body):
@@ -167,7 +198,9 @@ __all__ = [
     "Capabilities",
     "CriuInfo",
     "ErrorReply",
+    "GpuHealth",
     "GpuInfo",
+    "GpuProcess",
     "HealthState",
     "HealthSummary",
     "Heartbeat",
