@@ -25,14 +25,25 @@ import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from revenant.agent import procs
 from revenant.agent.criu import inspect_criu
+from revenant.agent.engine import Engine
+from revenant.agent.jobs import Supervisor
 from revenant.agent.gpu import discover_gpus
 from revenant.agent.health import HealthSample, HealthThresholds, LoopMonitor, evaluate
 from revenant.common import bus
 from revenant.common.config import AgentConfig
-from revenant.common.errors import ConfigError
+from revenant.common.errors import ConfigError, RevenantError
+from revenant.common.events import EventPublisher
 from revenant.messages import (
+    AgentJobReply,
     Capabilities,
+    CheckpointJob,
+    KillJob,
+    Message,
+    PurgeJob,
+    RestoreJob,
+    StartJob,
     CriuInfo,
     HealthSummary,
     Heartbeat,
@@ -73,6 +84,9 @@ class Agent:
         self.capabilities = Capabilities()
         self.health = HealthSummary()
         self._nc: Client | None = None
+        self._events: EventPublisher | None = None
+        self.supervisor: Supervisor | None = None
+        self._requests: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         # Set once connected and serving; tests and embedders wait on it.
         self.ready = asyncio.Event()
@@ -87,9 +101,11 @@ class Agent:
             self.storage.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"storage {self.storage}: {exc.strerror or exc}") from None
+        procs.become_subreaper()
         self.capabilities = await self._inspect()
-        if not self.capabilities.criu.ok:
-            log.warning("criu unusable: %s", self.capabilities.criu.error)
+        criu = self.capabilities.criu
+        if not criu.ok:
+            log.warning("criu unusable: %s", criu.error)
         self._nc = await bus.connect(
             self.config.nats_url,
             f"revenant-agent-{self.node}",
@@ -97,7 +113,22 @@ class Agent:
             max_outstanding_pings=self.config.max_outstanding_pings,
             reconnect_wait_s=self.config.reconnect_wait_s,
         )
+        js = self._nc.jetstream()
+        try:
+            await bus.ensure_event_stream(js)
+        except RevenantError as exc:
+            log.error("%s; job events will be retried", exc)
+        self._events = EventPublisher(js)
+        self._events.start()
+        engine = None
+        if criu.ok and criu.path and criu.version:
+            engine = Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
+                            staging_roots=self._staging_roots(), concurrency=self.config.checkpoint_concurrency,
+                            criu_timeout_s=self.config.criu_timeout_s)
+        self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
+                                     criu_error=criu.error or "criu unusable")
         await self._nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
+        await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
         log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
                  self.capabilities.criu.version if self.capabilities.criu.ok else "unusable")
         try:
@@ -115,7 +146,21 @@ class Agent:
         """Ask the agent to stop; idempotent and safe before ``run()``."""
         self._stopping.set()
 
+    def _staging_roots(self) -> list[Path]:
+        if self.config.staging_dir:
+            return [Path(self.config.staging_dir)]
+        roots = [Path(f"/var/tmp/revenant-{self.node}")]
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            roots.insert(0, Path(f"/dev/shm/revenant-{self.node}"))
+        return roots
+
     async def _leave(self) -> None:
+        for task in list(self._requests):
+            task.cancel()
+        if self.supervisor is not None:
+            await self.supervisor.shutdown()
+        if self._events is not None:
+            await self._events.stop()
         nc, self._nc = self._nc, None
         if nc is None:
             return
@@ -172,6 +217,8 @@ class Agent:
             if self._nc is not None:
                 self.health = self.sample_health()
                 await self._publish_heartbeat(self._nc)
+            if self.supervisor is not None:
+                self.supervisor.reap_orphans()
             # Deadline-based, so a slow publish does not stretch the period.
             next_at += interval * (1 + random.uniform(-jitter, jitter))
             now = time.monotonic()
@@ -216,3 +263,46 @@ class Agent:
                 await msg.respond(reply)
             except nats.errors.Error as exc:
                 log.debug("probe reply not sent: %s", exc)
+
+    # ------------------------------------------------------------------ commands
+
+    async def _on_command(self, msg: Msg) -> None:
+        # Each command runs in its own task: a long dump must not hold up the next command.
+        task = asyncio.create_task(self._serve_command(msg))
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def _serve_command(self, msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[-1]
+        try:
+            reply: Message = await self._dispatch(verb, msg.data)
+            data = encode(reply)
+        except (RevenantError, MessageError) as exc:
+            data = bus.error_reply(exc)
+        except Exception as exc:  # a bug must cost one request, never the agent
+            log.exception("command %s failed", verb)
+            data = bus.error_reply(RevenantError(f"internal error in {verb}: {exc}", code="internal"))
+        if msg.reply:
+            try:
+                await msg.respond(data)
+            except nats.errors.Error as exc:
+                log.warning("reply to %s not sent: %s", verb, exc)
+
+    async def _dispatch(self, verb: str, data: bytes) -> AgentJobReply:
+        sup = self.supervisor
+        assert sup is not None
+        if verb == "start":
+            cmd = decode_as(data, StartJob)
+            return await sup.start(cmd.spec, cmd.generation)
+        if verb == "checkpoint":
+            ck = decode_as(data, CheckpointJob)
+            return await sup.checkpoint(ck.job, ck.generation, ck.stop)
+        if verb == "restore":
+            rs = decode_as(data, RestoreJob)
+            return await sup.restore(rs.spec, rs.generation)
+        if verb == "kill":
+            kj = decode_as(data, KillJob)
+            return await sup.kill(kj.job, kj.generation)
+        if verb == "purge":
+            return await sup.purge(decode_as(data, PurgeJob).job)
+        raise RevenantError(f"unknown command {verb!r}", code="unknown_command")

@@ -8,6 +8,7 @@ import re
 import shutil
 import sys
 
+from revenant.agent import procs
 from revenant.common.errors import CriuError
 from revenant.messages import CriuInfo
 
@@ -56,16 +57,11 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 async def _run(argv: list[str], timeout_s: float) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        done = await procs.run(argv, timeout_s)
     except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
         raise CriuError(f"{' '.join(argv[1:])} timed out after {timeout_s:g} s") from None
-    return proc.returncode or 0, out.decode(errors="replace")
+    return done.returncode, done.output
 
 
 async def inspect_criu(configured: str = "", timeout_s: float = 30.0) -> CriuInfo:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
-import time
 from datetime import datetime, timezone
+from typing import TypeVar
 
 import msgspec
 import nats.errors
@@ -15,8 +16,28 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.common import bus
 from revenant.common.cluster import resolve_nats_url
-from revenant.common.errors import BusError
-from revenant.messages import MessageError, NodeEvent, NodesReply, NodesRequest, NodeStatus, decode, subjects
+from revenant.common.errors import BusError, RevenantError
+from revenant.common.intervals import format_interval, parse_interval
+from revenant.messages import (
+    EpochEvent,
+    JobEvent,
+    JobRecord,
+    JobReply,
+    JobRequest,
+    JobsReply,
+    JobsRequest,
+    Message,
+    MessageError,
+    NodeEvent,
+    NodesReply,
+    NodesRequest,
+    NodeStatus,
+    SubmitRequest,
+    decode,
+    subjects,
+)
+
+M = TypeVar("M", bound=Message)
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -85,6 +106,22 @@ def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
         extra = f" after {event.silence_s:.2f}s silence" if event.kind in ("suspect", "dead") else ""
         why = f" ({event.reason})" if event.reason else ""
         line = f"{_fmt_time(event.at)} node {event.node} {event.kind}{extra}{why}"
+    elif isinstance(event, JobEvent):
+        bits = [f"on {event.node}" if event.node else "", f"gen {event.generation}",
+                f"pid {event.pid}" if event.pid else "",
+                f"exit {event.exit_code}" if event.exit_code is not None else "",
+                f"epoch {event.epoch}" if event.epoch is not None else "",
+                f"({event.reason})" if event.reason else ""]
+        line = f"{_fmt_time(event.at)} job {event.job} {event.kind} " + " ".join(b for b in bits if b)
+    elif isinstance(event, EpochEvent):
+        if event.kind == "created":
+            detail = (f"epoch {event.n} on {event.node}: {_fmt_bytes(event.bytes)}, frozen "
+                      f"{event.freeze_s * 1000:.0f} ms, {event.duration_s:.2f} s in all")
+        elif event.kind == "failed":
+            detail = f"on {event.node}: {event.error}"
+        else:
+            detail = f"epoch {event.n}"
+        line = f"{_fmt_time(event.at)} job {event.job} checkpoint {event.kind} {detail}"
     else:
         fields = {k: v for k, v in obj.items() if k not in ("seq", "subject", "type", "at")}
         at = getattr(event, "at", None)
@@ -126,4 +163,119 @@ async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float
 
 def events(args: argparse.Namespace) -> int:
     asyncio.run(_stream_events(_url(args), args.follow, args.json, args.timeout))
+    return 0
+
+
+# ---------------------------------------------------------------------- jobs
+
+def job_view(rec: JobRecord) -> dict:
+    """The documented JSON shape of a job (docs/cli.md)."""
+    return {
+        "id": rec.spec.id,
+        "name": rec.spec.name,
+        "state": rec.state,
+        "node": rec.node,
+        "pid": rec.pid,
+        "generation": rec.generation,
+        "epochs": [{"n": e.n, "bytes": e.bytes, "created_at": e.created_at, "node": e.node,
+                    "freeze_s": e.freeze_s, "duration_s": e.duration_s} for e in rec.epochs],
+        "output": rec.output,
+        "exit_code": rec.exit_code,
+        "reason": rec.reason,
+        "argv": rec.spec.argv,
+        "workdir": rec.spec.workdir,
+        "checkpoint_interval_s": rec.spec.checkpoint_interval_s,
+        "max_epochs": rec.spec.max_epochs,
+        "requeue": rec.spec.requeue,
+        "created_at": rec.created_at,
+        "updated_at": rec.updated_at,
+    }
+
+
+async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
+    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, connect_timeout_s=min(timeout_s, 5.0))
+    try:
+        return await bus.request(nc, subjects.coordinator(verb), msg, reply_type, timeout_s)
+    finally:
+        await nc.close()
+
+
+def submit(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise RevenantError("nothing to run: revenant submit [options] -- CMD [ARG...]")
+    interval = parse_interval(args.checkpoint) if args.checkpoint else None
+    workdir = os.path.abspath(args.workdir or os.getcwd())
+    req = SubmitRequest(argv=command, name=args.name or "", node=args.node or "", workdir=workdir,
+                        checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue)
+    reply = asyncio.run(_coord(_url(args), "submit", req, JobReply, args.timeout))
+    print(reply.job.spec.id)
+    return 0
+
+
+def _print_job(rec: JobRecord, as_json: bool, notes: list[str] | None = None) -> None:
+    for note in notes or []:
+        print(f"revenant: {note}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(job_view(rec), indent=2))
+        return
+    v = job_view(rec)
+    every = (f"every {format_interval(rec.spec.checkpoint_interval_s)}" if rec.spec.checkpoint_interval_s
+             else "manual")
+    epochs = ", ".join(f"#{e.n} {_fmt_bytes(e.bytes)} at {_fmt_time(e.created_at)}" for e in rec.epochs) or "none"
+    rows = [
+        ("job", f"{v['id']} ({v['name']})"),
+        ("state", v["state"] + (f" ({v['reason']})" if v["reason"] else "")),
+        ("node", v["node"] or "-"),
+        ("pid", str(v["pid"] or "-")),
+        ("generation", str(v["generation"])),
+        ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
+        ("epochs", epochs),
+        ("output", v["output"] or "-"),
+        ("exit_code", "-" if v["exit_code"] is None else str(v["exit_code"])),
+        ("command", " ".join(rec.spec.argv)),
+    ]
+    print("\n".join(f"{k:<12} {val}" for k, val in rows))
+
+
+def show_job(args: argparse.Namespace) -> int:
+    reply = asyncio.run(_coord(_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout))
+    _print_job(reply.job, args.json)
+    return 0
+
+
+def list_jobs(args: argparse.Namespace) -> int:
+    reply = asyncio.run(_coord(_url(args), "jobs", JobsRequest(), JobsReply, args.timeout))
+    if args.json:
+        print(json.dumps([job_view(r) for r in reply.jobs], indent=2))
+        return 0
+    if not reply.jobs:
+        print("no jobs")
+        return 0
+    header = ["ID", "NAME", "STATE", "NODE", "PID", "GEN", "EPOCHS", "EXIT"]
+    rows = [[r.spec.id, r.spec.name, r.state, r.node or "-", str(r.pid or "-"), str(r.generation),
+             str(len(r.epochs)), "-" if r.exit_code is None else str(r.exit_code)] for r in reply.jobs]
+    print(render_table(header, rows))
+    return 0
+
+
+def job_action(args: argparse.Namespace, verb: str) -> int:
+    """checkpoint create (verb 'checkpoint'), vacate, restart, purge."""
+    req = JobRequest(job=args.job, node=getattr(args, "node", None) or "")
+    reply = asyncio.run(_coord(_url(args), verb, req, JobReply, args.timeout))
+    rec = reply.job
+    for note in reply.notes:
+        print(f"revenant: {note}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps(job_view(rec), indent=2))
+    elif verb in ("checkpoint", "vacate") and rec.epochs:
+        e = rec.epochs[-1]
+        print(f"job {rec.spec.id}: epoch {e.n} committed ({_fmt_bytes(e.bytes)}, frozen {e.freeze_s * 1000:.0f} ms, "
+              f"{e.duration_s:.2f} s in all){'; job vacated' if verb == 'vacate' else ''}")
+    elif verb == "restart":
+        print(f"job {rec.spec.id}: restored on {rec.node} as generation {rec.generation}, pid {rec.pid}")
+    else:
+        print(f"job {rec.spec.id}: {rec.state}")
     return 0

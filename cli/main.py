@@ -10,10 +10,10 @@ from revenant.common.errors import RevenantError
 from revenant.messages import MessageError
 
 
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+def _add_cluster_args(p: argparse.ArgumentParser, timeout: float = 5.0) -> None:
     p.add_argument("--dir", help="cluster directory written by 'revenant up' (reads its cluster.json)")
     p.add_argument("--nats", help="NATS URL of the cluster (default: $REVENANT_NATS)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply (default 5)")
+    p.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for a reply (default {timeout:g})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +56,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_nodes)
+
+    p = sub.add_parser("submit", help="run a job; prints its id")
+    _add_cluster_args(p)
+    p.add_argument("--name", help="a name for the job (default: the command)")
+    p.add_argument("--node", help="run on this node (default: the healthiest with the fewest jobs)")
+    p.add_argument("--checkpoint", metavar="INTERVAL",
+                   help="checkpoint periodically: minutes, m:s, h:m:s, d-h, d-h:m or d-h:m:s")
+    p.add_argument("--max-epochs", type=int, default=1, help="checkpoints to keep (default 1)")
+    p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
+    p.add_argument("--workdir", help="working directory (default: the current one)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
+    p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("checkpoint", help="checkpoint create / vacate / restart")
+    cps = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, verb, text in (("create", "checkpoint", "checkpoint a running job; it keeps running"),
+                               ("vacate", "vacate", "checkpoint a job, then stop it"),
+                               ("restart", "restart", "restore a vacated job from its newest good checkpoint")):
+        q = cps.add_parser(action, help=text)
+        _add_cluster_args(q, timeout=3600.0)
+        q.add_argument("job")
+        q.add_argument("--json", action="store_true")
+        if action == "restart":
+            q.add_argument("--node", help="restore on this node (default: the coordinator chooses)")
+        q.set_defaults(func=_cmd_job_action, verb=verb)
+
+    p = sub.add_parser("show", help="show an object")
+    shs = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    q = shs.add_parser("job", help="show a job")
+    _add_cluster_args(q)
+    q.add_argument("job")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_cmd_show_job)
+
+    p = sub.add_parser("jobs", help="list every job")
+    _add_cluster_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_jobs)
+
+    p = sub.add_parser("job", help="job maintenance")
+    jbs = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    q = jbs.add_parser("purge", help="remove a finished job's checkpoints")
+    _add_cluster_args(q, timeout=600.0)
+    q.add_argument("job")
+    q.set_defaults(func=_cmd_job_action, verb="purge")
 
     p = sub.add_parser("events", help="print the event stream")
     _add_cluster_args(p)
@@ -109,6 +154,30 @@ def _cmd_nodes(args: argparse.Namespace) -> int:
     from revenant.cli.client import nodes
 
     return nodes(args)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from revenant.cli.client import submit
+
+    return submit(args)
+
+
+def _cmd_job_action(args: argparse.Namespace) -> int:
+    from revenant.cli.client import job_action
+
+    return job_action(args, args.verb)
+
+
+def _cmd_show_job(args: argparse.Namespace) -> int:
+    from revenant.cli.client import show_job
+
+    return show_job(args)
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from revenant.cli.client import list_jobs
+
+    return list_jobs(args)
 
 
 def _cmd_events(args: argparse.Namespace) -> int:

@@ -30,6 +30,13 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # criu binary; empty means $REVENANT_CRIU, then PATH.
     criu_path: str = ""
     criu_check_timeout_s: float = 30.0
+    # Node-local directory criu dumps into before images move to shared storage.
+    # Empty: /dev/shm/revenant-<node> when it has room for the job, else /var/tmp/revenant-<node>.
+    staging_dir: str = ""
+    # criu dumps and restores that may run at once on this node.
+    checkpoint_concurrency: int = 2
+    # Limit on one criu dump or restore.
+    criu_timeout_s: float = 3600.0
     # NATS client: short pings so a dead server is noticed fast.
     ping_interval_s: float = 2.0
     max_outstanding_pings: int = 2
@@ -45,7 +52,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shutdown_grace_s: float = 3.0
 
     def __post_init__(self) -> None:
-        _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s",
+        _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
+                  "criu_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
@@ -70,9 +78,13 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # Dead and left nodes are dropped from the table after this long.
     forget_after_s: float = 3600.0
     event_publish_timeout_s: float = 2.0
+    # Slurm's BatchStartTimeout -> start_timeout_s: how long an agent may take to launch a job.
+    start_timeout_s: float = 30.0
+    # Limit on one checkpoint or restore, as seen by the coordinator.
+    checkpoint_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        _positive(self, "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",
+        _positive(self, "start_timeout_s", "checkpoint_timeout_s", "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",
                   "probe_interval_s", "tick_interval_s", "self_stall_grace_s", "forget_after_s",
                   "event_publish_timeout_s")
         if self.node_timeout_s < self.suspect_timeout_s:

@@ -21,9 +21,17 @@ from nats.js import JetStreamContext
 from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError
+from revenant.common.events import EventPublisher
 from revenant.coordinator.detector import FailureDetector, Transition
+from revenant.coordinator.jobs import JobService
 from revenant.messages import (
     Heartbeat,
+    JobReply,
+    JobRequest,
+    JobsReply,
+    JobsRequest,
+    Message,
+    SubmitRequest,
     MessageError,
     NodeEvent,
     NodesReply,
@@ -37,7 +45,6 @@ from revenant.messages import (
 
 log = logging.getLogger(__name__)
 
-EVENT_QUEUE_MAX = 10_000
 MAX_PROBES_IN_FLIGHT = 512
 
 
@@ -50,15 +57,16 @@ class Coordinator:
         self._wall = wall
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._events: asyncio.Queue[NodeEvent] = asyncio.Queue(EVENT_QUEUE_MAX)
+        self._events: EventPublisher | None = None
         self._probe_slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
         self._probe_tasks: set[asyncio.Task[None]] = set()
+        self._requests: set[asyncio.Task[None]] = set()
+        self.jobs: JobService | None = None
         self._stopping = asyncio.Event()
         # Set once subscribed and serving; tests and embedders wait on it.
         self.ready = asyncio.Event()
         self._reconnected = False
         self.malformed_heartbeats = 0
-        self.events_dropped = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -72,20 +80,30 @@ class Coordinator:
         self._nc = await bus.connect(self.config.nats_url, f"revenant-coordinator-{self.name}",
                                      on_reconnect=on_reconnect)
         self._js = self._nc.jetstream()
+        self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s)
         try:
             await bus.ensure_event_stream(self._js)
             await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat)
             await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
+            self.jobs = JobService(self._nc, self._js, self.config, self._events,
+                                   lambda: self.detector.snapshot(self._clock()), wall=self._wall)
+            await self.jobs.open()
+            for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge"):
+                await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
             log.info("coordinator %s up", self.name)
             self.ready.set()
+            self._events.start()
             async with asyncio.TaskGroup() as tg:
-                ticker = tg.create_task(self._tick_loop(), name="detector-tick")
-                publisher = tg.create_task(self._publish_loop(), name="event-publisher")
+                tasks = [tg.create_task(self._tick_loop(), name="detector-tick"),
+                         tg.create_task(self.jobs.consume_events(), name="job-events"),
+                         tg.create_task(self.jobs.periodic_checkpoints(), name="periodic-checkpoints")]
                 await self._stopping.wait()
-                ticker.cancel()
-                await self._flush_events()
-                publisher.cancel()
+                for task in tasks:
+                    task.cancel()
         finally:
+            for task in list(self._requests):
+                task.cancel()
+            await self._events.stop()
             for task in list(self._probe_tasks):
                 task.cancel()
             nc, self._nc = self._nc, None
@@ -122,6 +140,45 @@ class Coordinator:
         except (MessageError, RevenantError) as exc:
             data = bus.error_reply(exc)
         await self._respond(msg, data)
+
+    async def _on_job_request(self, msg: Msg) -> None:
+        # Checkpoints take a while: serve each request in its own task.
+        task = asyncio.create_task(self._serve_job_request(msg))
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def _serve_job_request(self, msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[-1]
+        try:
+            data = encode(await self._job_request(verb, msg.data))
+        except (MessageError, RevenantError) as exc:
+            data = bus.error_reply(exc)
+        except Exception as exc:  # a bug must cost one request, never the coordinator
+            log.exception("%s request failed", verb)
+            data = bus.error_reply(RevenantError(f"internal error in {verb}: {exc}", code="internal"))
+        await self._respond(msg, data)
+
+    async def _job_request(self, verb: str, data: bytes) -> Message:
+        jobs = self.jobs
+        assert jobs is not None
+        if verb == "submit":
+            return JobReply(job=await jobs.submit(decode_as(data, SubmitRequest)))
+        if verb == "jobs":
+            decode_as(data, JobsRequest)
+            return JobsReply(jobs=sorted(jobs.jobs.values(), key=lambda r: _job_sort_key(r.spec.id)))
+        req = decode_as(data, JobRequest)
+        subjects.check_name(req.job, "job id")
+        if verb == "job":
+            return JobReply(job=jobs.get(req.job))
+        if verb in ("checkpoint", "vacate"):
+            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate")
+        elif verb == "restart":
+            rec, notes = await jobs.restart(req.job, req.node)
+        elif verb == "purge":
+            rec, notes = await jobs.purge(req.job)
+        else:
+            raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
+        return JobReply(job=rec, notes=notes)
 
     @staticmethod
     async def _respond(msg: Msg, data: bytes) -> None:
@@ -172,30 +229,9 @@ class Coordinator:
                     f", {t.reason}" if t.reason else "")
             event = NodeEvent(node=t.node, kind=t.kind, at=at, incarnation=t.incarnation,
                               silence_s=round(t.silence_s, 3), reason=t.reason)
-            try:
-                self._events.put_nowait(event)
-            except asyncio.QueueFull:
-                self.events_dropped += 1
+            if self._events is not None:
+                self._events.emit(subjects.node_event(t.node, t.kind), event)
 
-    async def _publish_loop(self) -> None:
-        while True:
-            event = await self._events.get()
-            await self._publish(event)
 
-    async def _publish(self, event: NodeEvent) -> None:
-        assert self._js is not None
-        subject = subjects.node_event(event.node, event.kind)
-        for attempt in range(3):
-            try:
-                await bus.publish_event(self._js, subject, event, self.config.event_publish_timeout_s)
-                return
-            except BusError as exc:
-                if attempt == 2:
-                    self.events_dropped += 1
-                    log.error("event lost: %s", exc)
-                else:
-                    await asyncio.sleep(0.2 * (attempt + 1))
-
-    async def _flush_events(self) -> None:
-        while not self._events.empty():
-            await self._publish(self._events.get_nowait())
+def _job_sort_key(job_id: str) -> tuple[int, str]:
+    return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)

@@ -11,7 +11,9 @@ revenant.node.<node>.probe      core request/reply          Probe -> ProbeReply
 revenant.node.<node>.cmd.<verb> core request/reply          command -> reply
 revenant.coord.<verb>           core request/reply          command -> reply
 revenant.evt.node.<node>.<kind> JetStream stream EVENTS     NodeEvent
-revenant.evt.<area>.>           JetStream stream EVENTS     events
+revenant.evt.job.<job>.<kind>   JetStream stream EVENTS     JobEvent
+revenant.evt.epoch.<job>.<kind> JetStream stream EVENTS     EpochEvent
+revenant.evt.cluster.<kind>     JetStream stream EVENTS     cluster-wide alerts
 ==============================  ==========================  =======================
 """
 
@@ -70,12 +72,30 @@ def node_command(node: str, verb: str) -> str:
     return f"{ROOT}.node.{check_name(node)}.cmd.{check_name(verb, 'verb')}"
 
 
+def node_commands(node: str) -> str:
+    """Wildcard for every command to ``node``."""
+    return f"{ROOT}.node.{check_name(node)}.cmd.*"
+
+
 def coordinator(verb: str) -> str:
     return f"{COORDINATOR_PREFIX}.{check_name(verb, 'verb')}"
 
 
 def node_event(node: str, kind: str) -> str:
     return f"{EVENTS_PREFIX}.node.{check_name(node)}.{check_name(kind, 'event kind')}"
+
+
+def job_event(job: str, kind: str) -> str:
+    return f"{EVENTS_PREFIX}.job.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}"
+
+
+def epoch_event(job: str, kind: str) -> str:
+    return f"{EVENTS_PREFIX}.epoch.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}"
+
+
+JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
+EPOCH_EVENTS_ALL = f"{EVENTS_PREFIX}.epoch.>"
+JOBS_BUCKET = "revenant_jobs"
 
 
 def cluster_event(kind: str) -> str:

@@ -18,6 +18,9 @@ from typing import Literal
 import msgspec
 
 HealthState = Literal["GREEN", "YELLOW", "RED"]
+JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
+JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed"]
+EpochEventKind = Literal["created", "failed", "pruned"]
 NodeState = Literal["alive", "suspect", "dead", "left"]
 NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left"]
 
@@ -121,6 +124,47 @@ class NodeStatus(_Body):
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
 
 
+class JobSpec(_Body):
+    """What to run; fixed at submit time."""
+
+    id: str
+    argv: list[str]
+    name: str = ""
+    workdir: str = "/"
+    env: dict[str, str] = {}
+    # Periodic checkpoint interval; None means manual checkpoints only.
+    checkpoint_interval_s: float | None = None
+    max_epochs: int = 1
+    requeue: bool = False
+
+
+class EpochInfo(_Body):
+    n: int
+    bytes: int = 0
+    created_at: float = 0.0
+    freeze_s: float = 0.0
+    duration_s: float = 0.0
+    node: str = ""
+    generation: int = 0
+
+
+class JobRecord(_Body):
+    """One row of the job table (JetStream KV ``revenant_jobs``)."""
+
+    spec: JobSpec
+    state: JobState = "pending"
+    node: str = ""
+    pid: int = 0
+    generation: int = 0
+    epochs: list[EpochInfo] = []
+    output: str = ""
+    exit_code: int | None = None
+    reason: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    last_checkpoint_at: float = 0.0
+
+
 # ------------------------------------------------------------------------ messages
 
 
@@ -176,6 +220,110 @@ class NodesReply(Message, tag="nodes_reply.v1"):
     coordinator: str = ""
 
 
+# -- client -> coordinator (revenant.coord.<verb>)
+
+
+class SubmitRequest(Message, tag="submit.v1"):
+    argv: list[str]
+    name: str = ""
+    node: str = ""
+    workdir: str = "/"
+    env: dict[str, str] = {}
+    checkpoint_interval_s: float | None = None
+    max_epochs: int = 1
+    requeue: bool = False
+
+
+class JobRequest(Message, tag="job_request.v1"):
+    """Names a job for show / checkpoint / vacate / restart / purge."""
+
+    job: str
+    node: str = ""
+
+
+class JobsRequest(Message, tag="jobs_request.v1"):
+    pass
+
+
+class JobReply(Message, tag="job_reply.v1"):
+    job: JobRecord
+    # Human-readable notes, e.g. "epoch 3 failed verification; restored from epoch 2".
+    notes: list[str] = []
+
+
+class JobsReply(Message, tag="jobs_reply.v1"):
+    jobs: list[JobRecord] = []
+
+
+# -- coordinator -> agent (revenant.node.<node>.cmd.<verb>)
+
+
+class StartJob(Message, tag="start_job.v1"):
+    spec: JobSpec
+    generation: int
+
+
+class CheckpointJob(Message, tag="checkpoint_job.v1"):
+    job: str
+    generation: int
+    # Vacate: stop the job once the checkpoint has committed.
+    stop: bool = False
+
+
+class RestoreJob(Message, tag="restore_job.v1"):
+    spec: JobSpec
+    generation: int
+
+
+class KillJob(Message, tag="kill_job.v1"):
+    job: str
+    generation: int
+
+
+class PurgeJob(Message, tag="purge_job.v1"):
+    job: str
+
+
+class AgentJobReply(Message, tag="agent_job_reply.v1"):
+    job: str
+    generation: int
+    node: str
+    pid: int = 0
+    output: str = ""
+    epoch: EpochInfo | None = None
+    freed_bytes: int = 0
+    notes: list[str] = []
+
+
+# -- events (JetStream, revenant.evt.job.<job>.<kind> / revenant.evt.epoch.<job>.<kind>)
+
+
+class JobEvent(Message, tag="job_event.v1"):
+    job: str
+    kind: JobEventKind
+    at: float
+    node: str = ""
+    generation: int = 0
+    pid: int = 0
+    exit_code: int | None = None
+    epoch: int | None = None
+    reason: str = ""
+
+
+class EpochEvent(Message, tag="epoch_event.v1"):
+    job: str
+    kind: EpochEventKind
+    at: float
+    n: int = 0
+    node: str = ""
+    generation: int = 0
+    bytes: int = 0
+    freeze_s: float = 0.0
+    duration_s: float = 0.0
+    # For "failed": criu's own error line (or the step that failed).
+    error: str = ""
+
+
 class ErrorReply(Message, tag="error.v1"):
     """The reply to any request that could not be served."""
 
@@ -191,10 +339,42 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     NodeEvent,
     NodesRequest,
     NodesReply,
+    SubmitRequest,
+    JobRequest,
+    JobsRequest,
+    JobReply,
+    JobsReply,
+    StartJob,
+    CheckpointJob,
+    RestoreJob,
+    KillJob,
+    PurgeJob,
+    AgentJobReply,
+    JobEvent,
+    EpochEvent,
     ErrorReply,
 )
 
 __all__ = [
+    "AgentJobReply",
+    "CheckpointJob",
+    "EpochEvent",
+    "EpochEventKind",
+    "EpochInfo",
+    "JobEvent",
+    "JobEventKind",
+    "JobRecord",
+    "JobReply",
+    "JobRequest",
+    "JobSpec",
+    "JobState",
+    "JobsReply",
+    "JobsRequest",
+    "KillJob",
+    "PurgeJob",
+    "RestoreJob",
+    "StartJob",
+    "SubmitRequest",
     "Capabilities",
     "CriuInfo",
     "ErrorReply",

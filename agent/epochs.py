@@ -1,0 +1,294 @@
+"""Epochs on shared storage: atomic commit, verification, retention, output rollback.
+
+Layout, per job, under ``<storage>/jobs/<job>/``::
+
+    output.log                the job's stdout and stderr (append mode)
+    epochs/<N>/               a committed epoch: criu images + manifest.json
+    epochs/.tmp-<node>-<rnd>/ an epoch being written; never listed, never used
+    epochs/.trash-<N>-<rnd>/  an epoch being deleted; never listed
+
+An epoch is committed by writing its images into a temporary directory,
+writing ``manifest.json`` last (sizes and SHA-256 of every file, the criu
+version, kernel, CPU flags and the size of each output file at the moment of
+the dump), fsyncing, and renaming the directory to ``<N>``.  A directory named
+by a number always holds a complete epoch; anything else is ignored.
+
+Everything here is blocking file I/O, run in a worker thread by the engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import msgspec
+
+from revenant.common.errors import RevenantError
+from revenant.messages import EpochInfo
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_CHUNK = 8 * 1024 * 1024
+_EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
+
+
+class EpochError(RevenantError):
+    code = "epoch"
+
+
+class CorruptEpoch(EpochError):
+    code = "corrupt_epoch"
+
+
+class NoEpoch(EpochError):
+    code = "no_epoch"
+
+
+class FileEntry(msgspec.Struct):
+    size: int
+    sha256: str
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    version: int = MANIFEST_VERSION
+    job: str
+    epoch: int
+    generation: int
+    node: str
+    created_at: float
+    criu_version: str
+    kernel: str
+    cpu_flags: list[str] = []
+    files: dict[str, FileEntry] = {}
+    # Absolute path -> size in bytes at the moment of the dump (while frozen).
+    outputs: dict[str, int] = {}
+    freeze_s: float = 0.0
+    dump_s: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        remaining = os.fstat(fin.fileno()).st_size
+        try:
+            while remaining > 0:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), min(remaining, 1 << 30))
+                if n == 0:
+                    break
+                remaining -= n
+        except OSError:
+            fin.seek(0)
+            fout.seek(0)
+            fout.truncate()
+            shutil.copyfileobj(fin, fout, _CHUNK)
+        os.fsync(fout.fileno())
+
+
+def _copy_and_hash(src: Path, dst: Path, hashers: concurrent.futures.Executor) -> FileEntry:
+    # Copy (in the kernel) and hash (reading the staged copy) at the same time.
+    hashing = hashers.submit(_sha256_file, src)
+    _copy_file(src, dst)
+    return FileEntry(size=src.stat().st_size, sha256=hashing.result())
+
+
+class JobFiles:
+    """Paths of one job on shared storage."""
+
+    def __init__(self, storage: str | os.PathLike[str], job: str) -> None:
+        self.dir = Path(storage) / "jobs" / job
+        self.job = job
+        self.epochs_dir = self.dir / "epochs"
+        self.output = self.dir / "output.log"
+
+    def epoch_dir(self, n: int) -> Path:
+        return self.epochs_dir / str(n)
+
+    # ------------------------------------------------------------------ listing
+
+    def committed(self) -> list[int]:
+        """Committed epoch numbers, oldest first."""
+        try:
+            names = os.listdir(self.epochs_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if _EPOCH_RE.match(n) and (self.epochs_dir / n / MANIFEST).is_file())
+
+    def next_number(self) -> int:
+        try:
+            names = os.listdir(self.epochs_dir)
+        except FileNotFoundError:
+            return 1
+        numbers = [int(n) for n in names if _EPOCH_RE.match(n)]
+        numbers += [int(m.group(1)) for n in names if (m := re.match(r"^\.trash-([0-9]+)-", n))]
+        return max(numbers, default=0) + 1
+
+    def read_manifest(self, n: int) -> Manifest:
+        path = self.epoch_dir(n) / MANIFEST
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=Manifest)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
+
+    def info(self, m: Manifest) -> EpochInfo:
+        return EpochInfo(n=m.epoch, bytes=m.total_bytes, created_at=m.created_at, freeze_s=m.freeze_s,
+                         duration_s=m.dump_s, node=m.node, generation=m.generation)
+
+    # ------------------------------------------------------------------ commit
+
+    def new_tmp(self, node: str) -> Path:
+        self.epochs_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.epochs_dir / f".tmp-{node}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, staging: Path, tmp: Path, manifest: Manifest) -> Manifest:
+        """Copy ``staging``'s images into ``tmp`` with checksums, write the manifest, rename to the next N."""
+        names = sorted(p.name for p in staging.iterdir() if p.is_file() and p.suffix == ".img")
+        names += [n for n in ("stats-dump",) if (staging / n).is_file()]
+        with concurrent.futures.ThreadPoolExecutor(3) as copiers, concurrent.futures.ThreadPoolExecutor(3) as hashers:
+            jobs = {n: copiers.submit(_copy_and_hash, staging / n, tmp / n, hashers) for n in names}
+            files = {n: f.result() for n, f in jobs.items()}
+        manifest.files = files
+        n = self.next_number()
+        manifest.epoch = n
+        mpath = tmp / MANIFEST
+        with open(mpath, "wb") as f:
+            f.write(msgspec.json.encode(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        final = self.epoch_dir(n)
+        os.rename(tmp, final)  # the commit point; a crash before it leaves only .tmp-*
+        _fsync_dir(self.epochs_dir)
+        return manifest
+
+    def discard(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def clean_stale_tmp(self, node: str) -> None:
+        """Remove this node's half-written epochs (from a crash mid-dump) and unfinished deletions."""
+        try:
+            names = os.listdir(self.epochs_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith(f".tmp-{node}-") or name.startswith(".trash-"):
+                shutil.rmtree(self.epochs_dir / name, ignore_errors=True)
+
+    # ------------------------------------------------------------------ verify, prune
+
+    def verify(self, n: int) -> Manifest:
+        """The manifest of epoch ``n`` if every file matches its size and checksum."""
+        m = self.read_manifest(n)
+        d = self.epoch_dir(n)
+        for name, entry in m.files.items():
+            path = d / name
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise CorruptEpoch(f"epoch {n}: {name} is missing") from None
+            if size != entry.size:
+                raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
+            if _sha256_file(path) != entry.sha256:
+                raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
+        return m
+
+    def newest_verified(self) -> tuple[Manifest, list[str]]:
+        """The newest epoch that verifies, and a note for each newer one that did not."""
+        notes: list[str] = []
+        for n in reversed(self.committed()):
+            try:
+                return self.verify(n), notes
+            except CorruptEpoch as exc:
+                notes.append(f"{exc}; falling back to an older epoch")
+        if notes:
+            raise NoEpoch(f"job {self.job}: no epoch verifies ({'; '.join(notes)})")
+        raise NoEpoch(f"job {self.job} has no checkpoint")
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` committed epochs; returns the numbers removed."""
+        doomed = self.committed()[:-keep] if keep > 0 else []
+        for n in doomed:
+            trash = self.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
+            os.rename(self.epoch_dir(n), trash)  # unlisted at once, deleted at leisure
+            shutil.rmtree(trash, ignore_errors=True)
+        return doomed
+
+    def purge(self) -> int:
+        """Remove every checkpoint of the job; returns the bytes freed."""
+        freed = 0
+        if self.epochs_dir.exists():
+            for root, _, files in os.walk(self.epochs_dir):
+                for f in files:
+                    try:
+                        freed += os.lstat(os.path.join(root, f)).st_size
+                    except OSError:
+                        pass
+            trash = self.dir / f".purge-{secrets.token_hex(4)}"
+            os.rename(self.epochs_dir, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        return freed
+
+
+def output_sizes(paths: list[Path]) -> dict[str, int]:
+    out = {}
+    for p in paths:
+        try:
+            out[str(p)] = p.stat().st_size
+        except FileNotFoundError:
+            out[str(p)] = 0
+    return out
+
+
+def rollback_outputs(manifest: Manifest) -> list[str]:
+    """Cut each output file back to its size at the dump, so restored output is never duplicated."""
+    notes = []
+    for path, size in manifest.outputs.items():
+        try:
+            current = os.stat(path).st_size
+        except FileNotFoundError:
+            raise EpochError(f"output file {path} is gone; cannot restore epoch {manifest.epoch}") from None
+        if current < size:
+            raise EpochError(f"output file {path} is {current} bytes, shorter than at the dump ({size}): "
+                             f"data was lost; refusing to restore epoch {manifest.epoch}")
+        if current > size:
+            with open(path, "r+b") as f:
+                f.truncate(size)
+                os.fsync(f.fileno())
+            notes.append(f"rolled {os.path.basename(path)} back {current - size} bytes to its size at epoch {manifest.epoch}")
+    return notes
+

@@ -1,0 +1,268 @@
+"""The job supervisor: launching jobs, watching them, and driving the engine for them.
+
+A job runs in its own PID namespace, so it can be restored on any node without
+PID collisions::
+
+    agent ─ unshare --pid --fork --kill-child ─ sh (pid 1: revenant-init) ─ the job
+
+* ``unshare`` dies with the agent (PR_SET_PDEATHSIG), and ``--kill-child`` makes
+  the namespace's init die with ``unshare``, which takes the whole namespace.
+* The init redirects stdin from /dev/null and appends stdout and stderr to
+  ``<storage>/jobs/<id>/output.log``, then waits for the job and exits with its
+  status.  ``unshare`` itself writes nowhere near the job's output.
+* A restored job (``criu restore --restore-sibling``) becomes the agent's direct
+  child; the agent is a child subreaper, so anything orphaned below it is its
+  to reap too.  Either way the agent records the exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from revenant.agent import procs
+from revenant.agent.engine import Engine, signal_tree
+from revenant.agent.epochs import JobFiles
+from revenant.common.errors import CriuError, RevenantError
+from revenant.messages import AgentJobReply, EpochEvent, JobEvent, JobSpec, Message, subjects
+
+log = logging.getLogger(__name__)
+
+INIT_SCRIPT = 'out=$1; shift\nexec </dev/null >>"$out" 2>&1\n"$@" &\nwait $!\n'
+INIT_NAME = "revenant-init"
+
+
+class UnknownJob(RevenantError):
+    code = "unknown_job"
+
+
+class JobNotRunning(RevenantError):
+    code = "not_running"
+
+
+class StaleGeneration(RevenantError):
+    code = "stale_generation"
+
+
+class LaunchError(RevenantError):
+    code = "launch_failed"
+
+
+@dataclass
+class JobRuntime:
+    spec: JobSpec
+    generation: int
+    pid: int  # host pid of the namespace's init: the root criu dumps
+    files: JobFiles
+    started_at: float = field(default_factory=time.time)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    vacating: bool = False
+    killing: bool = False
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int | None = None
+
+
+class Supervisor:
+    def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
+                 criu_error: str = "criu unusable") -> None:
+        self.node = node
+        self.storage = storage
+        self.engine = engine
+        self.emit = emit
+        self.criu_error = criu_error
+        self.jobs: dict[str, JobRuntime] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.checkpoint_failures = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def pending_ops(self) -> int:
+        return self.engine.pending if self.engine else 0
+
+    def _get(self, job: str, generation: int | None = None) -> JobRuntime:
+        rt = self.jobs.get(job)
+        if rt is None:
+            raise JobNotRunning(f"job {job} is not running on {self.node}")
+        if generation is not None and generation != rt.generation:
+            raise StaleGeneration(f"job {job} runs generation {rt.generation} on {self.node}, not {generation}")
+        return rt
+
+    def _reply(self, rt: JobRuntime, **kw) -> AgentJobReply:
+        return AgentJobReply(job=rt.spec.id, generation=rt.generation, node=self.node, pid=rt.pid,
+                             output=str(rt.files.output), **kw)
+
+    def _event(self, rt: JobRuntime, kind: str, **kw) -> None:
+        self.emit(subjects.job_event(rt.spec.id, kind),
+                  JobEvent(job=rt.spec.id, kind=kind, at=time.time(), node=self.node, generation=rt.generation,
+                           pid=rt.pid, **kw))
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, spec: JobSpec, generation: int) -> AgentJobReply:
+        subjects.check_name(spec.id, "job id")
+        if spec.id in self.jobs:
+            raise LaunchError(f"job {spec.id} is already running on {self.node}")
+        if not spec.argv:
+            raise LaunchError("empty command")
+        if not os.path.isdir(spec.workdir):
+            raise LaunchError(f"workdir {spec.workdir} does not exist on {self.node}")
+        env = {**os.environ, **spec.env}
+        if shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
+                os.path.isfile(os.path.join(spec.workdir, spec.argv[0])) and "/" in spec.argv[0]):
+            raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
+        files = JobFiles(self.storage, spec.id)
+        files.dir.mkdir(parents=True, exist_ok=True)
+        files.output.touch()
+        argv = ["unshare", "--pid", "--fork", "--kill-child", "setsid",
+                "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(files.output), *spec.argv]
+        wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              cwd=spec.workdir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
+        pid = await self._namespace_init(wrapper)
+        rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
+        self.jobs[spec.id] = rt
+        self._watch(rt, wrapper.pid)
+        log.info("job %s (generation %d) started, pid %d", spec.id, generation, pid)
+        self._event(rt, "started")
+        return self._reply(rt)
+
+    async def _namespace_init(self, wrapper: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                children = psutil.Process(wrapper.pid).children()
+            except psutil.Error:
+                children = []
+            if children:
+                return children[0].pid
+            if wrapper.poll() is not None:
+                break
+            await asyncio.sleep(0.005)
+        signal_tree(wrapper.pid, signal.SIGKILL)
+        raise LaunchError(f"the job's namespace did not start (unshare exited {wrapper.returncode})")
+
+    def _watch(self, rt: JobRuntime, pid: int) -> None:
+        async def watch() -> None:
+            code = await procs.wait_pid(pid)
+            self._exited(rt, code)
+
+        task = asyncio.create_task(watch(), name=f"watch-{rt.spec.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _exited(self, rt: JobRuntime, code: int) -> None:
+        rt.exit_code = code
+        rt.exited.set()
+        if self.jobs.get(rt.spec.id) is rt:
+            del self.jobs[rt.spec.id]
+        if rt.vacating:
+            return  # the checkpoint reports "vacated"
+        kind = "killed" if rt.killing else "exited"
+        log.info("job %s %s with status %d", rt.spec.id, kind, code)
+        self._event(rt, kind, exit_code=code)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    async def checkpoint(self, job: str, generation: int, stop: bool) -> AgentJobReply:
+        rt = self._get(job, generation)
+        if self.engine is None:
+            raise CriuError(f"cannot checkpoint on {self.node}: {self.criu_error}")
+        if rt.lock.locked():
+            raise RevenantError(f"job {job} already has a checkpoint in progress", code="busy", retriable=True)
+        async with rt.lock:
+            rt.vacating = stop
+            try:
+                manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop)
+            except RevenantError as exc:
+                rt.vacating = False
+                self.checkpoint_failures += 1
+                self.emit(subjects.epoch_event(job, "failed"),
+                          EpochEvent(job=job, kind="failed", at=time.time(), node=self.node, generation=generation,
+                                     error=str(exc)))
+                if rt.exited.is_set() and stop:
+                    self._event(rt, "exited", exit_code=rt.exit_code, reason="exited during vacate")
+                raise
+            self.checkpoint_failures = 0
+            info = rt.files.info(manifest)
+            self.emit(subjects.epoch_event(job, "created"),
+                      EpochEvent(job=job, kind="created", at=time.time(), n=manifest.epoch, node=self.node,
+                                 generation=generation, bytes=info.bytes, freeze_s=manifest.freeze_s,
+                                 duration_s=manifest.dump_s))
+            for n in await asyncio.to_thread(rt.files.prune, max(1, rt.spec.max_epochs)):
+                self.emit(subjects.epoch_event(job, "pruned"),
+                          EpochEvent(job=job, kind="pruned", at=time.time(), n=n, node=self.node,
+                                     generation=generation))
+            if stop:
+                try:
+                    await asyncio.wait_for(rt.exited.wait(), 10)
+                except asyncio.TimeoutError:
+                    log.error("job %s did not die after vacate; killing it", job)
+                    signal_tree(rt.pid, signal.SIGKILL)
+                self._event(rt, "vacated", epoch=manifest.epoch)
+            return self._reply(rt, epoch=info, notes=notes)
+
+    # ------------------------------------------------------------------ restore
+
+    async def restore(self, spec: JobSpec, generation: int) -> AgentJobReply:
+        subjects.check_name(spec.id, "job id")
+        old = self.jobs.get(spec.id)
+        if old is not None:
+            if old.generation >= generation:
+                raise RevenantError(f"job {spec.id} generation {old.generation} already runs on {self.node}",
+                                    code="already_running")
+            await self._kill(old)  # a stale copy must never run next to the new one
+        if self.engine is None:
+            raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
+        pid, manifest, notes = await self.engine.restore(spec.id, generation)
+        files = JobFiles(self.storage, spec.id)
+        rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
+        self.jobs[spec.id] = rt
+        self._watch(rt, pid)
+        log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
+        self._event(rt, "restored", epoch=manifest.epoch, reason="; ".join(notes))
+        return self._reply(rt, epoch=files.info(manifest), notes=notes)
+
+    # ------------------------------------------------------------------ kill, purge, shutdown
+
+    async def kill(self, job: str, generation: int) -> AgentJobReply:
+        rt = self._get(job, generation)
+        await self._kill(rt)
+        return self._reply(rt)
+
+    async def _kill(self, rt: JobRuntime) -> None:
+        rt.killing = True
+        signal_tree(rt.pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(rt.exited.wait(), 10)
+        except asyncio.TimeoutError:
+            log.error("job %s (pid %d) survived SIGKILL for 10 s", rt.spec.id, rt.pid)
+
+    async def purge(self, job: str) -> AgentJobReply:
+        subjects.check_name(job, "job id")
+        if job in self.jobs:
+            raise RevenantError(f"job {job} is still running on {self.node}; only finished jobs can be purged",
+                                code="running")
+        files = JobFiles(self.storage, job)
+        freed = await asyncio.to_thread(files.purge)
+        return AgentJobReply(job=job, generation=0, node=self.node, output=str(files.output), freed_bytes=freed)
+
+    async def shutdown(self) -> None:
+        """Kill every job (they would die with the agent anyway) and stop watching."""
+        for rt in list(self.jobs.values()):
+            await self._kill(rt)
+        for task in list(self._tasks):
+            task.cancel()
+
+    def reap_orphans(self) -> None:
+        for pid, code in procs.reap_orphans():
+            log.info("reaped orphan %d (status %d)", pid, code)

@@ -1,0 +1,146 @@
+"""Child processes without asyncio's child watchers.
+
+The agent is a child subreaper and restores jobs as its own children
+(``criu restore --restore-sibling``), so it must reap processes that asyncio
+never started.  To keep one owner for every ``waitpid``, the agent starts all
+its subprocesses (criu included) with :class:`subprocess.Popen` and waits on
+them through a pidfd registered with the event loop: no thread, no polling,
+and no event loop blocked while criu runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def become_subreaper() -> None:
+    """Orphans below us (restored jobs, their helpers) become our children, not init's."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the agent dies."""
+    prctl(PR_SET_PDEATHSIG, 9)
+
+
+def decode_status(status: int) -> int:
+    """A wait status as a shell would report it: the exit code, or 128 + signal."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.waitstatus_to_exitcode(status)
+
+
+# Children someone is waiting for: the orphan reaper leaves them alone.
+WATCHED: set[int] = set()
+
+
+def spawn(argv: list[str], **kwargs) -> subprocess.Popen[bytes]:
+    """Popen, with the child registered as watched before anything else can run."""
+    proc = subprocess.Popen(argv, **kwargs)
+    WATCHED.add(proc.pid)
+    return proc
+
+
+async def wait_pid(pid: int) -> int:
+    """Wait for our child ``pid`` to exit and reap it; returns the shell-style exit code."""
+    WATCHED.add(pid)
+    try:
+        return await _wait_pid(pid)
+    finally:
+        WATCHED.discard(pid)
+
+
+async def _wait_pid(pid: int) -> int:
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return _reap_now(pid)
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return _reap_now(pid)
+
+
+def _reap_now(pid: int) -> int:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return -1  # already reaped elsewhere, or never ours: the status is lost
+    return decode_status(status)
+
+
+def reap_orphans() -> list[tuple[int, int]]:
+    """Reap exited children nobody is waiting for (orphans adopted as subreaper)."""
+    out = []
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        return out
+    for pid in children:
+        if pid in WATCHED:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z":
+            try:
+                _, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            out.append((pid, decode_status(status)))
+    return out
+
+
+@dataclass
+class Completed:
+    argv: list[str]
+    returncode: int
+    output: str
+
+
+async def run(argv: list[str], timeout_s: float, *, cwd: str | None = None,
+              env: dict[str, str] | None = None) -> Completed:
+    """Run a command to completion, stdout and stderr merged; kill it on timeout or cancellation."""
+    with tempfile.TemporaryFile() as out:
+        proc = spawn(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                     cwd=cwd, env=env, close_fds=True)
+        waiter = asyncio.ensure_future(_waiter(proc))
+        try:
+            code = await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except BaseException:
+            # Timed out or cancelled: never leave a criu running behind our back.
+            proc.kill()
+            await asyncio.shield(waiter)
+            raise
+        out.seek(0)
+        return Completed(argv, code, out.read().decode(errors="replace"))
+
+
+async def _waiter(proc: subprocess.Popen[bytes]) -> int:
+    if proc.returncode is None:
+        proc.returncode = await wait_pid(proc.pid)  # also keeps Popen from waiting again
+    return proc.returncode

@@ -1,0 +1,354 @@
+"""The job service: the job table in JetStream KV and the job lifecycle.
+
+Every mutation of a job runs under that job's lock and re-reads the record,
+so replies from agents and events from the stream can arrive in any order
+without a stale write winning (for example a job that exits before its start
+reply has been processed ends *completed*, not *running*).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.kv import KeyValue
+
+from revenant.common import bus
+from revenant.common.config import CoordinatorConfig
+from revenant.common.errors import BusError, RevenantError
+from revenant.common.events import EventPublisher
+from revenant.coordinator.placement import NoNodeAvailable, place
+from revenant.messages import (
+    AgentJobReply,
+    CheckpointJob,
+    EpochInfo,
+    JobEvent,
+    JobRecord,
+    JobSpec,
+    MessageError,
+    NodeStatus,
+    PurgeJob,
+    RestoreJob,
+    StartJob,
+    SubmitRequest,
+    decode,
+    subjects,
+)
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "revenant-coordinator-jobs"
+NEXT_ID_KEY = "next-id"
+
+
+class UnknownJob(RevenantError):
+    code = "unknown_job"
+
+
+class JobNotRunning(RevenantError):
+    code = "not_running"
+
+
+class JobBusy(RevenantError):
+    code = "busy"
+    retriable = True
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(JobRecord)
+
+
+class JobService:
+    def __init__(self, nc: Client, js: JetStreamContext, config: CoordinatorConfig, events: EventPublisher,
+                 nodes: Callable[[], list[NodeStatus]], *, wall: Callable[[], float] = time.time) -> None:
+        self.nc = nc
+        self.js = js
+        self.config = config
+        self.events = events
+        self.nodes = nodes
+        self.wall = wall
+        self.kv: KeyValue | None = None
+        self.jobs: dict[str, JobRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._periodic: set[str] = set()
+
+    # ------------------------------------------------------------------ table
+
+    async def open(self) -> None:
+        try:
+            self.kv = await self.js.create_key_value(bucket=subjects.JOBS_BUCKET, history=5)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot open the job table {subjects.JOBS_BUCKET}: {exc or type(exc).__name__}") from None
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            keys = []
+        for key in keys:
+            if key == NEXT_ID_KEY:
+                continue
+            try:
+                entry = await self.kv.get(key)
+                self.jobs[key] = _DEC.decode(entry.value)
+            except (nats.js.errors.KeyNotFoundError, msgspec.DecodeError) as exc:
+                log.error("job table entry %s unreadable: %s", key, exc)
+        log.info("job table: %d job(s)", len(self.jobs))
+
+    async def _save(self, rec: JobRecord) -> None:
+        rec.updated_at = self.wall()
+        self.jobs[rec.spec.id] = rec
+        assert self.kv is not None
+        try:
+            await self.kv.put(rec.spec.id, _ENC.encode(rec))
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot save job {rec.spec.id}: {exc or type(exc).__name__}") from None
+
+    async def _next_id(self) -> str:
+        assert self.kv is not None
+        for _ in range(20):
+            try:
+                entry = await self.kv.get(NEXT_ID_KEY)
+                n = int(entry.value or b"1")
+                await self.kv.update(NEXT_ID_KEY, str(n + 1).encode(), last=entry.revision)
+                return str(n)
+            except nats.js.errors.KeyNotFoundError:
+                try:
+                    await self.kv.create(NEXT_ID_KEY, b"2")
+                    return "1"
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+        raise BusError("cannot allocate a job id: the counter is contended")
+
+    def lock(self, job: str) -> asyncio.Lock:
+        return self._locks.setdefault(job, asyncio.Lock())
+
+    def get(self, job: str) -> JobRecord:
+        rec = self.jobs.get(job)
+        if rec is None:
+            raise UnknownJob(f"unknown job {job}")
+        return rec
+
+    def jobs_per_node(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for rec in self.jobs.values():
+            if rec.node and rec.state in ("pending", "running", "checkpointing", "restoring"):
+                out[rec.node] = out.get(rec.node, 0) + 1
+        return out
+
+    # ------------------------------------------------------------------ agent calls
+
+    async def _agent(self, node: str, verb: str, msg, timeout_s: float) -> AgentJobReply:
+        return await bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s)
+
+    def _event(self, rec: JobRecord, kind: str, **kw) -> None:
+        self.events.emit(subjects.job_event(rec.spec.id, kind),
+                         JobEvent(job=rec.spec.id, kind=kind, at=self.wall(), node=rec.node,
+                                  generation=rec.generation, **kw))
+
+    # ------------------------------------------------------------------ submit
+
+    async def submit(self, req: SubmitRequest) -> JobRecord:
+        if not req.argv:
+            raise RevenantError("nothing to run: give a command after --", code="bad_request")
+        if req.max_epochs < 1:
+            raise RevenantError(f"--max-epochs must be at least 1, got {req.max_epochs}", code="bad_request")
+        if req.checkpoint_interval_s is not None and req.checkpoint_interval_s <= 0:
+            raise RevenantError("checkpoint interval must be positive", code="bad_request")
+        if req.node:
+            subjects.check_name(req.node)
+        node = place(self.nodes(), self.jobs_per_node(), req.node)
+        job_id = await self._next_id()
+        spec = JobSpec(id=job_id, argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
+                       workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
+                       max_epochs=req.max_epochs, requeue=req.requeue)
+        now = self.wall()
+        rec = JobRecord(spec=spec, state="pending", node=node, generation=1, created_at=now)
+        async with self.lock(job_id):
+            await self._save(rec)
+            self._event(rec, "submitted")
+        try:
+            reply = await self._agent(node, "start", StartJob(spec=spec, generation=1), self.config.start_timeout_s)
+        except RevenantError as exc:
+            async with self.lock(job_id):
+                rec = self.get(job_id)
+                if rec.state == "pending":
+                    rec.state, rec.reason = "failed", f"start on {node} failed: {exc}"
+                    await self._save(rec)
+            raise RevenantError(f"job {job_id} could not start on {node}: {exc}", code=getattr(exc, "code", "error"))
+        async with self.lock(job_id):
+            rec = self.get(job_id)
+            rec.output = reply.output
+            if rec.state == "pending":
+                rec.state, rec.pid, rec.last_checkpoint_at = "running", reply.pid, self.wall()
+            await self._save(rec)
+        return rec
+
+    # ------------------------------------------------------------------ checkpoint / vacate
+
+    async def checkpoint(self, job: str, *, stop: bool) -> tuple[JobRecord, list[str]]:
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state == "checkpointing":
+                raise JobBusy(f"job {job} already has a checkpoint in progress")
+            if rec.state != "running":
+                raise JobNotRunning(f"job {job} is {rec.state}, not running")
+            rec.state = "checkpointing"
+            node, generation = rec.node, rec.generation
+            await self._save(rec)
+        try:
+            reply = await self._agent(node, "checkpoint", CheckpointJob(job=job, generation=generation, stop=stop),
+                                      self.config.checkpoint_timeout_s)
+        except RevenantError:
+            async with self.lock(job):
+                rec = self.get(job)
+                if rec.state == "checkpointing" and rec.generation == generation:
+                    rec.state = "running"
+                    await self._save(rec)
+            raise
+        async with self.lock(job):
+            rec = self.get(job)
+            if reply.epoch is not None:
+                rec.epochs = [e for e in rec.epochs if e.n != reply.epoch.n] + [reply.epoch]
+                rec.epochs = rec.epochs[-max(1, rec.spec.max_epochs):]
+                rec.last_checkpoint_at = self.wall()
+            if rec.generation == generation and rec.state == "checkpointing":
+                if stop:
+                    rec.state, rec.node, rec.pid = "vacated", "", 0
+                else:
+                    rec.state = "running"
+            await self._save(rec)
+            return rec, reply.notes
+
+    # ------------------------------------------------------------------ restart
+
+    async def restart(self, job: str, node: str = "") -> tuple[JobRecord, list[str]]:
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state not in ("vacated", "failed"):
+                raise RevenantError(f"job {job} is {rec.state}; only a vacated or failed job can be restarted",
+                                    code="bad_state")
+            if not rec.epochs:
+                raise RevenantError(f"job {job} has no checkpoint to restart from", code="no_epoch")
+            target = place(self.nodes(), self.jobs_per_node(), node)
+            previous = (rec.state, rec.node, rec.reason)
+            rec.generation += 1
+            rec.state, rec.node, rec.pid, rec.reason, rec.exit_code = "restoring", target, 0, "", None
+            generation = rec.generation
+            await self._save(rec)
+        try:
+            reply = await self._agent(target, "restore", RestoreJob(spec=rec.spec, generation=generation),
+                                      self.config.checkpoint_timeout_s)
+        except RevenantError as exc:
+            async with self.lock(job):
+                rec = self.get(job)
+                if rec.state == "restoring" and rec.generation == generation:
+                    rec.state, rec.node, rec.reason = previous[0], previous[1], f"restart on {target} failed: {exc}"
+                    await self._save(rec)
+            raise
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state == "restoring" and rec.generation == generation:
+                rec.state, rec.pid, rec.last_checkpoint_at = "running", reply.pid, self.wall()
+            rec.output = reply.output or rec.output
+            await self._save(rec)
+            return rec, reply.notes
+
+    # ------------------------------------------------------------------ purge
+
+    async def purge(self, job: str) -> tuple[JobRecord, list[str]]:
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state not in ("completed", "failed"):
+                raise RevenantError(f"job {job} is {rec.state}; only a finished job can be purged", code="bad_state")
+            candidates = [n for n in self.nodes() if n.state == "alive"]
+            if not candidates:
+                raise NoNodeAvailable("no node is alive to remove the checkpoints")
+            target = next((n.name for n in candidates if n.name == rec.node), candidates[0].name)
+            reply = await self._agent(target, "purge", PurgeJob(job=job), self.config.start_timeout_s)
+            rec.epochs = []
+            await self._save(rec)
+            self._event(rec, "purged")
+            return rec, [f"freed {reply.freed_bytes} bytes"]
+
+    # ------------------------------------------------------------------ events from agents
+
+    async def consume_events(self) -> None:
+        """Apply agents' job events (exits) from a durable consumer, so none is lost across restarts."""
+        sub = await self.js.pull_subscribe(
+            subjects.JOB_EVENTS_ALL, durable=CONSUMER,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_wait=30, max_ack_pending=1000))
+        while True:
+            try:
+                msgs = await sub.fetch(64, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.Error as exc:
+                log.warning("job event fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    event = decode(msg.data)
+                    if isinstance(event, JobEvent):
+                        await self.apply_event(event)
+                except MessageError as exc:
+                    log.warning("bad job event on %s: %s", msg.subject, exc)
+                except RevenantError as exc:
+                    log.warning("job event on %s not applied: %s", msg.subject, exc)
+                await msg.ack()
+
+    async def apply_event(self, ev: JobEvent) -> None:
+        if ev.kind not in ("exited", "killed"):
+            return
+        async with self.lock(ev.job):
+            rec = self.jobs.get(ev.job)
+            if rec is None or rec.generation != ev.generation or rec.node != ev.node:
+                return  # a stale copy's exit, or a job we do not know
+            if rec.state not in ("pending", "running", "checkpointing"):
+                return
+            code = ev.exit_code if ev.exit_code is not None else -1
+            rec.exit_code = code
+            rec.state = "completed" if code == 0 and ev.kind == "exited" else "failed"
+            rec.pid = 0
+            if rec.state == "failed":
+                rec.reason = ev.reason or (f"killed" if ev.kind == "killed" else f"exited with status {code}")
+            await self._save(rec)
+
+    # ------------------------------------------------------------------ periodic checkpoints
+
+    async def periodic_checkpoints(self) -> None:
+        """Checkpoint running jobs whose interval has passed (one in flight per job)."""
+        while True:
+            now = self.wall()
+            for rec in list(self.jobs.values()):
+                interval = rec.spec.checkpoint_interval_s
+                if (interval and rec.state == "running" and rec.spec.id not in self._periodic
+                        and now - rec.last_checkpoint_at >= interval):
+                    self._periodic.add(rec.spec.id)
+                    asyncio.create_task(self._periodic_one(rec.spec.id))
+            await asyncio.sleep(min(1.0, self.config.tick_interval_s * 10))
+
+    async def _periodic_one(self, job: str) -> None:
+        try:
+            await self.checkpoint(job, stop=False)
+        except RevenantError as exc:
+            log.warning("periodic checkpoint of job %s failed: %s", job, exc)
+            async with self.lock(job):
+                rec = self.jobs.get(job)
+                if rec is not None:
+                    rec.last_checkpoint_at = self.wall()  # retry after a full interval, not at once
+        finally:
+            self._periodic.discard(job)
+
+
+def epoch_summary(e: EpochInfo) -> dict:
+    return {"n": e.n, "bytes": e.bytes, "created_at": e.created_at}
