@@ -129,14 +129,21 @@ class Supervisor:
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               cwd=spec.workdir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
         pid = await self._namespace_init(wrapper)
-        rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
+        rt = JobRuntime(spec=spec, generation=generation, pid=pid or 0, files=files)
         self.jobs[spec.id] = rt
-        self._watch(rt, wrapper.pid)
-        log.info("job %s (generation %d) started, pid %d", spec.id, generation, pid)
+        log.info("job %s (generation %d) started, pid %d", spec.id, generation, rt.pid)
         self._event(rt, "started")
+        if pid is None:
+            # Finished before we could even see it (`true`): report its exit all the same.
+            procs.WATCHED.discard(wrapper.pid)
+            code = wrapper.returncode if wrapper.returncode >= 0 else 128 - wrapper.returncode
+            asyncio.get_running_loop().call_soon(self._exited, rt, code)
+        else:
+            self._watch(rt, wrapper.pid)
         return self._reply(rt)
 
-    async def _namespace_init(self, wrapper: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int:
+    async def _namespace_init(self, wrapper: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:
+        """The host pid of the namespace's init, or None if the whole job has already exited."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -146,10 +153,10 @@ class Supervisor:
             if children:
                 return children[0].pid
             if wrapper.poll() is not None:
-                break
+                return None
             await asyncio.sleep(0.005)
         signal_tree(wrapper.pid, signal.SIGKILL)
-        raise LaunchError(f"the job's namespace did not start (unshare exited {wrapper.returncode})")
+        raise LaunchError(f"the job's namespace did not start within {timeout_s:g} s")
 
     def _watch(self, rt: JobRuntime, pid: int) -> None:
         async def watch() -> None:

@@ -231,6 +231,8 @@ class Coordinator:
                               silence_s=round(t.silence_s, 3), reason=t.reason)
             if self._events is not None:
                 self._events.emit(subjects.node_event(t.node, t.kind), event)
+            if self.jobs is not None and (t.kind in ("dead", "left") or t.reason == "agent restarted"):
+                self.jobs.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

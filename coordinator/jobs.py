@@ -62,6 +62,11 @@ class JobBusy(RevenantError):
     retriable = True
 
 
+class NodeLost(RevenantError):
+    code = "node_lost"
+    retriable = True
+
+
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(JobRecord)
 
@@ -79,6 +84,9 @@ class JobService:
         self.jobs: dict[str, JobRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._periodic: set[str] = set()
+        # Requests to agents in flight, by node: a node's death fails them at once.
+        self._inflight: dict[str, set[asyncio.Task[AgentJobReply]]] = {}
+        self._lost: dict[asyncio.Task[AgentJobReply], str] = {}
 
     # ------------------------------------------------------------------ table
 
@@ -147,7 +155,24 @@ class JobService:
     # ------------------------------------------------------------------ agent calls
 
     async def _agent(self, node: str, verb: str, msg, timeout_s: float) -> AgentJobReply:
-        return await bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s)
+        task = asyncio.ensure_future(
+            bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s))
+        self._inflight.setdefault(node, set()).add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            reason = self._lost.pop(task, None)
+            if reason is None:
+                raise
+            raise NodeLost(f"node {node} {reason} during {verb}") from None
+        finally:
+            self._inflight.get(node, set()).discard(task)
+
+    def node_lost(self, node: str, reason: str) -> None:
+        """Fail every request in flight to ``node`` (it was declared dead or left)."""
+        for task in list(self._inflight.get(node, ())):
+            self._lost[task] = reason
+            task.cancel()
 
     def _event(self, rec: JobRecord, kind: str, **kw) -> None:
         self.events.emit(subjects.job_event(rec.spec.id, kind),

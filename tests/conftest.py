@@ -35,3 +35,87 @@ def revenant_cli(*args: str, timeout: float = 60, check: bool = False, env: dict
     if check and proc.returncode != 0:
         raise AssertionError(f"revenant {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc
+
+
+COUNTER = REPO / "tests" / "jobs" / "counter.py"
+
+
+def counter_reference(tmp_path, count: int, interval: float = 0.0) -> bytes:
+    """The output of an uninterrupted run of the counter job."""
+    out = subprocess.run([sys.executable, str(COUNTER), str(count), str(interval)], capture_output=True, check=True,
+                         timeout=120)
+    return out.stdout
+
+
+class Cluster:
+    """A `revenant up --detach` cluster, driven through the CLI like a user would."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        # Found through $REVENANT_NATS, so "-- CMD ARGS" can stay last.
+        import json
+
+        url = json.loads((self.dir / "cluster.json").read_text())["nats_url"]
+        return revenant_cli(*args, check=check, timeout=timeout, env={"REVENANT_NATS": url})
+
+    def json(self, *args: str):
+        import json
+
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def job(self, job_id: str) -> dict:
+        return self.json("show", "job", job_id)
+
+    def pids(self) -> dict[str, int]:
+        import json
+
+        doc = json.loads((self.dir / "cluster.json").read_text())
+        return {p["name"]: p["pid"] for p in doc["processes"]}
+
+    def events(self) -> list[dict]:
+        import json
+
+        return [json.loads(line) for line in self.cli("events", "--json").stdout.splitlines()]
+
+    @property
+    def storage(self) -> Path:
+        return self.dir / "storage"
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    import psutil
+
+    made: list[Cluster] = []
+
+    def make(nodes: int = 2, name: str = "cluster") -> Cluster:
+        d = tmp_path / name
+        revenant_cli("up", "--nodes", str(nodes), "--dir", str(d), "--detach", check=True)
+        c = Cluster(d)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        pids = c.pids() if (c.dir / "cluster.json").exists() else {}
+        if (c.dir / "cluster.json").exists():
+            revenant_cli("down", "--dir", str(c.dir))
+        for pid in pids.values():
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
