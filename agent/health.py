@@ -8,23 +8,47 @@ event loop wakes up, which is the earliest sign of a node in trouble.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
-from revenant.messages import HealthState, HealthSummary
+from revenant.agent.gpu import GpuThresholds, classify_gpu
+from revenant.messages import GpuHealth, HealthState, HealthSummary
 
 _ORDER: dict[HealthState, int] = {"GREEN": 0, "YELLOW": 1, "RED": 2}
 
 
 @dataclass(frozen=True)
 class HealthThresholds:
+    """Where each probe turns YELLOW and RED; docs/observability.md gives the reasons."""
+
     memory_yellow_percent: float = 85.0
     memory_red_percent: float = 95.0
     storage_yellow_free_bytes: int = 2 * 1024**3
     storage_red_free_bytes: int = 256 * 1024**2
     loop_lag_yellow_s: float = 0.25
     loop_lag_red_s: float = 2.0
+    # Consecutive failed checkpoints (any job): one may be the job's fault, three are the node's.
+    checkpoint_failures_yellow: int = 1
+    checkpoint_failures_red: int = 3
+    # Operations waiting for the supervisor's dump/restore slots.
+    pending_ops_yellow: int = 8
+    pending_ops_red: int = 32
+    gpu: GpuThresholds = GpuThresholds()
+
+    def __post_init__(self) -> None:
+        # The loop-lag pair is left out on purpose: its YELLOW follows the
+        # agent's stall threshold, which may exceed the RED lag (then RED wins).
+        for low, high in (("memory_yellow_percent", "memory_red_percent"),
+                          ("storage_red_free_bytes", "storage_yellow_free_bytes"),
+                          ("checkpoint_failures_yellow", "checkpoint_failures_red"),
+                          ("pending_ops_yellow", "pending_ops_red")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float))) or lo > hi:
+                raise ValueError(f"health thresholds: {low}={lo!r} must be a number <= {high}={hi!r}")
+        if self.checkpoint_failures_yellow < 1 or self.pending_ops_yellow < 1:
+            raise ValueError("health thresholds: checkpoint_failures_yellow and pending_ops_yellow must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -38,10 +62,16 @@ class HealthSample:
     criu_ok: bool = True
     criu_error: str | None = None
     nats_connected: bool = True
+    # Checkpoints that failed in a row (reset by a success), and the supervisor's queue.
+    checkpoint_failures: int = 0
+    pending_ops: int = 0
+    # GpuMonitor.sample(), .recent_xids() and .errors.
+    gpus: Sequence[GpuHealth] = ()
+    gpu_recent_xids: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    gpu_errors: Mapping[int, str] = field(default_factory=dict)
 
 
-def evaluate(sample: HealthSample, t: HealthThresholds) -> HealthSummary:
-    """The worst state any probe reports, with one reason per probe that is not GREEN."""
+def _findings(sample: HealthSample, t: HealthThresholds) -> list[tuple[HealthState, str]]:
     findings: list[tuple[HealthState, str]] = []
     if sample.memory_percent >= t.memory_red_percent:
         findings.append(("RED", f"memory {sample.memory_percent:.0f}% >= {t.memory_red_percent:g}%"))
@@ -61,6 +91,30 @@ def evaluate(sample: HealthSample, t: HealthThresholds) -> HealthSummary:
         findings.append(("RED", f"criu unusable: {sample.criu_error or 'unknown error'}"))
     if not sample.nats_connected:
         findings.append(("YELLOW", "NATS disconnected"))
+    failures = sample.checkpoint_failures
+    if failures >= t.checkpoint_failures_red:
+        findings.append(("RED", f"{failures} checkpoints failed in a row"))
+    elif failures >= t.checkpoint_failures_yellow:
+        findings.append(("YELLOW", f"{failures} checkpoint{'s' if failures > 1 else ''} failed in a row"))
+    if sample.pending_ops >= t.pending_ops_red:
+        findings.append(("RED", f"{sample.pending_ops} operations queued >= {t.pending_ops_red}"))
+    elif sample.pending_ops >= t.pending_ops_yellow:
+        findings.append(("YELLOW", f"{sample.pending_ops} operations queued >= {t.pending_ops_yellow}"))
+    seen = set()
+    for gpu in sample.gpus:
+        seen.add(gpu.index)
+        if gpu.index in sample.gpu_errors:
+            findings.append(("RED", f"GPU {gpu.index} unreadable: {sample.gpu_errors[gpu.index]}"))
+        findings.extend(classify_gpu(gpu, t.gpu, sample.gpu_recent_xids.get(gpu.index, ())))
+    for index, xids in sample.gpu_recent_xids.items():  # XIDs from a GPU we could not name
+        if index not in seen and xids:
+            findings.extend(classify_gpu(GpuHealth(index=index), t.gpu, xids))
+    return findings
+
+
+def evaluate(sample: HealthSample, t: HealthThresholds) -> HealthSummary:
+    """The worst state any probe reports, with one reason per probe that is not GREEN."""
+    findings = _findings(sample, t)
     state: HealthState = "GREEN"
     for s, _ in findings:
         if _ORDER[s] > _ORDER[state]:
@@ -72,7 +126,31 @@ def evaluate(sample: HealthSample, t: HealthThresholds) -> HealthSummary:
         loop_stalls=sample.loop_stalls,
         memory_percent=round(sample.memory_percent, 1),
         storage_free_bytes=sample.storage_free_bytes or 0,
+        criu_ok=sample.criu_ok,
+        nats_connected=sample.nats_connected,
+        checkpoint_failures=sample.checkpoint_failures,
+        pending_ops=sample.pending_ops,
+        gpus=list(sample.gpus),
     )
+
+
+def probe_values(summary: HealthSummary) -> dict[str, float]:
+    """The numeric readings worth watching for anomalies, by metric name.
+
+    Only gauges where *higher* is trouble: the anomaly rule is one-sided.
+    Cumulative counters (stalls) always grow and free storage rises each time
+    retention deletes a checkpoint, so both would raise nothing but noise.
+    """
+    values = {
+        "loop_lag_s": summary.loop_lag_s,
+        "memory_percent": summary.memory_percent,
+        "pending_ops": float(summary.pending_ops),
+    }
+    for gpu in summary.gpus:
+        values[f"gpu{gpu.index}.temperature_c"] = gpu.temperature_c
+        values[f"gpu{gpu.index}.power_w"] = gpu.power_w
+        values[f"gpu{gpu.index}.memory_used_bytes"] = float(gpu.memory_used_bytes)
+    return {k: v for k, v in values.items() if math.isfinite(v)}
 
 
 @dataclass
@@ -85,6 +163,8 @@ class LoopMonitor:
     lag_s: float = 0.0
     max_lag_s: float = 0.0
     stalls: int = 0
+    # When run() last woke up (clock time); None until it runs.
+    last_wake: float | None = None
     _reported_stalls: int = field(default=0, repr=False)
     _reported_max: float = field(default=0.0, repr=False)
 
@@ -101,8 +181,20 @@ class LoopMonitor:
         self.max_lag_s = self.lag_s
         return worst, recent
 
+    def stuck_for(self, now: float) -> float:
+        """How far overdue the monitor's next wake-up is at ``now`` (0 before it runs).
+
+        Code that runs while this is large ran right after the loop was blocked
+        (or the monitor died): what ``/live`` reports.
+        """
+        if self.last_wake is None:
+            return 0.0
+        return max(0.0, now - self.last_wake - self.period_s)
+
     async def run(self) -> None:
+        self.last_wake = self.clock()
         while True:
             start = self.clock()
             await asyncio.sleep(self.period_s)
-            self.record(max(0.0, self.clock() - start - self.period_s))
+            self.last_wake = self.clock()
+            self.record(max(0.0, self.last_wake - start - self.period_s))
