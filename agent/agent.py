@@ -29,14 +29,17 @@ from revenant.agent import procs
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.jobs import Supervisor
-from revenant.agent.gpu import discover_gpus
-from revenant.agent.health import HealthSample, HealthThresholds, LoopMonitor, evaluate
+from revenant.agent.gpu import GpuMonitor
+from revenant.agent.health import HealthSample, LoopMonitor, evaluate, probe_values
 from revenant.common import bus
 from revenant.common.config import AgentConfig
 from revenant.common.errors import ConfigError, RevenantError
 from revenant.common.events import EventPublisher
+from revenant.common.httpserver import HttpServer
+from revenant.common.metrics import AgentMetrics, health_routes
 from revenant.messages import (
     AgentJobReply,
+    AnomalyEvent,
     Capabilities,
     CheckpointJob,
     KillJob,
@@ -74,13 +77,23 @@ class Agent:
         self.storage = Path(config.storage)
         self.seq = 0
         self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s)
-        self.thresholds = HealthThresholds(
-            memory_yellow_percent=config.memory_yellow_percent,
-            memory_red_percent=config.memory_red_percent,
-            storage_yellow_free_bytes=config.storage_yellow_free_bytes,
-            storage_red_free_bytes=config.storage_red_free_bytes,
-            loop_lag_yellow_s=config.loop_stall_threshold_s,
-        )
+        # Set once connected and serving; tests and embedders wait on it.
+        self.ready = asyncio.Event()
+        self.thresholds = config.health_thresholds()
+        self.anomalies = config.anomaly_detector()
+        self.metrics = AgentMetrics()
+        self.gpu_monitor = GpuMonitor(job_of=self._job_of_pid, thresholds=self.thresholds.gpu)
+        self.http: HttpServer | None = None
+        if config.http_port >= 0:
+            self.http = HttpServer(health_routes(
+                render_metrics=self.metrics.render,
+                summary=lambda: self.health,
+                stuck_for=lambda: self.loop_monitor.stuck_for(time.monotonic()),
+                stuck_after_s=config.live_stuck_after_s,
+                started=self.ready.is_set,
+                extra=lambda: {"node": self.node, "incarnation": self.incarnation,
+                               "jobs": sorted(self.supervisor.jobs) if self.supervisor else []},
+            ), config.http_host, config.http_port)
         self.capabilities = Capabilities()
         self.health = HealthSummary()
         self._nc: Client | None = None
@@ -88,8 +101,6 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self._requests: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        # Set once connected and serving; tests and embedders wait on it.
-        self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -102,6 +113,16 @@ class Agent:
         except OSError as exc:
             raise ConfigError(f"storage {self.storage}: {exc.strerror or exc}") from None
         procs.become_subreaper()
+        if self.http is not None:
+            await self.http.start()  # /live answers while criu is being checked
+        try:
+            await self._serve()
+        finally:
+            await asyncio.to_thread(self.gpu_monitor.stop)
+            if self.http is not None:
+                await self.http.stop()
+
+    async def _serve(self) -> None:
         self.capabilities = await self._inspect()
         criu = self.capabilities.criu
         if not criu.ok:
@@ -126,7 +147,7 @@ class Agent:
                             staging_roots=self._staging_roots(), concurrency=self.config.checkpoint_concurrency,
                             criu_timeout_s=self.config.criu_timeout_s)
         self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
-                                     criu_error=criu.error or "criu unusable")
+                                     criu_error=criu.error or "criu unusable", metrics=self.metrics)
         await self._nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
         await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
         log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
@@ -179,7 +200,7 @@ class Agent:
 
     async def _inspect(self) -> Capabilities:
         criu: CriuInfo = await inspect_criu(self.config.criu_path, self.config.criu_check_timeout_s)
-        gpu_kind, gpus = await asyncio.to_thread(discover_gpus)
+        await asyncio.to_thread(self.gpu_monitor.start)
         return Capabilities(
             hostname=socket.gethostname(),
             kernel=platform.release(),
@@ -187,11 +208,29 @@ class Agent:
             memory_total_bytes=psutil.virtual_memory().total,
             revenant_version=_revenant_version(),
             criu=criu,
-            gpu=gpu_kind,
-            gpus=gpus,
+            metrics_url=self.http.url if self.http is not None else "",
+            gpu=self.gpu_monitor.kind,
+            gpus=list(self.gpu_monitor.gpus),
         )
 
-    def sample_health(self) -> HealthSummary:
+    def _job_of_pid(self, pid: int) -> str | None:
+        """The job a (GPU-using) process belongs to: its namespace's init is a job's root."""
+        sup = self.supervisor
+        if sup is None:
+            return None
+        roots = {rt.pid: job for job, rt in sup.jobs.items()}
+        try:
+            proc: psutil.Process | None = psutil.Process(pid)
+            while proc is not None:
+                if proc.pid in roots:
+                    return roots[proc.pid]
+                proc = proc.parent()
+        except psutil.Error:
+            pass
+        return None
+
+    async def sample_health(self) -> HealthSummary:
+        gpus = await self.gpu_monitor.read() if self.gpu_monitor.gpus else []
         worst_lag, recent_stalls = self.loop_monitor.take_window()
         try:
             free = shutil.disk_usage(self.storage).free
@@ -206,8 +245,24 @@ class Agent:
             criu_ok=self.capabilities.criu.ok,
             criu_error=self.capabilities.criu.error,
             nats_connected=self._nc is not None and self._nc.is_connected,
+            checkpoint_failures=self.supervisor.checkpoint_failures if self.supervisor else 0,
+            pending_ops=self.supervisor.pending_ops if self.supervisor else 0,
+            gpus=gpus,
+            gpu_recent_xids=self.gpu_monitor.recent_xids() if gpus else {},
+            gpu_errors=dict(self.gpu_monitor.errors),
         )
-        return evaluate(sample, self.thresholds)
+        summary = evaluate(sample, self.thresholds)
+        self.metrics.update_health(summary)
+        if self.supervisor is not None:
+            self.metrics.set_jobs({"running": len(self.supervisor.jobs)})
+        for a in self.anomalies.observe_all(probe_values(summary), time.monotonic()):
+            self.metrics.count_anomaly(a.metric)
+            log.warning("anomaly: %s = %g (mean %g, std %g)", a.metric, a.value, a.mean, a.std)
+            if self._events is not None:
+                self._events.emit(subjects.node_event(self.node, "anomaly"),
+                                  AnomalyEvent(node=self.node, metric=a.metric, value=a.value, mean=a.mean,
+                                               std=a.std, at=time.time()))
+        return summary
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -215,7 +270,7 @@ class Agent:
         next_at = time.monotonic()
         while True:
             if self._nc is not None:
-                self.health = self.sample_health()
+                self.health = await self.sample_health()
                 await self._publish_heartbeat(self._nc)
             if self.supervisor is not None:
                 self.supervisor.reap_orphans()
@@ -241,6 +296,7 @@ class Agent:
         )
         try:
             await nc.publish(subjects.heartbeat(self.node), encode(hb))
+            self.metrics.heartbeats.inc()
             if leaving:
                 await nc.flush(timeout=1)
         except nats.errors.OutboundBufferLimitError:

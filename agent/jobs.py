@@ -34,6 +34,7 @@ from revenant.agent import procs
 from revenant.agent.engine import Engine, signal_tree
 from revenant.agent.epochs import JobFiles
 from revenant.common.errors import CriuError, RevenantError
+from revenant.common.metrics import AgentMetrics
 from revenant.messages import AgentJobReply, EpochEvent, JobEvent, JobSpec, Message, subjects
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class JobRuntime:
 
 class Supervisor:
     def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
-                 criu_error: str = "criu unusable") -> None:
+                 criu_error: str = "criu unusable", metrics: AgentMetrics | None = None) -> None:
+        self.metrics = metrics
         self.node = node
         self.storage = storage
         self.engine = engine
@@ -193,6 +195,8 @@ class Supervisor:
             except RevenantError as exc:
                 rt.vacating = False
                 self.checkpoint_failures += 1
+                if self.metrics is not None:
+                    self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
                 self.emit(subjects.epoch_event(job, "failed"),
                           EpochEvent(job=job, kind="failed", at=time.time(), node=self.node, generation=generation,
                                      error=str(exc)))
@@ -201,6 +205,9 @@ class Supervisor:
                 raise
             self.checkpoint_failures = 0
             info = rt.files.info(manifest)
+            if self.metrics is not None:
+                self.metrics.observe_checkpoint(ok=True, duration_s=manifest.dump_s, freeze_s=manifest.freeze_s,
+                                                size_bytes=info.bytes)
             self.emit(subjects.epoch_event(job, "created"),
                       EpochEvent(job=job, kind="created", at=time.time(), n=manifest.epoch, node=self.node,
                                  generation=generation, bytes=info.bytes, freeze_s=manifest.freeze_s,

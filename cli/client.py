@@ -19,6 +19,7 @@ from revenant.common.cluster import resolve_nats_url
 from revenant.common.errors import BusError, RevenantError
 from revenant.common.intervals import format_interval, parse_interval
 from revenant.messages import (
+    AnomalyEvent,
     EpochEvent,
     JobEvent,
     JobRecord,
@@ -55,11 +56,17 @@ def _fmt_bytes(n: int) -> str:
 def _node_row(n: NodeStatus) -> list[str]:
     criu = n.capabilities.criu
     age = "-" if n.last_heartbeat_age_s is None else f"{n.last_heartbeat_age_s:.1f}s"
+    live = n.state in ("alive", "suspect")
+    if not n.capabilities.gpus:
+        gpu = n.capabilities.gpu
+    elif n.gpus and live:
+        gpu = " ".join(f"{g.temperature_c:.0f}C" for g in n.gpus)
+    else:
+        gpu = f"{len(n.capabilities.gpus)} gpu"
     return [
-        n.name, n.state, n.health if n.state in ("alive", "suspect") else "-", str(n.pid), age,
-        criu.version if criu.ok else "unusable",
-        n.capabilities.gpu if not n.capabilities.gpus else f"{len(n.capabilities.gpus)} gpu",
-        "; ".join(n.reasons) or "-",
+        n.name, n.state, n.health if live else "-", str(n.pid), age,
+        criu.version if criu.ok else "unusable", gpu,
+        ("; ".join(n.reasons) or "-") if live else "-",
     ]
 
 
@@ -77,17 +84,41 @@ async def fetch_nodes(url: str, timeout_s: float) -> NodesReply:
         await nc.close()
 
 
+def nodes_table(reply: NodesReply) -> str:
+    if not reply.nodes:
+        return "no nodes have sent a heartbeat yet"
+    header = ["NAME", "STATE", "HEALTH", "PID", "LAST-HB", "CRIU", "GPU", "REASONS"]
+    return render_table(header, [_node_row(n) for n in reply.nodes])
+
+
 def nodes(args: argparse.Namespace) -> int:
-    reply = asyncio.run(fetch_nodes(_url(args), args.timeout))
+    url = _url(args)
+    if args.watch:
+        return asyncio.run(_watch_nodes(url, args))
+    reply = asyncio.run(fetch_nodes(url, args.timeout))
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply.nodes), indent=2))
-        return 0
-    if not reply.nodes:
-        print("no nodes have sent a heartbeat yet")
-        return 0
-    header = ["NAME", "STATE", "HEALTH", "PID", "LAST-HB", "CRIU", "GPU", "REASONS"]
-    print(render_table(header, [_node_row(n) for n in reply.nodes]))
+    else:
+        print(nodes_table(reply))
     return 0
+
+
+async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
+    """Redraw the table in place (one connection for the whole watch)."""
+    nc = await bus.connect(url, "revenant-cli", endless_reconnect=True, connect_timeout_s=args.timeout)
+    try:
+        while True:
+            try:
+                reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, args.timeout)
+                body = (json.dumps(msgspec.to_builtins(reply.nodes)) if args.json else nodes_table(reply))
+            except RevenantError as exc:
+                body = f"revenant: {exc}"
+            stamp = datetime.now().strftime("%H:%M:%S")
+            sys.stdout.write(f"\x1b[H\x1b[2J{stamp}  every {args.interval:g}s, Ctrl-C to stop\n\n{body}\n")
+            sys.stdout.flush()
+            await asyncio.sleep(args.interval)
+    finally:
+        await nc.close()
 
 
 def _fmt_time(ts: float) -> str:
@@ -113,6 +144,9 @@ def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
                 f"epoch {event.epoch}" if event.epoch is not None else "",
                 f"({event.reason})" if event.reason else ""]
         line = f"{_fmt_time(event.at)} job {event.job} {event.kind} " + " ".join(b for b in bits if b)
+    elif isinstance(event, AnomalyEvent):
+        line = (f"{_fmt_time(event.at)} node {event.node} anomaly {event.metric}={event.value:g} "
+                f"(mean {event.mean:g}, std {event.std:g})")
     elif isinstance(event, EpochEvent):
         if event.kind == "created":
             detail = (f"epoch {event.n} on {event.node}: {_fmt_bytes(event.bytes)}, frozen "

@@ -62,17 +62,16 @@ def _tail(path: str, lines: int = 5) -> str:
         return ""
 
 
-async def _alive_nodes(url: str, timeout_s: float) -> list[str]:
+async def _nodes(url: str, timeout_s: float) -> NodesReply:
     nc = await bus.connect(url, "revenant-cli", endless_reconnect=False)
     try:
-        reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
-        return [n.name for n in reply.nodes if n.state == "alive"]
+        return await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
     finally:
         await nc.close()
 
 
 def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
-                timeout_s: float) -> None:
+                timeout_s: float) -> NodesReply:
     deadline = time.monotonic() + timeout_s
     missing = set(names)
     while time.monotonic() < deadline:
@@ -81,11 +80,12 @@ def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[b
                 raise RevenantError(f"{info.role} {info.name} exited with status {proc.returncode} at start; "
                                     f"log {info.log}:\n{_tail(info.log)}")
         try:
-            missing = set(names) - set(asyncio.run(_alive_nodes(url, 1.0)))
+            reply = asyncio.run(_nodes(url, 1.0))
+            missing = set(names) - {n.name for n in reply.nodes if n.state == "alive"}
+            if not missing:
+                return reply
         except RevenantError:
             pass
-        if not missing:
-            return
         time.sleep(0.2)
     raise RevenantError(f"nodes not alive after {timeout_s:g} s: {', '.join(sorted(missing))}")
 
@@ -118,16 +118,24 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
                                      create_time=_create_time(server.pid), log=str(logs / "nats-server.log"),
                                      argv=[str(a) for a in server.process.args]))
         py = [sys.executable, "-m", "revenant.cli"]
-        started.append(_spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator"],
-                              logs / "coordinator.log"))
+        # Every process serves its HTTP endpoints on a free port; cluster.json records which.
+        started.append(_spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator",
+                                                                  "--http-port", "0"], logs / "coordinator.log"))
         names = [f"node-{i}" for i in range(1, n_nodes + 1)]
         for name in names:
-            started.append(_spawn("agent", name, py + ["agent", "--node", name, "--nats", url,
+            started.append(_spawn("agent", name, py + ["agent", "--node", name, "--nats", url, "--http-port", "0",
                                                        "--storage", str(storage)], logs / f"{name}.log"))
         infos += [info for _, info in started]
         cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(), processes=infos)
         write_cluster(root, cluster)
-        _wait_alive(url, names, started, timeout_s)
+        reply = _wait_alive(url, names, started, timeout_s)
+        urls = {n.name: n.capabilities.metrics_url for n in reply.nodes}
+        for info in infos:
+            if info.role == "agent":
+                info.metrics_url = urls.get(info.name, "")
+            elif info.role == "coordinator":
+                info.metrics_url = reply.coordinator_metrics_url
+        write_cluster(root, cluster)
     except BaseException:
         _stop_processes(infos, timeout_s=5.0)
         cluster_file(root).unlink(missing_ok=True)

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML file with an [agent] table")
     p.add_argument("--criu", help="criu binary (default: $REVENANT_CRIU, then PATH)")
     p.add_argument("--heartbeat-interval", type=float, dest="heartbeat_interval_s", help="seconds between heartbeats")
+    p.add_argument("--http-host", help="address for /metrics, /health, /ready, /live (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, help="port for them (default 9750; 0 any free port, -1 off)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_agent)
 
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="coordinator name (default: host-pid)")
     p.add_argument("--node-timeout", type=float, dest="node_timeout_s", help="seconds of silence before a node is dead")
     p.add_argument("--suspect-timeout", type=float, dest="suspect_timeout_s", help="seconds of silence before a node is suspect")
+    p.add_argument("--http-host", help="address for /metrics, /health, /ready, /live (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, help="port for them (default 9751; 0 any free port, -1 off)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_coordinator)
 
@@ -55,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nodes", help="show the nodes, their state and health")
     _add_cluster_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--watch", "-w", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.set_defaults(func=_cmd_nodes)
 
     p = sub.add_parser("submit", help="run a job; prints its id")
@@ -118,6 +124,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     cfg = load_config(AgentConfig, "agent", args.config, {
         "node": args.node, "nats_url": args.nats, "storage": args.storage,
         "criu_path": args.criu, "heartbeat_interval_s": args.heartbeat_interval_s,
+        "http_host": args.http_host, "http_port": args.http_port,
     })
     if not cfg.node:
         raise RevenantError("agent needs a node name: --node NAME")
@@ -133,6 +140,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = load_config(CoordinatorConfig, "coordinator", args.config, {
         "nats_url": args.nats, "name": args.name,
         "node_timeout_s": args.node_timeout_s, "suspect_timeout_s": args.suspect_timeout_s,
+        "http_host": args.http_host, "http_port": args.http_port,
     })
     setup_logging("coordinator", cfg.name, args.log_level)
     return run_service(Coordinator(cfg))

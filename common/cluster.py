@@ -26,6 +26,8 @@ class ProcessInfo(msgspec.Struct, kw_only=True):
     create_time: float
     log: str = ""
     argv: list[str] = []
+    # Where the process serves /metrics, /health, /ready and /live ("" for nats-server).
+    metrics_url: str = ""
 
 
 class ClusterFile(msgspec.Struct, kw_only=True):

@@ -43,11 +43,30 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reconnect_wait_s: float = 0.5
     # The event loop counts a stall when a wake-up is this late.
     loop_stall_threshold_s: float = 0.25
-    # Health thresholds (see docs/configuration.md for the reasoning).
+    # Health thresholds (docs/observability.md gives the reasoning).
     memory_yellow_percent: float = 85.0
     memory_red_percent: float = 95.0
     storage_yellow_free_bytes: int = 2 * 1024**3
     storage_red_free_bytes: int = 256 * 1024**2
+    loop_lag_red_s: float = 2.0
+    checkpoint_failures_yellow: int = 1
+    checkpoint_failures_red: int = 3
+    pending_ops_yellow: int = 8
+    pending_ops_red: int = 32
+    gpu_temperature_yellow_c: float = 85.0
+    gpu_temperature_red_c: float = 90.0
+    gpu_ecc_uncorrected_red: int = 1
+    gpu_xid_hold_s: float = 300.0
+    # 3-sigma anomaly events over a sliding window of heartbeat readings.
+    anomaly_window: int = 60
+    anomaly_sigmas: float = 3.0
+    anomaly_min_samples: int = 30
+    anomaly_cooldown_s: float = 300.0
+    # HTTP endpoints (/metrics, /health, /ready, /live); port 0 picks a free one, -1 turns them off.
+    http_host: str = "127.0.0.1"
+    http_port: int = 9750
+    # /live fails once the event loop has not woken up for this long.
+    live_stuck_after_s: float = 5.0
     # On SIGTERM: how long running work may take to finish before it is cancelled.
     shutdown_grace_s: float = 3.0
 
@@ -57,6 +76,33 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
+        _port(self.http_port)
+        # Build the derived objects once, so inconsistent values fail here as a config error.
+        self.health_thresholds()
+        self.anomaly_detector()
+
+    def health_thresholds(self):
+        from revenant.agent.gpu import GpuThresholds
+        from revenant.agent.health import HealthThresholds
+
+        return HealthThresholds(
+            memory_yellow_percent=self.memory_yellow_percent, memory_red_percent=self.memory_red_percent,
+            storage_yellow_free_bytes=self.storage_yellow_free_bytes,
+            storage_red_free_bytes=self.storage_red_free_bytes,
+            loop_lag_yellow_s=self.loop_stall_threshold_s, loop_lag_red_s=self.loop_lag_red_s,
+            checkpoint_failures_yellow=self.checkpoint_failures_yellow,
+            checkpoint_failures_red=self.checkpoint_failures_red,
+            pending_ops_yellow=self.pending_ops_yellow, pending_ops_red=self.pending_ops_red,
+            gpu=GpuThresholds(temperature_yellow_c=self.gpu_temperature_yellow_c,
+                              temperature_red_c=self.gpu_temperature_red_c,
+                              ecc_uncorrected_red=self.gpu_ecc_uncorrected_red, xid_hold_s=self.gpu_xid_hold_s),
+        )
+
+    def anomaly_detector(self):
+        from revenant.agent.anomaly import AnomalyDetector
+
+        return AnomalyDetector(window=self.anomaly_window, sigmas=self.anomaly_sigmas,
+                               min_samples=self.anomaly_min_samples, cooldown_s=self.anomaly_cooldown_s)
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -82,6 +128,10 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     start_timeout_s: float = 30.0
     # Limit on one checkpoint or restore, as seen by the coordinator.
     checkpoint_timeout_s: float = 3600.0
+    # HTTP endpoints (/metrics, /health, /ready, /live); port 0 picks a free one, -1 turns them off.
+    http_host: str = "127.0.0.1"
+    http_port: int = 9751
+    live_stuck_after_s: float = 5.0
 
     def __post_init__(self) -> None:
         _positive(self, "start_timeout_s", "checkpoint_timeout_s", "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",
@@ -89,6 +139,12 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                   "event_publish_timeout_s")
         if self.node_timeout_s < self.suspect_timeout_s:
             raise ValueError("node_timeout_s must be at least suspect_timeout_s")
+        _port(self.http_port)
+
+
+def _port(port: int) -> None:
+    if not -1 <= port <= 65535:
+        raise ValueError(f"http_port must be -1 (off), 0 (any) or a port number, got {port}")
 
 
 def _positive(cfg: msgspec.Struct, *names: str) -> None:

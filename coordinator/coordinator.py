@@ -22,9 +22,13 @@ from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError
 from revenant.common.events import EventPublisher
+from revenant.common.httpserver import HttpServer
+from revenant.common.metrics import CoordinatorMetrics, health_routes
+from revenant.agent.health import LoopMonitor
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.jobs import JobService
 from revenant.messages import (
+    HealthSummary,
     Heartbeat,
     JobReply,
     JobRequest,
@@ -67,12 +71,38 @@ class Coordinator:
         self.ready = asyncio.Event()
         self._reconnected = False
         self.malformed_heartbeats = 0
+        self.metrics = CoordinatorMetrics()
+        self.loop_monitor = LoopMonitor()
+        self.http: HttpServer | None = None
+        if config.http_port >= 0:
+            self.http = HttpServer(health_routes(
+                render_metrics=self._render_metrics,
+                summary=lambda: HealthSummary(nats_connected=self._nc is not None and self._nc.is_connected),
+                stuck_for=lambda: self.loop_monitor.stuck_for(time.monotonic()),
+                stuck_after_s=config.live_stuck_after_s,
+                started=self.ready.is_set,
+                extra=lambda: {"coordinator": self.name, "nodes": self.detector.counts()},
+            ), config.http_host, config.http_port)
 
     # ------------------------------------------------------------------ lifecycle
+
+    def _render_metrics(self) -> bytes:
+        self.metrics.update_nodes(self.detector.snapshot(self._clock()))
+        self.metrics.loop_lag.set(self.loop_monitor.lag_s)
+        return self.metrics.render()
 
     async def run(self) -> None:
         if self._stopping.is_set():
             return
+        if self.http is not None:
+            await self.http.start()
+        try:
+            await self._run()
+        finally:
+            if self.http is not None:
+                await self.http.stop()
+
+    async def _run(self) -> None:
 
         async def on_reconnect() -> None:
             self._reconnected = True
@@ -95,6 +125,7 @@ class Coordinator:
             self._events.start()
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._tick_loop(), name="detector-tick"),
+                         tg.create_task(self.loop_monitor.run(), name="loop-monitor"),
                          tg.create_task(self.jobs.consume_events(), name="job-events"),
                          tg.create_task(self.jobs.periodic_checkpoints(), name="periodic-checkpoints")]
                 await self._stopping.wait()
@@ -124,19 +155,23 @@ class Coordinator:
             hb = decode_as(msg.data, Heartbeat)
         except MessageError as exc:
             self.malformed_heartbeats += 1
+            self.metrics.count_heartbeat(malformed=True)
             if self.malformed_heartbeats & (self.malformed_heartbeats - 1) == 0:  # log 1, 2, 4, 8, ...
                 log.warning("dropped bad heartbeat on %s (%d so far): %s", msg.subject, self.malformed_heartbeats, exc)
             return
         if hb.node != node:
             self.malformed_heartbeats += 1
+            self.metrics.count_heartbeat(malformed=True)
             log.warning("dropped heartbeat for %r published on %s", hb.node, msg.subject)
             return
+        self.metrics.count_heartbeat()
         self._emit(self.detector.heartbeat(hb, self._clock()))
 
     async def _on_nodes(self, msg: Msg) -> None:
         try:
             decode_as(msg.data, NodesRequest)
-            data = encode(NodesReply(nodes=self.detector.snapshot(self._clock()), coordinator=self.name))
+            data = encode(NodesReply(nodes=self.detector.snapshot(self._clock()), coordinator=self.name,
+                                     coordinator_metrics_url=self.http.url if self.http is not None else ""))
         except (MessageError, RevenantError) as exc:
             data = bus.error_reply(exc)
         await self._respond(msg, data)
@@ -229,6 +264,7 @@ class Coordinator:
                     f", {t.reason}" if t.reason else "")
             event = NodeEvent(node=t.node, kind=t.kind, at=at, incarnation=t.incarnation,
                               silence_s=round(t.silence_s, 3), reason=t.reason)
+            self.metrics.count_node_event(event)
             if self._events is not None:
                 self._events.emit(subjects.node_event(t.node, t.kind), event)
             if self.jobs is not None and (t.kind in ("dead", "left") or t.reason == "agent restarted"):

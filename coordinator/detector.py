@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from revenant.common.config import CoordinatorConfig
-from revenant.messages import Capabilities, HealthState, Heartbeat, NodeEventKind, NodeState, NodeStatus
+from revenant.messages import Capabilities, GpuHealth, HealthState, Heartbeat, NodeEventKind, NodeState, NodeStatus
 
 # Inter-arrival history kept per node for phi-accrual.
 PHI_WINDOW = 100
@@ -56,6 +56,7 @@ class NodeRecord:
     health: HealthState = "GREEN"
     reasons: list[str] = field(default_factory=list)
     capabilities: Capabilities = field(default_factory=Capabilities)
+    gpus: list[GpuHealth] = field(default_factory=list)
     last_heartbeat_at: float = 0.0
     # The latest evidence of life: a heartbeat or an answered probe (or a grace period).
     last_alive_at: float = 0.0
@@ -201,6 +202,7 @@ class FailureDetector:
                 phi=round(min(self.phi(r, now), 1e6), 2),
                 state_since_age_s=round(now - r.state_since, 3),
                 capabilities=r.capabilities,
+                gpus=r.gpus,
             )
             for r in sorted(self.nodes.values(), key=lambda r: r.name)
         ]
@@ -222,6 +224,7 @@ class FailureDetector:
         rec.health = hb.health.state
         rec.reasons = list(hb.health.reasons)
         rec.capabilities = hb.capabilities
+        rec.gpus = hb.health.gpus
         rec.last_heartbeat_at = now
         rec.last_alive_at = now
 

@@ -63,6 +63,8 @@ class Capabilities(_Body):
     memory_total_bytes: int = 0
     revenant_version: str = ""
     criu: CriuInfo = msgspec.field(default_factory=CriuInfo)
+    # Where this agent serves /metrics, /health, /ready and /live ("" when off).
+    metrics_url: str = ""
     # "none" when NVML has no driver or no device; that is normal, not an error.
     gpu: str = "none"
     gpus: list[GpuInfo] = []
@@ -122,6 +124,8 @@ class NodeStatus(_Body):
     phi: float = 0.0
     state_since_age_s: float = 0.0
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
+    # The GPU readings from the node's latest heartbeat.
+    gpus: list[GpuHealth] = []
 
 
 class JobSpec(_Body):
@@ -218,6 +222,18 @@ class NodesRequest(Message, tag="nodes_request.v1"):
 class NodesReply(Message, tag="nodes_reply.v1"):
     nodes: list[NodeStatus] = []
     coordinator: str = ""
+    coordinator_metrics_url: str = ""
+
+
+class AnomalyEvent(Message, tag="anomaly.v1"):
+    """A probe reading above mean + 3 sigma of its sliding window (revenant.evt.node.<node>.anomaly)."""
+
+    node: str
+    metric: str
+    value: float
+    mean: float
+    std: float
+    at: float
 
 
 # -- client -> coordinator (revenant.coord.<verb>)
@@ -352,11 +368,13 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     AgentJobReply,
     JobEvent,
     EpochEvent,
+    AnomalyEvent,
     ErrorReply,
 )
 
 __all__ = [
     "AgentJobReply",
+    "AnomalyEvent",
     "CheckpointJob",
     "EpochEvent",
     "EpochEventKind",

@@ -47,7 +47,7 @@ async def running(service):
 
 def agent_config(nats_url, tmp_path, node="node-1", **kw):
     return AgentConfig(node=node, nats_url=nats_url, storage=str(tmp_path / "storage"),
-                       heartbeat_interval_s=0.2, **kw)
+                       heartbeat_interval_s=0.2, http_port=0, **kw)
 
 
 async def wait_for(predicate, timeout=10.0, interval=0.05):
@@ -99,7 +99,7 @@ async def _probe(nc):
 
 
 async def test_coordinator_tracks_nodes_and_publishes_events(nats_url, tmp_path):
-    cfg = CoordinatorConfig(nats_url=nats_url)
+    cfg = CoordinatorConfig(nats_url=nats_url, http_port=0)
     async with running(Coordinator(cfg)):
         nc = await bus.connect(nats_url, "test", endless_reconnect=False)
 
@@ -145,7 +145,7 @@ async def _states(nodes, want):
 
 
 async def test_coordinator_survives_malformed_and_spoofed_heartbeats(nats_url, tmp_path):
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url))) as coord:
+    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord:
         nc = await bus.connect(nats_url, "test", endless_reconnect=False)
         await nc.publish(subjects.heartbeat("node-x"), b"\xc1\xc1")
         await nc.publish(subjects.heartbeat("node-x"), msgpack.packb({"type": "heartbeat.v1", "seq": "x"}))
