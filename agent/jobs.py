@@ -141,7 +141,7 @@ class Supervisor:
             code = wrapper.returncode if wrapper.returncode >= 0 else 128 - wrapper.returncode
             asyncio.get_running_loop().call_soon(self._exited, rt, code)
         else:
-            self._watch(rt, wrapper.pid)
+            self._watch(rt, wrapper.pid, wrapper)
         return self._reply(rt)
 
     async def _namespace_init(self, wrapper: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:
@@ -160,9 +160,11 @@ class Supervisor:
         signal_tree(wrapper.pid, signal.SIGKILL)
         raise LaunchError(f"the job's namespace did not start within {timeout_s:g} s")
 
-    def _watch(self, rt: JobRuntime, pid: int) -> None:
+    def _watch(self, rt: JobRuntime, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
         async def watch() -> None:
             code = await procs.wait_pid(pid)
+            if popen is not None:
+                popen.returncode = code  # reaped here: Popen must not think it still runs
             self._exited(rt, code)
 
         task = asyncio.create_task(watch(), name=f"watch-{rt.spec.id}")

@@ -1,0 +1,194 @@
+"""The engine and the epoch store in-process: atomic epochs, verification, rollback,
+and failures (criu failing or missing, a full disk) that must leave the job unharmed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import COUNTER
+from revenant.agent import procs
+from revenant.agent.criu import locate_criu
+from revenant.agent.engine import Engine, NoSpace
+from revenant.agent.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch, rollback_outputs
+from revenant.agent.jobs import JobNotRunning, Supervisor
+from revenant.common.errors import CriuError
+from revenant.messages import JobSpec
+
+
+# ------------------------------------------------------------------ the epoch store
+
+def fake_epoch(files: JobFiles, staging: Path, payload: bytes, outputs: dict[str, int] | None = None) -> Manifest:
+    staging.mkdir(parents=True, exist_ok=True)
+    (staging / "pages-1.img").write_bytes(payload)
+    (staging / "core-1.img").write_bytes(b"core")
+    m = Manifest(job=files.job, epoch=0, generation=1, node="n1", created_at=time.time(), criu_version="4.1.1",
+                 kernel="k", outputs=outputs or {})
+    return files.commit(staging, files.new_tmp("n1"), m)
+
+
+def test_commit_is_atomic_and_numbered(tmp_path):
+    files = JobFiles(tmp_path, "7")
+    assert files.committed() == [] and files.next_number() == 1
+    m1 = fake_epoch(files, tmp_path / "s1", b"a" * 10000)
+    m2 = fake_epoch(files, tmp_path / "s2", b"b" * 20000)
+    assert (m1.epoch, m2.epoch) == (1, 2) and files.committed() == [1, 2]
+    assert m2.files["pages-1.img"] == FileEntry(size=20000, sha256=m2.files["pages-1.img"].sha256)
+    # A half-written epoch (a crash mid-copy) is never listed, and a new agent cleans it.
+    tmp = files.new_tmp("n1")
+    (tmp / "pages-1.img").write_bytes(b"partial")
+    assert files.committed() == [1, 2]
+    assert files.next_number() == 3
+    # A numbered directory without a manifest is not an epoch either.
+    (files.epochs_dir / "9").mkdir()
+    assert files.committed() == [1, 2]
+    files.clean_stale_tmp("n1")
+    assert not tmp.exists()
+
+
+def test_verify_and_fallback(tmp_path):
+    files = JobFiles(tmp_path, "7")
+    fake_epoch(files, tmp_path / "s1", b"a" * 5000)
+    fake_epoch(files, tmp_path / "s2", b"b" * 5000)
+    m, notes = files.newest_verified()
+    assert m.epoch == 2 and notes == []
+    pages = files.epoch_dir(2) / "pages-1.img"
+    pages.write_bytes(b"c" * 5000)  # same size, other bytes
+    with pytest.raises(CorruptEpoch, match="checksum"):
+        files.verify(2)
+    m, notes = files.newest_verified()
+    assert m.epoch == 1 and "epoch 2" in notes[0]
+    (files.epoch_dir(1) / "core-1.img").unlink()
+    with pytest.raises(NoEpoch, match="no epoch verifies"):
+        files.newest_verified()
+    (files.epoch_dir(2) / MANIFEST).write_text("{not json")
+    with pytest.raises(CorruptEpoch, match="unreadable manifest"):
+        files.verify(2)
+
+
+def test_prune_keeps_the_newest_and_purge_frees_space(tmp_path):
+    files = JobFiles(tmp_path, "7")
+    for i in range(4):
+        fake_epoch(files, tmp_path / f"s{i}", bytes([i]) * 1000)
+    assert files.prune(2) == [1, 2]
+    assert files.committed() == [3, 4]
+    assert files.next_number() == 5  # numbers are never reused
+    assert files.purge() >= 2 * 1004
+    assert files.committed() == [] and not files.epochs_dir.exists()
+
+
+def test_rollback_cuts_output_back_and_refuses_lost_data(tmp_path):
+    out = tmp_path / "output.log"
+    out.write_bytes(b"0123456789")
+    m = Manifest(job="7", epoch=3, generation=1, node="n", created_at=0, criu_version="4.1.1", kernel="k",
+                 outputs={str(out): 4})
+    notes = rollback_outputs(m)
+    assert out.read_bytes() == b"0123" and "6 bytes" in notes[0]
+    assert rollback_outputs(m) == []  # already at the right size
+    m.outputs[str(out)] = 100
+    with pytest.raises(EpochError, match="shorter than at the dump"):
+        rollback_outputs(m)
+
+
+# ------------------------------------------------------------------ supervisor + real criu
+
+@pytest.fixture
+async def supervisor_factory(tmp_path):
+    procs.become_subreaper()
+    made: list[Supervisor] = []
+
+    def make(storage: Path, criu: str | None = None, staging: Path | None = None) -> tuple[Supervisor, list]:
+        events: list = []
+        engine = None
+        if criu is not None:
+            engine = Engine(criu_path=criu, criu_version="4.1.1", node="n1", storage=storage,
+                            staging_roots=[staging or tmp_path / "staging"])
+        sup = Supervisor("n1", storage, engine, lambda subject, msg: events.append(msg),
+                         criu_error="criu not found: set criu_path, REVENANT_CRIU, or put criu on PATH")
+        made.append(sup)
+        return sup, events
+
+    yield make
+    for sup in made:
+        await sup.shutdown()  # kills any job a failed test left running
+
+
+async def start_counter(sup: Supervisor, job: str = "1") -> JobSpec:
+    spec = JobSpec(id=job, argv=[sys.executable, str(COUNTER), "100000", "0.02"], workdir="/")
+    await sup.start(spec, 1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and JobFiles(sup.storage, job).output.stat().st_size < 30:
+        await asyncio.sleep(0.05)
+    return spec
+
+
+async def growing(sup: Supervisor, job: str) -> bool:
+    out = JobFiles(sup.storage, job).output
+    before = out.stat().st_size
+    await asyncio.sleep(0.3)
+    return out.stat().st_size > before
+
+
+async def test_failing_criu_reports_its_last_error_line_and_the_job_keeps_running(tmp_path, supervisor_factory):
+    fake = tmp_path / "criu"
+    fake.write_text('#!/bin/sh\necho "(00.01) Error (criu/util.c:1): rlimit: Can\'t setup RLIMIT_NOFILE"\n'
+                    'echo "(00.02) Error (criu/cr-dump.c:2120): Dumping FAILED."\n'
+                    'echo "(00.03) Error (criu/util.c:1): rlimit: Can\'t setup RLIMIT_NOFILE"\nexit 1\n')
+    fake.chmod(0o755)
+    sup, events = supervisor_factory(tmp_path / "storage", str(fake))
+    await start_counter(sup)
+    for stop in (False, True):
+        with pytest.raises(CriuError) as info:
+            await sup.checkpoint("1", 1, stop=stop)
+        assert str(info.value) == "criu dump failed: (00.02) Error (criu/cr-dump.c:2120): Dumping FAILED."
+        assert await growing(sup, "1")
+    assert JobFiles(sup.storage, "1").committed() == []
+    assert [e.kind for e in events if e.__class__.__name__ == "EpochEvent"] == ["failed", "failed"]
+    assert sup.checkpoint_failures == 2
+
+
+async def test_missing_criu_is_one_clear_error(tmp_path, supervisor_factory):
+    sup, _ = supervisor_factory(tmp_path / "storage", None)
+    await start_counter(sup)
+    with pytest.raises(CriuError, match="cannot checkpoint on n1: criu not found"):
+        await sup.checkpoint("1", 1, stop=False)
+    assert await growing(sup, "1")
+    with pytest.raises(JobNotRunning, match="job 9 is not running on n1"):
+        await sup.checkpoint("9", 1, stop=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_full_disk_fails_the_checkpoint_cleanly(tmp_path, supervisor_factory, small_disk):
+    sup, events = supervisor_factory(small_disk, locate_criu(), staging=tmp_path / "staging")
+    await start_counter(sup)
+    first = await sup.checkpoint("1", 1, stop=False)
+    files = JobFiles(small_disk, "1")
+    assert files.committed() == [1]
+    # Fill the disk, leaving less than one checkpoint's worth.
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * max(0, free - first.epoch.bytes // 4))
+    for stop in (False, True):
+        with pytest.raises(NoSpace, match="no space left writing the checkpoint of 1"):
+            await sup.checkpoint("1", 1, stop=stop)
+        assert "1" in sup.jobs and await growing(sup, "1")
+    # The older epoch is untouched and still verifies; nothing half-written is listed or left.
+    assert files.committed() == [1]
+    files.verify(1)
+    assert [p.name for p in files.epochs_dir.iterdir()] == ["1"]
+    pid = sup.jobs["1"].pid
+    assert psutil.Process(pid).status() != psutil.STATUS_STOPPED
