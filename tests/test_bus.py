@@ -191,3 +191,65 @@ async def test_agent_with_missing_criu_still_heartbeats_and_reports_red(nats_url
     assert "criu not found" in hb.capabilities.criu.error
     assert hb.health.state == "RED"
     assert any("criu" in r for r in hb.health.reasons)
+
+
+async def _http_get(url: str) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    path = "/" + url.removeprefix("http://").split("/", 1)[1]
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+async def test_agent_serves_metrics_health_ready_and_live(nats_url, tmp_path):
+    import json
+
+    async with running(Agent(agent_config(nats_url, tmp_path))) as agent:
+        url = agent.http.url
+        await asyncio.sleep(0.5)  # a heartbeat or two
+        status, body = await _http_get(url + "/metrics")
+        assert status == 200
+        text = body.decode()
+        for metric in ("revenant_node_health_state", "revenant_event_loop_lag_seconds",
+                       "revenant_checkpoint_duration_seconds_bucket", "revenant_heartbeats_sent_total"):
+            assert metric in text
+        status, body = await _http_get(url + "/health")
+        doc = json.loads(body)
+        assert status == 200 and doc["state"] in ("GREEN", "YELLOW") and "memory_percent" in doc["probes"]
+        assert doc["node"] == "node-1"
+        assert (await _http_get(url + "/ready"))[0] == 200
+        assert (await _http_get(url + "/live"))[0] == 200
+        assert (await _http_get(url + "/nope"))[0] == 404
+        assert agent.capabilities.metrics_url == url
+
+
+async def test_injected_loop_stall_makes_the_node_yellow(nats_url, tmp_path):
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.heartbeat("node-1"))
+    async with running(Agent(agent_config(nats_url, tmp_path))):
+        await sub.next_msg(timeout=5)
+        time.sleep(0.6)  # block the agent's event loop, as a runaway callback would
+        beats = [decode_as((await sub.next_msg(timeout=5)).data, Heartbeat) for _ in range(3)]
+    await nc.close()
+    stalled = [b for b in beats if b.health.loop_stalls >= 1]
+    assert stalled, [b.health for b in beats]
+    assert any(b.health.state == "YELLOW" and any("event loop" in r for r in b.health.reasons) for b in stalled)
+
+
+async def test_memory_pressure_makes_the_node_yellow(nats_url, tmp_path):
+    import psutil
+
+    used = psutil.virtual_memory().percent
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.heartbeat("node-1"))
+    # The real memory probe against a threshold this machine is already above.
+    cfg = agent_config(nats_url, tmp_path, memory_yellow_percent=max(1.0, used / 2), memory_red_percent=99.9)
+    async with running(Agent(cfg)):
+        hb = decode_as((await sub.next_msg(timeout=5)).data, Heartbeat)
+        hb = decode_as((await sub.next_msg(timeout=5)).data, Heartbeat)
+    await nc.close()
+    assert hb.health.state == "YELLOW"
+    assert any(r.startswith("memory") for r in hb.health.reasons)

@@ -186,3 +186,30 @@ def test_user_errors_are_one_line(args, message):
     assert message in out.stderr
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_nodes_watch_refreshes_in_place(cluster):
+    url = json.loads((cluster / "cluster.json").read_text())["nats_url"]
+    proc = subprocess.Popen([str(VENV_BIN / "revenant"), "nodes", "--watch", "--interval", "0.3", "--nats", url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    frames = out.split("\x1b[H\x1b[2J")[1:]
+    assert len(frames) >= 3, out
+    assert all("node-1" in f and "NAME" in f for f in frames)
+    assert "Traceback" not in err
+
+
+def test_cluster_json_lists_every_metrics_url(cluster):
+    import urllib.request
+
+    doc = json.loads((cluster / "cluster.json").read_text())
+    for p in doc["processes"]:
+        if p["role"] == "nats-server":
+            continue
+        assert p["metrics_url"].startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(p["metrics_url"] + "/metrics", timeout=5) as resp:
+            assert b"revenant_" in resp.read()
+        with urllib.request.urlopen(p["metrics_url"] + "/ready", timeout=5) as resp:
+            assert resp.status == 200
