@@ -20,6 +20,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import msgspec
 import nats.errors
 import psutil
 from nats.aio.client import Client
@@ -29,6 +30,7 @@ from revenant.agent import procs
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.jobs import Supervisor
+from revenant.agent.lease import LeaseKeeper, open_bucket
 from revenant.agent.gpu import GpuMonitor
 from revenant.agent.health import HealthSample, LoopMonitor, evaluate, probe_values
 from revenant.common import bus
@@ -40,6 +42,8 @@ from revenant.common.metrics import AgentMetrics, health_routes
 from revenant.messages import (
     AgentJobReply,
     AnomalyEvent,
+    JobRecord,
+    NodeEvent,
     Capabilities,
     CheckpointJob,
     KillJob,
@@ -99,6 +103,9 @@ class Agent:
         self._nc: Client | None = None
         self._events: EventPublisher | None = None
         self.supervisor: Supervisor | None = None
+        self.lease: LeaseKeeper | None = None
+        self._fence_report: str = ""
+        self._js = None
         self._requests: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
@@ -133,8 +140,13 @@ class Agent:
             ping_interval_s=self.config.ping_interval_s,
             max_outstanding_pings=self.config.max_outstanding_pings,
             reconnect_wait_s=self.config.reconnect_wait_s,
+            on_reconnect=self._on_reconnect,
         )
-        js = self._nc.jetstream()
+        js = self._js = self._nc.jetstream()
+        self.lease = LeaseKeeper(js, self.node, self.incarnation, ttl_s=self.config.lease_ttl_s,
+                                 renew_s=self.config.lease_renew_s, fence_timeout_s=self.config.fence_timeout_s,
+                                 on_fence=self._fence, on_renewed_after_fence=self._after_fence,
+                                 on_renewed=self._on_lease_renewed)
         try:
             await bus.ensure_event_stream(js)
         except RevenantError as exc:
@@ -147,7 +159,8 @@ class Agent:
                             staging_roots=self._staging_roots(), concurrency=self.config.checkpoint_concurrency,
                             criu_timeout_s=self.config.criu_timeout_s)
         self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
-                                     criu_error=criu.error or "criu unusable", metrics=self.metrics)
+                                     criu_error=criu.error or "criu unusable", metrics=self.metrics,
+                                     switch_timeout_s=self.config.fence_timeout_s)
         await self._nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
         await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
         log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
@@ -156,10 +169,11 @@ class Agent:
             async with asyncio.TaskGroup() as tg:
                 monitor = tg.create_task(self.loop_monitor.run(), name="loop-monitor")
                 beats = tg.create_task(self._heartbeat_loop(), name="heartbeats")
+                lease = tg.create_task(self.lease.run(), name="lease")
                 self.ready.set()
                 await self._stopping.wait()
-                beats.cancel()
-                monitor.cancel()
+                for task in (beats, monitor, lease):
+                    task.cancel()
         finally:
             await self._leave()
 
@@ -252,6 +266,9 @@ class Agent:
             gpu_errors=dict(self.gpu_monitor.errors),
         )
         summary = evaluate(sample, self.thresholds)
+        if self.lease is not None and self.lease.fenced:
+            summary.state = "RED"
+            summary.reasons.append("self-fenced: lease not renewed")
         self.metrics.update_health(summary)
         if self.supervisor is not None:
             self.metrics.set_jobs({"running": len(self.supervisor.jobs)})
@@ -269,6 +286,8 @@ class Agent:
         jitter = self.config.heartbeat_jitter
         next_at = time.monotonic()
         while True:
+            if self.lease is not None:
+                await self.lease.check()  # a paused agent fences before it says anything
             if self._nc is not None:
                 self.health = await self.sample_health()
                 await self._publish_heartbeat(self._nc)
@@ -347,9 +366,12 @@ class Agent:
     async def _dispatch(self, verb: str, data: bytes) -> AgentJobReply:
         sup = self.supervisor
         assert sup is not None
+        if self.lease is not None and await self.lease.check():
+            raise RevenantError(f"node {self.node} is self-fenced (its lease lapsed); try another node",
+                                code="fenced", retriable=True)
         if verb == "start":
             cmd = decode_as(data, StartJob)
-            return await sup.start(cmd.spec, cmd.generation)
+            return await sup.start(cmd.spec, cmd.generation, fresh=cmd.fresh)
         if verb == "checkpoint":
             ck = decode_as(data, CheckpointJob)
             return await sup.checkpoint(ck.job, ck.generation, ck.stop)
@@ -362,3 +384,49 @@ class Agent:
         if verb == "purge":
             return await sup.purge(decode_as(data, PurgeJob).job)
         raise RevenantError(f"unknown command {verb!r}", code="unknown_command")
+
+    # ------------------------------------------------------------------ fencing and reconciling
+
+    def _on_lease_renewed(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.touch_stamps()
+
+    async def _fence(self, stale_s: float) -> None:
+        if self.supervisor is None:
+            return
+        killed = await self.supervisor.fence_all(f"self-fenced: lease not renewed for {stale_s:.1f} s")
+        self._fence_report = (f"lease not renewed for {stale_s:.1f} s; killed "
+                              f"{', '.join(killed) if killed else 'no jobs'}")
+
+    async def _after_fence(self) -> None:
+        if self._events is not None:
+            self._events.emit(subjects.node_event(self.node, "fenced"),
+                              NodeEvent(node=self.node, kind="fenced", at=time.time(), incarnation=self.incarnation,
+                                        reason=self._fence_report))
+        await self.reconcile()
+
+    async def _on_reconnect(self) -> None:
+        task = asyncio.create_task(self.reconcile())
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def reconcile(self) -> None:
+        """Kill every local job whose generation has moved on, or that now belongs to another node."""
+        sup = self.supervisor
+        if sup is None or not sup.jobs:
+            return
+        try:
+            kv = await open_bucket(self._js, subjects.JOBS_BUCKET, None, history=5)
+        except RevenantError as exc:
+            log.warning("cannot reconcile: %s", exc)
+            return
+        for job, rt in list(sup.jobs.items()):
+            try:
+                rec = msgspec.msgpack.decode((await kv.get(job)).value, type=JobRecord)
+            except Exception as exc:  # missing key, bad record, timeout: leave the job alone
+                log.debug("reconcile: no record for job %s: %s", job, exc)
+                continue
+            if rec.generation != rt.generation or rec.node != self.node:
+                log.warning("job %s generation %d is stale (now generation %d on %s): killing it",
+                            job, rt.generation, rec.generation, rec.node or "no node")
+                await sup.kill(job, rt.generation, reason=f"superseded by generation {rec.generation}")

@@ -133,6 +133,8 @@ class JobFiles:
         self.job = job
         self.epochs_dir = self.dir / "epochs"
         self.output = self.dir / "output.log"
+        # The dead man's switch's stamp (see agent/jobs.py).
+        self.stamp = self.dir / "alive"
 
     def epoch_dir(self, n: int) -> Path:
         return self.epochs_dir / str(n)
@@ -274,6 +276,31 @@ def output_sizes(paths: list[Path]) -> dict[str, int]:
     return out
 
 
+def replace_with_prefix(path: Path | str, size: int) -> None:
+    """Replace ``path`` by a new file holding its first ``size`` bytes.
+
+    A new inode, not a truncate: a stale copy of the job that still runs
+    somewhere (on a partitioned or paused node) keeps its descriptor to the old
+    inode, so its writes can never land in the current output.  That is the
+    fence at the resource.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    with open(tmp, "wb") as out:
+        if size:
+            with open(path, "rb") as src:
+                remaining = size
+                while remaining > 0:
+                    n = os.copy_file_range(src.fileno(), out.fileno(), remaining)
+                    if n == 0:
+                        break
+                    remaining -= n
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def rollback_outputs(manifest: Manifest) -> list[str]:
     """Cut each output file back to its size at the dump, so restored output is never duplicated."""
     notes = []
@@ -285,10 +312,8 @@ def rollback_outputs(manifest: Manifest) -> list[str]:
         if current < size:
             raise EpochError(f"output file {path} is {current} bytes, shorter than at the dump ({size}): "
                              f"data was lost; refusing to restore epoch {manifest.epoch}")
+        replace_with_prefix(path, size)
         if current > size:
-            with open(path, "r+b") as f:
-                f.truncate(size)
-                os.fsync(f.fileno())
             notes.append(f"rolled {os.path.basename(path)} back {current - size} bytes to its size at epoch {manifest.epoch}")
     return notes
 

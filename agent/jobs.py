@@ -32,14 +32,35 @@ import psutil
 
 from revenant.agent import procs
 from revenant.agent.engine import Engine, signal_tree
-from revenant.agent.epochs import JobFiles
+from revenant.agent.epochs import JobFiles, replace_with_prefix
 from revenant.common.errors import CriuError, RevenantError
 from revenant.common.metrics import AgentMetrics
 from revenant.messages import AgentJobReply, EpochEvent, JobEvent, JobSpec, Message, subjects
 
 log = logging.getLogger(__name__)
 
-INIT_SCRIPT = 'out=$1; shift\nexec </dev/null >>"$out" 2>&1\n"$@" &\nwait $!\n'
+# pid 1 of the job's namespace.  Besides waiting for the job it is a dead man's
+# switch: it holds the job's stamp file open as fd 3, and the agent touches that
+# file (by path) each time it renews its lease.  If the stamp goes stale for
+# FENCE_MS - the agent is dead, paused or cut off - it exits, and the kernel
+# kills everything in the namespace.  A restore gives the stamp a new inode
+# first, so a stale copy left behind on a paused node watches a file nobody
+# touches any more, and fences itself.  No descriptor leads outside the job's
+# files, so criu dumps it like any other regular file.
+INIT_SCRIPT = """out=$1; stamp=$2; fence_ms=$3; shift 3
+exec </dev/null >>"$out" 2>&1 3<"$stamp"
+"$@" &
+child=$!
+while kill -0 $child 2>/dev/null; do
+    sleep 0.2
+    m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
+    now=$(date +%s%3N)
+    if [ $((now - ${m%.*}${m#*.})) -gt "$fence_ms" ]; then
+        exit 137
+    fi
+done
+wait $child
+"""
 INIT_NAME = "revenant-init"
 
 
@@ -69,14 +90,17 @@ class JobRuntime:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     vacating: bool = False
     killing: bool = False
+    kill_reason: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int | None = None
 
 
 class Supervisor:
     def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
-                 criu_error: str = "criu unusable", metrics: AgentMetrics | None = None) -> None:
+                 criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
+                 switch_timeout_s: float = 1.2) -> None:
         self.metrics = metrics
+        self.switch_timeout_s = switch_timeout_s
         self.node = node
         self.storage = storage
         self.engine = engine
@@ -111,7 +135,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ start
 
-    async def start(self, spec: JobSpec, generation: int) -> AgentJobReply:
+    async def start(self, spec: JobSpec, generation: int, fresh: bool = False) -> AgentJobReply:
+        """Launch ``spec``.  ``fresh`` (a requeue): its earlier output is discarded, for a clean rerun."""
         subjects.check_name(spec.id, "job id")
         if spec.id in self.jobs:
             raise LaunchError(f"job {spec.id} is already running on {self.node}")
@@ -125,9 +150,13 @@ class Supervisor:
             raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
         files = JobFiles(self.storage, spec.id)
         files.dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            await asyncio.to_thread(replace_with_prefix, files.output, 0)
         files.output.touch()
+        await asyncio.to_thread(replace_with_prefix, files.stamp, 0)
         argv = ["unshare", "--pid", "--fork", "--kill-child", "setsid",
-                "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(files.output), *spec.argv]
+                "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(files.output), str(files.stamp),
+                str(int(self.switch_timeout_s * 1000)), *spec.argv]
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               cwd=spec.workdir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
         pid = await self._namespace_init(wrapper)
@@ -179,8 +208,8 @@ class Supervisor:
         if rt.vacating:
             return  # the checkpoint reports "vacated"
         kind = "killed" if rt.killing else "exited"
-        log.info("job %s %s with status %d", rt.spec.id, kind, code)
-        self._event(rt, kind, exit_code=code)
+        log.info("job %s %s with status %d%s", rt.spec.id, kind, code, f" ({rt.kill_reason})" if rt.kill_reason else "")
+        self._event(rt, kind, exit_code=code, reason=rt.kill_reason)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -236,27 +265,52 @@ class Supervisor:
             if old.generation >= generation:
                 raise RevenantError(f"job {spec.id} generation {old.generation} already runs on {self.node}",
                                     code="already_running")
-            await self._kill(old)  # a stale copy must never run next to the new one
+            await self._kill(old, f"superseded by generation {generation}")  # never two copies
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
-        pid, manifest, notes = await self.engine.restore(spec.id, generation)
         files = JobFiles(self.storage, spec.id)
+        # A new stamp inode fences any stale copy; keep it fresh while criu restores.
+        await asyncio.to_thread(replace_with_prefix, files.stamp, 0)
+        toucher = asyncio.create_task(self._keep_fresh(files.stamp))
+        try:
+            pid, manifest, notes = await self.engine.restore(spec.id, generation)
+        finally:
+            toucher.cancel()
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)
+        # The coordinator publishes "restored": it alone knows whether this is a restart or a failover.
         log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
-        self._event(rt, "restored", epoch=manifest.epoch, reason="; ".join(notes))
         return self._reply(rt, epoch=files.info(manifest), notes=notes)
 
     # ------------------------------------------------------------------ kill, purge, shutdown
 
-    async def kill(self, job: str, generation: int) -> AgentJobReply:
-        rt = self._get(job, generation)
-        await self._kill(rt)
+    async def kill(self, job: str, generation: int, reason: str = "") -> AgentJobReply:
+        """Kill ``job`` if it runs ``generation`` or an older one (a stale copy)."""
+        rt = self.jobs.get(job)
+        if rt is None:
+            raise JobNotRunning(f"job {job} is not running on {self.node}")
+        if rt.generation > generation:
+            raise StaleGeneration(f"job {job} runs generation {rt.generation} on {self.node}, newer than {generation}")
+        await self._kill(rt, reason or f"killed as generation {rt.generation}")
         return self._reply(rt)
 
-    async def _kill(self, rt: JobRuntime) -> None:
+    async def fence_all(self, reason: str) -> list[str]:
+        """Kill every job at once (the lease is lost); returns their ids."""
+        doomed = list(self.jobs.values())
+        for rt in doomed:
+            rt.killing, rt.kill_reason = True, reason
+            signal_tree(rt.pid, signal.SIGKILL)
+        for rt in doomed:
+            try:
+                await asyncio.wait_for(rt.exited.wait(), 10)
+            except asyncio.TimeoutError:
+                log.error("job %s (pid %d) survived SIGKILL for 10 s", rt.spec.id, rt.pid)
+        return [rt.spec.id for rt in doomed]
+
+    async def _kill(self, rt: JobRuntime, reason: str = "") -> None:
         rt.killing = True
+        rt.kill_reason = rt.kill_reason or reason
         signal_tree(rt.pid, signal.SIGKILL)
         try:
             await asyncio.wait_for(rt.exited.wait(), 10)
@@ -279,6 +333,23 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
 
+    async def _keep_fresh(self, stamp: Path) -> None:
+        while True:
+            _touch(stamp)
+            await asyncio.sleep(self.switch_timeout_s / 4)
+
+    def touch_stamps(self) -> None:
+        """The agent holds its lease: every job's dead man's switch is reset."""
+        for rt in self.jobs.values():
+            _touch(rt.files.stamp)
+
     def reap_orphans(self) -> None:
         for pid, code in procs.reap_orphans():
             log.info("reaped orphan %d (status %d)", pid, code)
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError as exc:
+        log.warning("cannot reset the dead man's switch %s: %s", path, exc)

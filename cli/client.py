@@ -138,10 +138,13 @@ def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
         why = f" ({event.reason})" if event.reason else ""
         line = f"{_fmt_time(event.at)} node {event.node} {event.kind}{extra}{why}"
     elif isinstance(event, JobEvent):
-        bits = [f"on {event.node}" if event.node else "", f"gen {event.generation}",
+        bits = [f"on {event.node}" if event.node else "", f"gen {event.generation}" if event.generation else "",
                 f"pid {event.pid}" if event.pid else "",
                 f"exit {event.exit_code}" if event.exit_code is not None else "",
                 f"epoch {event.epoch}" if event.epoch is not None else "",
+                f"from {event.from_node}" if event.from_node else "",
+                f"{event.since_last_heartbeat_s:.2f}s after its last heartbeat"
+                if event.since_last_heartbeat_s is not None else "",
                 f"({event.reason})" if event.reason else ""]
         line = f"{_fmt_time(event.at)} job {event.job} {event.kind} " + " ".join(b for b in bits if b)
     elif isinstance(event, AnomalyEvent):

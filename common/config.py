@@ -67,10 +67,20 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_port: int = 9750
     # /live fails once the event loop has not woken up for this long.
     live_stuck_after_s: float = 5.0
+    # Leases: renewed every lease_renew_s; unrenewed for fence_timeout_s (shorter than
+    # the lease), the agent kills its own jobs before anyone can restore them elsewhere.
+    lease_ttl_s: float = 1.7
+    lease_renew_s: float = 0.35
+    fence_timeout_s: float = 1.2
     # On SIGTERM: how long running work may take to finish before it is cancelled.
     shutdown_grace_s: float = 3.0
 
     def __post_init__(self) -> None:
+        _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
+        if self.lease_renew_s > self.lease_ttl_s / 3:
+            raise ValueError("lease_renew_s must be at most lease_ttl_s / 3")
+        if self.fence_timeout_s >= self.lease_ttl_s:
+            raise ValueError("fence_timeout_s must be shorter than lease_ttl_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
                   "criu_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
@@ -125,15 +135,33 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     forget_after_s: float = 3600.0
     event_publish_timeout_s: float = 2.0
     # Slurm's BatchStartTimeout -> start_timeout_s: how long an agent may take to launch a job.
-    start_timeout_s: float = 30.0
+    start_timeout_s: float = 10.0
     # Limit on one checkpoint or restore, as seen by the coordinator.
     checkpoint_timeout_s: float = 3600.0
     # HTTP endpoints (/metrics, /health, /ready, /live); port 0 picks a free one, -1 turns them off.
     http_host: str = "127.0.0.1"
     http_port: int = 9751
     live_stuck_after_s: float = 5.0
+    # Failover.  A dead node's jobs are restored once its lease (lease_ttl_s, the
+    # agents' setting) has gone unrenewed for lease_ttl_s + lease_margin_s.
+    lease_ttl_s: float = 1.7
+    lease_margin_s: float = 0.2
+    # Slurm's requeue_timeout -> requeue_timeout_s: how long to keep trying to
+    # restore or requeue a dead node's job (no usable node, restore failing) before it fails.
+    requeue_timeout_s: float = 30.0
+    # Storm protection: more than this fraction of nodes silent at once pauses failover.
+    failover_pause_fraction: float = 0.3
+    # Restores started per second across the cluster, and at most this many at once.
+    restore_rate_per_s: float = 5.0
+    max_concurrent_restores: int = 4
+    # Standby coordinators: the leader holds a KV lease of this length.
+    leader_lease_s: float = 3.0
 
     def __post_init__(self) -> None:
+        _positive(self, "lease_ttl_s", "lease_margin_s", "requeue_timeout_s", "restore_rate_per_s",
+                  "max_concurrent_restores", "leader_lease_s")
+        if not 0 < self.failover_pause_fraction <= 1:
+            raise ValueError("failover_pause_fraction must be in (0, 1]")
         _positive(self, "start_timeout_s", "checkpoint_timeout_s", "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",
                   "probe_interval_s", "tick_interval_s", "self_stall_grace_s", "forget_after_s",
                   "event_publish_timeout_s")

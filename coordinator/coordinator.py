@@ -26,7 +26,9 @@ from revenant.common.httpserver import HttpServer
 from revenant.common.metrics import CoordinatorMetrics, health_routes
 from revenant.agent.health import LoopMonitor
 from revenant.coordinator.detector import FailureDetector, Transition
+from revenant.coordinator.failover import Failover
 from revenant.coordinator.jobs import JobService
+from revenant.coordinator.leader import Leadership
 from revenant.messages import (
     HealthSummary,
     Heartbeat,
@@ -66,6 +68,10 @@ class Coordinator:
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._requests: set[asyncio.Task[None]] = set()
         self.jobs: JobService | None = None
+        self.failover: Failover | None = None
+        self.leadership: Leadership | None = None
+        self._leader_tasks: list[asyncio.Task[None]] = []
+        self.deposed = False
         self._stopping = asyncio.Event()
         # Set once subscribed and serving; tests and embedders wait on it.
         self.ready = asyncio.Event()
@@ -113,24 +119,34 @@ class Coordinator:
         self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s)
         try:
             await bus.ensure_event_stream(self._js)
+            # A standby tracks every node too, so that it takes over with a warm view.
             await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat)
-            await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
             self.jobs = JobService(self._nc, self._js, self.config, self._events,
                                    lambda: self.detector.snapshot(self._clock()), wall=self._wall)
-            await self.jobs.open()
-            for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge"):
-                await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
-            log.info("coordinator %s up", self.name)
-            self.ready.set()
+            self.failover = Failover(self.config, self._js, self.jobs, self._events,
+                                     lambda: self.detector.snapshot(self._clock()), self._last_heartbeat,
+                                     clock=self._clock, wall=self._wall, on_result=self.metrics.count_failover)
+            elected = asyncio.Event()
+
+            async def on_elected() -> None:
+                elected.set()
+
+            self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
+                                         on_elected=on_elected, on_deposed=self._deposed)
             self._events.start()
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._tick_loop(), name="detector-tick"),
                          tg.create_task(self.loop_monitor.run(), name="loop-monitor"),
-                         tg.create_task(self.jobs.consume_events(), name="job-events"),
-                         tg.create_task(self.jobs.periodic_checkpoints(), name="periodic-checkpoints")]
+                         tg.create_task(_supervised(self.failover.watch_leases), name="lease-watch"),
+                         tg.create_task(self.leadership.run(), name="leadership"),
+                         tg.create_task(self._lead(elected, tg), name="lead")]
+                log.info("coordinator %s up; waiting to lead", self.name)
                 await self._stopping.wait()
                 for task in tasks:
                     task.cancel()
+                for task in self._leader_tasks:
+                    task.cancel()
+                self.failover.cancel()
         finally:
             for task in list(self._requests):
                 task.cancel()
@@ -146,6 +162,39 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _lead(self, elected: asyncio.Event, tg: asyncio.TaskGroup) -> None:
+        """Once elected: load the job table, serve requests, run failover and checkpoints."""
+        await elected.wait()
+        assert self.jobs is not None and self._nc is not None
+        await self.jobs.open()
+        await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
+        for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge"):
+            await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
+        self._leader_tasks = [tg.create_task(_supervised(self.jobs.consume_events), name="job-events"),
+                              tg.create_task(_supervised(self.jobs.periodic_checkpoints), name="periodic-checkpoints"),
+                              tg.create_task(self._take_over(), name="take-over")]
+        log.info("coordinator %s leads", self.name)
+        self.ready.set()
+
+    async def _take_over(self) -> None:
+        """Finish what a previous leader left: jobs on nodes that are gone, half-done failovers."""
+        await asyncio.sleep(self.config.node_timeout_s + self.config.probe_timeout_s)
+        assert self.jobs is not None
+        alive = {n.name for n in self.detector.snapshot(self._clock()) if n.state in ("alive", "suspect")}
+        for job, rec in list(self.jobs.jobs.items()):
+            stranded = rec.node not in alive or (rec.state == "restoring" and not rec.node)
+            if rec.state in self.jobs.ACTIVE and stranded and job not in self.failover.recovering:
+                log.warning("taking over the recovery of job %s (node %s)", job, rec.node or "none")
+                self.failover.recover_job(job, rec.node)
+
+    def _deposed(self) -> None:
+        self.deposed = True
+        self.stop()
+
+    def _last_heartbeat(self, node: str) -> float | None:
+        rec = self.detector.nodes.get(node)
+        return rec.last_heartbeat_at if rec is not None and rec.last_heartbeat_at else None
 
     # ------------------------------------------------------------------ inputs
 
@@ -256,8 +305,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------ events
 
+    @property
+    def leader(self) -> bool:
+        return self.leadership is not None and self.leadership.leader
+
     def _emit(self, transitions: list[Transition]) -> None:
         at = self._wall()
+        if transitions and self.leader and self.failover is not None:
+            self.failover.check_storm()
         for t in transitions:
             level = logging.WARNING if t.kind in ("suspect", "dead") else logging.INFO
             log.log(level, "node %s %s (silent %.2f s%s)", t.node, t.kind, t.silence_s,
@@ -265,11 +320,28 @@ class Coordinator:
             event = NodeEvent(node=t.node, kind=t.kind, at=at, incarnation=t.incarnation,
                               silence_s=round(t.silence_s, 3), reason=t.reason)
             self.metrics.count_node_event(event)
+            if not self.leader:
+                continue  # a standby watches; only the leader speaks and acts
             if self._events is not None:
                 self._events.emit(subjects.node_event(t.node, t.kind), event)
             if self.jobs is not None and (t.kind in ("dead", "left") or t.reason == "agent restarted"):
                 self.jobs.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
+                if self.failover is not None:
+                    self.failover.node_dead(t.node)
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
+
+
+async def _supervised(loop_fn) -> None:
+    """Run a background loop forever: a bug or a bus error restarts it, never the coordinator."""
+    while True:
+        try:
+            await loop_fn()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed; restarting it in 1 s", getattr(loop_fn, "__qualname__", loop_fn))
+            await asyncio.sleep(1.0)

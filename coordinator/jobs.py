@@ -29,6 +29,7 @@ from revenant.coordinator.placement import NoNodeAvailable, place
 from revenant.messages import (
     AgentJobReply,
     CheckpointJob,
+    KillJob,
     EpochInfo,
     JobEvent,
     JobRecord,
@@ -285,7 +286,74 @@ class JobService:
                 rec.state, rec.pid, rec.last_checkpoint_at = "running", reply.pid, self.wall()
             rec.output = reply.output or rec.output
             await self._save(rec)
+            self._event(rec, "restored", pid=reply.pid, epoch=reply.epoch.n if reply.epoch else None,
+                        reason="; ".join(reply.notes))
             return rec, reply.notes
+
+    # ------------------------------------------------------------------ failover
+
+    ACTIVE = ("pending", "running", "checkpointing", "restoring")
+
+    def jobs_on(self, node: str) -> list[str]:
+        return [j for j, r in self.jobs.items() if r.node == node and r.state in self.ACTIVE]
+
+    async def recover(self, job: str, dead: str) -> tuple[str, JobRecord, int | None, list[str]] | None:
+        """Restore (or requeue) a job lost with node ``dead`` on another node.
+
+        Returns None when there is nothing left to do (the job finished, was
+        vacated, or already runs elsewhere), else (kind, record, epoch) with kind
+        "restored", "requeued" or "failed".  Raises on a failed attempt.
+        """
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state not in self.ACTIVE or (rec.state == "running" and rec.node not in (dead, "")):
+                return None
+            previous = (rec.node, rec.generation)
+            target = place(self.nodes(), self.jobs_per_node(), exclude={dead})
+            if not rec.epochs and not rec.spec.requeue:
+                rec.state, rec.pid, rec.reason = "failed", 0, (
+                    f"node {dead} died and the job has no checkpoint (submit with --requeue to rerun it)")
+                await self._save(rec)
+                return "failed", rec, None, []
+            rec.generation += 1
+            rec.node, rec.pid, rec.reason, rec.exit_code = target, 0, "", None
+            rec.state = "restoring" if rec.epochs else "pending"
+            generation, spec = rec.generation, rec.spec
+            await self._save(rec)
+        if previous[0] not in (dead, target, ""):
+            # A half-finished earlier attempt (say, of a coordinator that died) must not live on.
+            try:
+                await self._agent(previous[0], "kill", KillJob(job=job, generation=previous[1]), 5.0)
+            except RevenantError:
+                pass
+        try:
+            if rec.epochs:
+                reply = await self._agent(target, "restore", RestoreJob(spec=spec, generation=generation),
+                                          self.config.checkpoint_timeout_s)
+            else:
+                reply = await self._agent(target, "start", StartJob(spec=spec, generation=generation, fresh=True),
+                                          self.config.start_timeout_s)
+        except RevenantError as exc:
+            async with self.lock(job):
+                rec = self.get(job)
+                if rec.generation == generation and rec.state in ("restoring", "pending"):
+                    rec.state, rec.node, rec.reason = "restoring", "", f"attempt on {target} failed: {exc}"
+                    await self._save(rec)
+            raise
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.generation == generation and rec.state in ("restoring", "pending"):
+                rec.state, rec.pid, rec.last_checkpoint_at = "running", reply.pid, self.wall()
+                rec.output = reply.output or rec.output
+                await self._save(rec)
+            return ("restored" if reply.epoch else "requeued"), rec, reply.epoch.n if reply.epoch else None, reply.notes
+
+    async def fail_recovery(self, job: str, reason: str) -> None:
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state in self.ACTIVE:
+                rec.state, rec.node, rec.pid, rec.reason = "failed", "", 0, reason
+                await self._save(rec)
 
     # ------------------------------------------------------------------ purge
 
@@ -311,10 +379,19 @@ class JobService:
         sub = await self.js.pull_subscribe(
             subjects.JOB_EVENTS_ALL, durable=CONSUMER,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_wait=30, max_ack_pending=1000))
+        try:
+            await self._consume(sub)
+        finally:
+            try:
+                await sub.unsubscribe()  # or the connection's drain waits on it
+            except nats.errors.Error:
+                pass
+
+    async def _consume(self, sub) -> None:
         while True:
             try:
                 msgs = await sub.fetch(64, timeout=1.0)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except nats.errors.Error as exc:
                 log.warning("job event fetch failed: %s", exc)
@@ -354,9 +431,11 @@ class JobService:
         """Checkpoint running jobs whose interval has passed (one in flight per job)."""
         while True:
             now = self.wall()
+            alive = {n.name for n in self.nodes() if n.state == "alive"} if any(
+                r.spec.checkpoint_interval_s for r in self.jobs.values()) else set()
             for rec in list(self.jobs.values()):
                 interval = rec.spec.checkpoint_interval_s
-                if (interval and rec.state == "running" and rec.spec.id not in self._periodic
+                if (interval and rec.state == "running" and rec.node in alive and rec.spec.id not in self._periodic
                         and now - rec.last_checkpoint_at >= interval):
                     self._periodic.add(rec.spec.id)
                     asyncio.create_task(self._periodic_one(rec.spec.id))

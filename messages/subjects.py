@@ -96,6 +96,8 @@ def epoch_event(job: str, kind: str) -> str:
 JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
 EPOCH_EVENTS_ALL = f"{EVENTS_PREFIX}.epoch.>"
 JOBS_BUCKET = "revenant_jobs"
+LEASES_BUCKET = "revenant_leases"
+LEADER_BUCKET = "revenant_leader"
 
 
 def cluster_event(kind: str) -> str:

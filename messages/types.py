@@ -19,10 +19,11 @@ import msgspec
 
 HealthState = Literal["GREEN", "YELLOW", "RED"]
 JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
-JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed"]
+JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
+                       "requeued", "failed"]
 EpochEventKind = Literal["created", "failed", "pruned"]
 NodeState = Literal["alive", "suspect", "dead", "left"]
-NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left"]
+NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left", "fenced"]
 
 
 class _Body(msgspec.Struct, kw_only=True):
@@ -277,6 +278,8 @@ class JobsReply(Message, tag="jobs_reply.v1"):
 class StartJob(Message, tag="start_job.v1"):
     spec: JobSpec
     generation: int
+    # A requeue: discard the output of the earlier run and start clean.
+    fresh: bool = False
 
 
 class CheckpointJob(Message, tag="checkpoint_job.v1"):
@@ -324,6 +327,10 @@ class JobEvent(Message, tag="job_event.v1"):
     exit_code: int | None = None
     epoch: int | None = None
     reason: str = ""
+    # Failover: seconds from the dead node's last heartbeat to this event.
+    since_last_heartbeat_s: float | None = None
+    # Failover: the node the job was lost with.
+    from_node: str = ""
 
 
 class EpochEvent(Message, tag="epoch_event.v1"):
@@ -338,6 +345,16 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     duration_s: float = 0.0
     # For "failed": criu's own error line (or the step that failed).
     error: str = ""
+
+
+class ClusterEvent(Message, tag="cluster_event.v1"):
+    """A cluster-wide alert on ``revenant.evt.cluster.<kind>``: failover paused or resumed."""
+
+    kind: Literal["failover_paused", "failover_resumed", "leader"]
+    at: float
+    silent: int = 0
+    total: int = 0
+    reason: str = ""
 
 
 class ErrorReply(Message, tag="error.v1"):
@@ -369,6 +386,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     JobEvent,
     EpochEvent,
     AnomalyEvent,
+    ClusterEvent,
     ErrorReply,
 )
 
@@ -394,6 +412,7 @@ __all__ = [
     "StartJob",
     "SubmitRequest",
     "Capabilities",
+    "ClusterEvent",
     "CriuInfo",
     "ErrorReply",
     "GpuHealth",

@@ -110,8 +110,10 @@ async def supervisor_factory(tmp_path):
         if criu is not None:
             engine = Engine(criu_path=criu, criu_version="4.1.1", node="n1", storage=storage,
                             staging_roots=[staging or tmp_path / "staging"])
+        # No agent renews a lease here: a long switch timeout keeps the dead man's switch quiet.
         sup = Supervisor("n1", storage, engine, lambda subject, msg: events.append(msg),
-                         criu_error="criu not found: set criu_path, REVENANT_CRIU, or put criu on PATH")
+                         criu_error="criu not found: set criu_path, REVENANT_CRIU, or put criu on PATH",
+                         switch_timeout_s=3600)
         made.append(sup)
         return sup, events
 

@@ -1,0 +1,233 @@
+"""Failover: restore a dead node's jobs elsewhere, never running a job twice.
+
+The rules are plain classes fed with the current time:
+
+* :class:`LeaseTracker` - when each node's lease was last renewed, as this
+  coordinator saw it (a KV watch), so "expired" needs no clock agreement with
+  the agents: a dead node's jobs wait until ``ttl + margin`` after the last
+  renewal seen, and the agent fences itself after ``fence_timeout_s`` < ``ttl``.
+* :class:`StormGuard` - if more than a fraction of the nodes go silent at once
+  (the coordinator's own network, a switch, a mass reboot), failover pauses
+  and an alert is published; it resumes once enough of them are back.
+* :class:`TokenBucket` - restores started per second.
+
+:class:`Failover` is the thin I/O shell that drives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import nats.errors
+from nats.js import JetStreamContext
+
+from revenant.agent.lease import open_bucket
+from revenant.common.config import CoordinatorConfig
+from revenant.common.errors import RevenantError
+from revenant.common.events import EventPublisher
+from revenant.coordinator.jobs import JobService
+from revenant.messages import ClusterEvent, JobEvent, NodeStatus, subjects
+
+log = logging.getLogger(__name__)
+
+# Failures of these kinds will not get better on another node.
+NOT_RETRIABLE = {"no_epoch", "corrupt_epoch"}
+
+
+class LeaseTracker:
+    def __init__(self, ttl_s: float, margin_s: float, started_at: float) -> None:
+        self.ttl_s = ttl_s
+        self.margin_s = margin_s
+        self.started_at = started_at
+        self.last_seen: dict[str, float] = {}
+
+    def seen(self, node: str, now: float) -> None:
+        self.last_seen[node] = now
+
+    def expires_at(self, node: str) -> float:
+        """When ``node``'s lease is surely expired.  A lease never seen (we just started)
+        counts from our start: it may have been renewed just before."""
+        return max(self.last_seen.get(node, self.started_at), self.started_at) + self.ttl_s + self.margin_s
+
+
+@dataclass
+class StormGuard:
+    fraction: float
+    # A single node is never a storm, whatever the cluster's size.
+    min_silent: int = 2
+    paused: bool = False
+
+    def update(self, nodes: list[NodeStatus], pending: set[str]) -> str | None:
+        """Returns "paused" or "resumed" on a change.  Silent: suspect, or dead with failover pending."""
+        live = [n for n in nodes if n.state != "left"]
+        silent = [n for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)]
+        storm = len(silent) >= self.min_silent and len(live) > 0 and len(silent) / len(live) > self.fraction
+        if storm and not self.paused:
+            self.paused = True
+            return "paused"
+        if not storm and self.paused:
+            self.paused = False
+            return "resumed"
+        return None
+
+    @staticmethod
+    def counts(nodes: list[NodeStatus], pending: set[str]) -> tuple[int, int]:
+        live = [n for n in nodes if n.state != "left"]
+        return sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)), len(live)
+
+
+class TokenBucket:
+    def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
+        self.rate = rate_per_s
+        self.burst = burst
+        self.tokens = float(burst)
+        self.at = now
+
+    def take(self, now: float) -> float:
+        """0 if a token was taken, else seconds until one is available."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class Failover:
+    def __init__(self, config: CoordinatorConfig, js: JetStreamContext, jobs: JobService, events: EventPublisher,
+                 nodes: Callable[[], list[NodeStatus]], last_heartbeat: Callable[[str], float | None], *,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 on_result: Callable[[bool], None] | None = None) -> None:
+        self.config = config
+        self.js = js
+        self.jobs = jobs
+        self.events = events
+        self.nodes = nodes
+        self.last_heartbeat = last_heartbeat
+        self.clock = clock
+        self.wall = wall
+        self.on_result = on_result
+        self.leases = LeaseTracker(config.lease_ttl_s, config.lease_margin_s, clock())
+        self.storm = StormGuard(config.failover_pause_fraction)
+        self.bucket = TokenBucket(config.restore_rate_per_s, config.max_concurrent_restores, clock())
+        self.slots = asyncio.Semaphore(config.max_concurrent_restores)
+        self.pending_nodes: dict[str, int] = {}
+        # Jobs being recovered: one recovery per job, however many triggers.
+        self.recovering: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ inputs
+
+    async def watch_leases(self) -> None:
+        kv = await open_bucket(self.js, subjects.LEASES_BUCKET, self.config.lease_ttl_s)
+        watcher = await kv.watchall(include_history=False, ignore_deletes=True)
+        while True:
+            try:
+                entry = await watcher.updates(timeout=5.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            if entry is not None and entry.key:
+                self.leases.seen(entry.key, self.clock())
+
+    def check_storm(self) -> None:
+        nodes = self.nodes()
+        change = self.storm.update(nodes, set(self.pending_nodes))
+        if change is not None:
+            silent, total = self.storm.counts(nodes, set(self.pending_nodes))
+            kind = "failover_paused" if change == "paused" else "failover_resumed"
+            reason = (f"{silent} of {total} nodes silent at once (more than "
+                      f"{self.config.failover_pause_fraction:.0%}): failover paused" if change == "paused"
+                      else f"{silent} of {total} nodes silent: failover resumed")
+            (log.error if change == "paused" else log.warning)(reason)
+            self.events.emit(subjects.cluster_event(kind),
+                             ClusterEvent(kind=kind, at=self.wall(), silent=silent, total=total, reason=reason))
+
+    def node_dead(self, node: str) -> None:
+        """Start recovering every job that ran on ``node``."""
+        for job in self.jobs.jobs_on(node):
+            self.recover_job(job, node)
+
+    def recover_job(self, job: str, node: str) -> None:
+        if job in self.recovering:
+            return
+        self.recovering.add(job)
+        self.pending_nodes[node] = self.pending_nodes.get(node, 0) + 1
+        task = asyncio.create_task(self._recover(job, node), name=f"failover-{job}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    # ------------------------------------------------------------------ one job
+
+    def _since_last_heartbeat(self, node: str) -> float | None:
+        at = self.last_heartbeat(node)
+        return None if at is None else round(self.clock() - at, 3)
+
+    def _event(self, job: str, kind: str, dead: str, **kw) -> None:
+        self.events.emit(subjects.job_event(job, kind),
+                         JobEvent(job=job, kind=kind, at=self.wall(), from_node=dead,
+                                  since_last_heartbeat_s=self._since_last_heartbeat(dead), **kw))
+
+    async def _recover(self, job: str, dead: str) -> None:
+        try:
+            ok = await self._recover_inner(job, dead)
+        finally:
+            self.recovering.discard(job)
+            left = self.pending_nodes.get(dead, 1) - 1
+            if left <= 0:
+                self.pending_nodes.pop(dead, None)
+            else:
+                self.pending_nodes[dead] = left
+        if self.on_result is not None and ok is not None:
+            self.on_result(ok)
+
+    async def _recover_inner(self, job: str, dead: str) -> bool | None:
+        self._event(job, "restoring", dead, reason=f"node {dead} is dead")
+        # Never two copies: the dead node's agent fences itself before its lease expires.
+        wait = self.leases.expires_at(dead) - self.clock()
+        if wait > 0:
+            log.info("job %s: waiting %.2f s for node %s's lease to expire", job, wait, dead)
+            await asyncio.sleep(wait)
+            if self.leases.expires_at(dead) > self.clock():
+                log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
+                return None
+        while self.storm.paused:
+            await asyncio.sleep(0.2)
+        deadline = self.clock() + self.config.requeue_timeout_s
+        last_error = ""
+        async with self.slots:
+            while True:
+                delay = self.bucket.take(self.clock())
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                    continue
+                try:
+                    outcome = await self.jobs.recover(job, dead)
+                except RevenantError as exc:
+                    last_error = str(exc)
+                    log.warning("job %s: recovery attempt failed: %s", job, exc)
+                    if exc.code in NOT_RETRIABLE or self.clock() >= deadline:
+                        await self.jobs.fail_recovery(job, f"node {dead} died and the job could not be "
+                                                           f"restored: {last_error}")
+                        self._event(job, "failed", dead, reason=last_error)
+                        return False
+                    await asyncio.sleep(1.0)
+                    continue
+                if outcome is None:
+                    return None  # someone else (a user, an earlier failover) already dealt with it
+                kind, rec, epoch, notes = outcome
+                if kind == "failed":
+                    self._event(job, "failed", dead, reason=rec.reason)
+                    return False
+                self._event(job, kind, dead, node=rec.node, generation=rec.generation, pid=rec.pid, epoch=epoch,
+                            reason="; ".join(notes))
+                log.warning("job %s %s on %s (generation %d) %.2f s after %s's last heartbeat", job, kind,
+                            rec.node, rec.generation, self._since_last_heartbeat(dead) or 0.0, dead)
+                return True

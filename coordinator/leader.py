@@ -1,0 +1,68 @@
+"""Leader election through a KV lease: one coordinator acts, standbys wait.
+
+The leader holds key ``leader`` in the bucket ``revenant_leader``, whose TTL is
+the lease.  It renews with a compare-and-set on the key's revision every third
+of the lease; a standby tries to create the key, which succeeds only once the
+leader's entry has expired.  A leader that fails to renew steps down at once,
+before its lease can expire, so two leaders never act together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from revenant.agent.lease import open_bucket
+from revenant.messages import subjects
+
+log = logging.getLogger(__name__)
+
+KEY = "leader"
+
+
+class Leadership:
+    def __init__(self, js: JetStreamContext, name: str, lease_s: float, *,
+                 on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.js = js
+        self.name = name
+        self.lease_s = lease_s
+        self.on_elected = on_elected
+        self.on_deposed = on_deposed
+        self.clock = clock
+        self.leader = False
+        self._revision = 0
+        self._renewed_at = 0.0
+
+    async def run(self) -> None:
+        kv = await open_bucket(self.js, subjects.LEADER_BUCKET, self.lease_s)
+        while True:
+            if self.leader:
+                try:
+                    self._revision = await asyncio.wait_for(
+                        kv.update(KEY, self.name.encode(), last=self._revision), self.lease_s / 3)
+                    self._renewed_at = self.clock()
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    if self.clock() - self._renewed_at > self.lease_s / 2:
+                        log.error("lost the leader lease (%s): stepping down", exc or type(exc).__name__)
+                        self.leader = False
+                        self.on_deposed()
+                        return
+            else:
+                try:
+                    self._revision = await asyncio.wait_for(kv.create(KEY, self.name.encode()), self.lease_s / 3)
+                    self._renewed_at = self.clock()
+                    self.leader = True
+                    log.warning("coordinator %s is the leader", self.name)
+                    await self.on_elected()
+                except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+                    pass  # someone else leads
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    log.debug("leader election: %s", exc or type(exc).__name__)
+            await asyncio.sleep(self.lease_s / 3 if self.leader else min(0.5, self.lease_s / 3))

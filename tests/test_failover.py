@@ -1,0 +1,139 @@
+"""Automatic failover with real processes, real NATS and real CRIU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import COUNTER, VENV_BIN, counter_reference, wait_until
+
+LINES = 160
+INTERVAL = 0.05
+
+
+def submit(cluster, *extra: str, count: int = LINES) -> str:
+    return cluster.cli("submit", "--node", "node-1", *extra, "--", sys.executable, str(COUNTER), str(count),
+                       str(INTERVAL)).stdout.strip()
+
+
+def show(cluster, job: str) -> dict:
+    """The job, or {} while no coordinator answers (between a leader's death and its successor)."""
+    out = cluster.cli("show", "job", job, "--json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def wait_for(cluster, job: str, predicate, timeout: float, what: str) -> dict:
+    info = wait_until(lambda: (j := show(cluster, job)) and predicate(j) and j, timeout=timeout, interval=0.2)
+    assert info, f"job {job}: {what} did not happen: {show(cluster, job)}"
+    return info
+
+
+def job_events(cluster, job: str) -> list[dict]:
+    return [e for e in cluster.events() if e.get("type") == "job_event.v1" and e["job"] == job]
+
+
+def output(cluster, job: str) -> bytes:
+    return (cluster.storage / "jobs" / job / "output.log").read_bytes()
+
+
+def test_sigkilled_node_and_job_are_restored_elsewhere_byte_identical(make_cluster, tmp_path):
+    cluster = make_cluster(2)
+    job = submit(cluster, "--checkpoint", "0:01")
+    first = wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 40, 30,
+                     "a checkpoint")
+    agent = cluster.pids()["node-1"]
+    os.kill(agent, signal.SIGKILL)
+    os.kill(first["pid"], signal.SIGKILL)
+    moved = wait_for(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", 20, "failover")
+    assert moved["generation"] == first["generation"] + 1
+    assert psutil.Process(moved["pid"]).ppid() == cluster.pids()["node-2"]
+    events = job_events(cluster, job)
+    restored = [e for e in events if e["kind"] == "restored"]
+    assert [e["kind"] for e in events if e["kind"] in ("restoring", "restored")] == ["restoring", "restored"]
+    assert restored[0]["node"] == "node-2" and restored[0]["from_node"] == "node-1"
+    assert restored[0]["epoch"] >= 1
+    # Detection (<= 3 s by default) plus the restore of a small job.
+    assert restored[0]["since_last_heartbeat_s"] < 4.0
+    dead = [e for e in cluster.events() if e.get("kind") == "dead" and e.get("node") == "node-1"]
+    assert dead and dead[0]["silence_s"] <= 3.0
+    wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
+    assert output(cluster, job) == counter_reference(tmp_path, LINES)
+
+
+def test_paused_agent_is_fenced_and_its_job_restored_elsewhere(make_cluster, tmp_path):
+    cluster = make_cluster(2)
+    job = submit(cluster, "--checkpoint", "0:01")
+    first = wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 30, 30,
+                     "a checkpoint")
+    agent = cluster.pids()["node-1"]
+    old = psutil.Process(first["pid"])
+    os.kill(agent, signal.SIGSTOP)  # like a partition, or a frozen VM: the agent can do nothing
+    try:
+        # The dead man's switch inside the job's namespace kills the stale copy by itself.
+        assert wait_until(lambda: not old.is_running() or old.status() == psutil.STATUS_ZOMBIE, timeout=5), \
+            "the paused agent's job kept running"
+        moved = wait_for(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", 20, "failover")
+        assert moved["generation"] == 2
+        time.sleep(2)  # stay paused well past the lease
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    # Back, the agent notices its lease lapsed, reports the fence and rejoins; the old copy stays gone.
+    assert wait_until(lambda: any(e.get("kind") == "fenced" and e.get("node") == "node-1" for e in cluster.events()),
+                      timeout=15)
+    assert wait_until(lambda: {n["name"]: n for n in cluster.json("nodes")}["node-1"]["state"] == "alive",
+                      timeout=15)
+    assert not old.is_running() or old.status() == psutil.STATUS_ZOMBIE
+    done = wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
+    assert done["node"] == "node-2" and done["generation"] == 2
+    assert output(cluster, job) == counter_reference(tmp_path, LINES)
+
+
+def test_job_without_checkpoint_is_requeued_or_failed(make_cluster, tmp_path):
+    cluster = make_cluster(2)
+    requeued = submit(cluster, "--requeue", count=60)
+    lost = submit(cluster, count=60)
+    for job in (requeued, lost):
+        wait_for(cluster, job, lambda j: output(cluster, j["id"]).count(b"\n") > 5, 20, "output")
+    os.kill(cluster.pids()["node-1"], signal.SIGKILL)
+    again = wait_for(cluster, requeued, lambda j: j["state"] == "running" and j["node"] == "node-2", 20, "requeue")
+    assert again["generation"] == 2 and again["epochs"] == []
+    failed = wait_for(cluster, lost, lambda j: j["state"] == "failed", 20, "failure")
+    assert "no checkpoint" in failed["reason"] and "--requeue" in failed["reason"]
+    assert "requeued" in [e["kind"] for e in job_events(cluster, requeued)]
+    wait_for(cluster, requeued, lambda j: j["state"] == "completed", 60, "completion")
+    # Requeued from the start: the output is one clean run, not a run and a half.
+    assert output(cluster, requeued) == counter_reference(tmp_path, 60)
+
+
+def test_standby_coordinator_finishes_a_failover_when_the_leader_dies(make_cluster, tmp_path, monkeypatch):
+    # A long lease margin holds the failover open long enough to kill the leader in the middle of it.
+    monkeypatch.setenv("REVENANT_COORDINATOR_LEASE_MARGIN_S", "3")
+    cluster = make_cluster(2)
+    url = json.loads((cluster.dir / "cluster.json").read_text())["nats_url"]
+    log = open(cluster.dir / "logs" / "standby.log", "wb")
+    standby = subprocess.Popen([str(VENV_BIN / "revenant"), "coordinator", "--nats", url, "--name", "standby",
+                                "--http-port", "0"], stdout=log, stderr=log)
+    try:
+        job = submit(cluster, "--checkpoint", "0:01")
+        wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 30, 30, "a checkpoint")
+        os.kill(cluster.pids()["node-1"], signal.SIGKILL)
+        assert wait_until(lambda: any(e["kind"] == "restoring" for e in job_events(cluster, job)), timeout=10,
+                          interval=0.1)
+        os.kill(cluster.pids()["coordinator"], signal.SIGKILL)
+        # The standby takes the leader lease, reloads the job table from KV and finishes the job's failover.
+        moved = wait_for(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", 40,
+                         "failover by the standby")
+        assert moved["generation"] == 2
+        wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
+        assert output(cluster, job) == counter_reference(tmp_path, LINES)
+    finally:
+        standby.terminate()
+        standby.wait(timeout=15)
+        log.close()
