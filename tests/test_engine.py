@@ -194,3 +194,24 @@ async def test_full_disk_fails_the_checkpoint_cleanly(tmp_path, supervisor_facto
     assert [p.name for p in files.epochs_dir.iterdir()] == ["1"]
     pid = sup.jobs["1"].pid
     assert psutil.Process(pid).status() != psutil.STATUS_STOPPED
+
+
+async def test_dead_mans_switch_kills_a_job_nobody_resets(tmp_path):
+    procs.become_subreaper()
+    events: list = []
+    sup = Supervisor("n1", tmp_path / "storage", None, lambda subject, msg: events.append(msg), switch_timeout_s=0.8)
+    try:
+        spec = JobSpec(id="1", argv=[sys.executable, str(COUNTER), "100000", "0.02"], workdir="/")
+        spec2 = JobSpec(id="2", argv=[sys.executable, str(COUNTER), "100000", "0.02"], workdir="/")
+        await sup.start(spec, 1)
+        await sup.start(spec2, 1)
+        rt1 = sup.jobs["1"]
+        # Job 2's stamp is kept fresh, as a live agent holding its lease does; job 1's is not.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not rt1.exited.is_set():
+            os.utime(JobFiles(sup.storage, "2").stamp)
+            await asyncio.sleep(0.1)
+        assert rt1.exited.is_set() and rt1.exit_code == 137
+        assert "2" in sup.jobs and await growing(sup, "2")
+    finally:
+        await sup.shutdown()

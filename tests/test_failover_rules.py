@@ -1,0 +1,57 @@
+"""Failover's rules, pure: lease expiry, storm pause, restore rate, the agent's fence clock."""
+
+from revenant.agent.lease import FenceClock
+from revenant.coordinator.failover import LeaseTracker, StormGuard, TokenBucket
+from revenant.messages import NodeStatus
+
+
+def test_lease_expiry_counts_from_the_last_renewal_seen():
+    t = LeaseTracker(ttl_s=1.7, margin_s=0.2, started_at=100.0)
+    # Never seen since we started: it may have been renewed just before.
+    assert t.expires_at("n") == 101.9
+    t.seen("n", 105.0)
+    assert t.expires_at("n") == 106.9
+    t.seen("n", 105.35)
+    assert abs(t.expires_at("n") - 107.25) < 1e-9
+
+
+def test_fence_is_shorter_than_the_lease():
+    f = FenceClock(fence_timeout_s=1.2, last_renewed=10.0)
+    assert not f.must_fence(11.2)
+    assert f.must_fence(11.21)
+    f.renewed(11.0)
+    assert not f.must_fence(12.0)
+
+
+def nodes(states: list[str]) -> list[NodeStatus]:
+    return [NodeStatus(name=f"n{i}", state=s) for i, s in enumerate(states)]
+
+
+def test_one_dead_node_is_never_a_storm():
+    g = StormGuard(fraction=0.3)
+    assert g.update(nodes(["dead", "alive", "alive"]), pending={"n0"}) is None
+    assert not g.paused
+
+
+def test_many_silent_at_once_pause_failover_until_they_return():
+    g = StormGuard(fraction=0.3)
+    cluster = nodes(["suspect", "suspect", "dead", "alive", "alive", "alive", "alive", "alive", "alive", "alive"])
+    assert g.update(cluster, pending={"n2"}) is None  # 3 of 10 is not more than 30%
+    cluster[3] = NodeStatus(name="n3", state="suspect")
+    assert g.update(cluster, pending={"n2"}) == "paused"
+    assert g.paused
+    assert g.update(cluster, pending={"n2"}) is None  # no repeat alert
+    back = nodes(["alive"] * 9 + ["dead"])
+    assert g.update(back, pending={"n9"}) == "resumed"
+    # Dead nodes whose jobs were already moved no longer count, and departed ones never do.
+    assert g.update(nodes(["dead"] * 5 + ["alive"] * 5), pending=set()) is None
+    assert g.update(nodes(["left"] * 5 + ["suspect", "alive", "alive"]), pending=set()) is None
+
+
+def test_restore_rate_is_limited():
+    b = TokenBucket(rate_per_s=5.0, burst=2, now=0.0)
+    assert b.take(0.0) == 0 and b.take(0.0) == 0
+    wait = b.take(0.0)
+    assert abs(wait - 0.2) < 1e-9
+    assert b.take(0.2) == 0
+    assert b.take(10.0) == 0 and b.take(10.0) == 0 and b.take(10.0) > 0  # the burst caps the saving
