@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import platform
-import random
 import secrets
 import shutil
 import socket
@@ -30,7 +29,8 @@ from revenant.agent import procs
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.jobs import Supervisor
-from revenant.agent.lease import LeaseKeeper, open_bucket
+from revenant.agent.lease import open_bucket
+from revenant.agent.liveness import Liveness
 from revenant.agent.gpu import GpuMonitor
 from revenant.agent.health import HealthSample, LoopMonitor, evaluate, probe_values
 from revenant.common import bus
@@ -53,10 +53,7 @@ from revenant.messages import (
     StartJob,
     CriuInfo,
     HealthSummary,
-    Heartbeat,
     MessageError,
-    Probe,
-    ProbeReply,
     decode_as,
     encode,
     subjects,
@@ -79,7 +76,6 @@ class Agent:
         self.node = config.node
         self.incarnation = secrets.token_hex(8)
         self.storage = Path(config.storage)
-        self.seq = 0
         self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s)
         # Set once connected and serving; tests and embedders wait on it.
         self.ready = asyncio.Event()
@@ -103,8 +99,9 @@ class Agent:
         self._nc: Client | None = None
         self._events: EventPublisher | None = None
         self.supervisor: Supervisor | None = None
-        self.lease: LeaseKeeper | None = None
-        self._fence_report: str = ""
+        self.liveness = Liveness(self)
+        self.fence_report: str = ""
+        self.main_loop: asyncio.AbstractEventLoop | None = None
         self._js = None
         self._requests: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -143,10 +140,7 @@ class Agent:
             on_reconnect=self._on_reconnect,
         )
         js = self._js = self._nc.jetstream()
-        self.lease = LeaseKeeper(js, self.node, self.incarnation, ttl_s=self.config.lease_ttl_s,
-                                 renew_s=self.config.lease_renew_s, fence_timeout_s=self.config.fence_timeout_s,
-                                 on_fence=self._fence, on_renewed_after_fence=self._after_fence,
-                                 on_renewed=self._on_lease_renewed)
+        self.main_loop = asyncio.get_running_loop()
         try:
             await bus.ensure_event_stream(js)
         except RevenantError as exc:
@@ -161,18 +155,18 @@ class Agent:
         self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
                                      switch_timeout_s=self.config.fence_timeout_s)
-        await self._nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
         await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
+        self.health = await self.sample_health()
+        await self.liveness.start()
         log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
                  self.capabilities.criu.version if self.capabilities.criu.ok else "unusable")
         try:
             async with asyncio.TaskGroup() as tg:
                 monitor = tg.create_task(self.loop_monitor.run(), name="loop-monitor")
-                beats = tg.create_task(self._heartbeat_loop(), name="heartbeats")
-                lease = tg.create_task(self.lease.run(), name="lease")
+                probes = tg.create_task(self._health_loop(), name="health")
                 self.ready.set()
                 await self._stopping.wait()
-                for task in (beats, monitor, lease):
+                for task in (probes, monitor):
                     task.cancel()
         finally:
             await self._leave()
@@ -196,12 +190,12 @@ class Agent:
             await self.supervisor.shutdown()
         if self._events is not None:
             await self._events.stop()
+        await self.liveness.stop()  # the last heartbeat says "leaving"
         nc, self._nc = self._nc, None
         if nc is None:
             return
         try:
             if nc.is_connected:
-                await self._publish_heartbeat(nc, leaving=True)
                 await asyncio.wait_for(nc.drain(), self.config.shutdown_grace_s)
             else:
                 await nc.close()
@@ -266,9 +260,6 @@ class Agent:
             gpu_errors=dict(self.gpu_monitor.errors),
         )
         summary = evaluate(sample, self.thresholds)
-        if self.lease is not None and self.lease.fenced:
-            summary.state = "RED"
-            summary.reasons.append("self-fenced: lease not renewed")
         self.metrics.update_health(summary)
         if self.supervisor is not None:
             self.metrics.set_jobs({"running": len(self.supervisor.jobs)})
@@ -281,63 +272,13 @@ class Agent:
                                                std=a.std, at=time.time()))
         return summary
 
-    async def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat_interval_s
-        jitter = self.config.heartbeat_jitter
-        next_at = time.monotonic()
+    async def _health_loop(self) -> None:
+        """Sample the probes each heartbeat interval; the liveness thread publishes the result."""
         while True:
-            if self.lease is not None:
-                await self.lease.check()  # a paused agent fences before it says anything
-            if self._nc is not None:
-                self.health = await self.sample_health()
-                await self._publish_heartbeat(self._nc)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            self.health = await self.sample_health()
             if self.supervisor is not None:
                 self.supervisor.reap_orphans()
-            # Deadline-based, so a slow publish does not stretch the period.
-            next_at += interval * (1 + random.uniform(-jitter, jitter))
-            now = time.monotonic()
-            if next_at < now:  # we fell behind (loop stall): do not burst to catch up
-                next_at = now + interval * (1 + random.uniform(-jitter, jitter))
-            await asyncio.sleep(next_at - now)
-
-    async def _publish_heartbeat(self, nc: Client, leaving: bool = False) -> None:
-        self.seq += 1
-        hb = Heartbeat(
-            node=self.node,
-            seq=self.seq,
-            sent_at=time.time(),
-            incarnation=self.incarnation,
-            pid=os.getpid(),
-            interval_s=self.config.heartbeat_interval_s,
-            capabilities=self.capabilities,
-            health=self.health,
-            leaving=leaving,
-        )
-        try:
-            await nc.publish(subjects.heartbeat(self.node), encode(hb))
-            self.metrics.heartbeats.inc()
-            if leaving:
-                await nc.flush(timeout=1)
-        except nats.errors.OutboundBufferLimitError:
-            # Disconnected: drop it.  A heartbeat is only true when it is sent.
-            log.debug("heartbeat %d dropped: not connected", self.seq)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("heartbeat %d not sent: %s", self.seq, exc or type(exc).__name__)
-
-    # ------------------------------------------------------------------ probes
-
-    async def _on_probe(self, msg: Msg) -> None:
-        try:
-            decode_as(msg.data, Probe)
-            reply = encode(ProbeReply(node=self.node, incarnation=self.incarnation, seq=self.seq,
-                                      sent_at=time.time(), health=self.health))
-        except MessageError as exc:
-            reply = bus.error_reply(exc)
-        if msg.reply:
-            try:
-                await msg.respond(reply)
-            except nats.errors.Error as exc:
-                log.debug("probe reply not sent: %s", exc)
 
     # ------------------------------------------------------------------ commands
 
@@ -366,7 +307,7 @@ class Agent:
     async def _dispatch(self, verb: str, data: bytes) -> AgentJobReply:
         sup = self.supervisor
         assert sup is not None
-        if self.lease is not None and await self.lease.check():
+        if self.liveness.fenced:
             raise RevenantError(f"node {self.node} is self-fenced (its lease lapsed); try another node",
                                 code="fenced", retriable=True)
         if verb == "start":
@@ -387,22 +328,12 @@ class Agent:
 
     # ------------------------------------------------------------------ fencing and reconciling
 
-    def _on_lease_renewed(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.touch_stamps()
-
-    async def _fence(self, stale_s: float) -> None:
-        if self.supervisor is None:
-            return
-        killed = await self.supervisor.fence_all(f"self-fenced: lease not renewed for {stale_s:.1f} s")
-        self._fence_report = (f"lease not renewed for {stale_s:.1f} s; killed "
-                              f"{', '.join(killed) if killed else 'no jobs'}")
-
-    async def _after_fence(self) -> None:
+    async def after_fence(self) -> None:
+        """The lease is back after a self-fence: report it, then reconcile."""
         if self._events is not None:
             self._events.emit(subjects.node_event(self.node, "fenced"),
                               NodeEvent(node=self.node, kind="fenced", at=time.time(), incarnation=self.incarnation,
-                                        reason=self._fence_report))
+                                        reason=self.fence_report))
         await self.reconcile()
 
     async def _on_reconnect(self) -> None:

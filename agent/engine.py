@@ -33,7 +33,7 @@ import psutil
 
 from revenant.agent import procs
 from revenant.agent.criu import last_error_line
-from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags, output_sizes, rollback_outputs
+from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags, rollback_outputs
 from revenant.common.errors import CriuError, RevenantError
 
 log = logging.getLogger(__name__)

@@ -266,16 +266,6 @@ class JobFiles:
         return freed
 
 
-def output_sizes(paths: list[Path]) -> dict[str, int]:
-    out = {}
-    for p in paths:
-        try:
-            out[str(p)] = p.stat().st_size
-        except FileNotFoundError:
-            out[str(p)] = 0
-    return out
-
-
 def replace_with_prefix(path: Path | str, size: int) -> None:
     """Replace ``path`` by a new file holding its first ``size`` bytes.
 

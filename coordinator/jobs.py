@@ -422,7 +422,7 @@ class JobService:
             rec.state = "completed" if code == 0 and ev.kind == "exited" else "failed"
             rec.pid = 0
             if rec.state == "failed":
-                rec.reason = ev.reason or (f"killed" if ev.kind == "killed" else f"exited with status {code}")
+                rec.reason = ev.reason or ("killed" if ev.kind == "killed" else f"exited with status {code}")
             await self._save(rec)
 
     # ------------------------------------------------------------------ periodic checkpoints

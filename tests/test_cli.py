@@ -153,8 +153,12 @@ def test_foreground_up_stops_everything_on_ctrl_c(tmp_path):
     proc = subprocess.Popen([str(VENV_BIN / "revenant"), "up", "--nodes", "2", "--dir", str(d)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: (d / "cluster.json").exists() and node_table(d).get("node-2", {}).get("state") == "alive",
-                          timeout=30)
+        seen = []
+        for line in proc.stderr:  # wait for "cluster up", then press Ctrl-C
+            seen.append(line)
+            if "cluster up" in line:
+                break
+        assert node_table(d)["node-2"]["state"] == "alive", seen
         pids = cluster_pids(d)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
