@@ -253,3 +253,51 @@ async def test_memory_pressure_makes_the_node_yellow(nats_url, tmp_path):
     await nc.close()
     assert hb.health.state == "YELLOW"
     assert any(r.startswith("memory") for r in hb.health.reasons)
+
+
+async def test_stuck_event_loop_is_red_but_never_dead(nats_url, tmp_path):
+    import subprocess
+
+    from conftest import VENV_BIN
+
+    coord = subprocess.Popen([str(VENV_BIN / "revenant"), "coordinator", "--nats", nats_url, "--http-port", "0"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        sub = await nc.subscribe(subjects.heartbeat("node-1"))
+        async with running(Agent(agent_config(nats_url, tmp_path))):
+            await wait_for(lambda: _states(lambda: _nodes(nc), {"node-1": "alive"}), timeout=20)
+            time.sleep(3.5)  # the agent's event loop is stuck past node_timeout_s (2.5 s)
+            beats = []
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                try:
+                    beats.append(decode_as((await sub.next_msg(timeout=0.5)).data, Heartbeat))
+                except nats.errors.TimeoutError:
+                    pass
+            table = {n.name: n for n in await _nodes(nc)}
+        assert any(b.health.state == "RED" and any("event loop stuck" in r for r in b.health.reasons)
+                   for b in beats), [b.health for b in beats]
+        assert table["node-1"].state == "alive"
+        js = nc.jetstream()
+        kinds = []
+        esub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        while True:
+            try:
+                kinds.append(decode((await esub.next_msg(timeout=1)).data).kind)
+            except nats.errors.TimeoutError:
+                break
+        assert "dead" not in kinds and "suspect" not in kinds, kinds
+        await nc.close()
+    finally:
+        coord.terminate()
+        coord.wait(timeout=10)
+
+
+async def _nodes(nc):
+    try:
+        return (await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, 1)).nodes
+    except (NoResponders, RemoteError):
+        return []
+    except Exception:
+        return []
