@@ -326,7 +326,8 @@ class Coordinator:
                 self._events.emit(subjects.node_event(t.node, t.kind), event)
             if self.jobs is not None and (t.kind in ("dead", "left") or t.reason == "agent restarted"):
                 self.jobs.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
-                if self.failover is not None:
+                # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.
+                if self.failover is not None and t.kind != "left":
                     self.failover.node_dead(t.node)
 
 
