@@ -328,7 +328,7 @@ class Coordinator:
                 self.jobs.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
                 # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.
                 if self.failover is not None and t.kind != "left":
-                    self.failover.node_dead(t.node)
+                    self.failover.node_dead(t.node, t.previous_incarnation or t.incarnation)
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

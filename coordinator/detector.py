@@ -43,6 +43,8 @@ class Transition:
     silence_s: float
     incarnation: str
     reason: str = ""
+    # For "joined" after a restart: the incarnation whose jobs died with it.
+    previous_incarnation: str = ""
 
 
 @dataclass
@@ -106,12 +108,13 @@ class FailureDetector:
         if hb.incarnation != rec.incarnation:
             # The agent restarted: a new life, whatever the old one was doing.
             silence = now - rec.last_heartbeat_at
+            previous = rec.incarnation
             rec.incarnation = hb.incarnation
             rec.seq = 0
             rec.intervals.clear()
             rec.last_heartbeat_at = 0.0
             self._set_state(rec, "alive", now)
-            out.append(Transition(hb.node, "joined", silence, hb.incarnation, "agent restarted"))
+            out.append(Transition(hb.node, "joined", silence, hb.incarnation, "agent restarted", previous))
         elif hb.seq <= rec.seq:
             return []  # duplicate or reordered: nothing new
         elif rec.state in ("suspect", "dead"):

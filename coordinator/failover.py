@@ -25,7 +25,9 @@ from typing import Callable
 import nats.errors
 from nats.js import JetStreamContext
 
-from revenant.agent.lease import open_bucket
+import msgspec
+
+from revenant.agent.lease import LeaseValue, open_bucket
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
 from revenant.common.events import EventPublisher
@@ -39,19 +41,32 @@ NOT_RETRIABLE = {"no_epoch", "corrupt_epoch"}
 
 
 class LeaseTracker:
+    """Last renewal seen per node and agent incarnation (a restarted agent holds a new lease)."""
+
     def __init__(self, ttl_s: float, margin_s: float, started_at: float) -> None:
         self.ttl_s = ttl_s
         self.margin_s = margin_s
         self.started_at = started_at
-        self.last_seen: dict[str, float] = {}
+        self.last_seen: dict[str, dict[str, float]] = {}
 
-    def seen(self, node: str, now: float) -> None:
-        self.last_seen[node] = now
+    def seen(self, node: str, now: float, incarnation: str = "") -> None:
+        by_inc = self.last_seen.setdefault(node, {})
+        by_inc[incarnation] = now
+        if len(by_inc) > 4:  # keep the recent incarnations only
+            del by_inc[min(by_inc, key=by_inc.__getitem__)]
 
-    def expires_at(self, node: str) -> float:
-        """When ``node``'s lease is surely expired.  A lease never seen (we just started)
-        counts from our start: it may have been renewed just before."""
-        return max(self.last_seen.get(node, self.started_at), self.started_at) + self.ttl_s + self.margin_s
+    def expires_at(self, node: str, incarnation: str = "") -> float:
+        """When the lease of ``node`` (of that incarnation, if given) is surely expired.
+        A lease never seen (we just started) counts from our start: it may have been
+        renewed just before."""
+        by_inc = self.last_seen.get(node, {})
+        if incarnation and incarnation in by_inc:
+            last = by_inc[incarnation]
+        elif incarnation and by_inc:
+            last = self.started_at  # another incarnation renews it: ours stopped before we watched
+        else:
+            last = max(by_inc.values(), default=self.started_at)
+        return max(last, self.started_at) + self.ttl_s + self.margin_s
 
 
 @dataclass
@@ -131,7 +146,11 @@ class Failover:
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             if entry is not None and entry.key:
-                self.leases.seen(entry.key, self.clock())
+                try:
+                    incarnation = msgspec.msgpack.decode(entry.value, type=LeaseValue).incarnation
+                except (msgspec.DecodeError, TypeError):
+                    incarnation = ""
+                self.leases.seen(entry.key, self.clock(), incarnation)
 
     def check_storm(self) -> None:
         nodes = self.nodes()
@@ -146,17 +165,17 @@ class Failover:
             self.events.emit(subjects.cluster_event(kind),
                              ClusterEvent(kind=kind, at=self.wall(), silent=silent, total=total, reason=reason))
 
-    def node_dead(self, node: str) -> None:
-        """Start recovering every job that ran on ``node``."""
+    def node_dead(self, node: str, incarnation: str = "") -> None:
+        """Start recovering every job that ran on ``node`` (under agent ``incarnation``)."""
         for job in self.jobs.jobs_on(node):
-            self.recover_job(job, node)
+            self.recover_job(job, node, incarnation)
 
-    def recover_job(self, job: str, node: str) -> None:
+    def recover_job(self, job: str, node: str, incarnation: str = "") -> None:
         if job in self.recovering:
             return
         self.recovering.add(job)
         self.pending_nodes[node] = self.pending_nodes.get(node, 0) + 1
-        task = asyncio.create_task(self._recover(job, node), name=f"failover-{job}")
+        task = asyncio.create_task(self._recover(job, node, incarnation), name=f"failover-{job}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -175,9 +194,9 @@ class Failover:
                          JobEvent(job=job, kind=kind, at=self.wall(), from_node=dead,
                                   since_last_heartbeat_s=self._since_last_heartbeat(dead), **kw))
 
-    async def _recover(self, job: str, dead: str) -> None:
+    async def _recover(self, job: str, dead: str, incarnation: str) -> None:
         try:
-            ok = await self._recover_inner(job, dead)
+            ok = await self._recover_inner(job, dead, incarnation)
         finally:
             self.recovering.discard(job)
             left = self.pending_nodes.get(dead, 1) - 1
@@ -188,14 +207,14 @@ class Failover:
         if self.on_result is not None and ok is not None:
             self.on_result(ok)
 
-    async def _recover_inner(self, job: str, dead: str) -> bool | None:
+    async def _recover_inner(self, job: str, dead: str, incarnation: str) -> bool | None:
         self._event(job, "restoring", dead, reason=f"node {dead} is dead")
         # Never two copies: the dead node's agent fences itself before its lease expires.
-        wait = self.leases.expires_at(dead) - self.clock()
+        wait = self.leases.expires_at(dead, incarnation) - self.clock()
         if wait > 0:
             log.info("job %s: waiting %.2f s for node %s's lease to expire", job, wait, dead)
             await asyncio.sleep(wait)
-            if self.leases.expires_at(dead) > self.clock():
+            if self.leases.expires_at(dead, incarnation) > self.clock():
                 log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
                 return None
         while self.storm.paused:

@@ -55,3 +55,15 @@ def test_restore_rate_is_limited():
     assert abs(wait - 0.2) < 1e-9
     assert b.take(0.2) == 0
     assert b.take(10.0) == 0 and b.take(10.0) == 0 and b.take(10.0) > 0  # the burst caps the saving
+
+
+def test_a_restarted_agent_does_not_keep_its_predecessors_jobs_alive():
+    t = LeaseTracker(ttl_s=1.7, margin_s=0.2, started_at=0.0)
+    t.seen("n", 10.0, "old")
+    t.seen("n", 11.0, "new")
+    t.seen("n", 50.0, "new")  # the new agent renews on and on
+    assert t.expires_at("n", "old") == 11.9
+    assert t.expires_at("n", "new") == 51.9
+    assert t.expires_at("n") == 51.9
+    # An incarnation never seen while another renews stopped before we were watching.
+    assert t.expires_at("n", "older") == 1.9
