@@ -47,15 +47,12 @@ from revenant.messages import (
     Capabilities,
     CheckpointJob,
     KillJob,
-    Message,
     PurgeJob,
     RestoreJob,
     StartJob,
     CriuInfo,
     HealthSummary,
-    MessageError,
     decode_as,
-    encode,
     subjects,
 )
 
@@ -290,19 +287,7 @@ class Agent:
 
     async def _serve_command(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]
-        try:
-            reply: Message = await self._dispatch(verb, msg.data)
-            data = encode(reply)
-        except (RevenantError, MessageError) as exc:
-            data = bus.error_reply(exc)
-        except Exception as exc:  # a bug must cost one request, never the agent
-            log.exception("command %s failed", verb)
-            data = bus.error_reply(RevenantError(f"internal error in {verb}: {exc}", code="internal"))
-        if msg.reply:
-            try:
-                await msg.respond(data)
-            except nats.errors.Error as exc:
-                log.warning("reply to %s not sent: %s", verb, exc)
+        await bus.answer(msg, lambda: self._dispatch(verb, msg.data), f"command {verb}")
 
     async def _dispatch(self, verb: str, data: bytes) -> AgentJobReply:
         sup = self.supervisor

@@ -33,7 +33,7 @@ import psutil
 from revenant.agent import procs
 from revenant.agent.engine import Engine, signal_tree
 from revenant.agent.epochs import JobFiles, replace_with_prefix
-from revenant.common.errors import CriuError, RevenantError
+from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.metrics import AgentMetrics
 from revenant.messages import AgentJobReply, EpochEvent, JobEvent, JobSpec, Message, subjects
 
@@ -62,18 +62,6 @@ done
 wait $child
 """
 INIT_NAME = "revenant-init"
-
-
-class UnknownJob(RevenantError):
-    code = "unknown_job"
-
-
-class JobNotRunning(RevenantError):
-    code = "not_running"
-
-
-class StaleGeneration(RevenantError):
-    code = "stale_generation"
 
 
 class LaunchError(RevenantError):

@@ -16,7 +16,9 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from revenant.common.errors import BusError, NoResponders, RemoteError, RequestTimeout
+from nats.aio.msg import Msg
+
+from revenant.common.errors import BusError, NoResponders, RemoteError, RequestTimeout, RevenantError
 from revenant.messages import ErrorReply, Message, MessageError, decode, decode_as, encode
 from revenant.messages import subjects
 
@@ -100,6 +102,25 @@ async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], t
     if isinstance(reply, ErrorReply):
         raise RemoteError(reply.message, code=reply.code, retriable=reply.retriable)
     return decode_as(resp.data, reply_type)
+
+
+async def answer(msg: Msg, produce: Callable[[], Awaitable[Message]], what: str) -> None:
+    """Reply to ``msg`` with what ``produce`` returns, or with an ``error.v1``.
+
+    A bug costs the one request (logged with its traceback), never the process.
+    """
+    try:
+        data = encode(await produce())
+    except (RevenantError, MessageError) as exc:
+        data = error_reply(exc)
+    except Exception as exc:
+        log.exception("%s failed", what)
+        data = error_reply(RevenantError(f"internal error in {what}: {exc}", code="internal"))
+    if msg.reply:
+        try:
+            await msg.respond(data)
+        except nats.errors.Error as exc:
+            log.warning("reply to %s not sent: %s", what, exc)
 
 
 def error_reply(exc: Exception) -> bytes:

@@ -53,3 +53,17 @@ class CriuError(RevenantError):
 
 class NatsServerError(RevenantError):
     code = "nats_server"
+
+
+class UnknownJob(RevenantError):
+    code = "unknown_job"
+
+
+class JobNotRunning(RevenantError):
+    code = "not_running"
+
+
+class StaleGeneration(RevenantError):
+    """A command for a generation of a job that is not (or no longer) the one running."""
+
+    code = "stale_generation"

@@ -45,7 +45,6 @@ from revenant.messages import (
     Probe,
     ProbeReply,
     decode_as,
-    encode,
     subjects,
 )
 
@@ -217,13 +216,12 @@ class Coordinator:
         self._emit(self.detector.heartbeat(hb, self._clock()))
 
     async def _on_nodes(self, msg: Msg) -> None:
-        try:
+        async def reply() -> NodesReply:
             decode_as(msg.data, NodesRequest)
-            data = encode(NodesReply(nodes=self.detector.snapshot(self._clock()), coordinator=self.name,
-                                     coordinator_metrics_url=self.http.url if self.http is not None else ""))
-        except (MessageError, RevenantError) as exc:
-            data = bus.error_reply(exc)
-        await self._respond(msg, data)
+            return NodesReply(nodes=self.detector.snapshot(self._clock()), coordinator=self.name,
+                              coordinator_metrics_url=self.http.url if self.http is not None else "")
+
+        await bus.answer(msg, reply, "nodes request")
 
     async def _on_job_request(self, msg: Msg) -> None:
         # Checkpoints take a while: serve each request in its own task.
@@ -233,14 +231,7 @@ class Coordinator:
 
     async def _serve_job_request(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]
-        try:
-            data = encode(await self._job_request(verb, msg.data))
-        except (MessageError, RevenantError) as exc:
-            data = bus.error_reply(exc)
-        except Exception as exc:  # a bug must cost one request, never the coordinator
-            log.exception("%s request failed", verb)
-            data = bus.error_reply(RevenantError(f"internal error in {verb}: {exc}", code="internal"))
-        await self._respond(msg, data)
+        await bus.answer(msg, lambda: self._job_request(verb, msg.data), f"{verb} request")
 
     async def _job_request(self, verb: str, data: bytes) -> Message:
         jobs = self.jobs
@@ -263,14 +254,6 @@ class Coordinator:
         else:
             raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
         return JobReply(job=rec, notes=notes)
-
-    @staticmethod
-    async def _respond(msg: Msg, data: bytes) -> None:
-        if msg.reply:
-            try:
-                await msg.respond(data)
-            except nats.errors.Error as exc:
-                log.debug("reply not sent: %s", exc)
 
     # ------------------------------------------------------------------ detection
 

@@ -23,7 +23,7 @@ from nats.js.kv import KeyValue
 
 from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
-from revenant.common.errors import BusError, RevenantError
+from revenant.common.errors import BusError, JobNotRunning, RevenantError, UnknownJob
 from revenant.common.events import EventPublisher
 from revenant.coordinator.placement import NoNodeAvailable, place
 from revenant.messages import (
@@ -48,14 +48,6 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "revenant-coordinator-jobs"
 NEXT_ID_KEY = "next-id"
-
-
-class UnknownJob(RevenantError):
-    code = "unknown_job"
-
-
-class JobNotRunning(RevenantError):
-    code = "not_running"
 
 
 class JobBusy(RevenantError):

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import VENV_BIN, revenant_cli
+from conftest import VENV_BIN, revenant_cli, wait_until
 from revenant.common.natsserver import start_nats_server
 
 
@@ -42,16 +42,6 @@ def cluster(tmp_path):
     for pid in pids.values():
         if psutil.pid_exists(pid):
             os.kill(pid, signal.SIGKILL)
-
-
-def wait_until(predicate, timeout, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def test_up_nodes_events_down(cluster):

@@ -10,7 +10,6 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from conftest import COUNTER, VENV_BIN, counter_reference, wait_until
 

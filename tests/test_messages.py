@@ -13,6 +13,7 @@ from revenant.messages import (
     AgentJobReply,
     AnomalyEvent,
     CheckpointJob,
+    ClusterEvent,
     EpochEvent,
     EpochInfo,
     JobEvent,
@@ -89,6 +90,7 @@ SAMPLES = [
     EpochEvent(job="17", kind="failed", at=6.0, node="node-1", error="Error (criu/cr-dump.c:1): x"),
     AnomalyEvent(node="node-1", metric="memory_percent", value=99.0, mean=40.0, std=2.0, at=7.0),
     NodesRequest(),
+    ClusterEvent(kind="failover_paused", at=8.0, silent=4, total=10, reason="4 of 10 nodes silent"),
 ]
 
 
