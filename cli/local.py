@@ -137,6 +137,10 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
                 info.metrics_url = reply.coordinator_metrics_url
         write_cluster(root, cluster)
     except BaseException:
+        # Interrupted or failed while starting: stop what started, and let no
+        # second Ctrl-C cut the clean-up short and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop_processes(infos, timeout_s=5.0)
         cluster_file(root).unlink(missing_ok=True)
         raise
@@ -161,6 +165,7 @@ def _foreground(root: Path, infos: list[ProcessInfo], started: list[tuple[subpro
     while not stop:
         time.sleep(0.2)
     print("revenant: stopping the cluster", file=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _stop_processes(infos, timeout_s=10.0)
     cluster_file(root).unlink(missing_ok=True)
     return 0
