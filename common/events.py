@@ -1,13 +1,17 @@
 """Publishing events to the JetStream stream without blocking the caller.
 
-``emit`` only enqueues (bounded; a full queue drops and counts), a background
-task publishes with retries, and ``stop`` flushes what is queued.
+``emit`` only enqueues; background workers publish with retries, and ``stop``
+flushes what is queued.  Events are sharded over the workers by subject, so
+the events of one node or job keep their order while a burst (20,000 nodes
+joining at once) is published many at a time.  The queues are bounded: a
+full one drops the event and counts it, loudly, rather than grow without end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 
 from nats.js import JetStreamContext
 
@@ -19,48 +23,53 @@ log = logging.getLogger(__name__)
 
 
 class EventPublisher:
-    def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 10_000,
-                 attempts: int = 3) -> None:
+    def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 100_000,
+                 attempts: int = 3, workers: int = 16) -> None:
         self._js = js
         self._timeout_s = timeout_s
         self._attempts = attempts
-        self._queue: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(max_queued)
-        self._task: asyncio.Task[None] | None = None
+        per_worker = max(1, max_queued // workers)
+        self._queues: list[asyncio.Queue[tuple[str, Message]]] = [asyncio.Queue(per_worker) for _ in range(workers)]
+        self._tasks: list[asyncio.Task[None]] = []
         self.dropped = 0
         self.published = 0
 
     def emit(self, subject: str, msg: Message) -> None:
+        queue = self._queues[zlib.crc32(subject.encode()) % len(self._queues)]
         try:
-            self._queue.put_nowait((subject, msg))
+            queue.put_nowait((subject, msg))
         except asyncio.QueueFull:
             self.dropped += 1
-            log.error("event queue full: dropped %s", subject)
+            if self.dropped & (self.dropped - 1) == 0:  # log 1, 2, 4, 8, ...
+                log.error("event queue full: %d event(s) dropped so far (latest on %s)", self.dropped, subject)
+
+    @property
+    def queued(self) -> int:
+        return sum(q.qsize() for q in self._queues)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="event-publisher")
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._run(q), name=f"event-publisher-{i}")
+                           for i, q in enumerate(self._queues)]
 
     async def stop(self, flush_timeout_s: float = 3.0) -> None:
         """Publish what is queued (within ``flush_timeout_s``), then stop; idempotent."""
-        task, self._task = self._task, None
-        if task is not None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            await asyncio.wait_for(self._drain(), flush_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*(self._drain(q) for q in self._queues)), flush_timeout_s)
         except asyncio.TimeoutError:
-            log.error("%d events not published at shutdown", self._queue.qsize())
+            log.error("%d events not published at shutdown", self.queued)
 
-    async def _drain(self) -> None:
-        while not self._queue.empty():
-            await self._publish(*self._queue.get_nowait())
+    async def _drain(self, queue: asyncio.Queue[tuple[str, Message]]) -> None:
+        while not queue.empty():
+            await self._publish(*queue.get_nowait())
 
-    async def _run(self) -> None:
+    async def _run(self, queue: asyncio.Queue[tuple[str, Message]]) -> None:
         while True:
-            subject, msg = await self._queue.get()
+            subject, msg = await queue.get()
             await self._publish(subject, msg)
 
     async def _publish(self, subject: str, msg: Message) -> None:

@@ -302,3 +302,25 @@ async def _nodes(nc):
         return []
     except Exception:
         return []
+
+
+async def test_event_bursts_are_published_in_order_per_subject(nats_url):
+    from revenant.common.events import EventPublisher
+
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    pub = EventPublisher(js)
+    pub.start()
+    for i in range(3000):
+        node = f"n{i % 50}"
+        pub.emit(subjects.node_event(node, "joined"), NodeEvent(node=node, kind="joined", at=float(i)))
+    await pub.stop(flush_timeout_s=60)
+    assert pub.dropped == 0 and pub.published == 3000
+    seen: dict[str, list[float]] = {}
+    sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+    for _ in range(3000):
+        ev = decode_as((await sub.next_msg(timeout=5)).data, NodeEvent)
+        seen.setdefault(ev.node, []).append(ev.at)
+    assert all(times == sorted(times) for times in seen.values())
+    await nc.close()
