@@ -149,6 +149,7 @@ class Agent:
             engine = Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
                             staging_roots=self._staging_roots(), concurrency=self.config.checkpoint_concurrency,
                             criu_timeout_s=self.config.criu_timeout_s)
+        await asyncio.to_thread(self._clean_half_written_epochs)
         self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
                                      switch_timeout_s=self.config.fence_timeout_s)
@@ -171,6 +172,12 @@ class Agent:
     def stop(self) -> None:
         """Ask the agent to stop; idempotent and safe before ``run()``."""
         self._stopping.set()
+
+    def _clean_half_written_epochs(self) -> None:
+        """Epochs this node was writing when an earlier agent died: never listed, now removed."""
+        for tmp in self.storage.glob(f"jobs/*/epochs/.tmp-{self.node}-*"):
+            log.info("removing half-written epoch %s", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _staging_roots(self) -> list[Path]:
         if self.config.staging_dir:

@@ -162,6 +162,23 @@ class Engine:
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
         self.pending = 0
+        self.clean_stale_staging()
+
+    def clean_stale_staging(self) -> None:
+        """Remove staging left by agents that died mid-dump (it may hold GiBs of tmpfs)."""
+        for root in self.staging_roots:
+            try:
+                entries = list(root.iterdir())
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    owner = int(entry.name.rsplit("-", 2)[-2])
+                except (ValueError, IndexError):
+                    continue
+                if owner != os.getpid() and not psutil.pid_exists(owner):
+                    log.info("removing stale staging %s", entry)
+                    shutil.rmtree(entry, ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -210,13 +210,16 @@ class Failover:
     async def _recover_inner(self, job: str, dead: str, incarnation: str) -> bool | None:
         self._event(job, "restoring", dead, reason=f"node {dead} is dead")
         # Never two copies: the dead node's agent fences itself before its lease expires.
-        wait = self.leases.expires_at(dead, incarnation) - self.clock()
-        if wait > 0:
-            log.info("job %s: waiting %.2f s for node %s's lease to expire", job, wait, dead)
-            await asyncio.sleep(wait)
-            if self.leases.expires_at(dead, incarnation) > self.clock():
+        expiry = self.leases.expires_at(dead, incarnation)
+        if expiry > self.clock():
+            log.info("job %s: waiting %.2f s for node %s's lease to expire", job, expiry - self.clock(), dead)
+        # Sleep until the lease has surely expired; timers may fire a little early, so loop.
+        while (wait := self.leases.expires_at(dead, incarnation) - self.clock()) > 0:
+            if self.leases.expires_at(dead, incarnation) > expiry:
+                # A renewal seen after the verdict: the agent lives and still holds its jobs.
                 log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
                 return None
+            await asyncio.sleep(wait)
         while self.storm.paused:
             await asyncio.sleep(0.2)
         deadline = self.clock() + self.config.requeue_timeout_s

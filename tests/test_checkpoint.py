@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -160,7 +162,8 @@ def test_agent_killed_mid_dump_leaves_no_listed_epoch(make_cluster):
         # A big checkpoint in progress does not hold up the node's heartbeats.
         node = {n["name"]: n for n in cluster.json("nodes")}["node-1"]
         assert node["state"] == "alive" and node["last_heartbeat_age_s"] < 1.5
-        os.kill(cluster.pids()["node-1"], signal.SIGKILL)
+        killed = cluster.pids()["node-1"]
+        os.kill(killed, signal.SIGKILL)
     finally:
         ck.wait(timeout=120)
     assert files.committed() == []
@@ -168,6 +171,19 @@ def test_agent_killed_mid_dump_leaves_no_listed_epoch(make_cluster):
     # The agent's death took the job with it.
     assert wait_until(lambda: not psutil.pid_exists(job_pid) or psutil.Process(job_pid).status() == "zombie",
                       timeout=10)
+    # The next agent of node-1 clears both what the dead one left: the half-written
+    # epoch on shared storage and its node-local staging.
+    stale_staging = [p for p in Path("/dev/shm/revenant-node-1").glob("*") if f"-{killed}-" in p.name]
+    revenant = str(Path(sys.executable).parent / "revenant")
+    url = json.loads((cluster.dir / "cluster.json").read_text())["nats_url"]
+    agent = subprocess.Popen([revenant, "agent", "--node", "node-1", "--nats", url, "--storage", str(cluster.storage),
+                              "--http-port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: not list(files.epochs_dir.glob(".tmp-*")) and
+                          not any(p.exists() for p in stale_staging), timeout=30)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
 
 
 @pytest.mark.parametrize(
