@@ -58,7 +58,7 @@ async def connect(
         if client and not (client[0].is_closed or client[0].is_draining):
             log.warning("nats (%s): disconnected", name)
 
-    async def on_reconnect() -> None:
+    async def on_reconnected() -> None:
         log.info("nats (%s): reconnected", name)
         if on_reconnect is not None:
             await on_reconnect()
@@ -77,7 +77,7 @@ async def connect(
             pending_size=0,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
+            reconnected_cb=on_reconnected,
         )
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from None

@@ -130,7 +130,7 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tick_interval_s: float = 0.1
     # If the coordinator's own loop stalls or it loses NATS for this long, every
     # node gets a fresh grace period instead of a verdict.
-    self_stall_grace_s: float = 1.0
+    self_stall_grace_s: float = 0.5
     # Dead and left nodes are dropped from the table after this long.
     forget_after_s: float = 3600.0
     event_publish_timeout_s: float = 2.0
@@ -167,6 +167,9 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                   "event_publish_timeout_s")
         if self.node_timeout_s < self.suspect_timeout_s:
             raise ValueError("node_timeout_s must be at least suspect_timeout_s")
+        if self.tick_interval_s >= self.self_stall_grace_s:
+            raise ValueError("tick_interval_s must be shorter than self_stall_grace_s, "
+                             "or every tick would count as a stall and no node would ever be declared dead")
         _port(self.http_port)
 
 

@@ -162,6 +162,8 @@ class CoordinatorMetrics:
                                            buckets=_DETECTION_SECONDS, registry=r)
         self.node_events = Counter("revenant_node_events", "Membership events published.", ["kind"], registry=r)
         self.heartbeats = Counter("revenant_heartbeats_received", "Heartbeats received.", ["result"], registry=r)
+        self._hb_ok = self.heartbeats.labels(result="ok")
+        self._hb_malformed = self.heartbeats.labels(result="malformed")
         self.loop_lag = Gauge("revenant_event_loop_lag_seconds", "Worst event-loop lag of the coordinator lately.",
                               registry=r)
         for state in NODE_STATES:
@@ -203,7 +205,8 @@ class CoordinatorMetrics:
         self.failovers.labels(result="ok" if ok else "failed").inc()
 
     def count_heartbeat(self, malformed: bool = False) -> None:
-        self.heartbeats.labels(result="malformed" if malformed else "ok").inc()
+        # The hot path at 20,000 nodes: children are looked up once, not per heartbeat.
+        (self._hb_malformed if malformed else self._hb_ok).inc()
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

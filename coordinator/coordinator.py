@@ -51,6 +51,8 @@ from revenant.messages import (
 log = logging.getLogger(__name__)
 
 MAX_PROBES_IN_FLIGHT = 512
+# Heartbeats waiting in the subscription beyond which the detector holds its verdicts.
+HEARTBEAT_BACKLOG = 2_000
 
 
 class Coordinator:
@@ -71,6 +73,8 @@ class Coordinator:
         self.leadership: Leadership | None = None
         self._leader_tasks: list[asyncio.Task[None]] = []
         self.deposed = False
+        self._storm_dirty = False
+        self._hb_sub = None
         self._stopping = asyncio.Event()
         # Set once subscribed and serving; tests and embedders wait on it.
         self.ready = asyncio.Event()
@@ -119,7 +123,8 @@ class Coordinator:
         try:
             await bus.ensure_event_stream(self._js)
             # A standby tracks every node too, so that it takes over with a warm view.
-            await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat)
+            self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
+                                                    pending_msgs_limit=1_000_000)
             self.jobs = JobService(self._nc, self._js, self.config, self._events,
                                    lambda: self.detector.snapshot(self._clock()), wall=self._wall)
             self.failover = Failover(self.config, self._js, self.jobs, self._events,
@@ -136,7 +141,6 @@ class Coordinator:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._tick_loop(), name="detector-tick"),
                          tg.create_task(self.loop_monitor.run(), name="loop-monitor"),
-                         tg.create_task(_supervised(self.failover.watch_leases), name="lease-watch"),
                          tg.create_task(self.leadership.run(), name="leadership"),
                          tg.create_task(self._lead(elected, tg), name="lead")]
                 log.info("coordinator %s up; waiting to lead", self.name)
@@ -259,21 +263,26 @@ class Coordinator:
 
     async def _tick_loop(self) -> None:
         while True:
-            now = self._clock()
+            await asyncio.sleep(self.config.tick_interval_s)
             if self._nc is None or not self._nc.is_connected:
-                # Blind: no verdicts.  The reconnect handler grants a grace period.
-                await asyncio.sleep(self.config.tick_interval_s)
+                continue  # blind: no verdicts; the reconnect handler grants a grace period
+            if self._hb_sub is not None and self._hb_sub.pending_msgs > HEARTBEAT_BACKLOG:
+                # Heartbeats are queued but not read yet (the loop was busy): a verdict now
+                # would be on stale data.  Skipping the tick lets the stall guard grant grace.
                 continue
+            now = self._clock()
             if self._reconnected:
                 self._reconnected = False
                 self._emit(self.detector.grace_all(now, "coordinator reconnected to NATS"))
             transitions, probes = self.detector.tick(now)
             self._emit(transitions)
+            if self._storm_dirty and self.leader and self.failover is not None:
+                self._storm_dirty = False
+                self.failover.check_storm(list(self.detector.nodes.values()))
             for node in probes:
                 task = asyncio.create_task(self._probe(node))
                 self._probe_tasks.add(task)
                 task.add_done_callback(self._probe_tasks.discard)
-            await asyncio.sleep(self.config.tick_interval_s)
 
     async def _probe(self, node: str) -> None:
         ok, incarnation = False, None
@@ -294,9 +303,9 @@ class Coordinator:
 
     def _emit(self, transitions: list[Transition]) -> None:
         at = self._wall()
-        if transitions and self.leader and self.failover is not None:
-            self.failover.check_storm()
         for t in transitions:
+            if t.kind != "joined":
+                self._storm_dirty = True  # checked once per tick, not per transition
             level = logging.WARNING if t.kind in ("suspect", "dead") else logging.INFO
             log.log(level, "node %s %s (silent %.2f s%s)", t.node, t.kind, t.silence_s,
                     f", {t.reason}" if t.reason else "")

@@ -2,10 +2,12 @@
 
 The rules are plain classes fed with the current time:
 
-* :class:`LeaseTracker` - when each node's lease was last renewed, as this
-  coordinator saw it (a KV watch), so "expired" needs no clock agreement with
-  the agents: a dead node's jobs wait until ``ttl + margin`` after the last
-  renewal seen, and the agent fences itself after ``fence_timeout_s`` < ``ttl``.
+* :class:`LeaseState` - a dead node's lease, read from the KV store only once
+  the node is declared dead (watching every renewal of every node would cost
+  more than a core at 20,000 nodes).  Its jobs wait until ``ttl + margin``
+  after the last renewal, timed by the NATS server that stored it; the agent
+  fenced itself ``fence_timeout_s`` < ``ttl`` after that renewal was acked.
+  The margin covers skew between the coordinator's and the server's clocks.
 * :class:`StormGuard` - if more than a fraction of the nodes go silent at once
   (the coordinator's own network, a switch, a mass reboot), failover pauses
   and an alert is published; it resumes once enough of them are back.
@@ -23,11 +25,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 
 import msgspec
 
-from revenant.agent.lease import LeaseValue, open_bucket
+from revenant.agent.lease import LeaseValue
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
 from revenant.common.events import EventPublisher
@@ -40,33 +43,16 @@ log = logging.getLogger(__name__)
 NOT_RETRIABLE = {"no_epoch", "corrupt_epoch"}
 
 
-class LeaseTracker:
-    """Last renewal seen per node and agent incarnation (a restarted agent holds a new lease)."""
+@dataclass(frozen=True)
+class LeaseState:
+    """A node's lease as the KV store holds it: who renewed it, and when (the server's clock)."""
 
-    def __init__(self, ttl_s: float, margin_s: float, started_at: float) -> None:
-        self.ttl_s = ttl_s
-        self.margin_s = margin_s
-        self.started_at = started_at
-        self.last_seen: dict[str, dict[str, float]] = {}
+    seq: int
+    incarnation: str
+    renewed_at: float
 
-    def seen(self, node: str, now: float, incarnation: str = "") -> None:
-        by_inc = self.last_seen.setdefault(node, {})
-        by_inc[incarnation] = now
-        if len(by_inc) > 4:  # keep the recent incarnations only
-            del by_inc[min(by_inc, key=by_inc.__getitem__)]
-
-    def expires_at(self, node: str, incarnation: str = "") -> float:
-        """When the lease of ``node`` (of that incarnation, if given) is surely expired.
-        A lease never seen (we just started) counts from our start: it may have been
-        renewed just before."""
-        by_inc = self.last_seen.get(node, {})
-        if incarnation and incarnation in by_inc:
-            last = by_inc[incarnation]
-        elif incarnation and by_inc:
-            last = self.started_at  # another incarnation renews it: ours stopped before we watched
-        else:
-            last = max(by_inc.values(), default=self.started_at)
-        return max(last, self.started_at) + self.ttl_s + self.margin_s
+    def expires_at(self, ttl_s: float, margin_s: float) -> float:
+        return self.renewed_at + ttl_s + margin_s
 
 
 @dataclass
@@ -76,7 +62,7 @@ class StormGuard:
     min_silent: int = 2
     paused: bool = False
 
-    def update(self, nodes: list[NodeStatus], pending: set[str]) -> str | None:
+    def update(self, nodes: list, pending: set[str]) -> str | None:
         """Returns "paused" or "resumed" on a change.  Silent: suspect, or dead with failover pending."""
         live = [n for n in nodes if n.state != "left"]
         silent = [n for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)]
@@ -90,7 +76,7 @@ class StormGuard:
         return None
 
     @staticmethod
-    def counts(nodes: list[NodeStatus], pending: set[str]) -> tuple[int, int]:
+    def counts(nodes: list, pending: set[str]) -> tuple[int, int]:
         live = [n for n in nodes if n.state != "left"]
         return sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)), len(live)
 
@@ -126,7 +112,6 @@ class Failover:
         self.clock = clock
         self.wall = wall
         self.on_result = on_result
-        self.leases = LeaseTracker(config.lease_ttl_s, config.lease_margin_s, clock())
         self.storm = StormGuard(config.failover_pause_fraction)
         self.bucket = TokenBucket(config.restore_rate_per_s, config.max_concurrent_restores, clock())
         self.slots = asyncio.Semaphore(config.max_concurrent_restores)
@@ -137,23 +122,52 @@ class Failover:
 
     # ------------------------------------------------------------------ inputs
 
-    async def watch_leases(self) -> None:
-        kv = await open_bucket(self.js, subjects.LEASES_BUCKET, self.config.lease_ttl_s)
-        watcher = await kv.watchall(include_history=False, ignore_deletes=True)
-        while True:
+    async def read_lease(self, node: str) -> LeaseState | None:
+        """The lease ``node`` holds now, or None if it has none (expired, or never held)."""
+        stream = f"KV_{subjects.LEASES_BUCKET}"
+        for attempt in range(5):
             try:
-                entry = await watcher.updates(timeout=5.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                msg = await self.js.get_last_msg(stream, f"$KV.{subjects.LEASES_BUCKET}.{node}")
+            except nats.js.errors.NotFoundError:
+                return None
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.warning("cannot read node %s's lease (%s); retrying", node, exc or type(exc).__name__)
+                await asyncio.sleep(0.2 * (attempt + 1))
                 continue
-            if entry is not None and entry.key:
-                try:
-                    incarnation = msgspec.msgpack.decode(entry.value, type=LeaseValue).incarnation
-                except (msgspec.DecodeError, TypeError):
-                    incarnation = ""
-                self.leases.seen(entry.key, self.clock(), incarnation)
+            if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                return None
+            try:
+                incarnation = msgspec.msgpack.decode(msg.data or b"", type=LeaseValue).incarnation
+            except (msgspec.DecodeError, TypeError):
+                incarnation = ""
+            renewed_at = msg.time.timestamp() if msg.time is not None else self.wall()
+            return LeaseState(seq=msg.seq or 0, incarnation=incarnation, renewed_at=renewed_at)
+        # The store does not answer: assume a renewal just now, the safe side.
+        return LeaseState(seq=-1, incarnation="", renewed_at=self.wall())
 
-    def check_storm(self) -> None:
-        nodes = self.nodes()
+    async def wait_for_lease_expiry(self, job: str, node: str, incarnation: str) -> bool:
+        """Wait until ``node``'s lease (of that incarnation) has expired.  False if it was
+        renewed meanwhile: the agent is alive and still holds its jobs."""
+        ttl, margin = self.config.lease_ttl_s, self.config.lease_margin_s
+        lease = await self.read_lease(node)
+        logged = False
+        while lease is not None and (not incarnation or not lease.incarnation or lease.incarnation == incarnation):
+            wait = lease.expires_at(ttl, margin) - self.wall()
+            if wait <= 0:
+                return True
+            if not logged:
+                log.info("job %s: waiting %.2f s for node %s's lease to expire", job, wait, node)
+                logged = True
+            await asyncio.sleep(wait)  # timers may fire a little early: the loop reads again
+            again = await self.read_lease(node)
+            if again is not None and again.seq != lease.seq and again.seq != -1 and lease.seq != -1:
+                return False
+            lease = again
+        return True
+
+    def check_storm(self, nodes: list | None = None) -> None:
+        """``nodes``: anything with ``name`` and ``state`` (detector records are cheapest)."""
+        nodes = self.nodes() if nodes is None else nodes
         change = self.storm.update(nodes, set(self.pending_nodes))
         if change is not None:
             silent, total = self.storm.counts(nodes, set(self.pending_nodes))
@@ -210,16 +224,9 @@ class Failover:
     async def _recover_inner(self, job: str, dead: str, incarnation: str) -> bool | None:
         self._event(job, "restoring", dead, reason=f"node {dead} is dead")
         # Never two copies: the dead node's agent fences itself before its lease expires.
-        expiry = self.leases.expires_at(dead, incarnation)
-        if expiry > self.clock():
-            log.info("job %s: waiting %.2f s for node %s's lease to expire", job, expiry - self.clock(), dead)
-        # Sleep until the lease has surely expired; timers may fire a little early, so loop.
-        while (wait := self.leases.expires_at(dead, incarnation) - self.clock()) > 0:
-            if self.leases.expires_at(dead, incarnation) > expiry:
-                # A renewal seen after the verdict: the agent lives and still holds its jobs.
-                log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
-                return None
-            await asyncio.sleep(wait)
+        if not await self.wait_for_lease_expiry(job, dead, incarnation):
+            log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
+            return None
         while self.storm.paused:
             await asyncio.sleep(0.2)
         deadline = self.clock() + self.config.requeue_timeout_s

@@ -3,18 +3,13 @@
 import pytest
 
 from revenant.agent.lease import FenceClock
-from revenant.coordinator.failover import LeaseTracker, StormGuard, TokenBucket
+from revenant.coordinator.failover import LeaseState, StormGuard, TokenBucket
 from revenant.messages import NodeStatus
 
 
-def test_lease_expiry_counts_from_the_last_renewal_seen():
-    t = LeaseTracker(ttl_s=1.7, margin_s=0.2, started_at=100.0)
-    # Never seen since we started: it may have been renewed just before.
-    assert t.expires_at("n") == 101.9
-    t.seen("n", 105.0)
-    assert t.expires_at("n") == 106.9
-    t.seen("n", 105.35)
-    assert abs(t.expires_at("n") - 107.25) < 1e-9
+def test_lease_expires_ttl_plus_margin_after_its_last_renewal():
+    lease = LeaseState(seq=7, incarnation="a", renewed_at=100.0)
+    assert lease.expires_at(1.7, 0.2) == pytest.approx(101.9)
 
 
 def test_fence_is_shorter_than_the_lease():
@@ -57,15 +52,3 @@ def test_restore_rate_is_limited():
     assert abs(wait - 0.2) < 1e-9
     assert b.take(0.2) == 0
     assert b.take(10.0) == 0 and b.take(10.0) == 0 and b.take(10.0) > 0  # the burst caps the saving
-
-
-def test_a_restarted_agent_does_not_keep_its_predecessors_jobs_alive():
-    t = LeaseTracker(ttl_s=1.7, margin_s=0.2, started_at=0.0)
-    t.seen("n", 10.0, "old")
-    t.seen("n", 11.0, "new")
-    t.seen("n", 50.0, "new")  # the new agent renews on and on
-    assert t.expires_at("n", "old") == pytest.approx(11.9)
-    assert t.expires_at("n", "new") == pytest.approx(51.9)
-    assert t.expires_at("n") == pytest.approx(51.9)
-    # An incarnation never seen while another renews stopped before we were watching.
-    assert t.expires_at("n", "older") == pytest.approx(1.9)
