@@ -76,10 +76,22 @@ def render_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+async def request_nodes(nc, timeout_s: float) -> NodesReply:
+    """The whole node table, page by page."""
+    reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
+    nodes = list(reply.nodes)
+    while reply.nodes and len(nodes) < reply.total:
+        reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(offset=len(nodes)),
+                                  NodesReply, timeout_s)
+        nodes += reply.nodes
+    reply.nodes = nodes
+    return reply
+
+
 async def fetch_nodes(url: str, timeout_s: float) -> NodesReply:
     nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, connect_timeout_s=timeout_s)
     try:
-        return await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
+        return await request_nodes(nc, timeout_s)
     finally:
         await nc.close()
 
@@ -109,7 +121,7 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, args.timeout)
+                reply = await request_nodes(nc, args.timeout)
                 body = (json.dumps(msgspec.to_builtins(reply.nodes)) if args.json else nodes_table(reply))
             except RevenantError as exc:
                 body = f"revenant: {exc}"

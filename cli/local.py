@@ -19,11 +19,12 @@ from pathlib import Path
 
 import psutil
 
+from revenant.cli.client import request_nodes
 from revenant.common import bus
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
 from revenant.common.errors import ClusterNotFound, RevenantError
 from revenant.common.natsserver import start_nats_server
-from revenant.messages import NodesReply, NodesRequest, subjects
+from revenant.messages import NodesReply
 
 STOP_ORDER = ("agent", "coordinator", "nats-server")
 
@@ -65,7 +66,7 @@ def _tail(path: str, lines: int = 5) -> str:
 async def _nodes(url: str, timeout_s: float) -> NodesReply:
     nc = await bus.connect(url, "revenant-cli", endless_reconnect=False)
     try:
-        return await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
+        return await request_nodes(nc, timeout_s)
     finally:
         await nc.close()
 

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 MAX_PROBES_IN_FLIGHT = 512
 # Heartbeats waiting in the subscription beyond which the detector holds its verdicts.
 HEARTBEAT_BACKLOG = 2_000
+# Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
+NODES_PAGE_MAX = 300
 
 
 class Coordinator:
@@ -221,9 +223,13 @@ class Coordinator:
 
     async def _on_nodes(self, msg: Msg) -> None:
         async def reply() -> NodesReply:
-            decode_as(msg.data, NodesRequest)
-            return NodesReply(nodes=self.detector.snapshot(self._clock()), coordinator=self.name,
-                              coordinator_metrics_url=self.http.url if self.http is not None else "")
+            req = decode_as(msg.data, NodesRequest)
+            limit = max(1, min(req.limit, NODES_PAGE_MAX))
+            names = sorted(self.detector.nodes)
+            page = names[max(0, req.offset):max(0, req.offset) + limit]
+            return NodesReply(nodes=self.detector.snapshot(self._clock(), page), coordinator=self.name,
+                              coordinator_metrics_url=self.http.url if self.http is not None else "",
+                              total=len(names), offset=req.offset)
 
         await bus.answer(msg, reply, "nodes request")
 

@@ -191,7 +191,10 @@ class FailureDetector:
     def phi(self, rec: NodeRecord, now: float) -> float:
         return phi(now - rec.last_alive_at, rec.intervals, rec.interval_s)
 
-    def snapshot(self, now: float) -> list[NodeStatus]:
+    def snapshot(self, now: float, names: list[str] | None = None) -> list[NodeStatus]:
+        """Every node's status in name order, or just those of ``names``."""
+        records = (sorted(self.nodes.values(), key=lambda r: r.name) if names is None
+                   else [self.nodes[n] for n in names if n in self.nodes])
         return [
             NodeStatus(
                 name=r.name,
@@ -207,7 +210,7 @@ class FailureDetector:
                 capabilities=r.capabilities,
                 gpus=r.gpus,
             )
-            for r in sorted(self.nodes.values(), key=lambda r: r.name)
+            for r in records
         ]
 
     def counts(self) -> dict[str, int]:

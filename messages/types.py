@@ -217,13 +217,19 @@ class NodeEvent(Message, tag="node_event.v1"):
 
 
 class NodesRequest(Message, tag="nodes_request.v1"):
-    pass
+    """A page of the node table, in name order (a whole table would not fit one message)."""
+
+    offset: int = 0
+    limit: int = 200
 
 
 class NodesReply(Message, tag="nodes_reply.v1"):
     nodes: list[NodeStatus] = []
     coordinator: str = ""
     coordinator_metrics_url: str = ""
+    # Nodes in the whole table; ``offset`` is where this page starts.
+    total: int = 0
+    offset: int = 0
 
 
 class AnomalyEvent(Message, tag="anomaly.v1"):

@@ -360,3 +360,29 @@ async def test_lease_expiry_is_read_from_the_store_only_when_needed(nats_url):
     assert await fo.wait_for_lease_expiry("1", "n3", "a")
     assert time.monotonic() - started < 0.3
     await nc.close()
+
+
+async def test_a_large_node_table_comes_in_pages(nats_url):
+    from revenant.cli.client import request_nodes
+
+    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))):
+        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        caps = {"hostname": "h" * 40, "criu": {"path": "/usr/sbin/criu", "version": "4.1.1", "ok": True,
+                                               "features": {f"feature_{i}": True for i in range(5)}}}
+        for i in range(1200):  # ~600 KB of node statuses: more than one message may carry
+            hb = msgpack.packb({"type": "heartbeat.v1", "node": f"n{i:04d}", "seq": 1, "sent_at": 0.0,
+                                "incarnation": "i", "capabilities": caps})
+            await nc.publish(subjects.heartbeat(f"n{i:04d}"), hb)
+        await nc.flush()
+        reply = await wait_for(lambda: _full_table(nc, request_nodes, 1200), timeout=15)
+        assert [n.name for n in reply.nodes] == [f"n{i:04d}" for i in range(1200)]
+        assert reply.total == 1200
+        await nc.close()
+
+
+async def _full_table(nc, request_nodes, want):
+    try:
+        reply = await request_nodes(nc, 2)
+    except NoResponders:
+        return None
+    return reply if len(reply.nodes) == want else None
