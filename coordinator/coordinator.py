@@ -51,7 +51,8 @@ from revenant.messages import (
 log = logging.getLogger(__name__)
 
 MAX_PROBES_IN_FLIGHT = 512
-# Heartbeats waiting in the subscription beyond which the detector holds its verdicts.
+# Heartbeats waiting in the subscription beyond which the detector holds its verdicts:
+# at least this many, and at least half a second's worth (one per node per second).
 HEARTBEAT_BACKLOG = 2_000
 # Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
 NODES_PAGE_MAX = 300
@@ -272,7 +273,8 @@ class Coordinator:
             await asyncio.sleep(self.config.tick_interval_s)
             if self._nc is None or not self._nc.is_connected:
                 continue  # blind: no verdicts; the reconnect handler grants a grace period
-            if self._hb_sub is not None and self._hb_sub.pending_msgs > HEARTBEAT_BACKLOG:
+            backlog = max(HEARTBEAT_BACKLOG, len(self.detector.nodes) // 2)
+            if self._hb_sub is not None and self._hb_sub.pending_msgs > backlog:
                 # Heartbeats are queued but not read yet (the loop was busy): a verdict now
                 # would be on stale data.  Skipping the tick lets the stall guard grant grace.
                 continue
