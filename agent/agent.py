@@ -147,8 +147,9 @@ class Agent:
         engine = None
         if criu.ok and criu.path and criu.version:
             engine = Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
-                            staging_roots=self._staging_roots(), concurrency=self.config.checkpoint_concurrency,
-                            criu_timeout_s=self.config.criu_timeout_s)
+                            work_roots=self._work_roots(),
+                            staging=Path(self.config.staging_dir) if self.config.staging_dir else None,
+                            concurrency=self.config.checkpoint_concurrency, criu_timeout_s=self.config.criu_timeout_s)
         await asyncio.to_thread(self._clean_half_written_epochs)
         self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
@@ -179,9 +180,8 @@ class Agent:
             log.info("removing half-written epoch %s", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _staging_roots(self) -> list[Path]:
-        if self.config.staging_dir:
-            return [Path(self.config.staging_dir)]
+    def _work_roots(self) -> list[Path]:
+        """Node-local scratch for criu's logs and scripts (small)."""
         roots = [Path(f"/var/tmp/revenant-{self.node}")]
         if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
             roots.insert(0, Path(f"/dev/shm/revenant-{self.node}"))

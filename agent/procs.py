@@ -126,8 +126,9 @@ async def run(argv: list[str], timeout_s: float, *, cwd: str | None = None,
               env: dict[str, str] | None = None) -> Completed:
     """Run a command to completion, stdout and stderr merged; kill it on timeout or cancellation."""
     with tempfile.TemporaryFile() as out:
+        # die_with_parent: a criu must not outlive the agent that would commit or undo its work.
         proc = spawn(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                     cwd=cwd, env=env, close_fds=True)
+                     cwd=cwd, env=env, close_fds=True, preexec_fn=die_with_parent)
         waiter = asyncio.ensure_future(_waiter(proc))
         try:
             code = await asyncio.wait_for(asyncio.shield(waiter), timeout_s)

@@ -30,8 +30,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # criu binary; empty means $REVENANT_CRIU, then PATH.
     criu_path: str = ""
     criu_check_timeout_s: float = 30.0
-    # Node-local directory criu dumps into before images move to shared storage.
-    # Empty: /dev/shm/revenant-<node> when it has room for the job, else /var/tmp/revenant-<node>.
+    # Node-local directory criu dumps into before the images move to shared storage
+    # (for storage that is slow to write while the job is frozen, e.g. NFS).
+    # Empty: criu dumps straight into the epoch on the shared storage.
     staging_dir: str = ""
     # criu dumps and restores that may run at once on this node.
     checkpoint_concurrency: int = 2

@@ -31,7 +31,7 @@ def fake_epoch(files: JobFiles, staging: Path, payload: bytes, outputs: dict[str
     (staging / "core-1.img").write_bytes(b"core")
     m = Manifest(job=files.job, epoch=0, generation=1, node="n1", created_at=time.time(), criu_version="4.1.1",
                  kernel="k", outputs=outputs or {})
-    return files.commit(staging, files.new_tmp("n1"), m)
+    return files.commit(files.new_tmp("n1"), m, staging)
 
 
 def test_commit_is_atomic_and_numbered(tmp_path):
@@ -40,7 +40,8 @@ def test_commit_is_atomic_and_numbered(tmp_path):
     m1 = fake_epoch(files, tmp_path / "s1", b"a" * 10000)
     m2 = fake_epoch(files, tmp_path / "s2", b"b" * 20000)
     assert (m1.epoch, m2.epoch) == (1, 2) and files.committed() == [1, 2]
-    assert m2.files["pages-1.img"] == FileEntry(size=20000, sha256=m2.files["pages-1.img"].sha256)
+    assert m2.files["pages-1.img"] == FileEntry(size=20000, checksum=m2.files["pages-1.img"].checksum)
+    assert m2.checksum == "crc32" and len(m2.files["pages-1.img"].checksum) == 8
     # A half-written epoch (a crash mid-copy) is never listed, and a new agent cleans it.
     tmp = files.new_tmp("n1")
     (tmp / "pages-1.img").write_bytes(b"partial")
@@ -109,7 +110,7 @@ async def supervisor_factory(tmp_path):
         engine = None
         if criu is not None:
             engine = Engine(criu_path=criu, criu_version="4.1.1", node="n1", storage=storage,
-                            staging_roots=[staging or tmp_path / "staging"])
+                            work_roots=[tmp_path / "work"], staging=staging)
         # No agent renews a lease here: a long switch timeout keeps the dead man's switch quiet.
         sup = Supervisor("n1", storage, engine, lambda subject, msg: events.append(msg),
                          criu_error="criu not found: set criu_path, REVENANT_CRIU, or put criu on PATH",
@@ -175,8 +176,9 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-async def test_full_disk_fails_the_checkpoint_cleanly(tmp_path, supervisor_factory, small_disk):
-    sup, events = supervisor_factory(small_disk, locate_criu(), staging=tmp_path / "staging")
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+async def test_full_disk_fails_the_checkpoint_cleanly(tmp_path, supervisor_factory, small_disk, staged):
+    sup, events = supervisor_factory(small_disk, locate_criu(), staging=tmp_path / "staging" if staged else None)
     await start_counter(sup)
     first = await sup.checkpoint("1", 1, stop=False)
     files = JobFiles(small_disk, "1")
