@@ -136,6 +136,14 @@ def tree_pids(root: int) -> list[int]:
         return []
 
 
+def _alive(pid: int) -> bool:
+    """A zombie is not alive (where pid 1 never reaps, a dead agent lingers as one)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _remove(*paths: Path | None) -> None:
     for path in paths:
         if path is not None:
@@ -180,7 +188,7 @@ class Engine:
                     owner = int(entry.name.rsplit("-", 2)[-2])
                 except (ValueError, IndexError):
                     continue
-                if owner != os.getpid() and not psutil.pid_exists(owner):
+                if owner != os.getpid() and not _alive(owner):
                     log.info("removing stale staging %s", entry)
                     shutil.rmtree(entry, ignore_errors=True)
 

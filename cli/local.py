@@ -172,24 +172,47 @@ def _foreground(root: Path, infos: list[ProcessInfo], started: list[tuple[subpro
     return 0
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Still running: a zombie is not (where pid 1 never reaps, zombies linger)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until ``procs`` have exited (reaping our own children); returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        for p in alive:
+            try:
+                os.waitpid(p.pid, os.WNOHANG)  # our child (foreground up): reap it
+            except ChildProcessError:
+                pass
+        alive = [p for p in alive if _running(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
 def _stop_processes(infos: list[ProcessInfo], timeout_s: float) -> list[str]:
     """SIGTERM each role in order, wait, then SIGKILL what is left; returns what had to be killed."""
     killed: list[str] = []
     for role in STOP_ORDER:
-        procs = [(info, p) for info in infos if info.role == role and (p := _ours(info)) is not None]
-        for _, p in procs:
+        procs = [p for info in infos if info.role == role and (p := _ours(info)) is not None]
+        for p in procs:
             try:
                 p.terminate()
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs([p for _, p in procs], timeout=timeout_s)
-        for p in alive:
+        for p in _wait_gone(procs, timeout_s):
             try:
                 p.kill()
                 killed.append(f"{role} pid {p.pid}")
             except psutil.Error:
                 pass
-        psutil.wait_procs(alive, timeout=5)
+            _wait_gone([p], 5)
     return killed
 
 

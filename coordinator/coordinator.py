@@ -189,9 +189,15 @@ class Coordinator:
         assert self.jobs is not None
         alive = {n.name for n in self.detector.snapshot(self._clock()) if n.state in ("alive", "suspect")}
         for job, rec in list(self.jobs.jobs.items()):
-            stranded = rec.node not in alive or (rec.state == "restoring" and not rec.node)
-            if rec.state in self.jobs.ACTIVE and stranded and job not in self.failover.recovering:
-                log.warning("taking over the recovery of job %s (node %s)", job, rec.node or "none")
+            if rec.state not in self.jobs.ACTIVE or job in self.failover.recovering:
+                continue
+            if rec.state in ("restoring", "pending"):
+                # A restore or launch the old leader started may or may not have finished:
+                # do it again (the node kills any older generation it runs).
+                log.warning("taking over the recovery of job %s (it was %s)", job, rec.state)
+                self.failover.recover_job(job, "")
+            elif rec.node not in alive:
+                log.warning("taking over the recovery of job %s (node %s is gone)", job, rec.node)
                 self.failover.recover_job(job, rec.node)
 
     def _deposed(self) -> None:

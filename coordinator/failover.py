@@ -222,9 +222,9 @@ class Failover:
             self.on_result(ok)
 
     async def _recover_inner(self, job: str, dead: str, incarnation: str) -> bool | None:
-        self._event(job, "restoring", dead, reason=f"node {dead} is dead")
+        self._event(job, "restoring", dead, reason=f"node {dead} is dead" if dead else "taken over")
         # Never two copies: the dead node's agent fences itself before its lease expires.
-        if not await self.wait_for_lease_expiry(job, dead, incarnation):
+        if dead and not await self.wait_for_lease_expiry(job, dead, incarnation):
             log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
             return None
         while self.storm.paused:

@@ -301,7 +301,7 @@ class JobService:
             if rec.state not in self.ACTIVE or (rec.state == "running" and rec.node not in (dead, "")):
                 return None
             previous = (rec.node, rec.generation)
-            target = place(self.nodes(), self.jobs_per_node(), exclude={dead})
+            target = place(self.nodes(), self.jobs_per_node(), exclude={dead} if dead else set())
             if not rec.epochs and not rec.spec.requeue:
                 rec.state, rec.pid, rec.reason = "failed", 0, (
                     f"node {dead} died and the job has no checkpoint (submit with --requeue to rerun it)")
