@@ -86,8 +86,9 @@ WALL_INCLUDES = {
     "raw": "criu dump (process start to exit, into a directory on the storage filesystem) "
            "+ fsync of every image file + fsync of the directory",
     "revenant": "`revenant checkpoint create` from exec to exit: CLI start-up, NATS request, coordinator, "
-                "agent, criu dump into tmpfs staging, copy to storage with SHA-256 and fsync, manifest, "
-                "rename, directory fsync, reply",
+                "agent, criu dump straight into the epoch on the storage (or into staging and a copy, "
+                "with staging_dir), CRC-32 of every image overlapped with its fsync, manifest, rename, "
+                "directory fsync, reply",
 }
 
 
