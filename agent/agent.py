@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from revenant.agent import procs
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
+from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
 from revenant.agent.lease import open_bucket
 from revenant.agent.liveness import Liveness
@@ -176,9 +177,8 @@ class Agent:
 
     def _clean_half_written_epochs(self) -> None:
         """Epochs this node was writing when an earlier agent died: never listed, now removed."""
-        for tmp in self.storage.glob(f"jobs/*/epochs/.tmp-{self.node}-*"):
-            log.info("removing half-written epoch %s", tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
+        for job_dir in self.storage.glob("jobs/*"):
+            JobFiles(self.storage, job_dir.name).clean_stale_tmp(self.node)
 
     def _work_roots(self) -> list[Path]:
         """Node-local scratch for criu's logs and scripts (small)."""

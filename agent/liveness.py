@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import random
-import signal
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -26,7 +25,6 @@ import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from revenant.agent.engine import signal_tree
 from revenant.agent.lease import LeaseKeeper
 from revenant.common import bus
 from revenant.messages import HealthSummary, Heartbeat, MessageError, Probe, ProbeReply, decode_as, encode, subjects
@@ -175,26 +173,16 @@ class Liveness:
 
     # ------------------------------------------------------------------ lease and fence
 
-    def _jobs(self) -> list:
-        sup = self.agent.supervisor
-        return list(sup.jobs.values()) if sup is not None else []
-
     def _touch_stamps(self) -> None:
-        for rt in self._jobs():
-            try:
-                os.utime(rt.files.stamp)
-            except OSError as exc:
-                log.warning("cannot reset the dead man's switch of job %s: %s", rt.spec.id, exc)
+        if self.agent.supervisor is not None:
+            self.agent.supervisor.touch_stamps()
 
     async def _fence(self, stale_s: float) -> None:
         # Kill from this thread: the main loop may be the very thing that is stuck.
-        reason = f"self-fenced: lease not renewed for {stale_s:.1f} s"
-        doomed = self._jobs()
-        for rt in doomed:
-            rt.killing, rt.kill_reason = True, reason
-            signal_tree(rt.pid, signal.SIGKILL)
+        sup = self.agent.supervisor
+        killed = sup.kill_all(f"self-fenced: lease not renewed for {stale_s:.1f} s") if sup is not None else []
         self.agent.fence_report = (f"lease not renewed for {stale_s:.1f} s; killed "
-                                   f"{', '.join(rt.spec.id for rt in doomed) or 'no jobs'}")
+                                   f"{', '.join(killed) or 'no jobs'}")
 
     async def _after_fence(self) -> None:
         main = self.agent.main_loop

@@ -30,7 +30,6 @@ from revenant.messages import (
     AgentJobReply,
     CheckpointJob,
     KillJob,
-    EpochInfo,
     JobEvent,
     JobRecord,
     JobSpec,
@@ -445,6 +444,3 @@ class JobService:
         finally:
             self._periodic.discard(job)
 
-
-def epoch_summary(e: EpochInfo) -> dict:
-    return {"n": e.n, "bytes": e.bytes, "created_at": e.created_at}
