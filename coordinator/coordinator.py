@@ -32,6 +32,7 @@ from revenant.coordinator.leader import Leadership
 from revenant.messages import (
     HealthSummary,
     Heartbeat,
+    JobRecord,
     JobReply,
     JobRequest,
     JobsReply,
@@ -174,31 +175,28 @@ class Coordinator:
         await elected.wait()
         assert self.jobs is not None and self._nc is not None
         await self.jobs.open()
+        # What the previous leader left, before this one touches anything (see _take_over).
+        inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
         await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
         for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge"):
             await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
         self._leader_tasks = [tg.create_task(_supervised(self.jobs.consume_events), name="job-events"),
                               tg.create_task(_supervised(self.jobs.periodic_checkpoints), name="periodic-checkpoints"),
-                              tg.create_task(self._take_over(), name="take-over")]
+                              tg.create_task(self._take_over(inherited), name="take-over")]
         log.info("coordinator %s leads", self.name)
         self.ready.set()
 
-    async def _take_over(self) -> None:
+    async def _take_over(self, inherited: dict[str, tuple[str, int, str]]) -> None:
         """Finish what a previous leader left: jobs on nodes that are gone, half-done failovers."""
         await asyncio.sleep(self.config.node_timeout_s + self.config.probe_timeout_s)
-        assert self.jobs is not None
+        assert self.jobs is not None and self.failover is not None
         alive = {n.name for n in self.detector.snapshot(self._clock()) if n.state in ("alive", "suspect")}
-        for job, rec in list(self.jobs.jobs.items()):
-            if rec.state not in self.jobs.ACTIVE or job in self.failover.recovering:
-                continue
-            if rec.state in ("restoring", "pending"):
-                # A restore or launch the old leader started may or may not have finished:
-                # do it again (the node kills any older generation it runs).
-                log.warning("taking over the recovery of job %s (it was %s)", job, rec.state)
-                self.failover.recover_job(job, "")
-            elif rec.node not in alive:
-                log.warning("taking over the recovery of job %s (node %s is gone)", job, rec.node)
-                self.failover.recover_job(job, rec.node)
+        for job, dead in takeover_plan(inherited, self.jobs.jobs, alive, self.failover.recovering):
+            if dead:
+                log.warning("taking over the recovery of job %s (node %s is gone)", job, dead)
+            else:
+                log.warning("taking over the recovery of job %s (it was %s)", job, inherited[job][0])
+            self.failover.recover_job(job, dead)
 
     def _deposed(self) -> None:
         self.deposed = True
@@ -335,6 +333,31 @@ class Coordinator:
                 # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.
                 if self.failover is not None and t.kind != "left":
                     self.failover.node_dead(t.node, t.previous_incarnation or t.incarnation)
+
+
+def takeover_plan(inherited: dict[str, tuple[str, int, str]], jobs: dict[str, JobRecord], alive: set[str],
+                  recovering: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """The jobs a new leader must recover, as (job, dead node or "") pairs.
+
+    ``inherited`` is each job's (state, generation, node) when this leader loaded
+    the table.  Only a job this leader has not touched since is the old
+    leader's unfinished business: a restart, launch or failover this leader
+    started itself has moved the job on (a new generation or state) and is in
+    flight, and redoing it would race it onto a second node.
+    """
+    out = []
+    for job, rec in jobs.items():
+        if job not in inherited or job in recovering or rec.state not in JobService.ACTIVE:
+            continue
+        if (rec.state, rec.generation, rec.node) != inherited[job]:
+            continue
+        if rec.state in ("restoring", "pending"):
+            # A restore or launch the old leader started may or may not have finished:
+            # do it again (the node kills any older generation it runs).
+            out.append((job, ""))
+        elif rec.node not in alive:
+            out.append((job, rec.node))
+    return out
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

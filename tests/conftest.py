@@ -97,6 +97,7 @@ def make_cluster(tmp_path):
         made.append(c)
         return c
 
+    make.clusters = made  # for the failure report (pytest_runtest_makereport)
     yield make
     for c in made:
         pids = c.pids() if (c.dir / "cluster.json").exists() else {}
@@ -119,3 +120,26 @@ def wait_until(predicate, timeout: float, interval: float = 0.1):
             return value
         time.sleep(interval)
     return predicate()
+
+
+LOG_TAIL_LINES = {"coordinator.log": 40}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test on a local cluster shows the tail of each process's log."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    make = item.funcargs.get("make_cluster") if hasattr(item, "funcargs") else None
+    for c in getattr(make, "clusters", []):
+        for log_file in sorted((c.dir / "logs").glob("*.log")):
+            if log_file.name == "nats-server.log":
+                continue
+            try:
+                lines = log_file.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            tail = lines[-LOG_TAIL_LINES.get(log_file.name, 20):]
+            report.sections.append((f"{c.dir.name}/{log_file.name} (last {len(tail)} lines)", "\n".join(tail)))

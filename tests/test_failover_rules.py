@@ -3,8 +3,9 @@
 import pytest
 
 from revenant.agent.lease import FenceClock
+from revenant.coordinator.coordinator import takeover_plan
 from revenant.coordinator.failover import LeaseState, StormGuard, TokenBucket
-from revenant.messages import NodeStatus
+from revenant.messages import JobRecord, JobSpec, NodeStatus
 
 
 def test_lease_expires_ttl_plus_margin_after_its_last_renewal():
@@ -52,3 +53,30 @@ def test_restore_rate_is_limited():
     assert abs(wait - 0.2) < 1e-9
     assert b.take(0.2) == 0
     assert b.take(10.0) == 0 and b.take(10.0) == 0 and b.take(10.0) > 0  # the burst caps the saving
+
+
+def _rec(job: str, state: str, generation: int, node: str) -> JobRecord:
+    return JobRecord(spec=JobSpec(id=job, name=job, argv=["true"]), state=state, generation=generation, node=node)
+
+
+def test_takeover_redoes_only_what_the_old_leader_left():
+    inherited = {
+        "1": ("restoring", 3, "node-2"),  # the old leader was restoring it: redo
+        "2": ("running", 1, "node-9"),    # on a node that never came back: recover from node-9
+        "3": ("running", 1, "node-1"),    # on a live node: leave it
+        "4": ("restoring", 2, "node-2"),  # this leader restarted it since (generation 3): in flight, leave it
+        "5": ("vacated", 1, ""),          # this leader's `checkpoint restart` is in flight: leave it
+        "6": ("completed", 1, ""),
+    }
+    jobs = {
+        "1": _rec("1", "restoring", 3, "node-2"),
+        "2": _rec("2", "running", 1, "node-9"),
+        "3": _rec("3", "running", 1, "node-1"),
+        "4": _rec("4", "restoring", 3, "node-1"),
+        "5": _rec("5", "restoring", 2, "node-2"),
+        "6": _rec("6", "completed", 1, ""),
+        "7": _rec("7", "pending", 1, "node-1"),  # submitted to this leader: its launch is in flight
+    }
+    assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}) == [("1", ""), ("2", "node-9")]
+    # A failover this leader already runs for a job is not started twice.
+    assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}, recovering={"2"}) == [("1", "")]
