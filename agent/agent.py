@@ -313,7 +313,7 @@ class Agent:
             return await sup.restore(rs.spec, rs.generation)
         if verb == "kill":
             kj = decode_as(data, KillJob)
-            return await sup.kill(kj.job, kj.generation)
+            return await sup.kill(kj.job, kj.generation, kj.reason)
         if verb == "purge":
             return await sup.purge(decode_as(data, PurgeJob).job)
         raise RevenantError(f"unknown command {verb!r}", code="unknown_command")

@@ -18,6 +18,7 @@ PID collisions::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -83,6 +84,15 @@ class JobRuntime:
     exit_code: int | None = None
 
 
+@dataclass
+class Launch:
+    """A start or restore in progress: the job is not running yet, but will be."""
+
+    generation: int
+    superseded: str = ""  # why its result must not live (a newer generation, or a kill)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Supervisor:
     def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
                  criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
@@ -95,6 +105,9 @@ class Supervisor:
         self.emit = emit
         self.criu_error = criu_error
         self.jobs: dict[str, JobRuntime] = {}
+        # Starts and restores in flight, one per job: a newer generation or a kill
+        # arriving meanwhile supersedes it, and its process is killed on arrival.
+        self.launching: dict[str, Launch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.checkpoint_failures = 0
 
@@ -126,8 +139,10 @@ class Supervisor:
     async def start(self, spec: JobSpec, generation: int, fresh: bool = False) -> AgentJobReply:
         """Launch ``spec``.  ``fresh`` (a requeue): its earlier output is discarded, for a clean rerun."""
         subjects.check_name(spec.id, "job id")
-        if spec.id in self.jobs:
-            raise LaunchError(f"job {spec.id} is already running on {self.node}")
+        async with self._launch(spec.id, generation) as launch:
+            return await self._start(spec, generation, fresh, launch)
+
+    async def _start(self, spec: JobSpec, generation: int, fresh: bool, launch: Launch) -> AgentJobReply:
         if not spec.argv:
             raise LaunchError("empty command")
         if not os.path.isdir(spec.workdir):
@@ -159,7 +174,40 @@ class Supervisor:
             asyncio.get_running_loop().call_soon(self._exited, rt, code)
         else:
             self._watch(rt, wrapper.pid, wrapper)
+        await self._check_superseded(rt, launch)
         return self._reply(rt)
+
+    @contextlib.asynccontextmanager
+    async def _launch(self, job: str, generation: int):
+        """Claim ``job`` for starting ``generation``: never two starts or restores of one job at
+        once, and never an older generation over a newer one.  An older copy, running or still
+        starting, is killed first."""
+        while (current := self.launching.get(job)) is not None:
+            if current.generation >= generation:
+                raise RevenantError(f"job {job} generation {current.generation} is already starting on {self.node}",
+                                    code="already_running")
+            current.superseded = f"superseded by generation {generation}"
+            await current.done.wait()
+        old = self.jobs.get(job)
+        if old is not None and old.generation >= generation:
+            raise RevenantError(f"job {job} generation {old.generation} already runs on {self.node}",
+                                code="already_running")
+        launch = Launch(generation)
+        self.launching[job] = launch
+        try:
+            if old is not None:
+                await self._kill(old, f"superseded by generation {generation}")  # never two copies
+            yield launch
+        finally:
+            del self.launching[job]
+            launch.done.set()
+
+    async def _check_superseded(self, rt: JobRuntime, launch: Launch) -> None:
+        """A kill or a newer generation came while ``rt`` was starting: it must not live."""
+        if launch.superseded:
+            await self._kill(rt, launch.superseded)
+            raise StaleGeneration(f"job {rt.spec.id} generation {rt.generation} was {launch.superseded} "
+                                  f"while it started on {self.node}")
 
     async def _namespace_init(self, wrapper: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:
         """The host pid of the namespace's init, or None if the whole job has already exited."""
@@ -248,12 +296,10 @@ class Supervisor:
 
     async def restore(self, spec: JobSpec, generation: int) -> AgentJobReply:
         subjects.check_name(spec.id, "job id")
-        old = self.jobs.get(spec.id)
-        if old is not None:
-            if old.generation >= generation:
-                raise RevenantError(f"job {spec.id} generation {old.generation} already runs on {self.node}",
-                                    code="already_running")
-            await self._kill(old, f"superseded by generation {generation}")  # never two copies
+        async with self._launch(spec.id, generation) as launch:
+            return await self._restore(spec, generation, launch)
+
+    async def _restore(self, spec: JobSpec, generation: int, launch: Launch) -> AgentJobReply:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         files = JobFiles(self.storage, spec.id)
@@ -269,12 +315,18 @@ class Supervisor:
         self._watch(rt, pid)
         # The coordinator publishes "restored": it alone knows whether this is a restart or a failover.
         log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
+        await self._check_superseded(rt, launch)
         return self._reply(rt, epoch=files.info(manifest), notes=notes)
 
     # ------------------------------------------------------------------ kill, purge, shutdown
 
     async def kill(self, job: str, generation: int, reason: str = "") -> AgentJobReply:
-        """Kill ``job`` if it runs ``generation`` or an older one (a stale copy)."""
+        """Kill ``job`` if it runs ``generation`` or an older one (a stale copy), or is starting it."""
+        launch = self.launching.get(job)
+        if launch is not None and launch.generation <= generation:
+            launch.superseded = reason or f"killed as generation {launch.generation}"
+            await launch.done.wait()  # the start or restore kills what it made
+            return AgentJobReply(job=job, generation=launch.generation, node=self.node)
         rt = self.jobs.get(job)
         if rt is None:
             raise JobNotRunning(f"job {job} is not running on {self.node}")
@@ -286,6 +338,8 @@ class Supervisor:
     def kill_all(self, reason: str) -> list[str]:
         """SIGKILL every job now, without waiting (the self-fence; safe from another thread).
         Their exits are reported, with ``reason``, as the watchers see them."""
+        for launch in list(self.launching.values()):
+            launch.superseded = reason  # what it brings up is killed on arrival
         doomed = list(self.jobs.values())
         for rt in doomed:
             rt.killing, rt.kill_reason = True, reason
@@ -312,6 +366,8 @@ class Supervisor:
 
     async def shutdown(self) -> None:
         """Kill every job (they would die with the agent anyway) and stop watching."""
+        for launch in list(self.launching.values()):
+            launch.superseded = "the agent is shutting down"
         for rt in list(self.jobs.values()):
             await self._kill(rt)
         for task in list(self._tasks):

@@ -192,6 +192,10 @@ class Coordinator:
         assert self.jobs is not None and self.failover is not None
         alive = {n.name for n in self.detector.snapshot(self._clock()) if n.state in ("alive", "suspect")}
         for job, dead in takeover_plan(inherited, self.jobs.jobs, alive, self.failover.recovering):
+            if dead is None:
+                log.warning("job %s: the old leader's checkpoint of it never answered; it runs on", job)
+                await self.jobs.checkpoint_abandoned(job, inherited[job][1])
+                continue
             if dead:
                 log.warning("taking over the recovery of job %s (node %s is gone)", job, dead)
             else:
@@ -336,8 +340,9 @@ class Coordinator:
 
 
 def takeover_plan(inherited: dict[str, tuple[str, int, str]], jobs: dict[str, JobRecord], alive: set[str],
-                  recovering: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
-    """The jobs a new leader must recover, as (job, dead node or "") pairs.
+                  recovering: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str | None]]:
+    """The jobs a new leader must recover, as (job, dead node or "") pairs; (job, None) for a
+    checkpoint on a live node whose reply went to the old leader.
 
     ``inherited`` is each job's (state, generation, node) when this leader loaded
     the table.  Only a job this leader has not touched since is the old
@@ -357,6 +362,8 @@ def takeover_plan(inherited: dict[str, tuple[str, int, str]], jobs: dict[str, Jo
             out.append((job, ""))
         elif rec.node not in alive:
             out.append((job, rec.node))
+        elif rec.state == "checkpointing":
+            out.append((job, None))
     return out
 
 

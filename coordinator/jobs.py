@@ -29,6 +29,7 @@ from revenant.coordinator.placement import NoNodeAvailable, place
 from revenant.messages import (
     AgentJobReply,
     CheckpointJob,
+    EpochInfo,
     KillJob,
     JobEvent,
     JobRecord,
@@ -160,6 +161,14 @@ class JobService:
         finally:
             self._inflight.get(node, set()).discard(task)
 
+    async def _abandon(self, node: str, job: str, generation: int, why: str) -> None:
+        """Make sure an attempt whose reply never came (a timeout, a lost node) does not live on:
+        the agent kills that generation, even if its start or restore is still in flight."""
+        try:
+            await self._agent(node, "kill", KillJob(job=job, generation=generation, reason=why), 5.0)
+        except RevenantError as exc:
+            log.info("job %s: no kill of generation %d on %s (%s)", job, generation, node, exc)
+
     def node_lost(self, node: str, reason: str) -> None:
         """Fail every request in flight to ``node`` (it was declared dead or left)."""
         for task in list(self._inflight.get(node, ())):
@@ -265,6 +274,7 @@ class JobService:
             reply = await self._agent(target, "restore", RestoreJob(spec=rec.spec, generation=generation),
                                       self.config.checkpoint_timeout_s)
         except RevenantError as exc:
+            await self._abandon(target, job, generation, f"restart on {target} failed: {exc}")
             async with self.lock(job):
                 rec = self.get(job)
                 if rec.state == "restoring" and rec.generation == generation:
@@ -301,7 +311,9 @@ class JobService:
                 return None
             previous = (rec.node, rec.generation)
             target = place(self.nodes(), self.jobs_per_node(), exclude={dead} if dead else set())
-            if not rec.epochs and not rec.spec.requeue:
+            # A launch the old leader left (no dead node) barely ran: start it again, requeue or not.
+            relaunch = not dead and rec.state == "pending"
+            if not rec.epochs and not rec.spec.requeue and not relaunch:
                 rec.state, rec.pid, rec.reason = "failed", 0, (
                     f"node {dead} died and the job has no checkpoint (submit with --requeue to rerun it)")
                 await self._save(rec)
@@ -325,6 +337,7 @@ class JobService:
                 reply = await self._agent(target, "start", StartJob(spec=spec, generation=generation, fresh=True),
                                           self.config.start_timeout_s)
         except RevenantError as exc:
+            await self._abandon(target, job, generation, f"attempt on {target} failed: {exc}")
             async with self.lock(job):
                 rec = self.get(job)
                 if rec.generation == generation and rec.state in ("restoring", "pending"):
@@ -338,6 +351,15 @@ class JobService:
                 rec.output = reply.output or rec.output
                 await self._save(rec)
             return ("restored" if reply.epoch else "requeued"), rec, reply.epoch.n if reply.epoch else None, reply.notes
+
+    async def checkpoint_abandoned(self, job: str, generation: int) -> None:
+        """The leader that asked for this checkpoint is gone, and its reply with it: the job runs
+        on (a vacate that did stop it reports "vacated" through the event stream)."""
+        async with self.lock(job):
+            rec = self.get(job)
+            if rec.state == "checkpointing" and rec.generation == generation:
+                rec.state = "running"
+                await self._save(rec)
 
     async def fail_recovery(self, job: str, reason: str) -> None:
         async with self.lock(job):
@@ -400,13 +422,22 @@ class JobService:
                 await msg.ack()
 
     async def apply_event(self, ev: JobEvent) -> None:
-        if ev.kind not in ("exited", "killed"):
+        if ev.kind not in ("exited", "killed", "vacated"):
             return
         async with self.lock(ev.job):
             rec = self.jobs.get(ev.job)
             if rec is None or rec.generation != ev.generation or rec.node != ev.node:
                 return  # a stale copy's exit, or a job we do not know
-            if rec.state not in ("pending", "running", "checkpointing"):
+            if ev.kind == "vacated":
+                # Normally the vacate's reply says so first; this covers a lost reply (or leader).
+                if rec.state in ("running", "checkpointing"):
+                    if ev.epoch is not None and all(e.n != ev.epoch for e in rec.epochs):
+                        rec.epochs = (rec.epochs + [EpochInfo(n=ev.epoch, created_at=ev.at, node=ev.node,
+                                                              generation=ev.generation)])[-max(1, rec.spec.max_epochs):]
+                    rec.state, rec.node, rec.pid = "vacated", "", 0
+                    await self._save(rec)
+                return
+            if rec.state not in ("pending", "running", "checkpointing", "restoring"):
                 return
             code = ev.exit_code if ev.exit_code is not None else -1
             rec.exit_code = code

@@ -303,6 +303,7 @@ class RestoreJob(Message, tag="restore_job.v1"):
 class KillJob(Message, tag="kill_job.v1"):
     job: str
     generation: int
+    reason: str = ""
 
 
 class PurgeJob(Message, tag="purge_job.v1"):

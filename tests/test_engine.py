@@ -19,7 +19,7 @@ from revenant.agent.criu import locate_criu
 from revenant.agent.engine import Engine, NoSpace
 from revenant.agent.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch, rollback_outputs
 from revenant.agent.jobs import JobNotRunning, Supervisor
-from revenant.common.errors import CriuError
+from revenant.common.errors import CriuError, RevenantError, StaleGeneration
 from revenant.messages import JobSpec
 
 
@@ -217,3 +217,56 @@ async def test_dead_mans_switch_kills_a_job_nobody_resets(tmp_path):
         assert "2" in sup.jobs and await growing(sup, "2")
     finally:
         await sup.shutdown()
+
+
+def slow_restoring_criu(tmp_path: Path, delay_s: float) -> str:
+    """Real criu, with every restore held back ``delay_s`` (a large image, a busy node)."""
+    wrapper = tmp_path / "slow-criu"
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = restore ] && sleep {delay_s}\nexec {locate_criu()} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+async def vacated_counter(sup: Supervisor) -> JobSpec:
+    spec = await start_counter(sup)
+    await sup.checkpoint("1", 1, stop=True)
+    assert "1" not in sup.jobs
+    return spec
+
+
+def copies_running(storage: Path, job: str) -> int:
+    """Processes of the job's command line (a restored job is its own namespace's init + the job)."""
+    return sum(1 for p in psutil.process_iter(["cmdline", "status"])
+               if p.info["status"] != psutil.STATUS_ZOMBIE and str(COUNTER) in " ".join(p.info["cmdline"] or [])
+               and "revenant-init" not in " ".join(p.info["cmdline"] or []))
+
+
+async def test_a_kill_during_a_restore_kills_what_the_restore_brings_up(tmp_path, supervisor_factory):
+    sup, events = supervisor_factory(tmp_path / "storage", slow_restoring_criu(tmp_path, 1.0))
+    spec = await vacated_counter(sup)
+    restore = asyncio.create_task(sup.restore(spec, 2))
+    await asyncio.sleep(0.3)
+    assert "1" not in sup.jobs and sup.launching["1"].generation == 2
+    reply = await sup.kill("1", 2, "the coordinator gave up on it")
+    assert reply.generation == 2
+    with pytest.raises(StaleGeneration, match="was the coordinator gave up on it while it started"):
+        await restore
+    assert "1" not in sup.jobs and not sup.launching
+    assert copies_running(sup.storage, "1") == 0
+
+
+async def test_a_newer_generation_supersedes_a_restore_still_in_flight(tmp_path, supervisor_factory):
+    sup, events = supervisor_factory(tmp_path / "storage", slow_restoring_criu(tmp_path, 1.0))
+    spec = await vacated_counter(sup)
+    older = asyncio.create_task(sup.restore(spec, 2))
+    await asyncio.sleep(0.3)
+    with pytest.raises(RevenantError, match="generation 2 is already starting"):
+        await sup.restore(spec, 2)  # the same generation twice: refused, the first goes on
+    newer = await sup.restore(spec, 3)
+    with pytest.raises(StaleGeneration, match="superseded by generation 3"):
+        await older
+    assert newer.generation == 3 and sup.jobs["1"].generation == 3
+    assert psutil.pid_exists(newer.pid) and copies_running(sup.storage, "1") == 1
+    # An older generation never replaces a newer one, running or starting.
+    with pytest.raises(RevenantError, match="generation 3 already runs"):
+        await sup.start(spec, 2)

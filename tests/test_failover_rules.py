@@ -67,6 +67,7 @@ def test_takeover_redoes_only_what_the_old_leader_left():
         "4": ("restoring", 2, "node-2"),  # this leader restarted it since (generation 3): in flight, leave it
         "5": ("vacated", 1, ""),          # this leader's `checkpoint restart` is in flight: leave it
         "6": ("completed", 1, ""),
+        "8": ("checkpointing", 2, "node-1"),  # its checkpoint's reply went to the old leader
     }
     jobs = {
         "1": _rec("1", "restoring", 3, "node-2"),
@@ -76,7 +77,10 @@ def test_takeover_redoes_only_what_the_old_leader_left():
         "5": _rec("5", "restoring", 2, "node-2"),
         "6": _rec("6", "completed", 1, ""),
         "7": _rec("7", "pending", 1, "node-1"),  # submitted to this leader: its launch is in flight
+        "8": _rec("8", "checkpointing", 2, "node-1"),
     }
-    assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}) == [("1", ""), ("2", "node-9")]
+    assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}) == [("1", ""), ("2", "node-9"), ("8", None)]
     # A failover this leader already runs for a job is not started twice.
-    assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}, recovering={"2"}) == [("1", "")]
+    assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}, recovering={"2"}) == [("1", ""), ("8", None)]
+    # A checkpoint on a node that is gone: the job is recovered from that node.
+    assert ("8", "node-1") in takeover_plan(inherited, jobs, alive={"node-2"})
