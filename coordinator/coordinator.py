@@ -141,6 +141,8 @@ class Coordinator:
 
             self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
                                          on_elected=on_elected, on_deposed=self._deposed)
+            self.jobs.still_leader = self.leadership.holds
+            self.jobs.on_conflict = lambda why: self._deposed()
             self._events.start()
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._tick_loop(), name="detector-tick"),

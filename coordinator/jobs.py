@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -64,6 +64,11 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(JobRecord)
 
 
+class NotLeader(RevenantError):
+    code = "not_leader"
+    retriable = True
+
+
 class JobService:
     def __init__(self, nc: Client, js: JetStreamContext, config: CoordinatorConfig, events: EventPublisher,
                  nodes: Callable[[], list[NodeStatus]], *, wall: Callable[[], float] = time.time) -> None:
@@ -76,6 +81,14 @@ class JobService:
         self.kv: KeyValue | None = None
         self.jobs: dict[str, JobRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # The store revision of each record this leader last read or wrote: every write is a
+        # compare-and-set against it, so a deposed leader (say, one whose loop stalled past
+        # its lease) can never overwrite what its successor wrote.
+        self._revisions: dict[str, int] = {}
+        self._save_locks: dict[str, asyncio.Lock] = {}
+        # Asked when a write finds the record changed by someone else: does this one still lead?
+        self.still_leader: Callable[[], Awaitable[bool]] | None = None
+        self.on_conflict: Callable[[str], None] | None = None
         self._periodic: set[str] = set()
         # Requests to agents in flight, by node: a node's death fails them at once.
         self._inflight: dict[str, set[asyncio.Task[AgentJobReply]]] = {}
@@ -98,6 +111,7 @@ class JobService:
             try:
                 entry = await self.kv.get(key)
                 self.jobs[key] = _DEC.decode(entry.value)
+                self._revisions[key] = entry.revision
             except (nats.js.errors.KeyNotFoundError, msgspec.DecodeError) as exc:
                 log.error("job table entry %s unreadable: %s", key, exc)
         log.info("job table: %d job(s)", len(self.jobs))
@@ -106,10 +120,36 @@ class JobService:
         rec.updated_at = self.wall()
         self.jobs[rec.spec.id] = rec
         assert self.kv is not None
-        try:
-            await self.kv.put(rec.spec.id, _ENC.encode(rec))
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise BusError(f"cannot save job {rec.spec.id}: {exc or type(exc).__name__}") from None
+        key = rec.spec.id
+        async with self._save_locks.setdefault(key, asyncio.Lock()):
+            last = self._revisions.get(key)
+            try:
+                if last is None:
+                    self._revisions[key] = await self.kv.create(key, _ENC.encode(rec))
+                else:
+                    self._revisions[key] = await self.kv.update(key, _ENC.encode(rec), last=last)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                await self._conflict(key, _ENC.encode(rec))
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                raise BusError(f"cannot save job {key}: {exc or type(exc).__name__}") from None
+
+    async def _conflict(self, key: str, value: bytes) -> None:
+        """Someone else wrote job ``key`` since this coordinator last did.  If the store says this
+        one still leads, that was a deposed leader's late write, and this one's record stands;
+        otherwise this one is the stale leader and steps down, writing nothing."""
+        why = f"job {key} was changed in the job table by another coordinator"
+        if self.still_leader is not None and await self.still_leader():
+            log.warning("%s, which no longer leads; this leader's record stands", why)
+            try:
+                entry = await self.kv.get(key)
+                self._revisions[key] = await self.kv.update(key, value, last=entry.revision)
+                return
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                raise BusError(f"cannot save job {key}: {exc or type(exc).__name__}") from None
+        log.error("%s: this one is no longer the leader", why)
+        if self.on_conflict is not None:
+            self.on_conflict(why)
+        raise NotLeader(f"{why}; this coordinator stepped down")
 
     async def _next_id(self) -> str:
         assert self.kv is not None

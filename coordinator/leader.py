@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Awaitable, Callable
 
@@ -39,14 +40,28 @@ class Leadership:
         self.leader = False
         self._revision = 0
         self._renewed_at = 0.0
+        # What this coordinator writes into the key: its name and a token of this run, so that
+        # even two coordinators given the same name never mistake each other's term for theirs.
+        self.value = f"{name} {secrets.token_hex(8)}".encode()
+        self._kv = None
+
+    async def holds(self) -> bool:
+        """Whether the store says this coordinator leads now (not what it last believed)."""
+        if self._kv is None or not self.leader:
+            return False
+        try:
+            entry = await asyncio.wait_for(self._kv.get(KEY), self.lease_s / 3)
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return False
+        return entry.value == self.value
 
     async def run(self) -> None:
-        kv = await open_bucket(self.js, subjects.LEADER_BUCKET, self.lease_s)
+        kv = self._kv = await open_bucket(self.js, subjects.LEADER_BUCKET, self.lease_s)
         while True:
             if self.leader:
                 try:
                     self._revision = await asyncio.wait_for(
-                        kv.update(KEY, self.name.encode(), last=self._revision), self.lease_s / 3)
+                        kv.update(KEY, self.value, last=self._revision), self.lease_s / 3)
                     self._renewed_at = self.clock()
                 except (nats.errors.Error, asyncio.TimeoutError) as exc:
                     if self.clock() - self._renewed_at > self.lease_s / 2:
@@ -56,7 +71,7 @@ class Leadership:
                         return
             else:
                 try:
-                    self._revision = await asyncio.wait_for(kv.create(KEY, self.name.encode()), self.lease_s / 3)
+                    self._revision = await asyncio.wait_for(kv.create(KEY, self.value), self.lease_s / 3)
                     self._renewed_at = self.clock()
                     self.leader = True
                     log.warning("coordinator %s is the leader", self.name)

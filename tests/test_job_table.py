@@ -3,13 +3,16 @@ change records, whatever order they arrive in relative to the replies."""
 
 from __future__ import annotations
 
+import asyncio
+
 import nats
 import pytest
 
 from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
 from revenant.common.events import EventPublisher
-from revenant.coordinator.jobs import JobService
+from revenant.coordinator.jobs import JobService, NotLeader
+from revenant.coordinator.leader import Leadership
 from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec
 
 
@@ -66,3 +69,93 @@ async def test_a_checkpoint_abandoned_by_a_dead_leader_lets_the_job_run_on(table
     again = JobService(table.nc, table.js, table.config, table.events, lambda: [])
     await again.open()
     assert again.get("1").state == "running"
+
+
+class Term:
+    """Stands in for the leader lease: whether the store says this coordinator leads."""
+
+    def __init__(self, leads: bool) -> None:
+        self.leads = leads
+        self.stepped_down: list[str] = []
+
+    async def holds(self) -> bool:
+        return self.leads
+
+
+async def test_a_deposed_leader_can_never_overwrite_its_successor(table):
+    old_term = Term(leads=False)
+    table.still_leader, table.on_conflict = old_term.holds, old_term.stepped_down.append
+    await put(table, "running", 1, "node-1")
+    # A new leader loads the table and moves the job on.
+    new = JobService(table.nc, table.js, table.config, table.events, lambda: [])
+    new_term = Term(leads=True)
+    new.still_leader, new.on_conflict = new_term.holds, new_term.stepped_down.append
+    await new.open()
+    moved = new.get("1")
+    moved.generation, moved.node = 2, "node-2"
+    await new._save(moved)
+    # The old one wakes from a stall and writes what it believed: refused, and it steps down.
+    stale = table.get("1")
+    stale.state = "failed"
+    with pytest.raises(NotLeader, match="job 1 was changed in the job table by another coordinator"):
+        await table._save(stale)
+    assert old_term.stepped_down and not new_term.stepped_down
+    check = JobService(table.nc, table.js, table.config, table.events, lambda: [])
+    await check.open()
+    assert (check.get("1").generation, check.get("1").node, check.get("1").state) == (2, "node-2", "running")
+
+
+async def test_a_late_write_of_a_deposed_leader_does_not_depose_the_real_one(table):
+    await put(table, "running", 1, "node-1")
+    leader = JobService(table.nc, table.js, table.config, table.events, lambda: [])
+    term = Term(leads=True)
+    leader.still_leader, leader.on_conflict = term.holds, term.stepped_down.append
+    await leader.open()
+    # The deposed one (``table``, which wrote last) gets one write in before it notices.
+    zombie = table.get("1")
+    zombie.state = "failed"
+    await table._save(zombie)
+    mine = leader.get("1")
+    mine.generation = 2
+    await leader._save(mine)  # the store says this one leads: its record stands
+    assert not term.stepped_down
+    check = JobService(table.nc, table.js, table.config, table.events, lambda: [])
+    await check.open()
+    assert (check.get("1").generation, check.get("1").state) == (2, "running")
+
+
+async def test_the_leader_lease_says_who_leads_now(nats_url):
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    elected: list[str] = []
+    deposed: list[str] = []
+
+    def make(name: str) -> Leadership:
+        async def on_elected() -> None:
+            elected.append(name)
+        return Leadership(js, name, 1.5, on_elected=on_elected, on_deposed=lambda: deposed.append(name))
+
+    # Two coordinators given the same name still hold different terms.
+    first, second = make("coordinator"), make("coordinator")
+    tasks = [asyncio.create_task(first.run())]
+    try:
+        for _ in range(50):
+            if elected:
+                break
+            await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(second.run()))
+        await asyncio.sleep(0.6)
+        assert await first.holds() and not await second.holds()
+        tasks[0].cancel()  # the leader stops renewing; its entry expires and the standby takes over
+        for _ in range(100):
+            if second.leader:
+                break
+            await asyncio.sleep(0.05)
+        assert second.leader and await second.holds()
+        assert first.value != second.value
+        first.leader = True  # what a stalled leader would still believe
+        assert not await first.holds()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await nc.close()
