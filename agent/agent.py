@@ -191,7 +191,9 @@ class Agent:
         for task in list(self._requests):
             task.cancel()
         if self.supervisor is not None:
-            await self.supervisor.shutdown()
+            reason = f"node {self.node} is shutting down"
+            await self.supervisor.drain(self.config.drain_timeout_s, reason)
+            await self.supervisor.shutdown(reason)
         if self._events is not None:
             await self._events.stop()
         await self.liveness.stop()  # the last heartbeat says "leaving"
@@ -302,6 +304,9 @@ class Agent:
         if self.liveness.fenced:
             raise RevenantError(f"node {self.node} is self-fenced (its lease lapsed); try another node",
                                 code="fenced", retriable=True)
+        if self._stopping.is_set() and verb in ("start", "restore", "checkpoint"):
+            raise RevenantError(f"node {self.node} is shutting down; try another node",
+                                code="shutting_down", retriable=True)
         if verb == "start":
             cmd = decode_as(data, StartJob)
             return await sup.start(cmd.spec, cmd.generation, fresh=cmd.fresh)

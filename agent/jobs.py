@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -57,12 +58,15 @@ while kill -0 $child 2>/dev/null; do
     m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
     now=$(date +%s%3N)
     if [ $((now - ${m%.*}${m#*.})) -gt "$fence_ms" ]; then
-        exit 137
+        exit 251
     fi
 done
 wait $child
 """
 INIT_NAME = "revenant-init"
+# The init's exit status when its switch fired (the agent tells it from a job's own 251
+# by whether it had stopped resetting the switches).
+SWITCH_EXIT = 251
 
 
 class LaunchError(RevenantError):
@@ -82,6 +86,8 @@ class JobRuntime:
     kill_reason: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int | None = None
+    # Stopped by its node (a drain, a fence), not by a user or itself: to be restored elsewhere.
+    evicted: bool = False
 
 
 @dataclass
@@ -108,6 +114,9 @@ class Supervisor:
         # Starts and restores in flight, one per job: a newer generation or a kill
         # arriving meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
+        # When the dead man's switches were last reset, and when a gap long enough to fire them ended.
+        self._touched_at = time.monotonic()
+        self._switch_gap_at = -math.inf
         self._tasks: set[asyncio.Task[None]] = set()
         self.checkpoint_failures = 0
 
@@ -242,14 +251,18 @@ class Supervisor:
         if self.jobs.get(rt.spec.id) is rt:
             del self.jobs[rt.spec.id]
         if rt.vacating:
-            return  # the checkpoint reports "vacated"
-        kind = "killed" if rt.killing else "exited"
+            return  # the checkpoint reports "vacated" (or "evicted")
+        if code == SWITCH_EXIT and not rt.killing and self._switch_may_have_fired():
+            rt.evicted = True
+            rt.kill_reason = "its dead man's switch fired: the agent was stalled or cut off"
+        kind = "evicted" if rt.evicted else "killed" if rt.killing else "exited"
         log.info("job %s %s with status %d%s", rt.spec.id, kind, code, f" ({rt.kill_reason})" if rt.kill_reason else "")
         self._event(rt, kind, exit_code=code, reason=rt.kill_reason)
 
     # ------------------------------------------------------------------ checkpoint
 
-    async def checkpoint(self, job: str, generation: int, stop: bool) -> AgentJobReply:
+    async def checkpoint(self, job: str, generation: int, stop: bool, evict_reason: str = "") -> AgentJobReply:
+        """``stop``: vacate.  ``evict_reason`` (with ``stop``): the node stops it, to be restored elsewhere."""
         rt = self._get(job, generation)
         if self.engine is None:
             raise CriuError(f"cannot checkpoint on {self.node}: {self.criu_error}")
@@ -289,7 +302,10 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     log.error("job %s did not die after vacate; killing it", job)
                     signal_tree(rt.pid, signal.SIGKILL)
-                self._event(rt, "vacated", epoch=manifest.epoch)
+                if evict_reason:
+                    self._event(rt, "evicted", epoch=manifest.epoch, reason=evict_reason)
+                else:
+                    self._event(rt, "vacated", epoch=manifest.epoch)
             return self._reply(rt, epoch=info, notes=notes)
 
     # ------------------------------------------------------------------ restore
@@ -342,7 +358,7 @@ class Supervisor:
             launch.superseded = reason  # what it brings up is killed on arrival
         doomed = list(self.jobs.values())
         for rt in doomed:
-            rt.killing, rt.kill_reason = True, reason
+            rt.killing, rt.evicted, rt.kill_reason = True, True, reason
             signal_tree(rt.pid, signal.SIGKILL)
         return [rt.spec.id for rt in doomed]
 
@@ -364,12 +380,36 @@ class Supervisor:
         freed = await asyncio.to_thread(files.purge)
         return AgentJobReply(job=job, generation=0, node=self.node, output=str(files.output), freed_bytes=freed)
 
-    async def shutdown(self) -> None:
-        """Kill every job (they would die with the agent anyway) and stop watching."""
+    async def drain(self, budget_s: float, reason: str) -> None:
+        """Checkpoint and stop every job, all at once, within ``budget_s``; each is reported
+        "evicted", with its new epoch, for the coordinator to restore elsewhere.  A job that
+        cannot be checkpointed in time is left for :meth:`shutdown`, which evicts it without one."""
         for launch in list(self.launching.values()):
-            launch.superseded = "the agent is shutting down"
+            launch.superseded = reason
+        jobs = list(self.jobs.values())
+        if not jobs or self.engine is None or budget_s <= 0:
+            return
+        log.info("draining %d job(s) within %g s", len(jobs), budget_s)
+
+        async def one(rt: JobRuntime) -> None:
+            try:
+                await asyncio.wait_for(self.checkpoint(rt.spec.id, rt.generation, stop=True,
+                                                       evict_reason=f"{reason}; checkpointed"), budget_s)
+            except asyncio.TimeoutError:
+                log.warning("job %s: no checkpoint within the drain budget (%g s)", rt.spec.id, budget_s)
+            except RevenantError as exc:
+                log.warning("job %s: checkpoint for the drain failed: %s", rt.spec.id, exc)
+
+        await asyncio.gather(*(one(rt) for rt in jobs))
+
+    async def shutdown(self, reason: str = "the agent is shutting down") -> None:
+        """Kill every job left (they would die with the agent anyway), each reported "evicted"
+        so that the coordinator restores it from its last epoch, and stop watching."""
+        for launch in list(self.launching.values()):
+            launch.superseded = reason
         for rt in list(self.jobs.values()):
-            await self._kill(rt)
+            rt.evicted = True
+            await self._kill(rt, reason)
         for task in list(self._tasks):
             task.cancel()
 
@@ -380,8 +420,17 @@ class Supervisor:
 
     def touch_stamps(self) -> None:
         """The agent holds its lease: every job's dead man's switch is reset (safe from another thread)."""
+        now = time.monotonic()
+        if now - self._touched_at > self.switch_timeout_s:
+            self._switch_gap_at = now
+        self._touched_at = now
         for rt in list(self.jobs.values()):
             _touch(rt.files.stamp)
+
+    def _switch_may_have_fired(self) -> bool:
+        """Whether the switches went unreset long enough to fire, now or a moment ago."""
+        now = time.monotonic()
+        return now - self._touched_at > self.switch_timeout_s * 0.8 or now - self._switch_gap_at < 10.0
 
     def reap_orphans(self) -> None:
         for pid, code in procs.reap_orphans():

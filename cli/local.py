@@ -26,7 +26,10 @@ from revenant.common.errors import ClusterNotFound, RevenantError
 from revenant.common.natsserver import start_nats_server
 from revenant.messages import NodesReply
 
-STOP_ORDER = ("agent", "coordinator", "nats-server")
+# The coordinator first: the agents' drains leave their evicted jobs in the event stream,
+# for the next coordinator on this directory to restore, not for this one to chase around
+# nodes that are all going away.
+STOP_ORDER = ("coordinator", "agent", "nats-server")
 
 
 def _spawn(role: str, name: str, argv: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
@@ -167,7 +170,7 @@ def _foreground(root: Path, infos: list[ProcessInfo], started: list[tuple[subpro
         time.sleep(0.2)
     print("revenant: stopping the cluster", file=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _stop_processes(infos, timeout_s=10.0)
+    _stop_processes(infos, timeout_s=30.0)
     cluster_file(root).unlink(missing_ok=True)
     return 0
 
@@ -216,7 +219,7 @@ def _stop_processes(infos: list[ProcessInfo], timeout_s: float) -> list[str]:
     return killed
 
 
-def down(directory: str, timeout_s: float = 10.0) -> int:
+def down(directory: str, timeout_s: float = 30.0) -> int:
     cluster = read_cluster(directory)
     killed = _stop_processes(cluster.processes, timeout_s)
     left = [f"{p.role} {p.name} (pid {p.pid})" for p in cluster.processes if _ours(p) is not None]

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("down", help="stop everything 'revenant up' started")
     p.add_argument("--dir", required=True)
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait before SIGKILL (default 10)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait before SIGKILL, long enough for the agents' drains (default 30)")
     p.set_defaults(func=_cmd_down)
 
     p = sub.add_parser("nodes", help="show the nodes, their state and health")

@@ -75,6 +75,10 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fence_timeout_s: float = 1.2
     # On SIGTERM: how long running work may take to finish before it is cancelled.
     shutdown_grace_s: float = 3.0
+    # On SIGTERM the agent drains: it checkpoints and stops every job, which the coordinator
+    # restores elsewhere.  A job not checkpointed within this budget is killed and restored
+    # from its last epoch instead (0: no checkpoint, kill at once).
+    drain_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
@@ -85,6 +89,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
                   "criu_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be 0 or more")
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
         _port(self.http_port)

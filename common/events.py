@@ -33,6 +33,7 @@ class EventPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self.dropped = 0
         self.published = 0
+        self._stopping = False
 
     def emit(self, subject: str, msg: Message) -> None:
         queue = self._queues[zlib.crc32(subject.encode()) % len(self._queues)]
@@ -53,24 +54,46 @@ class EventPublisher:
                            for i, q in enumerate(self._queues)]
 
     async def stop(self, flush_timeout_s: float = 3.0) -> None:
-        """Publish what is queued (within ``flush_timeout_s``), then stop; idempotent."""
+        """Publish what is queued (within ``flush_timeout_s``), then stop; idempotent.
+
+        The workers are not cancelled while they publish: an event taken off its queue
+        would be lost, and a cancellation that lands as the ack arrives can be swallowed
+        by ``asyncio.wait_for`` (Python 3.11), leaving a worker that never ends.  They
+        finish their queues and return; only what is left after the timeout is cancelled.
+        """
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
+        if not tasks:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(self._drain(q) for q in self._queues)), flush_timeout_s)
+            except asyncio.TimeoutError:
+                log.error("%d events not published at shutdown", self.queued)
+            return
+        self._stopping = True
+        for queue in self._queues:
+            if queue.empty():
+                queue.put_nowait(None)  # wakes a worker waiting on an empty queue
+        _, pending = await asyncio.wait(tasks, timeout=flush_timeout_s)
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        try:
-            await asyncio.wait_for(asyncio.gather(*(self._drain(q) for q in self._queues)), flush_timeout_s)
-        except asyncio.TimeoutError:
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        if self.queued:
             log.error("%d events not published at shutdown", self.queued)
 
-    async def _drain(self, queue: asyncio.Queue[tuple[str, Message]]) -> None:
+    async def _drain(self, queue: asyncio.Queue) -> None:
         while not queue.empty():
-            await self._publish(*queue.get_nowait())
+            item = queue.get_nowait()
+            if item is not None:
+                await self._publish(*item)
 
-    async def _run(self, queue: asyncio.Queue[tuple[str, Message]]) -> None:
+    async def _run(self, queue: asyncio.Queue) -> None:
         while True:
-            subject, msg = await queue.get()
-            await self._publish(subject, msg)
+            item = await queue.get()
+            if item is None:
+                return
+            await self._publish(*item)
+            if self._stopping and queue.empty():
+                return
 
     async def _publish(self, subject: str, msg: Message) -> None:
         for attempt in range(self._attempts):

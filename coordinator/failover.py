@@ -184,12 +184,14 @@ class Failover:
         for job in self.jobs.jobs_on(node):
             self.recover_job(job, node, incarnation)
 
-    def recover_job(self, job: str, node: str, incarnation: str = "") -> None:
+    def recover_job(self, job: str, node: str, incarnation: str = "", evicted: str = "") -> None:
+        """Recover ``job``, lost with ``node``.  ``evicted``: the node itself stopped the job (a
+        drain or a fence) and said so, so there is no lease to wait for."""
         if job in self.recovering:
             return
         self.recovering.add(job)
         self.pending_nodes[node] = self.pending_nodes.get(node, 0) + 1
-        task = asyncio.create_task(self._recover(job, node, incarnation), name=f"failover-{job}")
+        task = asyncio.create_task(self._recover(job, node, incarnation, evicted), name=f"failover-{job}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -208,9 +210,9 @@ class Failover:
                          JobEvent(job=job, kind=kind, at=self.wall(), from_node=dead,
                                   since_last_heartbeat_s=self._since_last_heartbeat(dead), **kw))
 
-    async def _recover(self, job: str, dead: str, incarnation: str) -> None:
+    async def _recover(self, job: str, dead: str, incarnation: str, evicted: str = "") -> None:
         try:
-            ok = await self._recover_inner(job, dead, incarnation)
+            ok = await self._recover_inner(job, dead, incarnation, evicted)
         finally:
             self.recovering.discard(job)
             left = self.pending_nodes.get(dead, 1) - 1
@@ -221,10 +223,13 @@ class Failover:
         if self.on_result is not None and ok is not None:
             self.on_result(ok)
 
-    async def _recover_inner(self, job: str, dead: str, incarnation: str) -> bool | None:
-        self._event(job, "restoring", dead, reason=f"node {dead} is dead" if dead else "taken over")
+    async def _recover_inner(self, job: str, dead: str, incarnation: str, evicted: str = "") -> bool | None:
+        why = (f"node {dead} stopped it: {evicted}" if evicted else f"node {dead} is dead" if dead
+               else "taken over")
+        self._event(job, "restoring", dead, reason=why)
         # Never two copies: the dead node's agent fences itself before its lease expires.
-        if dead and not await self.wait_for_lease_expiry(job, dead, incarnation):
+        # (An eviction is the node's own word that the job has exited: nothing to wait for.)
+        if dead and not evicted and not await self.wait_for_lease_expiry(job, dead, incarnation):
             log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
             return None
         while self.storm.paused:
@@ -238,12 +243,12 @@ class Failover:
                     await asyncio.sleep(delay)
                     continue
                 try:
-                    outcome = await self.jobs.recover(job, dead)
+                    outcome = await self.jobs.recover(job, dead, evicted)
                 except RevenantError as exc:
                     last_error = str(exc)
                     log.warning("job %s: recovery attempt failed: %s", job, exc)
                     if exc.code in NOT_RETRIABLE or self.clock() >= deadline:
-                        await self.jobs.fail_recovery(job, f"node {dead} died and the job could not be "
+                        await self.jobs.fail_recovery(job, f"{why} and the job could not be "
                                                            f"restored: {last_error}")
                         self._event(job, "failed", dead, reason=last_error)
                         return False

@@ -89,6 +89,8 @@ class JobService:
         # Asked when a write finds the record changed by someone else: does this one still lead?
         self.still_leader: Callable[[], Awaitable[bool]] | None = None
         self.on_conflict: Callable[[str], None] | None = None
+        # A job its node stopped (drained, fenced): (job, node, why) to recover elsewhere.
+        self.on_evicted: Callable[[str, str, str], None] | None = None
         self._periodic: set[str] = set()
         # Requests to agents in flight, by node: a node's death fails them at once.
         self._inflight: dict[str, set[asyncio.Task[AgentJobReply]]] = {}
@@ -338,7 +340,7 @@ class JobService:
     def jobs_on(self, node: str) -> list[str]:
         return [j for j, r in self.jobs.items() if r.node == node and r.state in self.ACTIVE]
 
-    async def recover(self, job: str, dead: str) -> tuple[str, JobRecord, int | None, list[str]] | None:
+    async def recover(self, job: str, dead: str, evicted: str = "") -> tuple[str, JobRecord, int | None, list[str]] | None:
         """Restore (or requeue) a job lost with node ``dead`` on another node.
 
         Returns None when there is nothing left to do (the job finished, was
@@ -350,12 +352,18 @@ class JobService:
             if rec.state not in self.ACTIVE or (rec.state == "running" and rec.node not in (dead, "")):
                 return None
             previous = (rec.node, rec.generation)
-            target = place(self.nodes(), self.jobs_per_node(), exclude={dead} if dead else set())
+            try:
+                target = place(self.nodes(), self.jobs_per_node(), exclude={dead} if dead else set())
+            except NoNodeAvailable:
+                if not evicted:
+                    raise
+                target = place(self.nodes(), self.jobs_per_node())  # its own node, if that is all there is
             # A launch the old leader left (no dead node) barely ran: start it again, requeue or not.
             relaunch = not dead and rec.state == "pending"
             if not rec.epochs and not rec.spec.requeue and not relaunch:
+                lost = f"node {dead} stopped it ({evicted})" if evicted else f"node {dead} died"
                 rec.state, rec.pid, rec.reason = "failed", 0, (
-                    f"node {dead} died and the job has no checkpoint (submit with --requeue to rerun it)")
+                    f"{lost} and the job has no checkpoint (submit with --requeue to rerun it)")
                 await self._save(rec)
                 return "failed", rec, None, []
             rec.generation += 1
@@ -391,6 +399,12 @@ class JobService:
                 rec.output = reply.output or rec.output
                 await self._save(rec)
             return ("restored" if reply.epoch else "requeued"), rec, reply.epoch.n if reply.epoch else None, reply.notes
+
+    @staticmethod
+    def _add_epoch(rec: JobRecord, ev: JobEvent) -> None:
+        if ev.epoch is not None and all(e.n != ev.epoch for e in rec.epochs):
+            rec.epochs = (rec.epochs + [EpochInfo(n=ev.epoch, created_at=ev.at, node=ev.node,
+                                                  generation=ev.generation)])[-max(1, rec.spec.max_epochs):]
 
     async def checkpoint_abandoned(self, job: str, generation: int) -> None:
         """The leader that asked for this checkpoint is gone, and its reply with it: the job runs
@@ -462,7 +476,7 @@ class JobService:
                 await msg.ack()
 
     async def apply_event(self, ev: JobEvent) -> None:
-        if ev.kind not in ("exited", "killed", "vacated"):
+        if ev.kind not in ("exited", "killed", "vacated", "evicted"):
             return
         async with self.lock(ev.job):
             rec = self.jobs.get(ev.job)
@@ -471,11 +485,19 @@ class JobService:
             if ev.kind == "vacated":
                 # Normally the vacate's reply says so first; this covers a lost reply (or leader).
                 if rec.state in ("running", "checkpointing"):
-                    if ev.epoch is not None and all(e.n != ev.epoch for e in rec.epochs):
-                        rec.epochs = (rec.epochs + [EpochInfo(n=ev.epoch, created_at=ev.at, node=ev.node,
-                                                              generation=ev.generation)])[-max(1, rec.spec.max_epochs):]
+                    self._add_epoch(rec, ev)
                     rec.state, rec.node, rec.pid = "vacated", "", 0
                     await self._save(rec)
+                return
+            if ev.kind == "evicted":
+                # Its node stopped it (a drain, a fence): it goes on elsewhere, from its newest epoch.
+                if rec.state in self.ACTIVE:
+                    self._add_epoch(rec, ev)
+                    # Saved as restoring: should this leader die first, its successor redoes it.
+                    rec.state, rec.pid, rec.reason = "restoring", 0, ev.reason
+                    await self._save(rec)
+                    if self.on_evicted is not None:
+                        self.on_evicted(ev.job, ev.node, ev.reason)
                 return
             if rec.state not in ("pending", "running", "checkpointing", "restoring"):
                 return

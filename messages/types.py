@@ -20,7 +20,7 @@ import msgspec
 HealthState = Literal["GREEN", "YELLOW", "RED"]
 JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
-                       "requeued", "failed"]
+                       "requeued", "failed", "evicted"]
 EpochEventKind = Literal["created", "failed", "pruned"]
 NodeState = Literal["alive", "suspect", "dead", "left"]
 NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left", "fenced"]

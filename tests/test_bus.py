@@ -326,6 +326,29 @@ async def test_event_bursts_are_published_in_order_per_subject(nats_url):
     await nc.close()
 
 
+async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url):
+    """A publish under way when the publisher stops is finished, not cancelled (which lost the
+    event, and could leave a worker that never ended)."""
+    import time
+
+    from revenant.common.events import EventPublisher
+
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    for round_ in range(20):
+        pub = EventPublisher(js)
+        pub.start()
+        await asyncio.sleep(0.01 * (round_ % 3))
+        pub.emit(subjects.node_event("n1", "joined"), NodeEvent(node="n1", kind="joined", at=float(round_)))
+        await asyncio.sleep(0.0005 * round_)  # stop at every stage of the publish
+        started = time.monotonic()
+        await pub.stop(flush_timeout_s=5)
+        assert time.monotonic() - started < 5
+        assert pub.published == 1 and pub.dropped == 0 and pub.queued == 0
+    await nc.close()
+
+
 async def test_lease_expiry_is_read_from_the_store_only_when_needed(nats_url):
     import msgspec
 

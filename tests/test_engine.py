@@ -18,7 +18,7 @@ from revenant.agent import procs
 from revenant.agent.criu import locate_criu
 from revenant.agent.engine import Engine, NoSpace
 from revenant.agent.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch, rollback_outputs
-from revenant.agent.jobs import JobNotRunning, Supervisor
+from revenant.agent.jobs import SWITCH_EXIT, JobNotRunning, Supervisor
 from revenant.common.errors import CriuError, RevenantError, StaleGeneration
 from revenant.messages import JobSpec
 
@@ -213,7 +213,11 @@ async def test_dead_mans_switch_kills_a_job_nobody_resets(tmp_path):
         while time.monotonic() < deadline and not rt1.exited.is_set():
             os.utime(JobFiles(sup.storage, "2").stamp)
             await asyncio.sleep(0.1)
-        assert rt1.exited.is_set() and rt1.exit_code == 137
+        assert rt1.exited.is_set() and rt1.exit_code == SWITCH_EXIT
+        # Nobody reset job 1's switch (no agent holds a lease here): its node stopped it, so it is
+        # reported evicted, for the coordinator to restore it from its last epoch.
+        evicted = [e for e in events if getattr(e, "kind", "") == "evicted"]
+        assert [e.job for e in evicted] == ["1"] and "dead man's switch fired" in evicted[0].reason
         assert "2" in sup.jobs and await growing(sup, "2")
     finally:
         await sup.shutdown()

@@ -94,6 +94,41 @@ def test_paused_agent_is_fenced_and_its_job_restored_elsewhere(make_cluster, tmp
     assert output(cluster, job) == counter_reference(tmp_path, LINES)
 
 
+def test_sigterm_drains_a_node_its_jobs_go_on_elsewhere(make_cluster, tmp_path):
+    cluster = make_cluster(2)
+    job = submit(cluster)  # no periodic checkpoint, no --requeue: only the drain can save it
+    first = wait_for(cluster, job, lambda j: output(cluster, job).count(b"\n") > 40, 30, "output")
+    agent = psutil.Process(cluster.pids()["node-1"])
+    agent.terminate()
+    agent.wait(timeout=20)  # it checkpoints its job, stops it, and exits
+    moved = wait_for(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", 20, "the move")
+    assert moved["generation"] == first["generation"] + 1 and len(moved["epochs"]) == 1
+    evicted = [e for e in job_events(cluster, job) if e["kind"] == "evicted"]
+    assert evicted and evicted[0]["node"] == "node-1" and evicted[0]["epoch"] == moved["epochs"][0]["n"]
+    assert "node-1 is shutting down" in evicted[0]["reason"]
+    restored = [e for e in job_events(cluster, job) if e["kind"] == "restored"]
+    assert restored and restored[0]["from_node"] == "node-1" and restored[0]["epoch"] == evicted[0]["epoch"]
+    done = wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
+    assert done["exit_code"] == 0
+    assert output(cluster, job) == counter_reference(tmp_path, LINES)
+
+
+def test_a_stall_shorter_than_death_does_not_fail_the_job(make_cluster, tmp_path):
+    """Paused past its switch but not long enough to be declared dead: the job's switch kills
+    it, the agent reports it evicted on waking, and it goes on from its last epoch."""
+    cluster = make_cluster(2)
+    job = submit(cluster, "--checkpoint", "0:01")
+    wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 30, 30, "a checkpoint")
+    agent = cluster.pids()["node-1"]
+    os.kill(agent, signal.SIGSTOP)
+    time.sleep(1.7)
+    os.kill(agent, signal.SIGCONT)
+    done = wait_for(cluster, job, lambda j: j["state"] in ("completed", "failed"), 60, "the end")
+    assert done["state"] == "completed", done
+    assert any(e["kind"] == "evicted" and e["node"] == "node-1" for e in job_events(cluster, job))
+    assert output(cluster, job) == counter_reference(tmp_path, LINES)
+
+
 def test_job_without_checkpoint_is_requeued_or_failed(make_cluster, tmp_path):
     cluster = make_cluster(2)
     requeued = submit(cluster, "--requeue", count=60)

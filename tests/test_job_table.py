@@ -159,3 +159,20 @@ async def test_the_leader_lease_says_who_leads_now(nats_url):
         for t in tasks:
             t.cancel()
         await nc.close()
+
+
+async def test_a_job_its_node_stopped_is_handed_to_failover_with_its_new_epoch(table):
+    handed: list[tuple[str, str, str]] = []
+    table.on_evicted = lambda job, node, why: handed.append((job, node, why))
+    await put(table, "running", 2, "node-1", epochs=[1])
+    await table.apply_event(event("evicted", 1, "node-1", epoch=2, reason="old"))  # an older generation's
+    await table.apply_event(event("evicted", 2, "node-2", epoch=2, reason="other"))  # another node's
+    assert handed == []
+    await table.apply_event(event("evicted", 2, "node-1", epoch=2, reason="node node-1 is shutting down"))
+    assert handed == [("1", "node-1", "node node-1 is shutting down")]
+    rec = table.get("1")
+    assert [e.n for e in rec.epochs] == [1, 2] and rec.state == "restoring" and rec.pid == 0
+    # A finished job is not brought back by a late eviction.
+    await put(table, "completed", 2, "node-1")
+    await table.apply_event(event("evicted", 2, "node-1"))
+    assert len(handed) == 1
