@@ -328,6 +328,7 @@ class JobService:
             if rec.state == "restoring" and rec.generation == generation:
                 rec.state, rec.pid, rec.last_checkpoint_at = "running", reply.pid, self.wall()
             rec.output = reply.output or rec.output
+            self._known_epoch(rec, reply.epoch)
             await self._save(rec)
             self._event(rec, "restored", pid=reply.pid, epoch=reply.epoch.n if reply.epoch else None,
                         reason="; ".join(reply.notes))
@@ -397,8 +398,15 @@ class JobService:
             if rec.generation == generation and rec.state in ("restoring", "pending"):
                 rec.state, rec.pid, rec.last_checkpoint_at = "running", reply.pid, self.wall()
                 rec.output = reply.output or rec.output
+                self._known_epoch(rec, reply.epoch)
                 await self._save(rec)
             return ("restored" if reply.epoch else "requeued"), rec, reply.epoch.n if reply.epoch else None, reply.notes
+
+    @staticmethod
+    def _known_epoch(rec: JobRecord, epoch: EpochInfo | None) -> None:
+        """A restore's reply describes its epoch in full (an event only numbers it)."""
+        if epoch is not None:
+            rec.epochs = [epoch if e.n == epoch.n else e for e in rec.epochs]
 
     @staticmethod
     def _add_epoch(rec: JobRecord, ev: JobEvent) -> None:

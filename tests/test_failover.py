@@ -108,9 +108,25 @@ def test_sigterm_drains_a_node_its_jobs_go_on_elsewhere(make_cluster, tmp_path):
     assert "node-1 is shutting down" in evicted[0]["reason"]
     restored = [e for e in job_events(cluster, job) if e["kind"] == "restored"]
     assert restored and restored[0]["from_node"] == "node-1" and restored[0]["epoch"] == evicted[0]["epoch"]
+    assert moved["epochs"][0]["bytes"] > 0  # the restore's reply described the drain's epoch
     done = wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
     assert done["exit_code"] == 0
     assert output(cluster, job) == counter_reference(tmp_path, LINES)
+
+
+def test_jobs_survive_a_cluster_restart(make_cluster, tmp_path):
+    """`down` drains every node; the next `up` on the same directory restores the jobs."""
+    cluster = make_cluster(2)
+    job = submit(cluster)
+    wait_for(cluster, job, lambda j: output(cluster, job).count(b"\n") > 30, 30, "output")
+    cluster.cli("down", "--dir", str(cluster.dir))
+    stopped_at = output(cluster, job).count(b"\n")
+    assert stopped_at < LINES
+    again = make_cluster(2)  # the same directory
+    assert again.dir == cluster.dir
+    done = wait_for(again, job, lambda j: j["state"] == "completed", 60, "completion")
+    assert done["generation"] == 2 and done["exit_code"] == 0
+    assert output(again, job) == counter_reference(tmp_path, LINES)
 
 
 def test_a_stall_shorter_than_death_does_not_fail_the_job(make_cluster, tmp_path):
