@@ -88,6 +88,25 @@ else
 fi
 revenant nodes
 
+step "planned shutdown: SIGTERM to node-1's agent drains it; its job goes on elsewhere"
+job3=$(revenant submit --node node-1 -- python3 "$job_script" 100 0.05)
+echo "job $job3 on node-1, submitted without --checkpoint"
+until [ "$(wc -l < "$dir/storage/jobs/$job3/output.log")" -ge 20 ]; do sleep 0.1; done
+agent1=$(python3 -c "import json,sys; print(next(p['pid'] for p in json.load(open(sys.argv[1]))['processes'] if p['name']=='node-1'))" "$dir/cluster.json")
+echo "kill -TERM node-1's agent (pid $agent1): it checkpoints its job, stops it and leaves"
+kill -TERM "$agent1"
+until [ "$(revenant show job "$job3" --json | json_field "['state']")" = running ] && \
+      [ "$(revenant show job "$job3" --json | json_field "['node']")" != node-1 ]; do sleep 0.1; done
+revenant show job "$job3"
+until [ "$(revenant show job "$job3" --json | json_field "['state']")" = completed ]; do sleep 0.5; done
+python3 "$job_script" 100 0 > "$dir/reference3.log"
+if cmp -s "$dir/reference3.log" "$dir/storage/jobs/$job3/output.log"; then
+    echo "output.log is byte for byte the output of an uninterrupted run"
+else
+    echo "output.log differs from an uninterrupted run"; exit 1
+fi
+revenant nodes
+
 step "revenant events"
 revenant events
 
