@@ -21,6 +21,8 @@ from revenant.common.intervals import format_interval, parse_interval
 from revenant.messages import (
     AnomalyEvent,
     EpochEvent,
+    FailoverReply,
+    FailoverRequest,
     JobEvent,
     JobRecord,
     JobReply,
@@ -307,6 +309,19 @@ def list_jobs(args: argparse.Namespace) -> int:
     rows = [[r.spec.id, r.spec.name, r.state, r.node or "-", str(r.pid or "-"), str(r.generation),
              str(len(r.epochs)), "-" if r.exit_code is None else str(r.exit_code)] for r in reply.jobs]
     print(render_table(header, rows))
+    return 0
+
+
+def failover(args: argparse.Namespace) -> int:
+    reply = asyncio.run(_coord(_url(args), "failover", FailoverRequest(action=args.action), FailoverReply,
+                               args.timeout))
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+        return 0
+    state = "paused" if reply.paused else "active"
+    detail = f" ({reply.reason})" if reply.reason else ""
+    print(f"failover {state}{detail}; {reply.silent} of {reply.total} nodes silent, "
+          f"{reply.recovering} job(s) being recovered")
     return 0
 
 

@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("job")
     q.set_defaults(func=_cmd_job_action, verb="purge")
 
+    p = sub.add_parser("failover", help="automatic failover: status, or pause/resume it")
+    _add_cluster_args(p)
+    p.add_argument("action", nargs="?", choices=("status", "pause", "resume"), default="status",
+                   help="status (default); pause: hold it (say, for maintenance); resume: lift a hold, "
+                        "and let a storm the guard paused for through")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_failover)
+
     p = sub.add_parser("events", help="print the event stream")
     _add_cluster_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -187,6 +195,12 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     from revenant.cli.client import list_jobs
 
     return list_jobs(args)
+
+
+def _cmd_failover(args: argparse.Namespace) -> int:
+    from revenant.cli.client import failover
+
+    return failover(args)
 
 
 def _cmd_events(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ from revenant.coordinator.jobs import JobService
 from revenant.coordinator.leader import Leadership
 from revenant.messages import (
     HealthSummary,
+    FailoverRequest,
     Heartbeat,
     JobRecord,
     JobReply,
@@ -181,7 +182,7 @@ class Coordinator:
         # What the previous leader left, before this one touches anything (see _take_over).
         inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
         await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
-        for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge"):
+        for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover"):
             await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
         self._leader_tasks = [tg.create_task(_supervised(self.jobs.consume_events), name="job-events"),
                               tg.create_task(_supervised(self.jobs.periodic_checkpoints), name="periodic-checkpoints"),
@@ -260,6 +261,10 @@ class Coordinator:
         assert jobs is not None
         if verb == "submit":
             return JobReply(job=await jobs.submit(decode_as(data, SubmitRequest)))
+        if verb == "failover":
+            assert self.failover is not None
+            req_f = decode_as(data, FailoverRequest)
+            return self.failover.operator(req_f.action, list(self.detector.nodes.values()))
         if verb == "jobs":
             decode_as(data, JobsRequest)
             return JobsReply(jobs=sorted(jobs.jobs.values(), key=lambda r: _job_sort_key(r.spec.id)))

@@ -35,7 +35,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService
-from revenant.messages import ClusterEvent, JobEvent, NodeStatus, subjects
+from revenant.messages import ClusterEvent, FailoverReply, JobEvent, NodeStatus, subjects
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,38 @@ class StormGuard:
     # A single node is never a storm, whatever the cluster's size.
     min_silent: int = 2
     paused: bool = False
+    # An operator paused failover: held until an operator resumes it.
+    held: bool = False
+    # An operator resumed during a storm (a rack really is gone): this storm is let
+    # through; the guard re-arms once the silence ends.
+    acknowledged: bool = False
+    storm: bool = False
 
     def update(self, nodes: list, pending: set[str]) -> str | None:
         """Returns "paused" or "resumed" on a change.  Silent: suspect, or dead with failover pending."""
         live = [n for n in nodes if n.state != "left"]
         silent = [n for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)]
-        storm = len(silent) >= self.min_silent and len(live) > 0 and len(silent) / len(live) > self.fraction
-        if storm and not self.paused:
+        self.storm = len(silent) >= self.min_silent and len(live) > 0 and len(silent) / len(live) > self.fraction
+        if not self.storm:
+            self.acknowledged = False
+        return self._settle()
+
+    def hold(self) -> str | None:
+        self.held = True
+        return self._settle()
+
+    def release(self) -> str | None:
+        """The operator's resume: lifts a hold, and lets the current storm (if any) through."""
+        self.held = False
+        self.acknowledged = self.storm
+        return self._settle()
+
+    def _settle(self) -> str | None:
+        want = self.held or (self.storm and not self.acknowledged)
+        if want and not self.paused:
             self.paused = True
             return "paused"
-        if not storm and self.paused:
+        if not want and self.paused:
             self.paused = False
             return "resumed"
         return None
@@ -168,16 +190,39 @@ class Failover:
     def check_storm(self, nodes: list | None = None) -> None:
         """``nodes``: anything with ``name`` and ``state`` (detector records are cheapest)."""
         nodes = self.nodes() if nodes is None else nodes
-        change = self.storm.update(nodes, set(self.pending_nodes))
-        if change is not None:
-            silent, total = self.storm.counts(nodes, set(self.pending_nodes))
-            kind = "failover_paused" if change == "paused" else "failover_resumed"
+        self._announce(self.storm.update(nodes, set(self.pending_nodes)), nodes)
+
+    def operator(self, action: str, nodes: list) -> FailoverReply:
+        """``revenant failover pause|resume|status``."""
+        self.storm.update(nodes, set(self.pending_nodes))
+        if action == "pause":
+            self._announce(self.storm.hold(), nodes, "an operator paused failover")
+        elif action == "resume":
+            why = ("an operator let this storm through" if self.storm.storm else "an operator resumed failover")
+            self._announce(self.storm.release(), nodes, why)
+        silent, total = self.storm.counts(nodes, set(self.pending_nodes))
+        reason = ("held by an operator" if self.storm.held
+                  else f"{silent} of {total} nodes silent at once" if self.storm.paused
+                  else "let through by an operator" if self.storm.acknowledged else "")
+        return FailoverReply(paused=self.storm.paused, held=self.storm.held,
+                             storm_acknowledged=self.storm.acknowledged, silent=silent, total=total,
+                             recovering=len(self.recovering), reason=reason)
+
+    def _announce(self, change: str | None, nodes: list, by: str = "") -> None:
+        if change is None:
+            return
+        silent, total = self.storm.counts(nodes, set(self.pending_nodes))
+        kind = "failover_paused" if change == "paused" else "failover_resumed"
+        if by:
+            reason = f"{by}: failover {change} ({silent} of {total} nodes silent)"
+        elif change == "paused":
             reason = (f"{silent} of {total} nodes silent at once (more than "
-                      f"{self.config.failover_pause_fraction:.0%}): failover paused" if change == "paused"
-                      else f"{silent} of {total} nodes silent: failover resumed")
-            (log.error if change == "paused" else log.warning)(reason)
-            self.events.emit(subjects.cluster_event(kind),
-                             ClusterEvent(kind=kind, at=self.wall(), silent=silent, total=total, reason=reason))
+                      f"{self.config.failover_pause_fraction:.0%}): failover paused")
+        else:
+            reason = f"{silent} of {total} nodes silent: failover resumed"
+        (log.error if change == "paused" else log.warning)(reason)
+        self.events.emit(subjects.cluster_event(kind),
+                         ClusterEvent(kind=kind, at=self.wall(), silent=silent, total=total, reason=reason))
 
     def node_dead(self, node: str, incarnation: str = "") -> None:
         """Start recovering every job that ran on ``node`` (under agent ``incarnation``)."""

@@ -278,6 +278,24 @@ class JobsReply(Message, tag="jobs_reply.v1"):
     jobs: list[JobRecord] = []
 
 
+class FailoverRequest(Message, tag="failover_request.v1"):
+    """An operator's word on automatic failover (``revenant failover``)."""
+
+    action: Literal["status", "pause", "resume"] = "status"
+
+
+class FailoverReply(Message, tag="failover_reply.v1"):
+    paused: bool
+    # Paused by an operator (held until resumed), rather than by the storm guard.
+    held: bool = False
+    # An operator resumed during this storm: it is let through until the silence ends.
+    storm_acknowledged: bool = False
+    silent: int = 0
+    total: int = 0
+    recovering: int = 0
+    reason: str = ""
+
+
 # -- coordinator -> agent (revenant.node.<node>.cmd.<verb>)
 
 
@@ -384,6 +402,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     JobsRequest,
     JobReply,
     JobsReply,
+    FailoverRequest,
+    FailoverReply,
     StartJob,
     CheckpointJob,
     RestoreJob,
@@ -404,6 +424,8 @@ __all__ = [
     "EpochEvent",
     "EpochEventKind",
     "EpochInfo",
+    "FailoverReply",
+    "FailoverRequest",
     "JobEvent",
     "JobEventKind",
     "JobRecord",

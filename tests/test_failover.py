@@ -188,3 +188,28 @@ def test_standby_coordinator_finishes_a_failover_when_the_leader_dies(make_clust
         standby.terminate()
         standby.wait(timeout=15)
         log.close()
+
+
+def test_an_operator_holds_failover_then_resumes_it(make_cluster, tmp_path):
+    cluster = make_cluster(2)
+    assert cluster.json("failover")["paused"] is False
+    held = cluster.json("failover", "pause")
+    assert held["paused"] and held["held"] and held["reason"] == "held by an operator"
+    assert "failover paused" in cluster.cli("failover").stdout
+    job = submit(cluster, "--checkpoint", "0:01")
+    first = wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 30, 30,
+                     "a checkpoint")
+    os.kill(cluster.pids()["node-1"], signal.SIGKILL)
+    os.kill(first["pid"], signal.SIGKILL)
+    assert wait_until(lambda: any(e.get("kind") == "dead" and e.get("node") == "node-1" for e in cluster.events()),
+                      timeout=15)
+    time.sleep(3)  # past the lease: only the hold keeps the job from being restored
+    assert show(cluster, job)["generation"] == first["generation"]
+    resumed = cluster.json("failover", "resume")
+    assert not resumed["paused"] and not resumed["held"]
+    moved = wait_for(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", 20, "failover")
+    assert moved["generation"] == first["generation"] + 1
+    kinds = [e["kind"] for e in cluster.events() if e.get("type") == "cluster_event.v1"]
+    assert kinds == ["failover_paused", "failover_resumed"]
+    wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
+    assert output(cluster, job) == counter_reference(tmp_path, LINES)

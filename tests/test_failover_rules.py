@@ -84,3 +84,18 @@ def test_takeover_redoes_only_what_the_old_leader_left():
     assert takeover_plan(inherited, jobs, alive={"node-1", "node-2"}, recovering={"2"}) == [("1", ""), ("8", None)]
     # A checkpoint on a node that is gone: the job is recovered from that node.
     assert ("8", "node-1") in takeover_plan(inherited, jobs, alive={"node-2"})
+
+
+def test_an_operator_can_hold_failover_and_let_a_real_storm_through():
+    guard = StormGuard(0.3)
+    calm = nodes(["alive"] * 10)
+    assert guard.hold() == "paused" and guard.update(calm, set()) is None and guard.paused  # held, storm or not
+    assert guard.release() == "resumed" and not guard.paused
+    # A rack goes dark: the guard pauses; the operator, who knows the rack is gone, lets it through.
+    rack = nodes(["suspect"] * 4 + ["alive"] * 6)
+    assert guard.update(rack, set()) == "paused"
+    assert guard.release() == "resumed" and guard.acknowledged
+    assert guard.update(rack, set()) is None and not guard.paused  # the same storm stays let through
+    # Once the silence ends the guard re-arms: the next storm pauses failover again.
+    assert guard.update(calm, set()) is None and not guard.acknowledged
+    assert guard.update(rack, set()) == "paused"
