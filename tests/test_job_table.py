@@ -66,8 +66,7 @@ async def test_a_checkpoint_abandoned_by_a_dead_leader_lets_the_job_run_on(table
     await table.checkpoint_abandoned("1", 2)
     assert table.get("1").state == "running"
     # ... and the table in the store says so too (a later leader reads it).
-    again = JobService(table.nc, table.js, table.config, table.events, lambda: [])
-    await again.open()
+    again = await another_coordinator(table)
     assert again.get("1").state == "running"
 
 
@@ -82,15 +81,22 @@ class Term:
         return self.leads
 
 
+async def another_coordinator(table: JobService, term: Term | None = None) -> JobService:
+    """A second coordinator's view of the same job table, as loaded from the store now."""
+    other = JobService(table.nc, table.js, table.config, table.events, lambda: [])
+    if term is not None:
+        other.still_leader, other.on_conflict = term.holds, term.stepped_down.append
+    await other.open()
+    return other
+
+
 async def test_a_deposed_leader_can_never_overwrite_its_successor(table):
     old_term = Term(leads=False)
     table.still_leader, table.on_conflict = old_term.holds, old_term.stepped_down.append
     await put(table, "running", 1, "node-1")
     # A new leader loads the table and moves the job on.
-    new = JobService(table.nc, table.js, table.config, table.events, lambda: [])
     new_term = Term(leads=True)
-    new.still_leader, new.on_conflict = new_term.holds, new_term.stepped_down.append
-    await new.open()
+    new = await another_coordinator(table, new_term)
     moved = new.get("1")
     moved.generation, moved.node = 2, "node-2"
     await new._save(moved)
@@ -100,17 +106,14 @@ async def test_a_deposed_leader_can_never_overwrite_its_successor(table):
     with pytest.raises(NotLeader, match="job 1 was changed in the job table by another coordinator"):
         await table._save(stale)
     assert old_term.stepped_down and not new_term.stepped_down
-    check = JobService(table.nc, table.js, table.config, table.events, lambda: [])
-    await check.open()
+    check = await another_coordinator(table)
     assert (check.get("1").generation, check.get("1").node, check.get("1").state) == (2, "node-2", "running")
 
 
 async def test_a_late_write_of_a_deposed_leader_does_not_depose_the_real_one(table):
     await put(table, "running", 1, "node-1")
-    leader = JobService(table.nc, table.js, table.config, table.events, lambda: [])
     term = Term(leads=True)
-    leader.still_leader, leader.on_conflict = term.holds, term.stepped_down.append
-    await leader.open()
+    leader = await another_coordinator(table, term)
     # The deposed one (``table``, which wrote last) gets one write in before it notices.
     zombie = table.get("1")
     zombie.state = "failed"
@@ -119,8 +122,7 @@ async def test_a_late_write_of_a_deposed_leader_does_not_depose_the_real_one(tab
     mine.generation = 2
     await leader._save(mine)  # the store says this one leads: its record stands
     assert not term.stepped_down
-    check = JobService(table.nc, table.js, table.config, table.events, lambda: [])
-    await check.open()
+    check = await another_coordinator(table)
     assert (check.get("1").generation, check.get("1").state) == (2, "running")
 
 

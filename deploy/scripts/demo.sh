@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: a local cluster; a job checkpointed, vacated and restarted on another
 # node with its output continuous; then a node killed under a running job, which is
-# restored elsewhere automatically, with the timeline of the failover.
+# restored elsewhere automatically, with the timeline of the failover; then a node
+# drained with SIGTERM, whose job goes on elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -11,6 +12,18 @@ job_script=$PWD/tests/jobs/counter.py   # line i every 50 ms, with a hash chaine
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 lines() { wc -l < "$dir/storage/jobs/$job/output.log" | tr -d ' '; }
 json_field() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
+# finish JOB COUNT: wait for the job to complete, then compare its output with an uninterrupted run.
+finish() {
+    until [ "$(revenant show job "$1" --json | json_field "['state']")" = completed ]; do sleep 0.5; done
+    python3 "$job_script" "$2" 0 > "$dir/reference-$1.log"
+    if cmp -s "$dir/reference-$1.log" "$dir/storage/jobs/$1/output.log"; then
+        echo "job $1: output.log is byte for byte the output of an uninterrupted run ($2 lines, none missing or repeated)"
+    else
+        echo "job $1: output.log differs from an uninterrupted run:"
+        diff "$dir/reference-$1.log" "$dir/storage/jobs/$1/output.log" | head
+        exit 1
+    fi
+}
 
 [ -f "$dir/cluster.json" ] && revenant down --dir "$dir" >/dev/null 2>&1 || true
 rm -rf "$dir"
@@ -40,14 +53,7 @@ revenant checkpoint restart "$job" --node node-2
 revenant show job "$job"
 
 step "waiting for the job to finish on node-2"
-until [ "$(revenant show job "$job" --json | json_field "['state']")" = completed ]; do sleep 0.5; done
-python3 "$job_script" 120 0 > "$dir/reference.log"
-if cmp -s "$dir/reference.log" "$dir/storage/jobs/$job/output.log"; then
-    echo "output.log is byte for byte the output of an uninterrupted run ($(lines) lines, none missing or repeated)"
-else
-    echo "output.log differs from an uninterrupted run:"; diff "$dir/reference.log" "$dir/storage/jobs/$job/output.log" | head
-    exit 1
-fi
+finish "$job" 120
 
 step "failover: a job checkpointed every 2 s on node-3, then node-3 is killed"
 job2=$(revenant submit --node node-3 --checkpoint 0:02 -- python3 "$job_script" 200 0.05)
@@ -79,13 +85,7 @@ print(f"  output continues: {before} lines, one second later {after}")
 PY
 
 step "waiting for job $job2 to finish on its new node"
-until [ "$(revenant show job "$job2" --json | json_field "['state']")" = completed ]; do sleep 0.5; done
-python3 "$job_script" 200 0 > "$dir/reference2.log"
-if cmp -s "$dir/reference2.log" "$dir/storage/jobs/$job2/output.log"; then
-    echo "output.log is byte for byte the output of an uninterrupted run: nothing lost, nothing repeated"
-else
-    echo "output.log differs from an uninterrupted run"; exit 1
-fi
+finish "$job2" 200
 revenant nodes
 
 step "planned shutdown: SIGTERM to node-1's agent drains it; its job goes on elsewhere"
@@ -98,13 +98,7 @@ kill -TERM "$agent1"
 until [ "$(revenant show job "$job3" --json | json_field "['state']")" = running ] && \
       [ "$(revenant show job "$job3" --json | json_field "['node']")" != node-1 ]; do sleep 0.1; done
 revenant show job "$job3"
-until [ "$(revenant show job "$job3" --json | json_field "['state']")" = completed ]; do sleep 0.5; done
-python3 "$job_script" 100 0 > "$dir/reference3.log"
-if cmp -s "$dir/reference3.log" "$dir/storage/jobs/$job3/output.log"; then
-    echo "output.log is byte for byte the output of an uninterrupted run"
-else
-    echo "output.log differs from an uninterrupted run"; exit 1
-fi
+finish "$job3" 100
 revenant nodes
 
 step "revenant events"
