@@ -190,6 +190,9 @@ class Agent:
     async def _leave(self) -> None:
         for task in list(self._requests):
             task.cancel()
+        # RED from the next heartbeat on: no new work is placed here while the node drains.
+        self.health = msgspec.structs.replace(self.health, state="RED",
+                                              reasons=[*self.health.reasons, "draining: the agent is shutting down"])
         if self.supervisor is not None:
             reason = f"node {self.node} is shutting down"
             await self.supervisor.drain(self.config.drain_timeout_s, reason)

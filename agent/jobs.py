@@ -81,7 +81,11 @@ class JobRuntime:
     files: JobFiles
     started_at: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A vacate is under way: the job's exit is reported when it ends (see _report_exit).
     vacating: bool = False
+    # The vacate (or drain) committed this epoch and then stopped the job.
+    stopped_at_epoch: int | None = None
+    evict_reason: str = ""
     killing: bool = False
     kill_reason: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -250,8 +254,16 @@ class Supervisor:
         rt.exited.set()
         if self.jobs.get(rt.spec.id) is rt:
             del self.jobs[rt.spec.id]
-        if rt.vacating:
-            return  # the checkpoint reports "vacated" (or "evicted")
+        if not rt.vacating:
+            self._report_exit(rt)  # else the vacate reports it when it ends, however it ends
+
+    def _report_exit(self, rt: JobRuntime) -> None:
+        code = rt.exit_code if rt.exit_code is not None else -1
+        if rt.stopped_at_epoch is not None:
+            kind = "evicted" if rt.evict_reason else "vacated"
+            log.info("job %s %s at epoch %d", rt.spec.id, kind, rt.stopped_at_epoch)
+            self._event(rt, kind, epoch=rt.stopped_at_epoch, reason=rt.evict_reason)
+            return
         if code == SWITCH_EXIT and not rt.killing and self._switch_may_have_fired():
             rt.evicted = True
             rt.kill_reason = "its dead man's switch fired: the agent was stalled or cut off"
@@ -271,42 +283,49 @@ class Supervisor:
         async with rt.lock:
             rt.vacating = stop
             try:
-                manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop)
-            except RevenantError as exc:
-                rt.vacating = False
-                self.checkpoint_failures += 1
-                if self.metrics is not None:
-                    self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
-                self.emit(subjects.epoch_event(job, "failed"),
-                          EpochEvent(job=job, kind="failed", at=time.time(), node=self.node, generation=generation,
-                                     error=str(exc)))
-                if rt.exited.is_set() and stop:
-                    self._event(rt, "exited", exit_code=rt.exit_code, reason="exited during vacate")
-                raise
-            self.checkpoint_failures = 0
-            info = rt.files.info(manifest)
+                return await self._checkpoint(rt, stop, evict_reason)
+            finally:
+                # However the vacate ended (committed, failed, cancelled by a drain's deadline or a
+                # shutdown), an exit it held back is reported now, and a later one as it happens.
+                if rt.vacating:
+                    rt.vacating = False
+                    if rt.exited.is_set():
+                        self._report_exit(rt)
+
+    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str) -> AgentJobReply:
+        job, generation = rt.spec.id, rt.generation
+        try:
+            manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop)
+        except RevenantError as exc:
+            self.checkpoint_failures += 1
             if self.metrics is not None:
-                self.metrics.observe_checkpoint(ok=True, duration_s=manifest.dump_s, freeze_s=manifest.freeze_s,
-                                                size_bytes=info.bytes)
-            self.emit(subjects.epoch_event(job, "created"),
-                      EpochEvent(job=job, kind="created", at=time.time(), n=manifest.epoch, node=self.node,
-                                 generation=generation, bytes=info.bytes, freeze_s=manifest.freeze_s,
-                                 duration_s=manifest.dump_s))
-            for n in await asyncio.to_thread(rt.files.prune, max(1, rt.spec.max_epochs)):
-                self.emit(subjects.epoch_event(job, "pruned"),
-                          EpochEvent(job=job, kind="pruned", at=time.time(), n=n, node=self.node,
-                                     generation=generation))
-            if stop:
-                try:
-                    await asyncio.wait_for(rt.exited.wait(), 10)
-                except asyncio.TimeoutError:
-                    log.error("job %s did not die after vacate; killing it", job)
-                    signal_tree(rt.pid, signal.SIGKILL)
-                if evict_reason:
-                    self._event(rt, "evicted", epoch=manifest.epoch, reason=evict_reason)
-                else:
-                    self._event(rt, "vacated", epoch=manifest.epoch)
-            return self._reply(rt, epoch=info, notes=notes)
+                self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
+            self.emit(subjects.epoch_event(job, "failed"),
+                      EpochEvent(job=job, kind="failed", at=time.time(), node=self.node, generation=generation,
+                                 error=str(exc)))
+            raise
+        if stop:
+            # Committed, and the engine has killed the job: its exit is this vacate (or drain).
+            rt.stopped_at_epoch, rt.evict_reason = manifest.epoch, evict_reason
+        self.checkpoint_failures = 0
+        info = rt.files.info(manifest)
+        if self.metrics is not None:
+            self.metrics.observe_checkpoint(ok=True, duration_s=manifest.dump_s, freeze_s=manifest.freeze_s,
+                                            size_bytes=info.bytes)
+        self.emit(subjects.epoch_event(job, "created"),
+                  EpochEvent(job=job, kind="created", at=time.time(), n=manifest.epoch, node=self.node,
+                             generation=generation, bytes=info.bytes, freeze_s=manifest.freeze_s,
+                             duration_s=manifest.dump_s))
+        for n in await asyncio.to_thread(rt.files.prune, max(1, rt.spec.max_epochs)):
+            self.emit(subjects.epoch_event(job, "pruned"),
+                      EpochEvent(job=job, kind="pruned", at=time.time(), n=n, node=self.node, generation=generation))
+        if stop:
+            try:
+                await asyncio.wait_for(rt.exited.wait(), 10)
+            except asyncio.TimeoutError:
+                log.error("job %s did not die after vacate; killing it", job)
+                signal_tree(rt.pid, signal.SIGKILL)
+        return self._reply(rt, epoch=info, notes=notes)
 
     # ------------------------------------------------------------------ restore
 
@@ -407,9 +426,10 @@ class Supervisor:
         so that the coordinator restores it from its last epoch, and stop watching."""
         for launch in list(self.launching.values()):
             launch.superseded = reason
-        for rt in list(self.jobs.values()):
+        doomed = list(self.jobs.values())
+        for rt in doomed:
             rt.evicted = True
-            await self._kill(rt, reason)
+        await asyncio.gather(*(self._kill(rt, reason) for rt in doomed))
         for task in list(self._tasks):
             task.cancel()
 

@@ -198,7 +198,10 @@ class Coordinator:
         for job, dead in takeover_plan(inherited, self.jobs.jobs, alive, self.failover.recovering):
             if dead is None:
                 log.warning("job %s: the old leader's checkpoint of it never answered; it runs on", job)
-                await self.jobs.checkpoint_abandoned(job, inherited[job][1])
+                try:
+                    await self.jobs.checkpoint_abandoned(job, inherited[job][1])
+                except RevenantError as exc:
+                    log.error("job %s: cannot mark it running again: %s", job, exc)
                 continue
             if dead:
                 log.warning("taking over the recovery of job %s (node %s is gone)", job, dead)

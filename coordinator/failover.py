@@ -140,6 +140,8 @@ class Failover:
         self.pending_nodes: dict[str, int] = {}
         # Jobs being recovered: one recovery per job, however many triggers.
         self.recovering: set[str] = set()
+        # Jobs whose node reported them evicted while their recovery waited for its lease.
+        self._evicted: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ inputs
@@ -194,7 +196,7 @@ class Failover:
 
     def operator(self, action: str, nodes: list) -> FailoverReply:
         """``revenant failover pause|resume|status``."""
-        self.storm.update(nodes, set(self.pending_nodes))
+        self._announce(self.storm.update(nodes, set(self.pending_nodes)), nodes)
         if action == "pause":
             self._announce(self.storm.hold(), nodes, "an operator paused failover")
         elif action == "resume":
@@ -233,6 +235,8 @@ class Failover:
         """Recover ``job``, lost with ``node``.  ``evicted``: the node itself stopped the job (a
         drain or a fence) and said so, so there is no lease to wait for."""
         if job in self.recovering:
+            if evicted:
+                self._evicted[job] = evicted  # the recovery under way need not wait for a lease
             return
         self.recovering.add(job)
         self.pending_nodes[node] = self.pending_nodes.get(node, 0) + 1
@@ -260,11 +264,13 @@ class Failover:
             ok = await self._recover_inner(job, dead, incarnation, evicted)
         finally:
             self.recovering.discard(job)
+            self._evicted.pop(job, None)
             left = self.pending_nodes.get(dead, 1) - 1
             if left <= 0:
                 self.pending_nodes.pop(dead, None)
             else:
                 self.pending_nodes[dead] = left
+            self.check_storm()  # a storm let through ends when its failovers do: re-arm the guard
         if self.on_result is not None and ok is not None:
             self.on_result(ok)
 
@@ -275,8 +281,11 @@ class Failover:
         # Never two copies: the dead node's agent fences itself before its lease expires.
         # (An eviction is the node's own word that the job has exited: nothing to wait for.)
         if dead and not evicted and not await self.wait_for_lease_expiry(job, dead, incarnation):
-            log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
-            return None
+            if job not in self._evicted:
+                log.warning("job %s: node %s renewed its lease meanwhile; it keeps the job", job, dead)
+                return None
+            # It came back, but had stopped the job meanwhile (a fence): the job goes on elsewhere.
+            evicted = self._evicted[job]
         while self.storm.paused:
             await asyncio.sleep(0.2)
         deadline = self.clock() + self.config.requeue_timeout_s

@@ -64,6 +64,13 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(JobRecord)
 
 
+async def _nak(msg, delay_s: float = 1.0) -> None:
+    try:
+        await msg.nak(delay=delay_s)
+    except nats.errors.Error:
+        pass  # redelivered after ack_wait anyway
+
+
 class NotLeader(RevenantError):
     code = "not_leader"
     retriable = True
@@ -87,7 +94,8 @@ class JobService:
         self._revisions: dict[str, int] = {}
         self._save_locks: dict[str, asyncio.Lock] = {}
         # Asked when a write finds the record changed by someone else: does this one still lead?
-        self.still_leader: Callable[[], Awaitable[bool]] | None = None
+        # (None: the store did not answer, so nobody can tell.)
+        self.still_leader: Callable[[], Awaitable[bool | None]] | None = None
         self.on_conflict: Callable[[str], None] | None = None
         # A job its node stopped (drained, fenced): (job, node, why) to recover elsewhere.
         self.on_evicted: Callable[[str, str, str], None] | None = None
@@ -140,7 +148,11 @@ class JobService:
         one still leads, that was a deposed leader's late write, and this one's record stands;
         otherwise this one is the stale leader and steps down, writing nothing."""
         why = f"job {key} was changed in the job table by another coordinator"
-        if self.still_leader is not None and await self.still_leader():
+        leads = await self.still_leader() if self.still_leader is not None else False
+        if leads is None:
+            raise BusError(f"cannot save job {key}: it changed in the store, and the leader lease "
+                           f"could not be read to tell who leads")
+        if leads:
             log.warning("%s, which no longer leads; this leader's record stands", why)
             try:
                 entry = await self.kv.get(key)
@@ -472,6 +484,18 @@ class JobService:
                 log.warning("job event fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
+            leads = await self.still_leader() if self.still_leader is not None and msgs else True
+            if leads is not True:
+                # A deposed leader (its loop stalled past its lease) must not apply, or ack,
+                # what its successor is to see: the events are redelivered.
+                for msg in msgs:
+                    await _nak(msg)
+                if leads is None:
+                    await asyncio.sleep(0.5)  # the store did not answer: ask again
+                    continue
+                if self.on_conflict is not None:
+                    self.on_conflict("the leader lease is held by another coordinator")
+                return
             for msg in msgs:
                 try:
                     event = decode(msg.data)
@@ -480,7 +504,10 @@ class JobService:
                 except MessageError as exc:
                     log.warning("bad job event on %s: %s", msg.subject, exc)
                 except RevenantError as exc:
-                    log.warning("job event on %s not applied: %s", msg.subject, exc)
+                    # Not applied (the store did not answer, or this one no longer leads): redelivered.
+                    log.warning("job event on %s not applied yet: %s", msg.subject, exc)
+                    await _nak(msg)
+                    continue
                 await msg.ack()
 
     async def apply_event(self, ev: JobEvent) -> None:
@@ -509,6 +536,8 @@ class JobService:
                 return
             if rec.state not in ("pending", "running", "checkpointing", "restoring"):
                 return
+            if ev.kind == "killed" and rec.state in ("pending", "restoring"):
+                return  # an attempt this coordinator abandoned (or superseded): its retry goes on
             code = ev.exit_code if ev.exit_code is not None else -1
             rec.exit_code = code
             rec.state = "completed" if code == 0 and ev.kind == "exited" else "failed"

@@ -45,14 +45,17 @@ class Leadership:
         self.value = f"{name} {secrets.token_hex(8)}".encode()
         self._kv = None
 
-    async def holds(self) -> bool:
-        """Whether the store says this coordinator leads now (not what it last believed)."""
+    async def holds(self) -> bool | None:
+        """Whether the store says this coordinator leads now (not what it last believed);
+        None if the store could not be asked."""
         if self._kv is None or not self.leader:
             return False
         try:
             entry = await asyncio.wait_for(self._kv.get(KEY), self.lease_s / 3)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return False  # expired: nobody leads, and certainly not a leader that failed to renew
         except (nats.errors.Error, asyncio.TimeoutError):
-            return False
+            return None
         return entry.value == self.value
 
     async def run(self) -> None:

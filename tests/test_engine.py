@@ -223,10 +223,10 @@ async def test_dead_mans_switch_kills_a_job_nobody_resets(tmp_path):
         await sup.shutdown()
 
 
-def slow_restoring_criu(tmp_path: Path, delay_s: float) -> str:
-    """Real criu, with every restore held back ``delay_s`` (a large image, a busy node)."""
-    wrapper = tmp_path / "slow-criu"
-    wrapper.write_text(f'#!/bin/sh\n[ "$1" = restore ] && sleep {delay_s}\nexec {locate_criu()} "$@"\n')
+def slow_criu(tmp_path: Path, delay_s: float, verb: str = "restore") -> str:
+    """Real criu, with every ``verb`` (restore or dump) held back ``delay_s`` (a large image, a busy node)."""
+    wrapper = tmp_path / f"slow-criu-{verb}"
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = {verb} ] && sleep {delay_s}\nexec {locate_criu()} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
@@ -246,7 +246,7 @@ def copies_running(storage: Path, job: str) -> int:
 
 
 async def test_a_kill_during_a_restore_kills_what_the_restore_brings_up(tmp_path, supervisor_factory):
-    sup, events = supervisor_factory(tmp_path / "storage", slow_restoring_criu(tmp_path, 1.0))
+    sup, events = supervisor_factory(tmp_path / "storage", slow_criu(tmp_path, 1.0))
     spec = await vacated_counter(sup)
     restore = asyncio.create_task(sup.restore(spec, 2))
     await asyncio.sleep(0.3)
@@ -260,7 +260,7 @@ async def test_a_kill_during_a_restore_kills_what_the_restore_brings_up(tmp_path
 
 
 async def test_a_newer_generation_supersedes_a_restore_still_in_flight(tmp_path, supervisor_factory):
-    sup, events = supervisor_factory(tmp_path / "storage", slow_restoring_criu(tmp_path, 1.0))
+    sup, events = supervisor_factory(tmp_path / "storage", slow_criu(tmp_path, 1.0))
     spec = await vacated_counter(sup)
     older = asyncio.create_task(sup.restore(spec, 2))
     await asyncio.sleep(0.3)
@@ -274,3 +274,26 @@ async def test_a_newer_generation_supersedes_a_restore_still_in_flight(tmp_path,
     # An older generation never replaces a newer one, running or starting.
     with pytest.raises(RevenantError, match="generation 3 already runs"):
         await sup.start(spec, 2)
+
+
+async def test_a_drain_past_its_budget_still_reports_the_job_evicted(tmp_path, supervisor_factory):
+    sup, events = supervisor_factory(tmp_path / "storage", slow_criu(tmp_path, 5.0, verb="dump"))
+    await start_counter(sup)
+    rt = sup.jobs["1"]
+    await sup.drain(0.5, "node n1 is shutting down")  # the dump cannot finish in time
+    assert not rt.vacating and "1" in sup.jobs and await growing(sup, "1")  # resumed, unharmed
+    await sup.shutdown("node n1 is shutting down")
+    evicted = [e for e in events if getattr(e, "kind", "") == "evicted"]
+    assert [(e.job, e.epoch) for e in evicted] == [("1", None)] and "shutting down" in evicted[0].reason
+    assert [e.kind for e in events if e.__class__.__name__ == "JobEvent"] == ["started", "evicted"]
+
+
+async def test_a_drain_reports_the_epoch_it_stopped_the_job_at(tmp_path, supervisor_factory):
+    sup, events = supervisor_factory(tmp_path / "storage", locate_criu())
+    await start_counter(sup)
+    await sup.drain(30, "node n1 is shutting down")
+    assert "1" not in sup.jobs
+    evicted = [e for e in events if getattr(e, "kind", "") == "evicted"]
+    assert [(e.job, e.epoch) for e in evicted] == [("1", 1)]
+    assert "checkpointed" in evicted[0].reason
+    assert [e.kind for e in events if e.__class__.__name__ == "JobEvent"] == ["started", "evicted"]

@@ -59,6 +59,17 @@ async def test_an_exit_during_a_restore_is_not_lost(table):
     assert (rec.state, rec.exit_code, rec.pid) == ("completed", 0, 0)
 
 
+async def test_a_kill_of_an_abandoned_attempt_does_not_fail_the_job(table):
+    """The coordinator kills an attempt whose reply never came, then retries: the agent's
+    "killed" for that attempt must not end the job."""
+    await put(table, "restoring", 3, "node-2", epochs=[1])
+    await table.apply_event(event("killed", 3, "node-2", exit_code=137, reason="attempt on node-2 failed"))
+    assert table.get("1").state == "restoring"
+    await put(table, "pending", 1, "node-1")
+    await table.apply_event(event("killed", 1, "node-1", exit_code=137))
+    assert table.get("1").state == "pending"
+
+
 async def test_a_checkpoint_abandoned_by_a_dead_leader_lets_the_job_run_on(table):
     await put(table, "checkpointing", 2, "node-1")
     await table.checkpoint_abandoned("1", 1)  # another generation: not ours to touch
