@@ -143,6 +143,7 @@ class Coordinator:
             self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
                                          on_elected=on_elected, on_deposed=self._deposed)
             self.jobs.still_leader = self.leadership.holds
+            self.jobs.may_act = self.leadership.fresh
             self.jobs.on_evicted = lambda job, node, why: self.failover.recover_job(job, node, evicted=why or "evicted")
             self.jobs.on_conflict = lambda why: self._deposed()
             self._events.start()

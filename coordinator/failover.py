@@ -260,8 +260,11 @@ class Failover:
                                   since_last_heartbeat_s=self._since_last_heartbeat(dead), **kw))
 
     async def _recover(self, job: str, dead: str, incarnation: str, evicted: str = "") -> None:
+        ok = None
         try:
             ok = await self._recover_inner(job, dead, incarnation, evicted)
+        except RevenantError as exc:  # this coordinator stopped leading, or the store stopped answering
+            log.error("job %s: recovery stopped: %s", job, exc)
         finally:
             self.recovering.discard(job)
             self._evicted.pop(job, None)

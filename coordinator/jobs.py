@@ -93,6 +93,8 @@ class JobService:
         # its lease) can never overwrite what its successor wrote.
         self._revisions: dict[str, int] = {}
         self._save_locks: dict[str, asyncio.Lock] = {}
+        # Asked before every write and every command to an agent: may this one act now?
+        self.may_act: Callable[[], bool] | None = None
         # Asked when a write finds the record changed by someone else: does this one still lead?
         # (None: the store did not answer, so nobody can tell.)
         self.still_leader: Callable[[], Awaitable[bool | None]] | None = None
@@ -131,6 +133,7 @@ class JobService:
         self.jobs[rec.spec.id] = rec
         assert self.kv is not None
         key = rec.spec.id
+        self._check_may_act()
         async with self._save_locks.setdefault(key, asyncio.Lock()):
             last = self._revisions.get(key)
             try:
@@ -201,7 +204,13 @@ class JobService:
 
     # ------------------------------------------------------------------ agent calls
 
+    def _check_may_act(self) -> None:
+        if self.may_act is not None and not self.may_act():
+            raise NotLeader("this coordinator's leader lease is not fresh (its loop stalled, or the store "
+                            "is slow to answer): it does not act")
+
     async def _agent(self, node: str, verb: str, msg, timeout_s: float) -> AgentJobReply:
+        self._check_may_act()
         task = asyncio.ensure_future(
             bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s))
         self._inflight.setdefault(node, set()).add(task)

@@ -45,6 +45,13 @@ class Leadership:
         self.value = f"{name} {secrets.token_hex(8)}".encode()
         self._kv = None
 
+    def fresh(self) -> bool:
+        """Whether this coordinator may act now: it leads, and renewed within 2/3 of the lease
+        (on its own clock).  A leader whose loop stalled past that wakes up unable to act
+        before its renew loop notices, and a successor is elected only once the whole lease
+        has run out since the last renewal (the store's TTL): a third of it is the margin."""
+        return self.leader and self.clock() - self._renewed_at < self.lease_s * 2 / 3
+
     async def holds(self) -> bool | None:
         """Whether the store says this coordinator leads now (not what it last believed);
         None if the store could not be asked."""

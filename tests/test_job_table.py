@@ -13,7 +13,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService, NotLeader
 from revenant.coordinator.leader import Leadership
-from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec
+from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec, KillJob
 
 
 @pytest.fixture
@@ -189,3 +189,18 @@ async def test_a_job_its_node_stopped_is_handed_to_failover_with_its_new_epoch(t
     await put(table, "completed", 2, "node-1")
     await table.apply_event(event("evicted", 2, "node-1"))
     assert len(handed) == 1
+
+
+async def test_a_leader_whose_lease_is_not_fresh_does_not_act(table, nats_url):
+    now = [100.0]
+    lead = Leadership(table.js, "c1", 3.0, on_elected=None, on_deposed=lambda: None, clock=lambda: now[0])
+    lead.leader, lead._renewed_at = True, 100.0
+    now[0] = 101.9
+    assert lead.fresh()
+    now[0] = 102.1  # 2/3 of the lease without a renewal (a stalled loop): no more acting
+    assert not lead.fresh()
+    table.may_act = lead.fresh
+    with pytest.raises(NotLeader, match="leader lease is not fresh"):
+        await put(table, "running", 1, "node-1")
+    with pytest.raises(NotLeader, match="leader lease is not fresh"):
+        await table._agent("node-1", "kill", KillJob(job="1", generation=1), 1.0)
