@@ -264,15 +264,36 @@ class JobService:
         async with self.lock(job_id):
             await self._save(rec)
             self._event(rec, "submitted")
-        try:
-            reply = await self._agent(node, "start", StartJob(spec=spec, generation=1), self.config.start_timeout_s)
-        except RevenantError as exc:
-            async with self.lock(job_id):
-                rec = self.get(job_id)
-                if rec.state == "pending":
-                    rec.state, rec.reason = "failed", f"start on {node} failed: {exc}"
+        generation, tried = 1, set()
+        while True:
+            try:
+                reply = await self._agent(node, "start", StartJob(spec=spec, generation=generation),
+                                          self.config.start_timeout_s)
+                break
+            except RevenantError as exc:
+                await self._abandon(node, job_id, generation, f"start on {node} failed: {exc}")
+                tried.add(node)
+                # A node that refuses because it is going away (or fenced) is no reason to fail the
+                # job: unless the user asked for that node, it goes to the next one.
+                retry = None
+                if not req.node and exc.code in ("shutting_down", "fenced") and len(tried) < 3:
+                    try:
+                        retry = place(self.nodes(), self.jobs_per_node(), exclude=tried)
+                    except NoNodeAvailable:
+                        pass
+                async with self.lock(job_id):
+                    rec = self.get(job_id)
+                    if rec.state != "pending" or rec.generation != generation:
+                        raise RevenantError(f"job {job_id} could not start on {node}: {exc}", code=exc.code) from None
+                    if retry is None:
+                        rec.state, rec.reason = "failed", f"start on {node} failed: {exc}"
+                        await self._save(rec)
+                        raise RevenantError(f"job {job_id} could not start on {node}: {exc}",
+                                            code=exc.code) from None
+                    log.info("job %s: %s refused it (%s); starting it on %s", job_id, node, exc.code, retry)
+                    node, generation = retry, generation + 1
+                    rec.node, rec.generation = node, generation
                     await self._save(rec)
-            raise RevenantError(f"job {job_id} could not start on {node}: {exc}", code=getattr(exc, "code", "error"))
         async with self.lock(job_id):
             rec = self.get(job_id)
             rec.output = reply.output

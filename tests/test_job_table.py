@@ -13,7 +13,8 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService, NotLeader
 from revenant.coordinator.leader import Leadership
-from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec, KillJob
+from revenant.common.errors import RemoteError, RevenantError
+from revenant.messages import AgentJobReply, Capabilities, CriuInfo, EpochInfo, JobEvent, JobRecord, JobSpec, KillJob, NodeStatus, SubmitRequest
 
 
 @pytest.fixture
@@ -204,3 +205,27 @@ async def test_a_leader_whose_lease_is_not_fresh_does_not_act(table, nats_url):
         await put(table, "running", 1, "node-1")
     with pytest.raises(NotLeader, match="leader lease is not fresh"):
         await table._agent("node-1", "kill", KillJob(job="1", generation=1), 1.0)
+
+
+async def test_a_submit_refused_by_a_draining_node_starts_on_the_next(table):
+    """The agents' transport is replaced here (a pure placement-and-retry rule); the drain
+    itself is tested end to end in test_failover.py."""
+    working = Capabilities(criu=CriuInfo(path="/usr/sbin/criu", version="4.1.1", ok=True))
+    table.nodes = lambda: [NodeStatus(name=n, state="alive", capabilities=working) for n in ("node-1", "node-2")]
+    calls: list[tuple[str, str, int]] = []
+
+    async def agent(node: str, verb: str, msg, timeout_s: float) -> AgentJobReply:
+        calls.append((node, verb, getattr(msg, "generation", 0)))
+        if node == "node-1":
+            raise RemoteError("node node-1 is shutting down; try another node", code="shutting_down")
+        return AgentJobReply(job=msg.spec.id, generation=msg.generation, node=node, pid=4242, output="/out")
+
+    table._agent = agent
+    rec = await table.submit(SubmitRequest(argv=["true"]))
+    assert (rec.state, rec.node, rec.generation, rec.pid) == ("running", "node-2", 2, 4242)
+    assert calls == [("node-1", "start", 1), ("node-1", "kill", 1), ("node-2", "start", 2)]
+    # Asked for that node by name: the refusal is the answer.
+    calls.clear()
+    with pytest.raises(RevenantError, match="could not start on node-1: node node-1 is shutting down"):
+        await table.submit(SubmitRequest(argv=["true"], node="node-1"))
+    assert [c[1] for c in calls] == ["start", "kill"]
