@@ -64,6 +64,13 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(JobRecord)
 
 
+def _moved_on(stored: JobRecord, mine: JobRecord) -> bool:
+    """Whether ``stored`` is ahead of ``mine``: a newer generation, or the same one finished."""
+    done = ("completed", "failed")
+    return stored.generation > mine.generation or (
+        stored.generation == mine.generation and stored.state in done and mine.state not in done)
+
+
 async def _nak(msg, delay_s: float = 1.0) -> None:
     try:
         await msg.nak(delay=delay_s)
@@ -148,20 +155,29 @@ class JobService:
 
     async def _conflict(self, key: str, value: bytes) -> None:
         """Someone else wrote job ``key`` since this coordinator last did.  If the store says this
-        one still leads, that was a deposed leader's late write, and this one's record stands;
-        otherwise this one is the stale leader and steps down, writing nothing."""
+        one still leads, that was a deposed leader's late write: this one's record stands, unless
+        the other moved the job on (a newer generation: a copy may run where it says; or the same
+        generation, ended), which this one then takes as the truth.  Otherwise this one is the
+        stale leader and steps down, writing nothing."""
         why = f"job {key} was changed in the job table by another coordinator"
         leads = await self.still_leader() if self.still_leader is not None else False
         if leads is None:
             raise BusError(f"cannot save job {key}: it changed in the store, and the leader lease "
                            f"could not be read to tell who leads")
         if leads:
-            log.warning("%s, which no longer leads; this leader's record stands", why)
             try:
                 entry = await self.kv.get(key)
+                stored, mine = _DEC.decode(entry.value), _DEC.decode(value)
+                if _moved_on(stored, mine):
+                    self.jobs[key], self._revisions[key] = stored, entry.revision
+                    log.warning("%s, which no longer leads, and moved it on (generation %d, %s on %s): "
+                                "taken as the truth", why, stored.generation, stored.state, stored.node or "-")
+                    raise BusError(f"job {key} was moved on by another coordinator (now generation "
+                                   f"{stored.generation}, {stored.state}); try again")
+                log.warning("%s, which no longer leads; this leader's record stands", why)
                 self._revisions[key] = await self.kv.update(key, value, last=entry.revision)
                 return
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError) as exc:
                 raise BusError(f"cannot save job {key}: {exc or type(exc).__name__}") from None
         log.error("%s: this one is no longer the leader", why)
         if self.on_conflict is not None:

@@ -13,7 +13,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService, NotLeader
 from revenant.coordinator.leader import Leadership
-from revenant.common.errors import RemoteError, RevenantError
+from revenant.common.errors import BusError, RemoteError, RevenantError
 from revenant.messages import AgentJobReply, Capabilities, CriuInfo, EpochInfo, JobEvent, JobRecord, JobSpec, KillJob, NodeStatus, SubmitRequest
 
 
@@ -229,3 +229,21 @@ async def test_a_submit_refused_by_a_draining_node_starts_on_the_next(table):
     with pytest.raises(RevenantError, match="could not start on node-1: node node-1 is shutting down"):
         await table.submit(SubmitRequest(argv=["true"], node="node-1"))
     assert [c[1] for c in calls] == ["start", "kill"]
+
+
+async def test_what_a_deposed_leader_moved_on_is_taken_as_the_truth(table):
+    """Its write slipped in before it noticed: a newer generation may be running where it says,
+    so the real leader adopts that record (and its own operation fails, to be retried)."""
+    await put(table, "running", 1, "node-1")
+    term = Term(leads=True)
+    leader = await another_coordinator(table, term)
+    zombie = table.get("1")
+    zombie.generation, zombie.node, zombie.state = 2, "node-3", "running"
+    await table._save(zombie)
+    mine = leader.get("1")
+    mine.node, mine.state = "node-2", "restoring"  # its own view, now stale (still generation 1)
+    with pytest.raises(BusError, match="moved on by another coordinator"):
+        await leader._save(mine)
+    assert (leader.get("1").generation, leader.get("1").node) == (2, "node-3") and not term.stepped_down
+    check = await another_coordinator(table)
+    assert (check.get("1").generation, check.get("1").node) == (2, "node-3")
