@@ -148,6 +148,9 @@ class AgentMetrics:
         return prometheus_client.generate_latest(self.registry)
 
 
+FAILOVER_CAUSES = ("dead", "evicted", "takeover")
+
+
 class CoordinatorMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -155,8 +158,13 @@ class CoordinatorMetrics:
                                        "Health each live node reports: 0 GREEN, 1 YELLOW, 2 RED.", ["node"],
                                        registry=r)
         self.nodes = Gauge("revenant_nodes", "Nodes by membership state.", ["state"], registry=r)
-        self.failovers = Counter("revenant_failovers", "Jobs restored elsewhere after their node died.",
-                                 ["result"], registry=r)
+        self.failovers = Counter("revenant_failovers",
+                                 "Jobs recovered elsewhere: their node died (cause=dead), stopped them itself "
+                                 "(evicted: a drain or a fence), or a new leader finished the recovery (takeover).",
+                                 ["result", "cause"], registry=r)
+        self.failover_paused = Gauge("revenant_failover_paused",
+                                     "1 while automatic failover is paused (a storm, or an operator's hold).",
+                                     registry=r)
         self.failure_detection = Histogram("revenant_failure_detection_seconds",
                                            "From a node's last heartbeat to its dead verdict.",
                                            buckets=_DETECTION_SECONDS, registry=r)
@@ -171,7 +179,8 @@ class CoordinatorMetrics:
         for kind in NODE_EVENT_KINDS:
             self.node_events.labels(kind=kind)
         for result in ("ok", "failed"):
-            self.failovers.labels(result=result)
+            for cause in FAILOVER_CAUSES:
+                self.failovers.labels(result=result, cause=cause)
         for result in ("ok", "malformed"):
             self.heartbeats.labels(result=result)
         self._nodes: set[str] = set()
@@ -201,8 +210,8 @@ class CoordinatorMetrics:
         _check("detection seconds", seconds)
         self.failure_detection.observe(seconds)
 
-    def count_failover(self, ok: bool = True) -> None:
-        self.failovers.labels(result="ok" if ok else "failed").inc()
+    def count_failover(self, ok: bool = True, cause: str = "dead") -> None:
+        self.failovers.labels(result="ok" if ok else "failed", cause=cause).inc()
 
     def count_heartbeat(self, malformed: bool = False) -> None:
         # The hot path at 20,000 nodes: children are looked up once, not per heartbeat.

@@ -103,6 +103,7 @@ class Coordinator:
     def _render_metrics(self) -> bytes:
         self.metrics.update_nodes(self.detector.snapshot(self._clock()))
         self.metrics.loop_lag.set(self.loop_monitor.lag_s)
+        self.metrics.failover_paused.set(1 if self.failover is not None and self.failover.storm.paused else 0)
         return self.metrics.render()
 
     async def run(self) -> None:

@@ -124,7 +124,7 @@ class Failover:
     def __init__(self, config: CoordinatorConfig, js: JetStreamContext, jobs: JobService, events: EventPublisher,
                  nodes: Callable[[], list[NodeStatus]], last_heartbeat: Callable[[str], float | None], *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 on_result: Callable[[bool], None] | None = None) -> None:
+                 on_result: Callable[[bool, str], None] | None = None) -> None:
         self.config = config
         self.js = js
         self.jobs = jobs
@@ -261,13 +261,15 @@ class Failover:
 
     async def _recover(self, job: str, dead: str, incarnation: str, evicted: str = "") -> None:
         ok = None
+        evicted_during: set[str] = set()
         try:
             ok = await self._recover_inner(job, dead, incarnation, evicted)
         except RevenantError as exc:  # this coordinator stopped leading, or the store stopped answering
             log.error("job %s: recovery stopped: %s", job, exc)
         finally:
             self.recovering.discard(job)
-            self._evicted.pop(job, None)
+            if self._evicted.pop(job, None) is not None:
+                evicted_during.add(job)
             left = self.pending_nodes.get(dead, 1) - 1
             if left <= 0:
                 self.pending_nodes.pop(dead, None)
@@ -275,7 +277,7 @@ class Failover:
                 self.pending_nodes[dead] = left
             self.check_storm()  # a storm let through ends when its failovers do: re-arm the guard
         if self.on_result is not None and ok is not None:
-            self.on_result(ok)
+            self.on_result(ok, "evicted" if evicted or job in evicted_during else "dead" if dead else "takeover")
 
     async def _recover_inner(self, job: str, dead: str, incarnation: str, evicted: str = "") -> bool | None:
         why = (f"node {dead} stopped it: {evicted}" if evicted else f"node {dead} is dead" if dead

@@ -38,6 +38,18 @@ def job_events(cluster, job: str) -> list[dict]:
     return [e for e in cluster.events() if e.get("type") == "job_event.v1" and e["job"] == job]
 
 
+def coordinator_metric(cluster, name: str) -> float:
+    import urllib.request
+
+    doc = json.loads((cluster.dir / "cluster.json").read_text())
+    url = next(p["metrics_url"] for p in doc["processes"] if p["role"] == "coordinator")
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
 def output(cluster, job: str) -> bytes:
     return (cluster.storage / "jobs" / job / "output.log").read_bytes()
 
@@ -196,6 +208,7 @@ def test_an_operator_holds_failover_then_resumes_it(make_cluster, tmp_path):
     held = cluster.json("failover", "pause")
     assert held["paused"] and held["held"] and held["reason"] == "held by an operator"
     assert "failover paused" in cluster.cli("failover").stdout
+    assert coordinator_metric(cluster, "revenant_failover_paused") == 1.0
     job = submit(cluster, "--checkpoint", "0:01")
     first = wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 30, 30,
                      "a checkpoint")
@@ -209,6 +222,7 @@ def test_an_operator_holds_failover_then_resumes_it(make_cluster, tmp_path):
     assert not resumed["paused"] and not resumed["held"]
     moved = wait_for(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", 20, "failover")
     assert moved["generation"] == first["generation"] + 1
+    assert coordinator_metric(cluster, "revenant_failover_paused") == 0.0
     kinds = [e["kind"] for e in cluster.events() if e.get("type") == "cluster_event.v1"]
     assert kinds == ["failover_paused", "failover_resumed"]
     wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")

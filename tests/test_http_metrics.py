@@ -316,11 +316,14 @@ def test_coordinator_metrics():
     assert not any(name == "revenant_node_health_state" for name, _ in samples(c.render()))
     c.count_node_event(NodeEvent(node="a", kind="dead", at=0.0, silence_s=2.6))
     c.count_failover(ok=True)
+    c.count_failover(ok=True, cause="evicted")
     c.count_heartbeat(malformed=True)
     got = samples(c.render())
     assert got[("revenant_failure_detection_seconds_bucket", (("le", "3.0"),))] == 1
     assert got[("revenant_node_events_total", (("kind", "dead"),))] == 1
-    assert got[("revenant_failovers_total", (("result", "ok"),))] == 1
+    assert got[("revenant_failovers_total", (("cause", "dead"), ("result", "ok")))] == 1
+    assert got[("revenant_failovers_total", (("cause", "evicted"), ("result", "ok")))] == 1
+    assert got[("revenant_failovers_total", (("cause", "takeover"), ("result", "failed")))] == 0
     assert got[("revenant_heartbeats_received_total", (("result", "malformed"),))] == 1
 
 
