@@ -72,6 +72,15 @@ def wait_for(predicate, timeout_s: float, what: str, interval: float = 0.02):
     raise BenchError(f"{what} did not happen within {timeout_s:g} s")
 
 
+def gone(proc: psutil.Process) -> bool:
+    """Exited: no process, or a zombie (a detached agent's parent is pid 1, which here never
+    reaps: psutil's wait() would time the reaping, not the exit)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def one_run(base: Path, mib: int, attempt: int) -> dict:
     d = base / f"revenant-bench-drain-{os.getpid()}-{mib}-{attempt}"
     shutil.rmtree(d, ignore_errors=True)
@@ -98,7 +107,7 @@ def one_run(base: Path, mib: int, attempt: int) -> dict:
 
         t0 = time.time()
         agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=120)
+        wait_for(lambda: gone(agent), 120, "the agent's exit", 0.005)
         exited = time.time()
         restored = wait_for(lambda: next((e for e in events() if e["kind"] == "restored"
                                           and e["generation"] > generation), None), 120, "the restore", 0.1)
