@@ -275,7 +275,8 @@ class Failover:
                 self.pending_nodes.pop(dead, None)
             else:
                 self.pending_nodes[dead] = left
-            self.check_storm()  # a storm let through ends when its failovers do: re-arm the guard
+            if self.storm.acknowledged:
+                self.check_storm()  # a storm let through ends when its failovers do: re-arm the guard
         if self.on_result is not None and ok is not None:
             self.on_result(ok, "evicted" if evicted or job in evicted_during else "dead" if dead else "takeover")
 
