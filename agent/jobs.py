@@ -118,6 +118,8 @@ class Supervisor:
         # Starts and restores in flight, one per job: a newer generation or a kill
         # arriving meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
+        # Jobs reported evicted since the last republish_evictions().
+        self._evictions: list[JobRuntime] = []
         # When the dead man's switches were last reset, and when a gap long enough to fire them ended.
         self._touched_at = time.monotonic()
         self._switch_gap_at = -math.inf
@@ -270,6 +272,17 @@ class Supervisor:
         kind = "evicted" if rt.evicted else "killed" if rt.killing else "exited"
         log.info("job %s %s with status %d%s", rt.spec.id, kind, code, f" ({rt.kill_reason})" if rt.kill_reason else "")
         self._event(rt, kind, exit_code=code, reason=rt.kill_reason)
+        if kind == "evicted":
+            self._evictions.append(rt)
+
+    def republish_evictions(self) -> int:
+        """Say again which jobs this node stopped itself.  After a self-fence the first reports
+        may have been lost with the connection (the coordinator ignores what it already knows:
+        a job restored meanwhile has moved to a newer generation)."""
+        done, self._evictions = self._evictions, []
+        for rt in done:
+            self._event(rt, "evicted", exit_code=rt.exit_code, reason=rt.kill_reason)
+        return len(done)
 
     # ------------------------------------------------------------------ checkpoint
 
