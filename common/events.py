@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 
 from nats.js import JetStreamContext
@@ -24,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class EventPublisher:
     def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 100_000,
-                 attempts: int = 3, workers: int = 16) -> None:
+                 retry_for_s: float = 60.0, workers: int = 16) -> None:
         self._js = js
         self._timeout_s = timeout_s
-        self._attempts = attempts
+        # An event is retried (backing off to 2 s) for this long: a short loss of NATS, the very
+        # moment a self-fence stops jobs, must not lose their reports.  Per subject, order holds.
+        self._retry_for_s = retry_for_s
         per_worker = max(1, max_queued // workers)
         self._queues: list[asyncio.Queue[tuple[str, Message]]] = [asyncio.Queue(per_worker) for _ in range(workers)]
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,14 +99,19 @@ class EventPublisher:
                 return
 
     async def _publish(self, subject: str, msg: Message) -> None:
-        for attempt in range(self._attempts):
+        deadline = time.monotonic() + self._retry_for_s
+        attempt = 0
+        while True:
             try:
                 await bus.publish_event(self._js, subject, msg, self._timeout_s)
                 self.published += 1
                 return
             except BusError as exc:
-                if attempt == self._attempts - 1:
+                attempt += 1
+                if time.monotonic() >= deadline:
                     self.dropped += 1
-                    log.error("event lost: %s", exc)
-                else:
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                    log.error("event lost after %d attempts: %s", attempt, exc)
+                    return
+                if attempt == 1:
+                    log.warning("event not published yet, retrying: %s", exc)
+                await asyncio.sleep(min(2.0, 0.2 * 2 ** (attempt - 1)))

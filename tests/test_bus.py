@@ -349,6 +349,38 @@ async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url)
     await nc.close()
 
 
+async def test_events_emitted_while_nats_is_down_are_published_once_it_is_back(tmp_path):
+    """A self-fence happens exactly when NATS is out of reach: its reports must wait, not drop."""
+    from revenant.common.events import EventPublisher
+    from revenant.common.natsserver import start_nats_server
+
+    server = start_nats_server(tmp_path / "nats")
+    port = int(server.url.rsplit(":", 1)[1])
+    nc = await bus.connect(server.url, "test", reconnect_wait_s=0.2)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    pub = EventPublisher(js, timeout_s=0.5)
+    pub.start()
+    try:
+        server.stop()
+        pub.emit(subjects.node_event("n1", "fenced"), NodeEvent(node="n1", kind="fenced", at=1.0))
+        await asyncio.sleep(2.0)  # several failed attempts
+        assert pub.published == 0 and pub.dropped == 0
+        server = start_nats_server(tmp_path / "nats", port=port)
+        for _ in range(100):
+            if pub.published:
+                break
+            await asyncio.sleep(0.1)
+        assert pub.published == 1 and pub.dropped == 0
+        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        ev = decode_as((await sub.next_msg(timeout=5)).data, NodeEvent)
+        assert (ev.node, ev.kind) == ("n1", "fenced")
+    finally:
+        await pub.stop(flush_timeout_s=1)
+        await nc.close()
+        server.stop()
+
+
 async def test_lease_expiry_is_read_from_the_store_only_when_needed(nats_url):
     import msgspec
 
