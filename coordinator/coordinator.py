@@ -181,6 +181,8 @@ class Coordinator:
         await elected.wait()
         assert self.jobs is not None and self._nc is not None
         await self.jobs.open()
+        assert self.failover is not None
+        await self.failover.restore_hold()
         # What the previous leader left, before this one touches anything (see _take_over).
         inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
         await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
@@ -269,7 +271,7 @@ class Coordinator:
         if verb == "failover":
             assert self.failover is not None
             req_f = decode_as(data, FailoverRequest)
-            return self.failover.operator(req_f.action, list(self.detector.nodes.values()))
+            return await self.failover.operator(req_f.action, list(self.detector.nodes.values()))
         if verb == "jobs":
             decode_as(data, JobsRequest)
             return JobsReply(jobs=sorted(jobs.jobs.values(), key=lambda r: _job_sort_key(r.spec.id)))

@@ -194,9 +194,12 @@ class Failover:
         nodes = self.nodes() if nodes is None else nodes
         self._announce(self.storm.update(nodes, set(self.pending_nodes)), nodes)
 
-    def operator(self, action: str, nodes: list) -> FailoverReply:
-        """``revenant failover pause|resume|status``."""
+    async def operator(self, action: str, nodes: list) -> FailoverReply:
+        """``revenant failover pause|resume|status``.  A hold is recorded in the store first, so
+        that it outlives this leader (a new one starts held: :meth:`restore_hold`)."""
         self._announce(self.storm.update(nodes, set(self.pending_nodes)), nodes)
+        if action in ("pause", "resume"):
+            await self.jobs.save_hold(action == "pause")
         if action == "pause":
             self._announce(self.storm.hold(), nodes, "an operator paused failover")
         elif action == "resume":
@@ -209,6 +212,17 @@ class Failover:
         return FailoverReply(paused=self.storm.paused, held=self.storm.held,
                              storm_acknowledged=self.storm.acknowledged, silent=silent, total=total,
                              recovering=len(self.recovering), reason=reason)
+
+    async def restore_hold(self) -> None:
+        """A new leader keeps an operator's hold."""
+        try:
+            held = await self.jobs.load_hold()
+        except RevenantError as exc:
+            log.error("%s; failover starts unheld", exc)
+            return
+        if held:
+            log.warning("failover is held by an operator (revenant failover resume lifts it)")
+            self.storm.hold()
 
     def _announce(self, change: str | None, nodes: list, by: str = "") -> None:
         if change is None:

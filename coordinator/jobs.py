@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "revenant-coordinator-jobs"
 NEXT_ID_KEY = "next-id"
+# An operator's `revenant failover pause`, kept with the job table so that it outlives the leader.
+HOLD_KEY = "failover-hold"
 
 
 class JobBusy(RevenantError):
@@ -125,7 +127,7 @@ class JobService:
         except nats.js.errors.NoKeysError:
             keys = []
         for key in keys:
-            if key == NEXT_ID_KEY:
+            if key in (NEXT_ID_KEY, HOLD_KEY):
                 continue
             try:
                 entry = await self.kv.get(key)
@@ -183,6 +185,27 @@ class JobService:
         if self.on_conflict is not None:
             self.on_conflict(why)
         raise NotLeader(f"{why}; this coordinator stepped down")
+
+    async def save_hold(self, held: bool) -> None:
+        """Record (or lift) an operator's failover hold in the store."""
+        self._check_may_act()
+        assert self.kv is not None
+        try:
+            if held:
+                await self.kv.put(HOLD_KEY, b"held")
+            else:
+                await self.kv.delete(HOLD_KEY)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot record the failover hold: {exc or type(exc).__name__}") from None
+
+    async def load_hold(self) -> bool:
+        assert self.kv is not None
+        try:
+            return (await self.kv.get(HOLD_KEY)).value == b"held"
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return False
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot read the failover hold: {exc or type(exc).__name__}") from None
 
     async def _next_id(self) -> str:
         assert self.kv is not None

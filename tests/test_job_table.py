@@ -247,3 +247,23 @@ async def test_what_a_deposed_leader_moved_on_is_taken_as_the_truth(table):
     assert (leader.get("1").generation, leader.get("1").node) == (2, "node-3") and not term.stepped_down
     check = await another_coordinator(table)
     assert (check.get("1").generation, check.get("1").node) == (2, "node-3")
+
+
+async def test_an_operators_failover_hold_outlives_the_leader(table):
+    from revenant.coordinator.failover import Failover
+
+    def failover(service: JobService) -> Failover:
+        return Failover(service.config, service.js, service, service.events, lambda: [], lambda node: None)
+
+    await put(table, "running", 1, "node-1")
+    reply = await failover(table).operator("pause", [])
+    assert reply.paused and reply.held
+    successor = await another_coordinator(table)
+    assert list(successor.jobs) == ["1"]  # the hold is not a job
+    after = failover(successor)
+    await after.restore_hold()
+    assert after.storm.held and after.storm.paused
+    assert not (await after.operator("resume", [])).paused
+    again = failover(await another_coordinator(table))
+    await again.restore_hold()
+    assert not again.storm.held
