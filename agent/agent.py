@@ -292,14 +292,7 @@ class Agent:
     # ------------------------------------------------------------------ commands
 
     async def _on_command(self, msg: Msg) -> None:
-        # Each command runs in its own task: a long dump must not hold up the next command.
-        task = asyncio.create_task(self._serve_command(msg))
-        self._requests.add(task)
-        task.add_done_callback(self._requests.discard)
-
-    async def _serve_command(self, msg: Msg) -> None:
-        verb = msg.subject.rsplit(".", 1)[-1]
-        await bus.answer(msg, lambda: self._dispatch(verb, msg.data), f"command {verb}")
+        bus.answer_in_task(self._requests, msg, self._dispatch, "command {verb}")
 
     async def _dispatch(self, verb: str, data: bytes) -> AgentJobReply:
         sup = self.supervisor

@@ -123,6 +123,17 @@ async def answer(msg: Msg, produce: Callable[[], Awaitable[Message]], what: str)
             log.warning("reply to %s not sent: %s", what, exc)
 
 
+def answer_in_task(tasks: set[asyncio.Task[None]], msg: Msg,
+                   handle: Callable[[str, bytes], Awaitable[Message]], what: str) -> None:
+    """Answer ``msg`` in a task of its own, so that a long request (a dump) never holds up the
+    next; ``handle`` gets the subject's last token (the verb) and the payload.  The task is
+    kept in ``tasks`` until it ends, for a shutdown to cancel."""
+    verb = msg.subject.rsplit(".", 1)[-1]
+    task = asyncio.create_task(answer(msg, lambda: handle(verb, msg.data), what.format(verb=verb)))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
 def error_reply(exc: Exception) -> bytes:
     """The wire form of an error, for replying to a request that failed."""
     code = getattr(exc, "code", "internal")

@@ -254,14 +254,7 @@ class Coordinator:
         await bus.answer(msg, reply, "nodes request")
 
     async def _on_job_request(self, msg: Msg) -> None:
-        # Checkpoints take a while: serve each request in its own task.
-        task = asyncio.create_task(self._serve_job_request(msg))
-        self._requests.add(task)
-        task.add_done_callback(self._requests.discard)
-
-    async def _serve_job_request(self, msg: Msg) -> None:
-        verb = msg.subject.rsplit(".", 1)[-1]
-        await bus.answer(msg, lambda: self._job_request(verb, msg.data), f"{verb} request")
+        bus.answer_in_task(self._requests, msg, self._job_request, "{verb} request")
 
     async def _job_request(self, verb: str, data: bytes) -> Message:
         jobs = self.jobs
