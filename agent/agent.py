@@ -327,10 +327,6 @@ class Agent:
             self._events.emit(subjects.node_event(self.node, "fenced"),
                               NodeEvent(node=self.node, kind="fenced", at=time.time(), incarnation=self.incarnation,
                                         reason=self.fence_report))
-        if self.supervisor is not None:
-            n = self.supervisor.republish_evictions()
-            if n:
-                log.info("reported again the %d job(s) the fence stopped", n)
         await self.reconcile()
 
     async def _on_reconnect(self) -> None:

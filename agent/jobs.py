@@ -85,7 +85,6 @@ class JobRuntime:
     vacating: bool = False
     # The vacate (or drain) committed this epoch and then stopped the job.
     stopped_at_epoch: int | None = None
-    evict_reason: str = ""
     killing: bool = False
     kill_reason: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -118,8 +117,6 @@ class Supervisor:
         # Starts and restores in flight, one per job: a newer generation or a kill
         # arriving meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
-        # Jobs reported evicted since the last republish_evictions().
-        self._evictions: list[JobRuntime] = []
         # When the dead man's switches were last reset, and when a gap long enough to fire them ended.
         self._touched_at = time.monotonic()
         self._switch_gap_at = -math.inf
@@ -262,9 +259,9 @@ class Supervisor:
     def _report_exit(self, rt: JobRuntime) -> None:
         code = rt.exit_code if rt.exit_code is not None else -1
         if rt.stopped_at_epoch is not None:
-            kind = "evicted" if rt.evict_reason else "vacated"
+            kind = "evicted" if rt.evicted else "vacated"
             log.info("job %s %s at epoch %d", rt.spec.id, kind, rt.stopped_at_epoch)
-            self._event(rt, kind, epoch=rt.stopped_at_epoch, reason=rt.evict_reason)
+            self._event(rt, kind, epoch=rt.stopped_at_epoch, reason=rt.kill_reason)
             return
         if code == SWITCH_EXIT and not rt.killing and self._switch_may_have_fired():
             rt.evicted = True
@@ -272,17 +269,6 @@ class Supervisor:
         kind = "evicted" if rt.evicted else "killed" if rt.killing else "exited"
         log.info("job %s %s with status %d%s", rt.spec.id, kind, code, f" ({rt.kill_reason})" if rt.kill_reason else "")
         self._event(rt, kind, exit_code=code, reason=rt.kill_reason)
-        if kind == "evicted":
-            self._evictions.append(rt)
-
-    def republish_evictions(self) -> int:
-        """Say again which jobs this node stopped itself.  After a self-fence the first reports
-        may have been lost with the connection (the coordinator ignores what it already knows:
-        a job restored meanwhile has moved to a newer generation)."""
-        done, self._evictions = self._evictions, []
-        for rt in done:
-            self._event(rt, "evicted", exit_code=rt.exit_code, reason=rt.kill_reason)
-        return len(done)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -319,7 +305,8 @@ class Supervisor:
             raise
         if stop:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
-            rt.stopped_at_epoch, rt.evict_reason = manifest.epoch, evict_reason
+            rt.stopped_at_epoch = manifest.epoch
+            rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
         self.checkpoint_failures = 0
         info = rt.files.info(manifest)
         if self.metrics is not None:
