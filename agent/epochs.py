@@ -24,6 +24,7 @@ Everything here is blocking file I/O, run in a worker thread by the engine.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import os
 import re
@@ -87,7 +88,9 @@ class Manifest(msgspec.Struct, kw_only=True):
         return sum(f.size for f in self.files.values())
 
 
+@functools.cache
 def cpu_flags() -> list[str]:
+    """The host's CPU flags (read once: they do not change while the agent runs)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

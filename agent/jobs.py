@@ -79,7 +79,6 @@ class JobRuntime:
     generation: int
     pid: int  # host pid of the namespace's init: the root criu dumps
     files: JobFiles
-    started_at: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A vacate is under way: the job's exit is reported when it ends (see _report_exit).
     vacating: bool = False
@@ -100,6 +99,8 @@ class Launch:
     generation: int
     superseded: str = ""  # why its result must not live (a newer generation, or a kill)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The new job's dead man's switch, reset with the running jobs' while it comes up.
+    stamp: Path | None = None
 
 
 class Supervisor:
@@ -169,6 +170,7 @@ class Supervisor:
             await asyncio.to_thread(replace_with_prefix, files.output, 0)
         files.output.touch()
         await asyncio.to_thread(replace_with_prefix, files.stamp, 0)
+        launch.stamp = files.stamp
         argv = ["unshare", "--pid", "--fork", "--kill-child", "setsid",
                 "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(files.output), str(files.stamp),
                 str(int(self.switch_timeout_s * 1000)), *spec.argv]
@@ -338,13 +340,10 @@ class Supervisor:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         files = JobFiles(self.storage, spec.id)
-        # A new stamp inode fences any stale copy; keep it fresh while criu restores.
+        # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(replace_with_prefix, files.stamp, 0)
-        toucher = asyncio.create_task(self._keep_fresh(files.stamp))
-        try:
-            pid, manifest, notes = await self.engine.restore(spec.id, generation)
-        finally:
-            toucher.cancel()
+        launch.stamp = files.stamp
+        pid, manifest, notes = await self.engine.restore(spec.id, generation)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)
@@ -373,8 +372,7 @@ class Supervisor:
     def kill_all(self, reason: str) -> list[str]:
         """SIGKILL every job now, without waiting (the self-fence; safe from another thread).
         Their exits are reported, with ``reason``, as the watchers see them."""
-        for launch in list(self.launching.values()):
-            launch.superseded = reason  # what it brings up is killed on arrival
+        self._supersede_launches(reason)
         doomed = list(self.jobs.values())
         for rt in doomed:
             rt.killing, rt.evicted, rt.kill_reason = True, True, reason
@@ -403,8 +401,7 @@ class Supervisor:
         """Checkpoint and stop every job, all at once, within ``budget_s``; each is reported
         "evicted", with its new epoch, for the coordinator to restore elsewhere.  A job that
         cannot be checkpointed in time is left for :meth:`shutdown`, which evicts it without one."""
-        for launch in list(self.launching.values()):
-            launch.superseded = reason
+        self._supersede_launches(reason)
         jobs = list(self.jobs.values())
         if not jobs or self.engine is None or budget_s <= 0:
             return
@@ -424,8 +421,7 @@ class Supervisor:
     async def shutdown(self, reason: str = "the agent is shutting down") -> None:
         """Kill every job left (they would die with the agent anyway), each reported "evicted"
         so that the coordinator restores it from its last epoch, and stop watching."""
-        for launch in list(self.launching.values()):
-            launch.superseded = reason
+        self._supersede_launches(reason)
         doomed = list(self.jobs.values())
         for rt in doomed:
             rt.evicted = True
@@ -433,10 +429,10 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
 
-    async def _keep_fresh(self, stamp: Path) -> None:
-        while True:
-            _touch(stamp)
-            await asyncio.sleep(self.switch_timeout_s / 4)
+    def _supersede_launches(self, reason: str) -> None:
+        """Every start or restore in flight: what it brings up is killed on arrival (thread-safe)."""
+        for launch in list(self.launching.values()):
+            launch.superseded = reason
 
     def touch_stamps(self) -> None:
         """The agent holds its lease: every job's dead man's switch is reset (safe from another thread)."""
@@ -446,6 +442,9 @@ class Supervisor:
         self._touched_at = now
         for rt in list(self.jobs.values()):
             _touch(rt.files.stamp)
+        for launch in list(self.launching.values()):
+            if launch.stamp is not None:
+                _touch(launch.stamp)
 
     def _switch_may_have_fired(self) -> bool:
         """Whether the switches went unreset long enough to fire, now or a moment ago."""
