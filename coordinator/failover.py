@@ -67,12 +67,16 @@ class StormGuard:
     # through; the guard re-arms once the silence ends.
     acknowledged: bool = False
     storm: bool = False
+    # As of the last update: nodes silent, and nodes not left.
+    silent: int = 0
+    total: int = 0
 
-    def update(self, nodes: list, pending: set[str]) -> str | None:
+    def update(self, nodes, pending) -> str | None:
         """Returns "paused" or "resumed" on a change.  Silent: suspect, or dead with failover pending."""
         live = [n for n in nodes if n.state != "left"]
-        silent = [n for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)]
-        self.storm = len(silent) >= self.min_silent and len(live) > 0 and len(silent) / len(live) > self.fraction
+        self.silent = sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending))
+        self.total = len(live)
+        self.storm = self.silent >= self.min_silent and self.total > 0 and self.silent / self.total > self.fraction
         if not self.storm:
             self.acknowledged = False
         return self._settle()
@@ -96,11 +100,6 @@ class StormGuard:
             self.paused = False
             return "resumed"
         return None
-
-    @staticmethod
-    def counts(nodes: list, pending: set[str]) -> tuple[int, int]:
-        live = [n for n in nodes if n.state != "left"]
-        return sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)), len(live)
 
 
 class TokenBucket:
@@ -192,20 +191,20 @@ class Failover:
     def check_storm(self, nodes: list | None = None) -> None:
         """``nodes``: anything with ``name`` and ``state`` (detector records are cheapest)."""
         nodes = self.nodes() if nodes is None else nodes
-        self._announce(self.storm.update(nodes, set(self.pending_nodes)), nodes)
+        self._announce(self.storm.update(nodes, self.pending_nodes))
 
     async def operator(self, action: str, nodes: list) -> FailoverReply:
         """``revenant failover pause|resume|status``.  A hold is recorded in the store first, so
         that it outlives this leader (a new one starts held: :meth:`restore_hold`)."""
-        self._announce(self.storm.update(nodes, set(self.pending_nodes)), nodes)
+        self._announce(self.storm.update(nodes, self.pending_nodes))
         if action in ("pause", "resume"):
             await self.jobs.save_hold(action == "pause")
         if action == "pause":
-            self._announce(self.storm.hold(), nodes, "an operator paused failover")
+            self._announce(self.storm.hold(), "an operator paused failover")
         elif action == "resume":
             why = ("an operator let this storm through" if self.storm.storm else "an operator resumed failover")
-            self._announce(self.storm.release(), nodes, why)
-        silent, total = self.storm.counts(nodes, set(self.pending_nodes))
+            self._announce(self.storm.release(), why)
+        silent, total = self.storm.silent, self.storm.total
         reason = ("held by an operator" if self.storm.held
                   else f"{silent} of {total} nodes silent at once" if self.storm.paused
                   else "let through by an operator" if self.storm.acknowledged else "")
@@ -224,10 +223,10 @@ class Failover:
             log.warning("failover is held by an operator (revenant failover resume lifts it)")
             self.storm.hold()
 
-    def _announce(self, change: str | None, nodes: list, by: str = "") -> None:
+    def _announce(self, change: str | None, by: str = "") -> None:
         if change is None:
             return
-        silent, total = self.storm.counts(nodes, set(self.pending_nodes))
+        silent, total = self.storm.silent, self.storm.total
         kind = "failover_paused" if change == "paused" else "failover_resumed"
         if by:
             reason = f"{by}: failover {change} ({silent} of {total} nodes silent)"

@@ -111,6 +111,7 @@ class JobService:
         # A job its node stopped (drained, fenced): (job, node, why) to recover elsewhere.
         self.on_evicted: Callable[[str, str, str], None] | None = None
         self._periodic: set[str] = set()
+        self._periodic_tasks: set[asyncio.Task[None]] = set()
         # Requests to agents in flight, by node: a node's death fails them at once.
         self._inflight: dict[str, set[asyncio.Task[AgentJobReply]]] = {}
         self._lost: dict[asyncio.Task[AgentJobReply], str] = {}
@@ -237,7 +238,7 @@ class JobService:
     def jobs_per_node(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for rec in self.jobs.values():
-            if rec.node and rec.state in ("pending", "running", "checkpointing", "restoring"):
+            if rec.node and rec.state in self.ACTIVE:
                 out[rec.node] = out.get(rec.node, 0) + 1
         return out
 
@@ -553,18 +554,13 @@ class JobService:
                 log.warning("job event fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            leads = await self.still_leader() if self.still_leader is not None and msgs else True
-            if leads is not True:
-                # A deposed leader (its loop stalled past its lease) must not apply, or ack,
-                # what its successor is to see: the events are redelivered.
+            if self.may_act is not None and not self.may_act():
+                # A leader whose lease is not fresh (its loop stalled) must not apply, or ack,
+                # what a successor may be the one to see: the events are redelivered.
                 for msg in msgs:
                     await _nak(msg)
-                if leads is None:
-                    await asyncio.sleep(0.5)  # the store did not answer: ask again
-                    continue
-                if self.on_conflict is not None:
-                    self.on_conflict("the leader lease is held by another coordinator")
-                return
+                await asyncio.sleep(0.5)
+                continue
             for msg in msgs:
                 try:
                     event = decode(msg.data)
@@ -603,7 +599,7 @@ class JobService:
                     if self.on_evicted is not None:
                         self.on_evicted(ev.job, ev.node, ev.reason)
                 return
-            if rec.state not in ("pending", "running", "checkpointing", "restoring"):
+            if rec.state not in self.ACTIVE:
                 return
             if ev.kind == "killed" and rec.state in ("pending", "restoring"):
                 return  # an attempt this coordinator abandoned (or superseded): its retry goes on
@@ -628,7 +624,9 @@ class JobService:
                 if (interval and rec.state == "running" and rec.node in alive and rec.spec.id not in self._periodic
                         and now - rec.last_checkpoint_at >= interval):
                     self._periodic.add(rec.spec.id)
-                    asyncio.create_task(self._periodic_one(rec.spec.id))
+                    task = asyncio.create_task(self._periodic_one(rec.spec.id))
+                    self._periodic_tasks.add(task)  # kept (a bare task may be garbage-collected)
+                    task.add_done_callback(self._periodic_tasks.discard)
             await asyncio.sleep(min(1.0, self.config.tick_interval_s * 10))
 
     async def _periodic_one(self, job: str) -> None:
