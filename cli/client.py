@@ -266,9 +266,7 @@ def submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_job(rec: JobRecord, as_json: bool, notes: list[str] | None = None) -> None:
-    for note in notes or []:
-        print(f"revenant: {note}", file=sys.stderr)
+def _print_job(rec: JobRecord, as_json: bool) -> None:
     if as_json:
         print(json.dumps(job_view(rec), indent=2))
         return

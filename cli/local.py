@@ -4,7 +4,8 @@
 coordinator and N agents named node-1..node-N that share DIR/storage, which
 stands in for a cluster's shared filesystem.  Every process runs in its own
 session so that a Ctrl-C reaches ``up`` alone, which then stops them in order:
-agents first (they say goodbye), then the coordinator, then NATS.
+the coordinator first, then the agents (each drains its jobs, which the next
+``up`` on DIR restores), then NATS.
 """
 
 from __future__ import annotations

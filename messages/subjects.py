@@ -94,7 +94,6 @@ def epoch_event(job: str, kind: str) -> str:
 
 
 JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
-EPOCH_EVENTS_ALL = f"{EVENTS_PREFIX}.epoch.>"
 JOBS_BUCKET = "revenant_jobs"
 LEASES_BUCKET = "revenant_leases"
 LEADER_BUCKET = "revenant_leader"

@@ -375,7 +375,7 @@ class EpochEvent(Message, tag="epoch_event.v1"):
 class ClusterEvent(Message, tag="cluster_event.v1"):
     """A cluster-wide alert on ``revenant.evt.cluster.<kind>``: failover paused or resumed."""
 
-    kind: Literal["failover_paused", "failover_resumed", "leader"]
+    kind: Literal["failover_paused", "failover_resumed"]
     at: float
     silent: int = 0
     total: int = 0
