@@ -109,9 +109,10 @@ def one_run(base: Path, mib: int, attempt: int) -> dict:
         agent.send_signal(signal.SIGTERM)
         wait_for(lambda: gone(agent), 120, "the agent's exit", 0.005)
         exited = time.time()
-        restored = wait_for(lambda: next((e for e in events() if e["kind"] == "restored"
-                                          and e["generation"] > generation), None), 120, "the restore", 0.1)
-        evicted = next(e for e in events() if e["kind"] == "evicted" and e["generation"] == generation)
+        seen = wait_for(lambda: (evs := events()) and any(e["kind"] == "restored" and e["generation"] > generation
+                                                          for e in evs) and evs, 120, "the restore", 0.1)
+        restored = next(e for e in seen if e["kind"] == "restored" and e["generation"] > generation)
+        evicted = next(e for e in seen if e["kind"] == "evicted" and e["generation"] == generation)
         if restored["node"] != "node-2":
             raise BenchError(f"restored on {restored['node']}")
         epoch = json.loads(rv("show", "job", job, "--json", *cluster))["epochs"][-1]

@@ -10,8 +10,11 @@ dir=${REVENANT_DEMO_DIR:-/tmp/revenant-demo}
 job_script=$PWD/tests/jobs/counter.py   # line i every 50 ms, with a hash chained through every earlier line
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-lines() { wc -l < "$dir/storage/jobs/$job/output.log" | tr -d ' '; }
+lines() { wc -l < "$dir/storage/jobs/${1:-$job}/output.log" | tr -d ' '; }   # lines [JOB]
+pid_of() { python3 -c "import json,sys; print(next(p['pid'] for p in json.load(open(sys.argv[1]))['processes'] if p['name']==sys.argv[2]))" "$dir/cluster.json" "$1"; }
 json_field() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
+# moved JOB FROM: the job runs, on a node other than FROM (one `show job` per poll)
+moved() { [ "$(revenant show job "$1" --json | python3 -c "import json,sys; j=json.load(sys.stdin); print(j['state'] == 'running' and j['node'] not in ('', sys.argv[1]))" "$2")" = True ]; }
 # finish JOB COUNT: wait for the job to complete, then compare its output with an uninterrupted run.
 finish() {
     until [ "$(revenant show job "$1" --json | json_field "['state']")" = completed ]; do sleep 0.5; done
@@ -60,15 +63,14 @@ job2=$(revenant submit --node node-3 --checkpoint 0:02 -- python3 "$job_script" 
 echo "job $job2 (revenant submit --node node-3 --checkpoint 0:02 ...)"
 until [ "$(revenant show job "$job2" --json | json_field "['epochs'].__len__()")" -ge 1 ]; do sleep 0.2; done
 sleep 0.6
-victim=$(python3 -c "import json,sys; print(next(p['pid'] for p in json.load(open(sys.argv[1]))['processes'] if p['name']=='node-3'))" "$dir/cluster.json")
+victim=$(pid_of node-3)
 echo "kill -9 node-3's agent (pid $victim); its job dies with it"
 killed_at=$(date +%s.%N)
 kill -9 "$victim"
-until [ "$(revenant show job "$job2" --json | json_field "['state']")" = running ] && \
-      [ "$(revenant show job "$job2" --json | json_field "['node']")" != node-3 ]; do sleep 0.1; done
-n=$(wc -l < "$dir/storage/jobs/$job2/output.log"); sleep 1
+until moved "$job2" node-3; do sleep 0.1; done
+n=$(lines "$job2"); sleep 1
 revenant events --json > "$dir/events.json"
-python3 - "$job2" "$killed_at" "$n" "$(wc -l < "$dir/storage/jobs/$job2/output.log")" "$dir/events.json" <<'PY'
+python3 - "$job2" "$killed_at" "$n" "$(lines "$job2")" "$dir/events.json" <<'PY'
 import json, sys
 job, killed_at, before, after = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 events = [json.loads(line) for line in open(sys.argv[5])]
@@ -91,12 +93,11 @@ revenant nodes
 step "planned shutdown: SIGTERM to node-1's agent drains it; its job goes on elsewhere"
 job3=$(revenant submit --node node-1 -- python3 "$job_script" 100 0.05)
 echo "job $job3 on node-1, submitted without --checkpoint"
-until [ "$(wc -l < "$dir/storage/jobs/$job3/output.log")" -ge 20 ]; do sleep 0.1; done
-agent1=$(python3 -c "import json,sys; print(next(p['pid'] for p in json.load(open(sys.argv[1]))['processes'] if p['name']=='node-1'))" "$dir/cluster.json")
+until [ "$(lines "$job3")" -ge 20 ]; do sleep 0.1; done
+agent1=$(pid_of node-1)
 echo "kill -TERM node-1's agent (pid $agent1): it checkpoints its job, stops it and leaves"
 kill -TERM "$agent1"
-until [ "$(revenant show job "$job3" --json | json_field "['state']")" = running ] && \
-      [ "$(revenant show job "$job3" --json | json_field "['node']")" != node-1 ]; do sleep 0.1; done
+until moved "$job3" node-1; do sleep 0.1; done
 revenant show job "$job3"
 finish "$job3" 100
 revenant nodes
