@@ -30,10 +30,11 @@ from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
-from revenant.agent.lease import open_bucket
+from revenant.common.kv import open_bucket
 from revenant.agent.liveness import Liveness
 from revenant.agent.gpu import GpuMonitor
-from revenant.agent.health import HealthSample, LoopMonitor, evaluate, probe_values
+from revenant.agent.health import HealthSample, evaluate, probe_values
+from revenant.common.loopmonitor import LoopMonitor
 from revenant.common import bus
 from revenant.common.config import AgentConfig
 from revenant.common.errors import ConfigError, RevenantError

@@ -1,17 +1,15 @@
 """Node health: the probes' readings and the rules that turn them into GREEN/YELLOW/RED.
 
 The rules are a pure function of a :class:`HealthSample` and the thresholds, so
-they are unit-tested without an agent.  The loop monitor measures how late the
-event loop wakes up, which is the earliest sign of a node in trouble.
+they are unit-tested without an agent.  The loop monitor that feeds the loop
+readings lives in :mod:`revenant.common.loopmonitor`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from revenant.agent.gpu import GpuThresholds, classify_gpu
 from revenant.messages import GpuHealth, HealthState, HealthSummary
@@ -151,50 +149,3 @@ def probe_values(summary: HealthSummary) -> dict[str, float]:
         values[f"gpu{gpu.index}.power_w"] = gpu.power_w
         values[f"gpu{gpu.index}.memory_used_bytes"] = float(gpu.memory_used_bytes)
     return {k: v for k, v in values.items() if math.isfinite(v)}
-
-
-@dataclass
-class LoopMonitor:
-    """Measures event-loop lag by sleeping a fixed period and timing the wake-up."""
-
-    period_s: float = 0.1
-    stall_threshold_s: float = 0.25
-    clock: Callable[[], float] = time.monotonic
-    lag_s: float = 0.0
-    max_lag_s: float = 0.0
-    stalls: int = 0
-    # When run() last woke up (clock time); None until it runs.
-    last_wake: float | None = None
-    _reported_stalls: int = field(default=0, repr=False)
-    _reported_max: float = field(default=0.0, repr=False)
-
-    def record(self, lag_s: float) -> None:
-        self.lag_s = lag_s
-        self.max_lag_s = max(self.max_lag_s, lag_s)
-        if lag_s >= self.stall_threshold_s:
-            self.stalls += 1
-
-    def take_window(self) -> tuple[float, int]:
-        """(worst lag, stalls) since the previous call."""
-        worst, recent = self.max_lag_s, self.stalls - self._reported_stalls
-        self._reported_stalls = self.stalls
-        self.max_lag_s = self.lag_s
-        return worst, recent
-
-    def stuck_for(self, now: float) -> float:
-        """How far overdue the monitor's next wake-up is at ``now`` (0 before it runs).
-
-        Code that runs while this is large ran right after the loop was blocked
-        (or the monitor died): what ``/live`` reports.
-        """
-        if self.last_wake is None:
-            return 0.0
-        return max(0.0, now - self.last_wake - self.period_s)
-
-    async def run(self) -> None:
-        self.last_wake = self.clock()
-        while True:
-            start = self.clock()
-            await asyncio.sleep(self.period_s)
-            self.last_wake = self.clock()
-            self.record(max(0.0, self.last_wake - start - self.period_s))

@@ -21,21 +21,13 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from revenant.common.errors import BusError
-from revenant.messages import subjects
+from revenant.common.kv import open_bucket
+from revenant.messages import LeaseValue, subjects
 
 log = logging.getLogger(__name__)
-
-
-class LeaseValue(msgspec.Struct, kw_only=True):
-    node: str
-    incarnation: str
-    seq: int
-    # The holder's wall clock, for operators; nobody decides on it.
-    at: float
 
 
 @dataclass
@@ -53,17 +45,6 @@ class FenceClock:
 
     def must_fence(self, now: float) -> bool:
         return self.stale_for(now) > self.fence_timeout_s
-
-
-async def open_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None, history: int = 1) -> KeyValue:
-    """Create the bucket if missing; use it as it is if it exists with other settings."""
-    try:
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history,
-                                                        storage=StorageType.FILE))
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        raise BusError(f"cannot open KV bucket {bucket}: {exc or type(exc).__name__}") from None
 
 
 class LeaseKeeper:

@@ -6,8 +6,9 @@ nats-py errors are mapped to :mod:`revenant.common.errors` here, at the boundary
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import nats
 import nats.errors
@@ -28,6 +29,16 @@ M = TypeVar("M", bound=Message)
 
 EVENTS_MAX_AGE_S = 7 * 24 * 3600
 EVENTS_MAX_BYTES = 256 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def map_exceptions(what: str, error: type[BusError] = BusError) -> Iterator[None]:
+    """The one place where NATS's own errors become revenant's: a failed or timed-out bus
+    call raises ``error("<what>: <cause>")``, a one-line error naming what was being done."""
+    try:
+        yield
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        raise error(f"{what}: {exc or type(exc).__name__}") from None
 
 
 async def connect(
@@ -83,6 +94,22 @@ async def connect(
         raise BusError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from None
     client.append(nc)
     return nc
+
+
+async def close(nc: Client | None, grace_s: float, what: str = "") -> None:
+    """Drain ``nc`` (flush what was published, end subscriptions) within ``grace_s``, else close
+    it; safe to call with a connection that is already closed, or with None."""
+    if nc is None or nc.is_closed:
+        return
+    try:
+        if nc.is_connected:
+            await asyncio.wait_for(nc.drain(), grace_s)
+        else:
+            await nc.close()
+    except (asyncio.TimeoutError, nats.errors.Error) as exc:
+        log.warning("nats%s: drain did not finish cleanly: %s", f" ({what})" if what else "",
+                    exc or type(exc).__name__)
+        await nc.close()
 
 
 async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
@@ -152,17 +179,14 @@ async def ensure_event_stream(js: JetStreamContext) -> None:
         max_bytes=EVENTS_MAX_BYTES,
         discard=DiscardPolicy.OLD,
     )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError:
-        await js.update_stream(config)
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        raise BusError(f"cannot create event stream {subjects.EVENTS_STREAM}: {exc or type(exc).__name__}") from None
+    with map_exceptions(f"cannot create event stream {subjects.EVENTS_STREAM}"):
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
 
 
 async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeout_s: float) -> Any:
     """Publish an event to JetStream and wait for the stream's ack."""
-    try:
+    with map_exceptions(f"cannot publish event on {subject}"):
         return await js.publish(subject, encode(msg), timeout=timeout_s)
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        raise BusError(f"cannot publish event on {subject}: {exc or type(exc).__name__}") from None

@@ -24,7 +24,7 @@ from revenant.common.errors import BusError, RevenantError
 from revenant.common.events import EventPublisher
 from revenant.common.httpserver import HttpServer
 from revenant.common.metrics import CoordinatorMetrics, health_routes
-from revenant.agent.health import LoopMonitor
+from revenant.common.loopmonitor import LoopMonitor
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
 from revenant.coordinator.jobs import JobService

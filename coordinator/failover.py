@@ -30,12 +30,12 @@ from nats.js import JetStreamContext
 
 import msgspec
 
-from revenant.agent.lease import LeaseValue
+
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService
-from revenant.messages import ClusterEvent, FailoverReply, JobEvent, NodeStatus, subjects
+from revenant.messages import ClusterEvent, FailoverReply, JobEvent, LeaseValue, NodeStatus, subjects
 
 log = logging.getLogger(__name__)
 

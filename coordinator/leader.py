@@ -19,7 +19,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from revenant.agent.lease import open_bucket
+from revenant.common.kv import open_bucket
 from revenant.messages import subjects
 
 log = logging.getLogger(__name__)

@@ -170,6 +170,17 @@ class JobRecord(_Body):
     last_checkpoint_at: float = 0.0
 
 
+class LeaseValue(_Body):
+    """A node's lease (JetStream KV ``revenant_leases``, key ``<node>``): the agent renews it,
+    the coordinator reads it before restoring that node's jobs elsewhere."""
+
+    node: str
+    incarnation: str
+    seq: int
+    # The holder's wall clock, for operators; nobody decides on it.
+    at: float
+
+
 # ------------------------------------------------------------------------ messages
 
 
@@ -436,6 +447,7 @@ __all__ = [
     "JobsReply",
     "JobsRequest",
     "KillJob",
+    "LeaseValue",
     "PurgeJob",
     "RestoreJob",
     "StartJob",

@@ -384,7 +384,8 @@ async def test_events_emitted_while_nats_is_down_are_published_once_it_is_back(t
 async def test_lease_expiry_is_read_from_the_store_only_when_needed(nats_url):
     import msgspec
 
-    from revenant.agent.lease import LeaseValue, open_bucket
+    from revenant.common.kv import open_bucket
+    from revenant.messages import LeaseValue
     from revenant.coordinator.failover import Failover
 
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from revenant.agent.gpu import GpuThresholds
-from revenant.agent.health import HealthSample, HealthThresholds, LoopMonitor, evaluate, probe_values
+from revenant.agent.health import HealthSample, HealthThresholds, evaluate, probe_values
+from revenant.common.loopmonitor import LoopMonitor
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary
 
 T = HealthThresholds()

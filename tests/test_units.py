@@ -11,7 +11,8 @@ import pytest
 
 from revenant.agent.criu import inspect_criu, last_error_line, locate_criu, parse_version
 from revenant.agent.gpu import discover_gpus
-from revenant.agent.health import HealthSample, HealthThresholds, LoopMonitor, evaluate
+from revenant.agent.health import HealthSample, HealthThresholds, evaluate
+from revenant.common.loopmonitor import LoopMonitor
 from revenant.common.config import AgentConfig, CoordinatorConfig, load_config
 from revenant.common.errors import ConfigError, CriuError
 

@@ -1,0 +1,131 @@
+"""One lifecycle for every long-lived part of revenant (the agent, the coordinator, their parts).
+
+A :class:`Service` has a status, runs until asked to stop, and owns its background
+tasks in an :class:`asyncio.TaskGroup`:
+
+* ``run()`` starts it (``_start``), serves until ``stop()`` is called or a background
+  task fails, then shuts it down (``_shutdown``) and re-raises that task's error;
+* ``stop()`` asks it to stop: safe to call twice, and before ``run()`` (which then
+  returns at once), so a signal handler can call it at any time;
+* ``async with service:`` runs it in a task of its own and waits until it is ready;
+  leaving the block stops it and waits for the shutdown to finish.
+
+``_shutdown`` runs however ``run()`` ends (a stop, a failed start, a failed background
+task, a cancellation), after the background tasks have ended, and must cope with a
+start that got only part of the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Any, Coroutine, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ServiceStatus(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Service:
+    def __init__(self) -> None:
+        self.status = ServiceStatus.NEW
+        # Set once started and serving; tests and embedders wait on it.
+        self.ready = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ for subclasses
+
+    async def _start(self) -> None:
+        """Connect, subscribe, spawn background tasks with :meth:`spawn`."""
+
+    async def _shutdown(self) -> None:
+        """Release what ``_start`` acquired (drain, close); runs however ``run()`` ends."""
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Start a background task owned by this service: its failure stops the service, and a
+        shutdown cancels it.  Only while the service is starting or running."""
+        if self._group is None:
+            coro.close()
+            raise RuntimeError(f"{type(self).__name__} is not running; cannot start {name}")
+        task = self._group.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # ------------------------------------------------------------------ the lifecycle
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    def stop(self) -> None:
+        """Ask the service to stop; idempotent, and safe before :meth:`run`."""
+        self._stop_requested.set()
+
+    async def run(self) -> None:
+        if self.status is not ServiceStatus.NEW:
+            raise RuntimeError(f"{type(self).__name__} runs once")
+        if self._stop_requested.is_set():
+            self.status = ServiceStatus.STOPPED
+            return
+        self.status = ServiceStatus.STARTING
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                await self._start()
+                self.status = ServiceStatus.RUNNING
+                self.ready.set()
+                await self._stop_requested.wait()
+                self.status = ServiceStatus.STOPPING
+                self._cancel_background()
+        except BaseExceptionGroup as group_error:
+            # A background task failed: raise its own error, not the group.
+            raise _first(group_error) from None
+        finally:
+            self._group = None
+            self.status = ServiceStatus.STOPPING
+            try:
+                await self._shutdown()
+            finally:
+                self.status = ServiceStatus.STOPPED
+
+    def _cancel_background(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+
+    async def __aenter__(self: T) -> T:
+        assert isinstance(self, Service)
+        self._runner = asyncio.create_task(self.run(), name=f"{type(self).__name__}.run")
+        ready = asyncio.create_task(self.ready.wait())
+        try:
+            await asyncio.wait({self._runner, ready}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if self._runner.done():
+            self._runner.result()  # a failed start raises here
+            raise RuntimeError(f"{type(self).__name__} stopped while starting")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+        if self._runner is not None:
+            await self._runner
+
+
+def _first(group_error: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group_error
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
