@@ -393,6 +393,34 @@ class ClusterEvent(Message, tag="cluster_event.v1"):
     reason: str = ""
 
 
+class LocalJob(_Body):
+    """A job as an agent runs it: which generation."""
+
+    job: str
+    generation: int
+
+
+class StaleJob(_Body):
+    job: str
+    generation: int
+    reason: str = ""
+
+
+class ReconcileRequest(Message, tag="reconcile_request.v1"):
+    """An agent, after a reconnect or a self-fence, asks the leader which of its jobs it may keep."""
+
+    node: str
+    incarnation: str = ""
+    jobs: list[LocalJob] = []
+
+
+class ReconcileReply(Message, tag="reconcile_reply.v1"):
+    """The jobs (at the generation the agent runs) that moved on or belong to another node now:
+    the agent kills them.  A job the leader does not know is left alone."""
+
+    stale: list[StaleJob] = []
+
+
 class ErrorReply(Message, tag="error.v1"):
     """The reply to any request that could not be served."""
 
@@ -425,6 +453,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     EpochEvent,
     AnomalyEvent,
     ClusterEvent,
+    ReconcileRequest,
+    ReconcileReply,
     ErrorReply,
 )
 
@@ -447,9 +477,13 @@ __all__ = [
     "JobsReply",
     "JobsRequest",
     "KillJob",
+    "LocalJob",
     "LeaseValue",
     "PurgeJob",
+    "ReconcileReply",
+    "ReconcileRequest",
     "RestoreJob",
+    "StaleJob",
     "StartJob",
     "SubmitRequest",
     "Capabilities",

@@ -14,6 +14,10 @@ from revenant.messages import (
     AnomalyEvent,
     CheckpointJob,
     ClusterEvent,
+    LocalJob,
+    ReconcileReply,
+    ReconcileRequest,
+    StaleJob,
     EpochEvent,
     EpochInfo,
     JobEvent,
@@ -96,6 +100,8 @@ SAMPLES = [
     AnomalyEvent(node="node-1", metric="memory_percent", value=99.0, mean=40.0, std=2.0, at=7.0),
     NodesRequest(),
     ClusterEvent(kind="failover_paused", at=8.0, silent=4, total=10, reason="4 of 10 nodes silent"),
+    ReconcileRequest(node="node-1", incarnation="ab12", jobs=[LocalJob(job="7", generation=2)]),
+    ReconcileReply(stale=[StaleJob(job="7", generation=2, reason="superseded by generation 3 on node-2")]),
 ]
 
 
