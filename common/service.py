@@ -36,6 +36,10 @@ class ServiceStatus(enum.Enum):
 
 
 class Service:
+    # Whether ``ready`` is set once ``_start`` returns; a service that is ready only later
+    # (a coordinator, once it leads) sets it itself.
+    ready_after_start = True
+
     def __init__(self) -> None:
         self.status = ServiceStatus.NEW
         # Set once started and serving; tests and embedders wait on it.
@@ -86,7 +90,8 @@ class Service:
                 self._group = group
                 await self._start()
                 self.status = ServiceStatus.RUNNING
-                self.ready.set()
+                if self.ready_after_start:
+                    self.ready.set()
                 await self._stop_requested.wait()
                 self.status = ServiceStatus.STOPPING
                 self._cancel_background()

@@ -13,7 +13,6 @@ import os
 import socket
 import time
 
-import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -27,13 +26,18 @@ from revenant.common.metrics import CoordinatorMetrics, health_routes
 from revenant.common.loopmonitor import LoopMonitor
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
+from revenant.common.service import Service
+from revenant.coordinator import lifecycle as lc
+from revenant.coordinator.agents import AgentClient
+from revenant.coordinator.job_events import JobEventConsumer
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.leader import Leadership
+from revenant.coordinator.periodic import PeriodicCheckpoints
+from revenant.coordinator.store import KvJobStore
 from revenant.messages import (
     HealthSummary,
     FailoverRequest,
     Heartbeat,
-    JobRecord,
     JobReply,
     JobRequest,
     JobsReply,
@@ -46,6 +50,8 @@ from revenant.messages import (
     NodesRequest,
     Probe,
     ProbeReply,
+    ReconcileReply,
+    ReconcileRequest,
     decode_as,
     subjects,
 )
@@ -58,10 +64,16 @@ MAX_PROBES_IN_FLIGHT = 512
 HEARTBEAT_BACKLOG = 2_000
 # Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
 NODES_PAGE_MAX = 300
+# Requests the leader answers on revenant.coord.<verb>.
+REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile")
 
 
-class Coordinator:
+class Coordinator(Service):
+    # Ready once it leads and serves requests; a standby never is.
+    ready_after_start = False
+
     def __init__(self, config: CoordinatorConfig, *, clock=time.monotonic, wall=time.time) -> None:
+        super().__init__()
         self.config = config
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
         self.detector = FailureDetector(config)
@@ -76,23 +88,19 @@ class Coordinator:
         self.jobs: JobService | None = None
         self.failover: Failover | None = None
         self.leadership: Leadership | None = None
-        self._leader_tasks: list[asyncio.Task[None]] = []
         self.deposed = False
         self._storm_dirty = False
         self._hb_sub = None
-        self._stopping = asyncio.Event()
-        # Set once subscribed and serving; tests and embedders wait on it.
-        self.ready = asyncio.Event()
         self._reconnected = False
         self.malformed_heartbeats = 0
         self.metrics = CoordinatorMetrics()
-        self.loop_monitor = LoopMonitor()
+        self.loop_monitor = LoopMonitor(clock=clock)
         self.http: HttpServer | None = None
         if config.http_port >= 0:
             self.http = HttpServer(health_routes(
                 render_metrics=self._render_metrics,
                 summary=lambda: HealthSummary(nats_connected=self._nc is not None and self._nc.is_connected),
-                stuck_for=lambda: self.loop_monitor.stuck_for(time.monotonic()),
+                stuck_for=lambda: self.loop_monitor.stuck_for(self._clock()),
                 stuck_after_s=config.live_stuck_after_s,
                 started=self.ready.is_set,
                 extra=lambda: {"coordinator": self.name, "nodes": self.detector.counts()},
@@ -106,18 +114,9 @@ class Coordinator:
         self.metrics.failover_paused.set(1 if self.failover is not None and self.failover.storm.paused else 0)
         return self.metrics.render()
 
-    async def run(self) -> None:
-        if self._stopping.is_set():
-            return
+    async def _start(self) -> None:
         if self.http is not None:
             await self.http.start()
-        try:
-            await self._run()
-        finally:
-            if self.http is not None:
-                await self.http.stop()
-
-    async def _run(self) -> None:
 
         async def on_reconnect() -> None:
             self._reconnected = True
@@ -126,71 +125,61 @@ class Coordinator:
                                      on_reconnect=on_reconnect)
         self._js = self._nc.jetstream()
         self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s)
-        try:
-            await bus.ensure_event_stream(self._js)
-            # A standby tracks every node too, so that it takes over with a warm view.
-            self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
-                                                    pending_msgs_limit=1_000_000)
-            self.jobs = JobService(self._nc, self._js, self.config, self._events,
-                                   lambda: self.detector.snapshot(self._clock()), wall=self._wall)
-            self.failover = Failover(self.config, self._js, self.jobs, self._events,
-                                     lambda: self.detector.snapshot(self._clock()), self._last_heartbeat,
-                                     clock=self._clock, wall=self._wall, on_result=self.metrics.count_failover)
-            elected = asyncio.Event()
+        await bus.ensure_event_stream(self._js)
+        # A standby tracks every node too, so that it takes over with a warm view.
+        self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
+                                                pending_msgs_limit=1_000_000)
+        elected = asyncio.Event()
 
-            async def on_elected() -> None:
-                elected.set()
+        async def on_elected() -> None:
+            elected.set()
 
-            self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
-                                         on_elected=on_elected, on_deposed=self._deposed)
-            self.jobs.still_leader = self.leadership.holds
-            self.jobs.may_act = self.leadership.fresh
-            self.jobs.on_evicted = lambda job, node, why: self.failover.recover_job(job, node, evicted=why or "evicted")
-            self.jobs.on_conflict = lambda why: self._deposed()
-            self._events.start()
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._tick_loop(), name="detector-tick"),
-                         tg.create_task(self.loop_monitor.run(), name="loop-monitor"),
-                         tg.create_task(self.leadership.run(), name="leadership"),
-                         tg.create_task(self._lead(elected, tg), name="lead")]
-                log.info("coordinator %s up; waiting to lead", self.name)
-                await self._stopping.wait()
-                for task in tasks:
-                    task.cancel()
-                for task in self._leader_tasks:
-                    task.cancel()
-                self.failover.cancel()
-        finally:
-            for task in list(self._requests):
-                task.cancel()
+        self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
+                                     on_elected=on_elected, on_deposed=self._deposed, clock=self._clock)
+        nodes = lambda: self.detector.snapshot(self._clock())  # noqa: E731
+        self.jobs = JobService(KvJobStore(self._js), AgentClient(self._nc, self.leadership.fresh), self.config,
+                               self._events, nodes, self.leadership, wall=self._wall)
+        self.failover = failover = Failover(self.config, self._js, self.jobs, self._events, nodes,
+                                            self._last_heartbeat, clock=self._clock, wall=self._wall,
+                                            on_result=self.metrics.count_failover)
+        self._job_events = JobEventConsumer(
+            self._js, self.jobs, lambda job, node, why: failover.recover_job(job, node, evicted=why))
+        self._periodic = PeriodicCheckpoints(self.jobs, nodes, min(1.0, self.config.tick_interval_s * 10),
+                                             self._wall)
+        self._events.start()
+        self.spawn(self._tick_loop(), "detector-tick")
+        self.spawn(self.loop_monitor.run(), "loop-monitor")
+        self.spawn(self.leadership.run(), "leadership")
+        self.spawn(self._lead(elected), "lead")
+        log.info("coordinator %s up; waiting to lead", self.name)
+
+    async def _shutdown(self) -> None:
+        if self.failover is not None:
+            self.failover.cancel()
+        for task in list(self._requests) + list(self._probe_tasks):
+            task.cancel()
+        if self._events is not None:
             await self._events.stop()
-            for task in list(self._probe_tasks):
-                task.cancel()
-            nc, self._nc = self._nc, None
-            try:
-                await asyncio.wait_for(nc.drain(), 3)
-            except (asyncio.TimeoutError, nats.errors.Error):
-                await nc.close()
-            log.info("coordinator %s stopped", self.name)
+        nc, self._nc = self._nc, None
+        await bus.close(nc, 3, f"coordinator {self.name}")
+        if self.http is not None:
+            await self.http.stop()
+        log.info("coordinator %s stopped", self.name)
 
-    def stop(self) -> None:
-        self._stopping.set()
-
-    async def _lead(self, elected: asyncio.Event, tg: asyncio.TaskGroup) -> None:
+    async def _lead(self, elected: asyncio.Event) -> None:
         """Once elected: load the job table, serve requests, run failover and checkpoints."""
         await elected.wait()
-        assert self.jobs is not None and self._nc is not None
+        assert self.jobs is not None and self._nc is not None and self.failover is not None
         await self.jobs.open()
-        assert self.failover is not None
         await self.failover.restore_hold()
         # What the previous leader left, before this one touches anything (see _take_over).
         inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
         await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
-        for verb in ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover"):
+        for verb in REQUEST_VERBS:
             await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
-        self._leader_tasks = [tg.create_task(_supervised(self.jobs.consume_events), name="job-events"),
-                              tg.create_task(_supervised(self.jobs.periodic_checkpoints), name="periodic-checkpoints"),
-                              tg.create_task(self._take_over(inherited), name="take-over")]
+        self.spawn(_supervised(self._job_events.run), "job-events")
+        self.spawn(_supervised(self._periodic.run), "periodic-checkpoints")
+        self.spawn(self._take_over(inherited), "take-over")
         log.info("coordinator %s leads", self.name)
         self.ready.set()
 
@@ -199,7 +188,7 @@ class Coordinator:
         await asyncio.sleep(self.config.node_timeout_s + self.config.probe_timeout_s)
         assert self.jobs is not None and self.failover is not None
         alive = {n.name for n in self.detector.snapshot(self._clock()) if n.state in ("alive", "suspect")}
-        for job, dead in takeover_plan(inherited, self.jobs.jobs, alive, self.failover.recovering):
+        for job, dead in lc.takeover_plan(inherited, self.jobs.jobs, alive, self.failover.recovering):
             if dead is None:
                 log.warning("job %s: the old leader's checkpoint of it never answered; it runs on", job)
                 try:
@@ -265,6 +254,9 @@ class Coordinator:
             assert self.failover is not None
             req_f = decode_as(data, FailoverRequest)
             return await self.failover.operator(req_f.action, list(self.detector.nodes.values()))
+        if verb == "reconcile":
+            req_r = decode_as(data, ReconcileRequest)
+            return ReconcileReply(stale=jobs.stale_on(req_r.node, req_r.jobs))
         if verb == "jobs":
             decode_as(data, JobsRequest)
             return JobsReply(jobs=sorted(jobs.jobs.values(), key=lambda r: _job_sort_key(r.spec.id)))
@@ -341,38 +333,10 @@ class Coordinator:
             if self._events is not None:
                 self._events.emit(subjects.node_event(t.node, t.kind), event)
             if self.jobs is not None and (t.kind in ("dead", "left") or t.reason == "agent restarted"):
-                self.jobs.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
+                self.jobs.agents.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
                 # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.
                 if self.failover is not None and t.kind != "left":
                     self.failover.node_dead(t.node, t.previous_incarnation or t.incarnation)
-
-
-def takeover_plan(inherited: dict[str, tuple[str, int, str]], jobs: dict[str, JobRecord], alive: set[str],
-                  recovering: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str | None]]:
-    """The jobs a new leader must recover, as (job, dead node or "") pairs; (job, None) for a
-    checkpoint on a live node whose reply went to the old leader.
-
-    ``inherited`` is each job's (state, generation, node) when this leader loaded
-    the table.  Only a job this leader has not touched since is the old
-    leader's unfinished business: a restart, launch or failover this leader
-    started itself has moved the job on (a new generation or state) and is in
-    flight, and redoing it would race it onto a second node.
-    """
-    out = []
-    for job, rec in jobs.items():
-        if job not in inherited or job in recovering or rec.state not in JobService.ACTIVE:
-            continue
-        if (rec.state, rec.generation, rec.node) != inherited[job]:
-            continue
-        if rec.state in ("restoring", "pending"):
-            # A restore or launch the old leader started may or may not have finished:
-            # do it again (the node kills any older generation it runs).
-            out.append((job, ""))
-        elif rec.node not in alive:
-            out.append((job, rec.node))
-        elif rec.state == "checkpointing":
-            out.append((job, None))
-    return out
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

@@ -52,6 +52,13 @@ class Leadership:
         has run out since the last renewal (the store's TTL): a third of it is the margin."""
         return self.leader and self.clock() - self._renewed_at < self.lease_s * 2 / 3
 
+    def step_down(self, why: str) -> None:
+        """Another coordinator leads (the store says so): stop acting at once."""
+        if self.leader:
+            log.error("stepping down: %s", why)
+        self.leader = False
+        self.on_deposed()
+
     async def holds(self) -> bool | None:
         """Whether the store says this coordinator leads now (not what it last believed);
         None if the store could not be asked."""
@@ -75,9 +82,7 @@ class Leadership:
                     self._renewed_at = self.clock()
                 except (nats.errors.Error, asyncio.TimeoutError) as exc:
                     if self.clock() - self._renewed_at > self.lease_s / 2:
-                        log.error("lost the leader lease (%s): stepping down", exc or type(exc).__name__)
-                        self.leader = False
-                        self.on_deposed()
+                        self.step_down(f"lost the leader lease ({exc or type(exc).__name__})")
                         return
             else:
                 try:

@@ -3,9 +3,11 @@
 import pytest
 
 from revenant.agent.lease import FenceClock
-from revenant.coordinator.coordinator import takeover_plan
+from revenant.coordinator.lifecycle import takeover_plan
 from revenant.coordinator.failover import LeaseState, StormGuard, TokenBucket
 from revenant.messages import JobRecord, JobSpec, NodeStatus
+
+pytestmark = pytest.mark.unit
 
 
 def test_lease_expires_ttl_plus_margin_after_its_last_renewal():

@@ -11,10 +11,35 @@ import pytest
 from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
 from revenant.common.events import EventPublisher
-from revenant.coordinator.jobs import JobService, NotLeader
+from revenant.coordinator.agents import AgentClient, NotLeader
+from revenant.coordinator.jobs import JobService
+from revenant.coordinator.store import KvJobStore
 from revenant.coordinator.leader import Leadership
 from revenant.common.errors import BusError, RemoteError, RevenantError
 from revenant.messages import AgentJobReply, Capabilities, CriuInfo, EpochInfo, JobEvent, JobRecord, JobSpec, KillJob, NodeStatus, SubmitRequest
+
+pytestmark = pytest.mark.nats
+
+
+class Term:
+    """Stands in for the leader lease: whether the store says this coordinator leads."""
+
+    def __init__(self, leads: bool = True) -> None:
+        self.leads = leads
+        self.stepped_down: list[str] = []
+
+    def fresh(self) -> bool:
+        return True
+
+    async def holds(self) -> bool:
+        return self.leads
+
+    def step_down(self, why: str) -> None:
+        self.stepped_down.append(why)
+
+
+def service(nc, js, config: CoordinatorConfig, events: EventPublisher, term: Term) -> JobService:
+    return JobService(KvJobStore(js), AgentClient(nc, term.fresh), config, events, lambda: [], term)
 
 
 @pytest.fixture
@@ -22,16 +47,17 @@ async def table(nats_url):
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
-    service = JobService(nc, js, CoordinatorConfig(nats_url=nats_url), EventPublisher(js), lambda: [])
-    await service.open()
-    yield service
+    table = service(nc, js, CoordinatorConfig(nats_url=nats_url), EventPublisher(js), Term(leads=False))
+    table.nc, table.js = nc, js
+    await table.open()
+    yield table
     await nc.close()
 
 
 async def put(table: JobService, state: str, generation: int, node: str, epochs: list[int] = ()) -> JobRecord:
     rec = JobRecord(spec=JobSpec(id="1", argv=["true"], max_epochs=2), state=state, generation=generation, node=node,
                     pid=4242, epochs=[EpochInfo(n=n) for n in epochs])
-    await table._save(rec)
+    await table.save(rec)
     return rec
 
 
@@ -82,41 +108,28 @@ async def test_a_checkpoint_abandoned_by_a_dead_leader_lets_the_job_run_on(table
     assert again.get("1").state == "running"
 
 
-class Term:
-    """Stands in for the leader lease: whether the store says this coordinator leads."""
-
-    def __init__(self, leads: bool) -> None:
-        self.leads = leads
-        self.stepped_down: list[str] = []
-
-    async def holds(self) -> bool:
-        return self.leads
-
-
 async def another_coordinator(table: JobService, term: Term | None = None) -> JobService:
     """A second coordinator's view of the same job table, as loaded from the store now."""
-    other = JobService(table.nc, table.js, table.config, table.events, lambda: [])
-    if term is not None:
-        other.still_leader, other.on_conflict = term.holds, term.stepped_down.append
+    other = service(table.nc, table.js, table.config, table.events, term or Term(leads=False))
+    other.nc, other.js = table.nc, table.js
     await other.open()
     return other
 
 
 async def test_a_deposed_leader_can_never_overwrite_its_successor(table):
-    old_term = Term(leads=False)
-    table.still_leader, table.on_conflict = old_term.holds, old_term.stepped_down.append
+    old_term = table.leader
     await put(table, "running", 1, "node-1")
     # A new leader loads the table and moves the job on.
     new_term = Term(leads=True)
     new = await another_coordinator(table, new_term)
     moved = new.get("1")
     moved.generation, moved.node = 2, "node-2"
-    await new._save(moved)
+    await new.save(moved)
     # The old one wakes from a stall and writes what it believed: refused, and it steps down.
     stale = table.get("1")
     stale.state = "failed"
     with pytest.raises(NotLeader, match="job 1 was changed in the job table by another coordinator"):
-        await table._save(stale)
+        await table.save(stale)
     assert old_term.stepped_down and not new_term.stepped_down
     check = await another_coordinator(table)
     assert (check.get("1").generation, check.get("1").node, check.get("1").state) == (2, "node-2", "running")
@@ -129,10 +142,10 @@ async def test_a_late_write_of_a_deposed_leader_does_not_depose_the_real_one(tab
     # The deposed one (``table``, which wrote last) gets one write in before it notices.
     zombie = table.get("1")
     zombie.state = "failed"
-    await table._save(zombie)
+    await table.save(zombie)
     mine = leader.get("1")
     mine.generation = 2
-    await leader._save(mine)  # the store says this one leads: its record stands
+    await leader.save(mine)  # the store says this one leads: its record stands
     assert not term.stepped_down
     check = await another_coordinator(table)
     assert (check.get("1").generation, check.get("1").state) == (2, "running")
@@ -177,18 +190,24 @@ async def test_the_leader_lease_says_who_leads_now(nats_url):
 
 async def test_a_job_its_node_stopped_is_handed_to_failover_with_its_new_epoch(table):
     handed: list[tuple[str, str, str]] = []
-    table.on_evicted = lambda job, node, why: handed.append((job, node, why))
+
+    class Apply:
+        async def apply_event(self, ev: JobEvent) -> None:
+            if await table.apply_event(ev):
+                handed.append((ev.job, ev.node, ev.reason))
+
+    apply = Apply()
     await put(table, "running", 2, "node-1", epochs=[1])
-    await table.apply_event(event("evicted", 1, "node-1", epoch=2, reason="old"))  # an older generation's
-    await table.apply_event(event("evicted", 2, "node-2", epoch=2, reason="other"))  # another node's
+    await apply.apply_event(event("evicted", 1, "node-1", epoch=2, reason="old"))  # an older generation's
+    await apply.apply_event(event("evicted", 2, "node-2", epoch=2, reason="other"))  # another node's
     assert handed == []
-    await table.apply_event(event("evicted", 2, "node-1", epoch=2, reason="node node-1 is shutting down"))
+    await apply.apply_event(event("evicted", 2, "node-1", epoch=2, reason="node node-1 is shutting down"))
     assert handed == [("1", "node-1", "node node-1 is shutting down")]
     rec = table.get("1")
     assert [e.n for e in rec.epochs] == [1, 2] and rec.state == "restoring" and rec.pid == 0
     # A finished job is not brought back by a late eviction.
     await put(table, "completed", 2, "node-1")
-    await table.apply_event(event("evicted", 2, "node-1"))
+    await apply.apply_event(event("evicted", 2, "node-1"))
     assert len(handed) == 1
 
 
@@ -200,11 +219,12 @@ async def test_a_leader_whose_lease_is_not_fresh_does_not_act(table, nats_url):
     assert lead.fresh()
     now[0] = 102.1  # 2/3 of the lease without a renewal (a stalled loop): no more acting
     assert not lead.fresh()
-    table.may_act = lead.fresh
+    table.leader.fresh = lead.fresh
+    table.agents.may_act = lead.fresh
     with pytest.raises(NotLeader, match="leader lease is not fresh"):
         await put(table, "running", 1, "node-1")
     with pytest.raises(NotLeader, match="leader lease is not fresh"):
-        await table._agent("node-1", "kill", KillJob(job="1", generation=1), 1.0)
+        await table.agents.send("node-1", "kill", KillJob(job="1", generation=1), 1.0)
 
 
 async def test_a_submit_refused_by_a_draining_node_starts_on_the_next(table):
@@ -220,7 +240,7 @@ async def test_a_submit_refused_by_a_draining_node_starts_on_the_next(table):
             raise RemoteError("node node-1 is shutting down; try another node", code="shutting_down")
         return AgentJobReply(job=msg.spec.id, generation=msg.generation, node=node, pid=4242, output="/out")
 
-    table._agent = agent
+    table.agents.send = agent
     rec = await table.submit(SubmitRequest(argv=["true"]))
     assert (rec.state, rec.node, rec.generation, rec.pid) == ("running", "node-2", 2, 4242)
     assert calls == [("node-1", "start", 1), ("node-1", "kill", 1), ("node-2", "start", 2)]
@@ -239,11 +259,11 @@ async def test_what_a_deposed_leader_moved_on_is_taken_as_the_truth(table):
     leader = await another_coordinator(table, term)
     zombie = table.get("1")
     zombie.generation, zombie.node, zombie.state = 2, "node-3", "running"
-    await table._save(zombie)
+    await table.save(zombie)
     mine = leader.get("1")
     mine.node, mine.state = "node-2", "restoring"  # its own view, now stale (still generation 1)
     with pytest.raises(BusError, match="moved on by another coordinator"):
-        await leader._save(mine)
+        await leader.save(mine)
     assert (leader.get("1").generation, leader.get("1").node) == (2, "node-3") and not term.stepped_down
     check = await another_coordinator(table)
     assert (check.get("1").generation, check.get("1").node) == (2, "node-3")

@@ -1,0 +1,167 @@
+"""The job lifecycle's vocabulary: the inputs it takes, the commands to agents and the events
+it gives back, and the :class:`Decision` that carries them (see :mod:`.lifecycle`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec
+
+__all__ = ['AgentReport', 'Checkpoint', 'CheckpointAsked', 'CheckpointFailed', 'Checkpointed', 'Command', 'Decision', 'Emit', 'Input', 'Kill', 'LaunchFailed', 'Launched', 'Purged', 'Recover', 'RecoveryAttemptFailed', 'RecoveryFailed', 'RestartAsked', 'RestartFailed', 'Restore', 'Restored', 'Start', 'Submit']
+
+
+# ---------------------------------------------------------------------- commands to agents
+
+
+@dataclass(frozen=True)
+class Start:
+    node: str
+    spec: JobSpec
+    generation: int
+    fresh: bool = False
+
+
+@dataclass(frozen=True)
+class Restore:
+    node: str
+    spec: JobSpec
+    generation: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    node: str
+    job: str
+    generation: int
+    stop: bool
+
+
+@dataclass(frozen=True)
+class Kill:
+    node: str
+    job: str
+    generation: int
+    reason: str = ""
+
+
+Command = Start | Restore | Checkpoint | Kill
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Submit:
+    spec: JobSpec
+    node: str
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A start's reply: the job runs with ``pid``."""
+    generation: int
+    pid: int
+    output: str = ""
+
+
+@dataclass(frozen=True)
+class LaunchFailed:
+    """A start got no good reply.  ``retry_node``: the shell found another node to try."""
+    generation: int
+    reason: str
+    retry_node: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointAsked:
+    stop: bool
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    generation: int
+    stop: bool
+    epoch: EpochInfo | None
+
+
+@dataclass(frozen=True)
+class CheckpointFailed:
+    """The checkpoint failed, or its reply went to a leader that is gone: the job runs on."""
+    generation: int
+
+
+@dataclass(frozen=True)
+class RestartAsked:
+    target: str
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restore's (or a recovery's start's) reply."""
+    generation: int
+    pid: int
+    epoch: EpochInfo | None = None
+    output: str = ""
+
+
+@dataclass(frozen=True)
+class RestartFailed:
+    generation: int
+    reason: str
+    previous_state: str
+    previous_node: str
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    event: JobEvent
+
+
+@dataclass(frozen=True)
+class Recover:
+    """The job's node is gone (``dead``; "" when a new leader takes over a half-done launch or
+    restore) or stopped it (``evicted``: its reason); ``target`` is where placement puts it."""
+    dead: str
+    target: str
+    evicted: str = ""
+
+
+@dataclass(frozen=True)
+class RecoveryAttemptFailed:
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RecoveryFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Purged:
+    pass
+
+
+Input = (Submit | Launched | LaunchFailed | CheckpointAsked | Checkpointed | CheckpointFailed | RestartAsked
+         | Restored | RestartFailed | AgentReport | Recover | RecoveryAttemptFailed | RecoveryFailed | Purged)
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A job event to publish: its kind and fields beyond job, node and generation."""
+    kind: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    record: JobRecord | None = None
+    commands: list[Command] = field(default_factory=list)
+    events: list[Emit] = field(default_factory=list)
+    # What a recovery came to: "restored", "requeued" or "failed" (None otherwise).
+    outcome: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.record is not None

@@ -1,0 +1,343 @@
+"""The job lifecycle core, pure: its transitions, its rules, and properties that hold for any
+sequence of inputs (hypothesis); and the job service shell over an in-memory store."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from revenant.common.config import CoordinatorConfig
+from revenant.common.errors import BusError, JobNotRunning, RevenantError
+from revenant.coordinator import lifecycle as lc
+from revenant.coordinator.agents import NotLeader
+from revenant.coordinator.jobs import JobService
+from revenant.coordinator.store import MemoryJobStore
+from revenant.messages import (
+    AgentJobReply,
+    Capabilities,
+    CriuInfo,
+    EpochInfo,
+    JobEvent,
+    JobRecord,
+    JobSpec,
+    LocalJob,
+    NodeStatus,
+    SubmitRequest,
+)
+
+pytestmark = pytest.mark.unit
+
+NODES = ("node-1", "node-2", "node-3")
+SPEC = JobSpec(id="7", argv=["sleep", "1000"], max_epochs=2)
+
+
+def record(state: str, generation: int = 1, node: str = "node-1", epochs=(), requeue: bool = False) -> JobRecord:
+    spec = JobSpec(id="7", argv=["true"], max_epochs=2, requeue=requeue)
+    return JobRecord(spec=spec, state=state, generation=generation, node=node, pid=99,
+                     epochs=[EpochInfo(n=n) for n in epochs])
+
+
+def report(kind: str, generation: int, node: str, **kw) -> lc.AgentReport:
+    return lc.AgentReport(JobEvent(job="7", kind=kind, at=5.0, node=node, generation=generation, **kw))
+
+
+# ---------------------------------------------------------------------- single transitions
+
+
+def test_submit_starts_generation_one_on_the_placed_node():
+    d = lc.transition(None, lc.Submit(SPEC, "node-2"), 10.0)
+    assert (d.record.state, d.record.node, d.record.generation, d.record.created_at) == ("pending", "node-2", 1, 10.0)
+    assert d.commands == [lc.Start("node-2", SPEC, 1)] and [e.kind for e in d.events] == ["submitted"]
+
+
+def test_a_start_reply_after_the_exit_event_does_not_bring_the_job_back():
+    rec = lc.transition(record("pending"), report("exited", 1, "node-1", exit_code=0), 1.0).record
+    assert rec.state == "completed"
+    late = lc.transition(rec, lc.Launched(1, 4242, "/out"), 2.0).record
+    assert late.state == "completed" and late.output == "/out"
+
+
+def test_a_refused_start_moves_to_the_next_node_with_a_new_generation():
+    d = lc.transition(record("pending"), lc.LaunchFailed(1, "refused", retry_node="node-2"), 1.0)
+    assert (d.record.node, d.record.generation) == ("node-2", 2)
+    assert d.commands == [lc.Start("node-2", d.record.spec, 2)]
+    failed = lc.transition(record("pending"), lc.LaunchFailed(1, "start on node-1 failed: x"), 1.0).record
+    assert (failed.state, failed.reason) == ("failed", "start on node-1 failed: x")
+
+
+def test_checkpoint_requests_are_refused_unless_running():
+    with pytest.raises(lc.JobBusy):
+        lc.transition(record("checkpointing"), lc.CheckpointAsked(stop=False), 1.0)
+    with pytest.raises(JobNotRunning, match="job 7 is vacated, not running"):
+        lc.transition(record("vacated"), lc.CheckpointAsked(stop=True), 1.0)
+    d = lc.transition(record("running", 3), lc.CheckpointAsked(stop=True), 1.0)
+    assert d.record.state == "checkpointing" and d.commands == [lc.Checkpoint("node-1", "7", 3, True)]
+
+
+def test_a_vacate_reply_keeps_the_newest_epochs_by_the_shared_retention_rule():
+    rec = record("checkpointing", epochs=[1, 2])
+    d = lc.transition(rec, lc.Checkpointed(1, True, EpochInfo(n=3)), 9.0)
+    assert ([e.n for e in d.record.epochs], d.record.state, d.record.node) == ([2, 3], "vacated", "")
+    assert d.record.last_checkpoint_at == 9.0
+    assert [e.n for e in rec.epochs] == [1, 2]  # the input record is never mutated
+
+
+def test_reports_of_another_generation_or_node_change_nothing():
+    rec = record("running", 2, "node-1")
+    for inp in (report("exited", 1, "node-1", exit_code=0), report("exited", 2, "node-2", exit_code=0),
+                report("evicted", 1, "node-1"), report("vacated", 2, "node-3", epoch=4)):
+        assert not lc.transition(rec, inp, 1.0).changed
+
+
+def test_an_eviction_hands_the_job_to_failover_with_its_reported_epoch():
+    d = lc.transition(record("running", 2, epochs=[1]), report("evicted", 2, "node-1", epoch=2, reason="drain"), 1.0)
+    assert d.outcome == "evicted" and d.record.state == "restoring" and [e.n for e in d.record.epochs] == [1, 2]
+    assert not lc.transition(record("completed", 2), report("evicted", 2, "node-1"), 1.0).changed
+
+
+def test_a_killed_report_does_not_end_a_launch_or_restore_in_flight():
+    assert not lc.transition(record("restoring", 3), report("killed", 3, "node-1", exit_code=137), 1.0).changed
+    assert not lc.transition(record("pending"), report("killed", 1, "node-1", exit_code=137), 1.0).changed
+    rec = lc.transition(record("running"), report("killed", 1, "node-1", exit_code=137), 1.0).record
+    assert (rec.state, rec.reason, rec.exit_code) == ("failed", "killed", 137)
+
+
+def test_the_recovery_choice():
+    # Running elsewhere already (a user restarted it): nothing to do.
+    assert not lc.transition(record("running", node="node-2"), lc.Recover("node-1", "node-3"), 1.0).changed
+    # No epoch, no --requeue: failed, with the reason.
+    d = lc.transition(record("running"), lc.Recover("node-1", "node-2"), 1.0)
+    assert d.outcome == "failed" and "no checkpoint" in d.record.reason
+    # An epoch: restored on the target, one generation on.
+    d = lc.transition(record("running", 4, epochs=[1]), lc.Recover("node-1", "node-2"), 1.0)
+    assert d.record.state == "restoring" and d.commands == [lc.Restore("node-2", d.record.spec, 5)]
+    # --requeue without an epoch: started afresh.
+    d = lc.transition(record("running", requeue=True), lc.Recover("node-1", "node-2"), 1.0)
+    assert d.record.state == "pending" and d.commands == [lc.Start("node-2", d.record.spec, 2, fresh=True)]
+    # A half-done attempt on a third node (a dead leader's) is killed first.
+    d = lc.transition(record("restoring", 3, node="node-3", epochs=[1]), lc.Recover("", "node-2"), 1.0)
+    assert d.commands[0] == lc.Kill("node-3", "7", 3) and d.commands[1] == lc.Restore("node-2", d.record.spec, 4)
+
+
+def test_restart_needs_a_stopped_job_with_an_epoch():
+    with pytest.raises(lc.BadState):
+        lc.transition(record("running", epochs=[1]), lc.RestartAsked("node-2"), 1.0)
+    with pytest.raises(lc.NoEpoch):
+        lc.transition(record("vacated"), lc.RestartAsked("node-2"), 1.0)
+    d = lc.transition(record("vacated", 2, node="", epochs=[1]), lc.RestartAsked("node-2"), 1.0)
+    back = lc.transition(d.record, lc.RestartFailed(3, "no", "vacated", ""), 2.0).record
+    assert (back.state, back.node, back.generation) == ("vacated", "", 3)
+
+
+def test_moved_on_and_stale_local_jobs():
+    assert lc.moved_on(record("running", 3), record("running", 2))
+    assert lc.moved_on(record("completed", 2), record("running", 2))
+    assert not lc.moved_on(record("running", 2), record("failed", 2))
+    jobs = {"7": record("running", 3, "node-2")}
+    stale = lc.stale_local_jobs("node-1", [LocalJob(job="7", generation=2), LocalJob(job="8", generation=1)], jobs)
+    assert [(s.job, s.generation) for s in stale] == [("7", 2)] and "generation 3 on node-2" in stale[0].reason
+    assert lc.stale_local_jobs("node-2", [LocalJob(job="7", generation=3)], jobs) == []
+
+
+# ---------------------------------------------------------------------- properties
+
+generations = st.integers(min_value=0, max_value=12)
+nodes = st.sampled_from(NODES)
+maybe_epoch = st.one_of(st.none(), st.integers(min_value=1, max_value=9).map(lambda n: EpochInfo(n=n)))
+inputs = st.one_of(
+    st.builds(lc.Launched, generations, st.integers(1, 100)),
+    st.builds(lc.LaunchFailed, generations, st.just("refused"), st.one_of(st.none(), nodes)),
+    st.builds(lc.CheckpointAsked, st.booleans()),
+    st.builds(lc.Checkpointed, generations, st.booleans(), maybe_epoch),
+    st.builds(lc.CheckpointFailed, generations),
+    st.builds(lc.RestartAsked, nodes),
+    st.builds(lc.Restored, generations, st.integers(1, 100), maybe_epoch),
+    st.builds(lc.RestartFailed, generations, st.just("no"), st.sampled_from(["vacated", "failed"]),
+              st.sampled_from(["", *NODES])),
+    st.builds(lambda kind, g, n, code, epoch: report(kind, g, n, exit_code=code, epoch=epoch),
+              st.sampled_from(["exited", "killed", "vacated", "evicted", "started"]), generations, nodes,
+              st.sampled_from([0, 1, None]), st.one_of(st.none(), st.integers(1, 9))),
+    st.builds(lc.Recover, st.sampled_from(["", *NODES]), nodes, st.sampled_from(["", "drained"])),
+    st.builds(lc.RecoveryAttemptFailed, generations, st.just("no")),
+    st.builds(lc.RecoveryFailed, st.just("gave up")),
+    st.builds(lc.Purged),
+)
+ALLOWED = {(frm, to) for frm, _, to in lc.TRANSITIONS}
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(inputs, max_size=40), st.booleans())
+def test_any_sequence_of_inputs_keeps_the_job_on_one_node_at_one_generation(sequence, requeue):
+    spec = JobSpec(id="7", argv=["true"], max_epochs=2, requeue=requeue)
+    d = lc.transition(None, lc.Submit(spec, "node-1"), 0.0)
+    rec = d.record
+    launched = [(c.node, c.generation) for c in d.commands]
+    for now, inp in enumerate(sequence, start=1):
+        try:
+            d = lc.transition(rec, inp, float(now))
+        except RevenantError:
+            continue  # an operator's request the state refuses: nothing changes
+        new = d.record or rec
+        # The generation never goes back.
+        assert new.generation >= rec.generation
+        # An ended job stays ended; only an operator's restart takes a failed one back.
+        if rec.state == "completed":
+            assert new.state == "completed"
+        if rec.state == "failed" and new.state != "failed":
+            assert isinstance(inp, lc.RestartAsked) and rec.epochs
+        # Every state change is one the documented table lists.
+        if new.state != rec.state:
+            assert (rec.state, new.state) in ALLOWED, (rec.state, new.state, inp)
+        for cmd in d.commands:
+            if isinstance(cmd, (lc.Start, lc.Restore)):
+                # A launch is always of the record's own generation, on its own node, and newer than
+                # every launch before it: the table names one copy.
+                assert (cmd.node, cmd.generation) == (new.node, new.generation)
+                assert all(cmd.generation > g for _, g in launched)
+                launched.append((cmd.node, cmd.generation))
+            if isinstance(cmd, lc.Kill):
+                assert cmd.generation < new.generation
+        # Never live on two nodes: every copy ever launched but the record's own is stale, and its
+        # agent is told to kill it when it asks.
+        for node, generation in launched:
+            if (node, generation) != (new.node, new.generation):
+                assert lc.stale_local_jobs(node, [LocalJob(job="7", generation=generation)], {"7": new})
+        if new.state in ("running", "checkpointing"):
+            assert new.node
+        assert len(new.epochs) <= max(1, spec.max_epochs)
+        rec = new
+
+
+def test_the_documented_state_table_covers_every_state():
+    states = {s.value for s in lc.State}
+    assert {to for _, _, to in lc.TRANSITIONS} | {"pending"} >= states - {"(new)"}
+    assert {frm for frm, _, _ in lc.TRANSITIONS} - {"(new)"} <= states
+
+
+# ---------------------------------------------------------------------- the shell, on an in-memory store
+
+
+class Lease:
+    def __init__(self) -> None:
+        self.leads, self.is_fresh, self.stepped_down = True, True, []
+
+    def fresh(self) -> bool:
+        return self.is_fresh
+
+    async def holds(self) -> bool:
+        return self.leads
+
+    def step_down(self, why: str) -> None:
+        self.stepped_down.append(why)
+
+
+class Agents:
+    """Agents that answer at once; ``refuse`` maps a node to the error it answers with."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, int]] = []
+        self.refuse: dict[str, RevenantError] = {}
+        self.may_act = lambda: True
+
+    async def carry_out(self, cmd, timeout_s: float) -> AgentJobReply:
+        verb = type(cmd).__name__.lower()
+        self.sent.append((cmd.node, verb, cmd.generation))
+        if cmd.node in self.refuse:
+            raise self.refuse[cmd.node]
+        epoch = EpochInfo(n=1, bytes=10) if verb in ("restore", "checkpoint") else None
+        return AgentJobReply(job="1", generation=cmd.generation, node=cmd.node, pid=4242, output="/out", epoch=epoch)
+
+    async def send(self, node, verb, msg, timeout_s):
+        return AgentJobReply(job="1", generation=0, node=node)
+
+    async def abandon(self, node: str, job: str, generation: int, why: str) -> None:
+        self.sent.append((node, "abandon", generation))
+
+
+class Events:
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def emit(self, subject: str, msg) -> None:
+        self.kinds.append(msg.kind)
+
+
+def shell() -> tuple[JobService, MemoryJobStore, Agents, Lease]:
+    store, agents, lease = MemoryJobStore(), Agents(), Lease()
+    working = Capabilities(criu=CriuInfo(path="/usr/sbin/criu", version="4.1.1", ok=True))
+    nodes = [NodeStatus(name=n, state="alive", capabilities=working) for n in NODES[:2]]
+    service = JobService(store, agents, CoordinatorConfig(), Events(), lambda: nodes, lease, wall=lambda: 50.0)
+    return service, store, agents, lease
+
+
+async def test_a_job_from_submit_to_vacate_to_restart_through_the_shell():
+    jobs, store, agents, _ = shell()
+    await jobs.open()
+    rec = await jobs.submit(SubmitRequest(argv=["sleep", "100"]))
+    assert (rec.state, rec.generation, rec.pid) == ("running", 1, 4242)
+    rec, _ = await jobs.checkpoint("1", stop=True)
+    assert rec.state == "vacated" and [e.n for e in rec.epochs] == [1]
+    rec, _ = await jobs.restart("1", "node-2")
+    assert (rec.state, rec.node, rec.generation) == ("running", "node-2", 2)
+    assert jobs.events.kinds == ["submitted", "restored"]
+    # What the store holds is what the service holds.
+    assert (await MemoryJobStore.load(store))["1"] == jobs.get("1")
+
+
+async def test_a_failed_recovery_attempt_leaves_the_job_for_the_next_attempt():
+    jobs, store, agents, _ = shell()
+    await jobs.submit(SubmitRequest(argv=["sleep", "100"]))
+    await jobs.checkpoint("1", stop=False)
+    agents.refuse["node-2"] = RevenantError("restore failed")
+    with pytest.raises(RevenantError):
+        await jobs.recover("1", "node-1")
+    rec = jobs.get("1")
+    assert (rec.state, rec.node, rec.generation) == ("restoring", "", 2)
+    assert ("node-2", "abandon", 2) in agents.sent
+    del agents.refuse["node-2"]
+    kind, rec, epoch, _ = await jobs.recover("1", "node-1")
+    assert (kind, rec.state, rec.node, rec.generation, epoch) == ("restored", "running", "node-2", 3, 1)
+
+
+async def test_a_conflicting_write_is_resolved_by_who_leads():
+    jobs, store, agents, lease = shell()
+    await jobs.submit(SubmitRequest(argv=["true"]))
+    # A deposed leader's late write that did not move the job on: this leader's record stands.
+    theirs = jobs.get("1").__copy__()
+    theirs.state = "checkpointing"
+    store.write_behind_my_back(theirs)
+    await jobs.checkpoint("1", stop=False)
+    assert (await store.load())["1"].state == "running"
+    # One that moved the job on is taken as the truth.
+    moved = jobs.get("1").__copy__()
+    moved.generation, moved.node = 5, "node-3"
+    store.write_behind_my_back(moved)
+    with pytest.raises(BusError, match="moved on by another coordinator"):
+        await jobs.checkpoint("1", stop=False)
+    assert (jobs.get("1").generation, jobs.get("1").node) == (5, "node-3")
+    # The store says another leads: step down, write nothing.
+    lease.leads = False
+    store.write_behind_my_back(jobs.get("1").__copy__())
+    with pytest.raises(NotLeader):
+        await jobs.checkpoint("1", stop=False)
+    assert lease.stepped_down
+
+
+async def test_a_leader_whose_lease_is_stale_writes_nothing():
+    jobs, store, agents, lease = shell()
+    lease.is_fresh = False
+    with pytest.raises(NotLeader):
+        await jobs.submit(SubmitRequest(argv=["true"]))
+    assert store.records == {}
+
+
+async def test_concurrent_inputs_to_one_job_are_applied_one_at_a_time():
+    jobs, store, agents, _ = shell()
+    await jobs.submit(SubmitRequest(argv=["true"]))
+    results = await asyncio.gather(jobs.checkpoint("1", stop=False), jobs.checkpoint("1", stop=False),
+                                   return_exceptions=True)
+    assert sum(isinstance(r, tuple) for r in results) >= 1
+    assert all(isinstance(r, (tuple, lc.JobBusy)) for r in results)
