@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import zlib
+from typing import Callable
 
 from nats.js import JetStreamContext
 
@@ -25,8 +26,10 @@ log = logging.getLogger(__name__)
 
 class EventPublisher:
     def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 100_000,
-                 retry_for_s: float = 60.0, workers: int = 16) -> None:
+                 retry_for_s: float = 60.0, workers: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._js = js
+        self._clock = clock
         self._timeout_s = timeout_s
         # An event is retried (backing off to 2 s) for this long: a short loss of NATS, the very
         # moment a self-fence stops jobs, must not lose their reports.  Per subject, order holds.
@@ -99,7 +102,7 @@ class EventPublisher:
                 return
 
     async def _publish(self, subject: str, msg: Message) -> None:
-        deadline = time.monotonic() + self._retry_for_s
+        deadline = self._clock() + self._retry_for_s
         attempt = 0
         while True:
             try:
@@ -108,7 +111,7 @@ class EventPublisher:
                 return
             except BusError as exc:
                 attempt += 1
-                if time.monotonic() >= deadline:
+                if self._clock() >= deadline:
                     self.dropped += 1
                     log.error("event lost after %d attempts: %s", attempt, exc)
                     return

@@ -117,9 +117,9 @@ class JobService:
         the lock); None means nothing to do."""
         async with self.lock(job):
             rec = self.jobs.get(job)
+            if rec is None and not isinstance(inp, lc.Submit):
+                raise UnknownJob(f"unknown job {job}")
             if callable(inp):
-                if rec is None:
-                    raise UnknownJob(f"unknown job {job}")
                 inp = inp(rec)
                 if inp is None:
                     return lc.Decision()

@@ -325,12 +325,8 @@ def jobs_per_node(jobs: Iterable[JobRecord]) -> dict[str, int]:
     return out
 
 
-def state_table() -> list[tuple[str, str, str]]:
-    """(from, input, to) for every transition the core can make: what docs/architecture.md
-    draws (a test checks the document against it)."""
-    return list(TRANSITIONS)
-
-
+# (from, input, to) for every transition the core can make; docs/architecture.md shows this
+# table, and tests/test_lifecycle.py checks both against what transition() does.
 TRANSITIONS: tuple[tuple[str, str, str], ...] = (
     ("(new)", "submit", "pending"),
     ("pending", "start reply", "running"),

@@ -341,3 +341,24 @@ async def test_concurrent_inputs_to_one_job_are_applied_one_at_a_time():
                                    return_exceptions=True)
     assert sum(isinstance(r, tuple) for r in results) >= 1
     assert all(isinstance(r, (tuple, lc.JobBusy)) for r in results)
+
+
+def test_the_architecture_document_shows_the_lifecycle_table():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    table = doc.split("<!-- lifecycle-table -->", 1)[1].split("<!-- /lifecycle-table -->", 1)[0]
+    rows = [tuple(cell.strip() for cell in line.strip().strip("|").split("|"))
+            for line in table.strip().splitlines()[2:]]
+    assert rows == list(lc.TRANSITIONS), "regenerate the table in docs/architecture.md from lifecycle.TRANSITIONS"
+
+
+async def test_requests_for_an_unknown_job_say_so():
+    from revenant.common.errors import UnknownJob
+
+    jobs, _, _, _ = shell()
+    for request in (jobs.checkpoint("999", stop=False), jobs.restart("999"), jobs.purge("999"),
+                    jobs.recover("999", "node-1")):
+        with pytest.raises(UnknownJob, match="unknown job 999"):
+            await request
+    assert not await jobs.apply_event(JobEvent(job="999", kind="exited", at=1.0, node="node-1", generation=1))
