@@ -1,9 +1,10 @@
-"""The node agent: heartbeats with health and capabilities, and direct probes.
+"""The node agent: heartbeats with health and capabilities, direct probes, job commands.
 
-Lifecycle: ``await agent.run()`` connects, serves until :meth:`Agent.stop` is
-called (SIGTERM in ``revenant agent``), then says goodbye with a last
-``leaving`` heartbeat and drains its NATS connection.  ``stop()`` is safe to
-call before ``run()`` and more than once.
+Lifecycle (a :class:`~revenant.common.service.Service`): ``await agent.run()``
+connects, serves until :meth:`Agent.stop` is called (SIGTERM in ``revenant
+agent``), then drains its node (every job checkpointed, stopped and reported
+evicted), says goodbye with a last ``leaving`` heartbeat and drains its NATS
+connection.  ``stop()`` is safe to call before ``run()`` and more than once.
 """
 
 from __future__ import annotations
@@ -13,52 +14,56 @@ import logging
 import os
 import platform
 import secrets
-import shutil
 import socket
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any, Callable, Coroutine
 
 import msgspec
-import nats.errors
 import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from revenant.agent import procs
+from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
-from revenant.common.kv import open_bucket
-from revenant.agent.liveness import Liveness
 from revenant.agent.gpu import GpuMonitor
-from revenant.agent.health import HealthSample, evaluate, probe_values
-from revenant.common.loopmonitor import LoopMonitor
+from revenant.agent.jobs import Supervisor
+from revenant.agent.liveness import Liveness
+from revenant.agent.probes import HealthProbes, anomaly_event
 from revenant.common import bus
 from revenant.common.config import AgentConfig
 from revenant.common.errors import ConfigError, RevenantError
 from revenant.common.events import EventPublisher
 from revenant.common.httpserver import HttpServer
+from revenant.common.loopmonitor import LoopMonitor
 from revenant.common.metrics import AgentMetrics, health_routes
+from revenant.common.service import Service
 from revenant.messages import (
     AgentJobReply,
-    AnomalyEvent,
-    JobRecord,
-    NodeEvent,
     Capabilities,
     CheckpointJob,
-    KillJob,
-    PurgeJob,
-    RestoreJob,
-    StartJob,
     CriuInfo,
     HealthSummary,
+    KillJob,
+    LocalJob,
+    NodeEvent,
+    PurgeJob,
+    ReconcileReply,
+    ReconcileRequest,
+    RestoreJob,
+    StartJob,
     decode_as,
     subjects,
 )
 
 log = logging.getLogger(__name__)
+
+# How long the leader may take to say which local jobs moved on.
+RECONCILE_TIMEOUT_S = 5.0
 
 
 def _revenant_version() -> str:
@@ -68,26 +73,29 @@ def _revenant_version() -> str:
         return "0+unknown"
 
 
-class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+class Agent(Service):
+    def __init__(self, config: AgentConfig, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         subjects.check_name(config.node)
         self.config = config
         self.node = config.node
         self.incarnation = secrets.token_hex(8)
         self.storage = Path(config.storage)
-        self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s)
-        # Set once connected and serving; tests and embedders wait on it.
-        self.ready = asyncio.Event()
-        self.thresholds = config.health_thresholds()
-        self.anomalies = config.anomaly_detector()
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s, clock=clock)
         self.metrics = AgentMetrics()
-        self.gpu_monitor = GpuMonitor(job_of=self._job_of_pid, thresholds=self.thresholds.gpu)
+        thresholds = config.health_thresholds()
+        self.gpu_monitor = GpuMonitor(job_of=self._job_of_pid, thresholds=thresholds.gpu, clock=clock)
+        self.probes = HealthProbes(self.storage, thresholds, AnomalyDetector.from_settings(config.anomaly_settings()),
+                                   self.loop_monitor, self.gpu_monitor, self.metrics, clock=clock)
         self.http: HttpServer | None = None
         if config.http_port >= 0:
             self.http = HttpServer(health_routes(
                 render_metrics=self.metrics.render,
                 summary=lambda: self.health,
-                stuck_for=lambda: self.loop_monitor.stuck_for(time.monotonic()),
+                stuck_for=lambda: self.loop_monitor.stuck_for(self.clock()),
                 stuck_after_s=config.live_stuck_after_s,
                 started=self.ready.is_set,
                 extra=lambda: {"node": self.node, "incarnation": self.incarnation,
@@ -95,22 +103,25 @@ class Agent:
             ), config.http_host, config.http_port)
         self.capabilities = Capabilities()
         self.health = HealthSummary()
+        self.liveness = Liveness(
+            config, self.node, self.incarnation,
+            health=lambda: self.health, capabilities=lambda: self.capabilities,
+            stuck_for=self.loop_monitor.stuck_for, on_heartbeat=self.metrics.heartbeats.inc,
+            on_renewed=self._reset_switches, on_fence=self._fence, on_lease_back=self._lease_back,
+            clock=clock, wall_clock=wall_clock)
+        # What the last self-fence did, for the "fenced" event once the lease is back.
+        self.fence_report: str = ""
+        self.supervisor: Supervisor | None = None
+        self.main_loop: asyncio.AbstractEventLoop | None = None
         self._nc: Client | None = None
         self._events: EventPublisher | None = None
-        self.supervisor: Supervisor | None = None
-        self.liveness = Liveness(self)
-        self.fence_report: str = ""
-        self.main_loop: asyncio.AbstractEventLoop | None = None
-        self._js = None
+        # Requests being answered, and reconciles: short-lived, cancelled first at shutdown.
         self._requests: set[asyncio.Task[None]] = set()
-        self._stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def run(self) -> None:
-        """Connect, serve until stopped, then leave cleanly."""
-        if self._stopping.is_set():
-            return
+    async def _start(self) -> None:
+        """Connect and serve: criu and GPUs inspected, events, the supervisor, commands, liveness."""
         try:
             self.storage.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -118,14 +129,6 @@ class Agent:
         procs.become_subreaper()
         if self.http is not None:
             await self.http.start()  # /live answers while criu is being checked
-        try:
-            await self._serve()
-        finally:
-            await asyncio.to_thread(self.gpu_monitor.stop)
-            if self.http is not None:
-                await self.http.stop()
-
-    async def _serve(self) -> None:
         self.capabilities = await self._inspect()
         criu = self.capabilities.criu
         if not criu.ok:
@@ -138,7 +141,7 @@ class Agent:
             reconnect_wait_s=self.config.reconnect_wait_s,
             on_reconnect=self._on_reconnect,
         )
-        js = self._js = self._nc.jetstream()
+        js = self._nc.jetstream()
         self.main_loop = asyncio.get_running_loop()
         try:
             await bus.ensure_event_stream(js)
@@ -146,47 +149,29 @@ class Agent:
             log.error("%s; job events will be retried", exc)
         self._events = EventPublisher(js)
         self._events.start()
-        engine = None
-        if criu.ok and criu.path and criu.version:
-            engine = Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
-                            work_roots=self._work_roots(),
-                            staging=Path(self.config.staging_dir) if self.config.staging_dir else None,
-                            concurrency=self.config.checkpoint_concurrency, criu_timeout_s=self.config.criu_timeout_s)
         await asyncio.to_thread(self._clean_half_written_epochs)
-        self.supervisor = Supervisor(self.node, self.storage, engine, self._events.emit,
+        self.supervisor = Supervisor(self.node, self.storage, self._engine(criu), self._events.emit,
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
-                                     switch_timeout_s=self.config.fence_timeout_s)
-        await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
-        self.health = await self.sample_health()
+                                     switch_timeout_s=self.config.fence_timeout_s, clock=self.clock,
+                                     wall_clock=self.wall_clock)
+        with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):
+            await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
+            await self._nc.flush(timeout=self.config.shutdown_grace_s)  # served once ready is set
+        self.health = await self._sample_health()
         await self.liveness.start()
         log.info("agent %s up (incarnation %s, criu %s)", self.node, self.incarnation,
-                 self.capabilities.criu.version if self.capabilities.criu.ok else "unusable")
+                 criu.version if criu.ok else "unusable")
+        self.spawn(self.loop_monitor.run(), "loop-monitor")
+        self.spawn(self._health_loop(), "health")
+
+    async def _shutdown(self) -> None:
+        """Drain the node, say goodbye, close; copes with a start that got only part of the way."""
         try:
-            async with asyncio.TaskGroup() as tg:
-                monitor = tg.create_task(self.loop_monitor.run(), name="loop-monitor")
-                probes = tg.create_task(self._health_loop(), name="health")
-                self.ready.set()
-                await self._stopping.wait()
-                for task in (probes, monitor):
-                    task.cancel()
-        finally:
             await self._leave()
-
-    def stop(self) -> None:
-        """Ask the agent to stop; idempotent and safe before ``run()``."""
-        self._stopping.set()
-
-    def _clean_half_written_epochs(self) -> None:
-        """Epochs this node was writing when an earlier agent died: never listed, now removed."""
-        for job_dir in self.storage.glob("jobs/*"):
-            JobFiles(self.storage, job_dir.name).clean_stale_tmp(self.node)
-
-    def _work_roots(self) -> list[Path]:
-        """Node-local scratch for criu's logs and scripts (small)."""
-        roots = [Path(f"/var/tmp/revenant-{self.node}")]
-        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-            roots.insert(0, Path(f"/dev/shm/revenant-{self.node}"))
-        return roots
+        finally:
+            await asyncio.to_thread(self.gpu_monitor.stop)
+            if self.http is not None:
+                await self.http.stop()
 
     async def _leave(self) -> None:
         for task in list(self._requests):
@@ -202,19 +187,38 @@ class Agent:
             await self._events.stop()
         await self.liveness.stop()  # the last heartbeat says "leaving"
         nc, self._nc = self._nc, None
-        if nc is None:
-            return
-        try:
-            if nc.is_connected:
-                await asyncio.wait_for(nc.drain(), self.config.shutdown_grace_s)
-            else:
-                await nc.close()
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            log.warning("drain did not finish cleanly: %s", exc or type(exc).__name__)
-            await nc.close()
-        log.info("agent %s stopped", self.node)
+        if nc is not None:
+            await bus.close(nc, self.config.shutdown_grace_s, f"agent {self.node}")
+            log.info("agent %s stopped", self.node)
 
-    # ------------------------------------------------------------------ heartbeats
+    def _engine(self, criu: CriuInfo) -> Engine | None:
+        if not (criu.ok and criu.path and criu.version):
+            return None
+        cfg = self.config
+        return Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
+                      work_roots=self._work_roots(), staging=Path(cfg.staging_dir) if cfg.staging_dir else None,
+                      concurrency=cfg.checkpoint_concurrency, criu_timeout_s=cfg.criu_timeout_s,
+                      clock=self.clock, wall_clock=self.wall_clock)
+
+    def _clean_half_written_epochs(self) -> None:
+        """Epochs this node was writing when an earlier agent died: never listed, now removed."""
+        for job_dir in self.storage.glob("jobs/*"):
+            JobFiles(self.storage, job_dir.name).clean_stale_tmp(self.node)
+
+    def _work_roots(self) -> list[Path]:
+        """Node-local scratch for criu's logs and scripts (small)."""
+        roots = [Path(f"/var/tmp/revenant-{self.node}")]
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            roots.insert(0, Path(f"/dev/shm/revenant-{self.node}"))
+        return roots
+
+    def _in_task(self, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``make()`` as a short-lived task of the agent (on its loop), cancelled at shutdown."""
+        task = asyncio.create_task(make())
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    # ------------------------------------------------------------------ capabilities and health
 
     async def _inspect(self) -> Capabilities:
         criu: CriuInfo = await inspect_criu(self.config.criu_path, self.config.criu_check_timeout_s)
@@ -247,46 +251,23 @@ class Agent:
             pass
         return None
 
-    async def sample_health(self) -> HealthSummary:
-        gpus = await self.gpu_monitor.read() if self.gpu_monitor.gpus else []
-        worst_lag, recent_stalls = self.loop_monitor.take_window()
-        try:
-            free = shutil.disk_usage(self.storage).free
-        except OSError:
-            free = 0
-        sample = HealthSample(
-            loop_lag_s=worst_lag,
-            loop_stalls=self.loop_monitor.stalls,
-            recent_stalls=recent_stalls,
-            memory_percent=psutil.virtual_memory().percent,
-            storage_free_bytes=free,
-            criu_ok=self.capabilities.criu.ok,
-            criu_error=self.capabilities.criu.error,
-            nats_connected=self._nc is not None and self._nc.is_connected,
-            checkpoint_failures=self.supervisor.checkpoint_failures if self.supervisor else 0,
-            pending_ops=self.supervisor.pending_ops if self.supervisor else 0,
-            gpus=gpus,
-            gpu_recent_xids=self.gpu_monitor.recent_xids() if gpus else {},
-            gpu_errors=dict(self.gpu_monitor.errors),
-        )
-        summary = evaluate(sample, self.thresholds)
-        self.metrics.update_health(summary)
-        if self.supervisor is not None:
-            self.metrics.set_jobs({"running": len(self.supervisor.jobs)})
-        for a in self.anomalies.observe_all(probe_values(summary), time.monotonic()):
-            self.metrics.count_anomaly(a.metric)
-            log.warning("anomaly: %s = %g (mean %g, std %g)", a.metric, a.value, a.mean, a.std)
-            if self._events is not None:
+    async def _sample_health(self) -> HealthSummary:
+        sup = self.supervisor
+        summary, anomalies = await self.probes.sample(
+            self.capabilities.criu, nats_connected=self._nc is not None and self._nc.is_connected,
+            checkpoint_failures=sup.checkpoint_failures if sup else 0, pending_ops=sup.pending_ops if sup else 0,
+            running_jobs=len(sup.jobs) if sup else None)
+        if self._events is not None:
+            for a in anomalies:
                 self._events.emit(subjects.node_event(self.node, "anomaly"),
-                                  AnomalyEvent(node=self.node, metric=a.metric, value=a.value, mean=a.mean,
-                                               std=a.std, at=time.time()))
+                                  anomaly_event(self.node, a, self.wall_clock()))
         return summary
 
     async def _health_loop(self) -> None:
         """Sample the probes each heartbeat interval; the liveness thread publishes the result."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
-            self.health = await self.sample_health()
+            self.health = await self._sample_health()
             if self.supervisor is not None:
                 self.supervisor.reap_orphans()
 
@@ -301,7 +282,7 @@ class Agent:
         if self.liveness.fenced:
             raise RevenantError(f"node {self.node} is self-fenced (its lease lapsed); try another node",
                                 code="fenced", retriable=True)
-        if self._stopping.is_set() and verb in ("start", "restore", "checkpoint"):
+        if self.stopping and verb in ("start", "restore", "checkpoint"):
             raise RevenantError(f"node {self.node} is shutting down; try another node",
                                 code="shutting_down", retriable=True)
         if verb == "start":
@@ -320,38 +301,57 @@ class Agent:
             return await sup.purge(decode_as(data, PurgeJob).job)
         raise RevenantError(f"unknown command {verb!r}", code="unknown_command")
 
+    # ------------------------------------------------------------------ the lease (called on the liveness thread)
+
+    def _reset_switches(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.touch_stamps()
+
+    def _fence(self, stale_s: float) -> None:
+        # Kill from the liveness thread: the main loop may be the very thing that is stuck.
+        sup = self.supervisor
+        killed = sup.kill_all(f"self-fenced: lease not renewed for {stale_s:.1f} s") if sup is not None else []
+        self.fence_report = f"lease not renewed for {stale_s:.1f} s; killed {', '.join(killed) or 'no jobs'}"
+
+    def _lease_back(self) -> None:
+        main = self.main_loop
+        if main is not None and not main.is_closed():
+            main.call_soon_threadsafe(self._in_task, self.after_fence)
+
     # ------------------------------------------------------------------ fencing and reconciling
 
     async def after_fence(self) -> None:
         """The lease is back after a self-fence: report it, then reconcile."""
         if self._events is not None:
             self._events.emit(subjects.node_event(self.node, "fenced"),
-                              NodeEvent(node=self.node, kind="fenced", at=time.time(), incarnation=self.incarnation,
-                                        reason=self.fence_report))
+                              NodeEvent(node=self.node, kind="fenced", at=self.wall_clock(),
+                                        incarnation=self.incarnation, reason=self.fence_report))
         await self.reconcile()
 
     async def _on_reconnect(self) -> None:
-        task = asyncio.create_task(self.reconcile())
-        self._requests.add(task)
-        task.add_done_callback(self._requests.discard)
+        self._in_task(self.reconcile)
 
     async def reconcile(self) -> None:
-        """Kill every local job whose generation has moved on, or that now belongs to another node."""
-        sup = self.supervisor
-        if sup is None or not sup.jobs:
+        """Ask the leader which local jobs moved on (a newer generation, or now another node's)
+        and kill those.  No answer (no leader, a timeout): the jobs are left alone."""
+        sup, nc = self.supervisor, self._nc
+        if sup is None or not sup.jobs or nc is None:
             return
+        local = [LocalJob(job=job, generation=rt.generation) for job, rt in list(sup.jobs.items())]
         try:
-            kv = await open_bucket(self._js, subjects.JOBS_BUCKET, None, history=5)
+            reply = await bus.request(nc, subjects.coordinator("reconcile"),
+                                      ReconcileRequest(node=self.node, incarnation=self.incarnation, jobs=local),
+                                      ReconcileReply, RECONCILE_TIMEOUT_S)
         except RevenantError as exc:
             log.warning("cannot reconcile: %s", exc)
             return
-        for job, rt in list(sup.jobs.items()):
+        for stale in reply.stale:
+            rt = sup.jobs.get(stale.job)
+            if rt is None or rt.generation != stale.generation:
+                continue  # ended or replaced meanwhile: the verdict was about a copy no longer here
+            reason = stale.reason or f"generation {stale.generation} is stale"
+            log.warning("job %s generation %d is stale (%s): killing it", stale.job, stale.generation, reason)
             try:
-                rec = msgspec.msgpack.decode((await kv.get(job)).value, type=JobRecord)
-            except Exception as exc:  # missing key, bad record, timeout: leave the job alone
-                log.debug("reconcile: no record for job %s: %s", job, exc)
-                continue
-            if rec.generation != rt.generation or rec.node != self.node:
-                log.warning("job %s generation %d is stale (now generation %d on %s): killing it",
-                            job, rt.generation, rec.generation, rec.node or "no node")
-                await sup.kill(job, rt.generation, reason=f"superseded by generation {rec.generation}")
+                await sup.kill(stale.job, stale.generation, reason=reason)
+            except RevenantError as exc:
+                log.warning("reconcile: cannot kill job %s: %s", stale.job, exc)

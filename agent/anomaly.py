@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from revenant.common.thresholds import AnomalySettings
+
 
 @dataclass(frozen=True)
 class Anomaly:
@@ -34,18 +36,16 @@ class AnomalyDetector:
     def __init__(self, *, window: int = 60, sigmas: float = 3.0, min_samples: int = 30,
                  min_std: float = 1e-9, min_relative_std: float = 0.01, cooldown_s: float = 300.0,
                  burst: int = 5, refill_s: float = 60.0, max_metrics: int = 256) -> None:
-        if window < 2 or not 2 <= min_samples <= window:
-            raise ValueError(f"anomaly window={window} needs 2 <= min_samples ({min_samples}) <= window")
-        if not sigmas > 0 or min_std < 0 or min_relative_std < 0 or cooldown_s < 0:
-            raise ValueError("anomaly sigmas must be > 0; min_std, min_relative_std and cooldown_s >= 0")
-        if burst < 1 or not refill_s > 0 or max_metrics < 1:
-            raise ValueError("anomaly burst and max_metrics must be >= 1 and refill_s > 0")
-        self.window, self.sigmas, self.min_samples = window, sigmas, min_samples
+        # One validation rule, shared with the config that builds these settings.
+        s = AnomalySettings(window=window, sigmas=sigmas, min_samples=min_samples, min_std=min_std,
+                            min_relative_std=min_relative_std, cooldown_s=cooldown_s, burst=burst,
+                            refill_s=refill_s, max_metrics=max_metrics)
+        self.window, self.sigmas, self.min_samples = s.window, s.sigmas, s.min_samples
         # A perfectly flat window has std 0, and then any wobble would be an
         # "infinite-sigma" anomaly; the floors keep the rule about real change.
-        self.min_std, self.min_relative_std = min_std, min_relative_std
-        self.cooldown_s = cooldown_s
-        self.burst, self.refill_s, self.max_metrics = burst, refill_s, max_metrics
+        self.min_std, self.min_relative_std = s.min_std, s.min_relative_std
+        self.cooldown_s = s.cooldown_s
+        self.burst, self.refill_s, self.max_metrics = s.burst, s.refill_s, s.max_metrics
         self._values: dict[str, collections.deque[float]] = {}
         self._last_report: dict[str, float] = {}
         self._tokens = float(burst)
@@ -53,6 +53,13 @@ class AnomalyDetector:
         # Anomalies seen but not reported (rate limit), values ignored (not finite, too many metrics).
         self.suppressed = 0
         self.ignored = 0
+
+    @classmethod
+    def from_settings(cls, settings: AnomalySettings) -> AnomalyDetector:
+        return cls(window=settings.window, sigmas=settings.sigmas, min_samples=settings.min_samples,
+                   min_std=settings.min_std, min_relative_std=settings.min_relative_std,
+                   cooldown_s=settings.cooldown_s, burst=settings.burst, refill_s=settings.refill_s,
+                   max_metrics=settings.max_metrics)
 
     def stats(self, metric: str) -> tuple[float, float, int] | None:
         """(mean, std, samples) of the metric's window, or None before its first value."""

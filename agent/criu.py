@@ -1,4 +1,9 @@
-"""Finding criu and finding out what it can do on this kernel."""
+"""criu at its boundary: finding it and what it can do on this kernel, the command lines
+revenant runs it with, and reading what it says when it fails.
+
+Everything criu-specific outside the engine's pipeline lives here: the engine
+(``agent/engine.py``) asks for an argv, runs it, and asks again what went wrong.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+from pathlib import Path
 
 from revenant.agent import procs
 from revenant.common.errors import CriuError
@@ -18,6 +24,11 @@ MIN_VERSION = (4, 1)
 FEATURES = ("mem_dirty_track", "uffd-noncoop", "pidfd_store", "clone3_set_tid", "timens")
 
 _VERSION_RE = re.compile(r"^Version:\s*(\S+)", re.M)
+_FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")
+
+# criu's logs, written into its work directory (-W).
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
 
 
 def locate_criu(configured: str = "", environ: dict[str, str] | None = None) -> str:
@@ -37,6 +48,40 @@ def locate_criu(configured: str = "", environ: dict[str, str] | None = None) -> 
     raise CriuError("criu not found: set criu_path, REVENANT_CRIU, or put criu on PATH (make setup installs it)")
 
 
+# ------------------------------------------------------------------ command lines
+
+def version_argv(criu: str) -> list[str]:
+    return [criu, "--version"]
+
+
+def check_argv(criu: str, feature: str | None = None) -> list[str]:
+    return [criu, "check"] + (["--feature", feature] if feature else [])
+
+
+def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script: Path,
+              leave_running: bool) -> list[str]:
+    """Dump the tree rooted at ``pid`` into ``images``; its log goes to ``workdir``/DUMP_LOG.
+    ``leave_running`` False: the tree is left stopped (a vacate kills it after the commit)."""
+    # -v2: errors and warnings only; a verbose log is written while the job is frozen.
+    return [criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", DUMP_LOG,
+            "-v2", "--display-stats", "--action-script", str(action_script),
+            "--leave-running" if leave_running else "--leave-stopped"]
+
+
+def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path) -> list[str]:
+    """Restore as the caller's own child (--restore-sibling keeps the saved PDEATHSIG alive)."""
+    return [criu, "restore", "-D", str(images), "-W", str(workdir), "-o", RESTORE_LOG,
+            "-v4", "--restore-detached", "--restore-sibling", "--pidfile", str(pidfile)]
+
+
+def action_script(post_dump: list[str]) -> str:
+    """An --action-script that runs ``post_dump`` (shell lines) while the tree is still frozen."""
+    return ("#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n"
+            + "\n".join(post_dump) + "\n")
+
+
+# ------------------------------------------------------------------ what criu says
+
 def last_error_line(output: str) -> str:
     """criu's most telling line: the last error that is not the harmless RLIMIT_NOFILE one."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
@@ -45,6 +90,34 @@ def last_error_line(output: str) -> str:
         return errors[-1]
     rest = [ln for ln in lines if "RLIMIT_NOFILE" not in ln]
     return rest[-1] if rest else "(no output)"
+
+
+def read_log(logfile: Path, output: str) -> str:
+    """criu's log file (if it wrote one) followed by its console output."""
+    try:
+        text = logfile.read_text(errors="replace")
+    except OSError:
+        text = ""
+    return text + "\n" + output if text else output
+
+
+def log_error(logfile: Path, output: str) -> str:
+    """The line that says why a criu run failed, from its log and its output."""
+    return last_error_line(read_log(logfile, output))
+
+
+def no_space_line(text: str) -> str | None:
+    """The first line saying the disk (or the quota) is full, if any."""
+    for ln in text.splitlines():
+        if "No space left on device" in ln or "Disk quota exceeded" in ln:
+            return ln.strip()
+    return None
+
+
+def frozen_time_s(output: str) -> float:
+    """How long the tree was frozen, from ``--display-stats`` (0 if criu did not say)."""
+    m = _FROZEN_RE.search(output)
+    return int(m.group(1)) / 1e6 if m else 0.0
 
 
 def parse_version(text: str) -> str | None:
@@ -71,7 +144,7 @@ async def inspect_criu(configured: str = "", timeout_s: float = 30.0) -> CriuInf
     except CriuError as exc:
         return CriuInfo(ok=False, error=str(exc))
     try:
-        rc, out = await _run([path, "--version"], timeout_s)
+        rc, out = await _run(version_argv(path), timeout_s)
         version = parse_version(out)
         if rc != 0:
             return CriuInfo(path=path, ok=False, error=f"criu --version failed: {last_error_line(out)}")
@@ -81,8 +154,8 @@ async def inspect_criu(configured: str = "", timeout_s: float = 30.0) -> CriuInf
             need = ".".join(map(str, MIN_VERSION))
             return CriuInfo(path=path, version=version, ok=False,
                             error=f"criu {version} is too old: revenant needs {need} or later")
-        rc, out = await _run([path, "check"], timeout_s)
-        results = await asyncio.gather(*(_run([path, "check", "--feature", f], timeout_s) for f in FEATURES))
+        rc, out = await _run(check_argv(path), timeout_s)
+        results = await asyncio.gather(*(_run(check_argv(path, f), timeout_s) for f in FEATURES))
     except (OSError, CriuError) as exc:
         return CriuInfo(path=path, ok=False, error=f"cannot run criu: {exc}")
     features = {name: code == 0 for name, (code, _) in zip(FEATURES, results)}

@@ -25,24 +25,19 @@ import errno
 import logging
 import os
 import platform
-import re
 import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
-import psutil
-
-from revenant.agent import procs
-from revenant.agent.criu import last_error_line
+from revenant.agent import criu, procs
+from revenant.agent.procs import signal_tree
 from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags, rollback_outputs
 from revenant.common.errors import CriuError, RevenantError
 
 log = logging.getLogger(__name__)
-
-_FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")
 
 
 class NoSpace(RevenantError):
@@ -128,40 +123,25 @@ def _sh(s: str) -> str:
     return "'" + s.replace("'", "'\\''") + "'"
 
 
-def tree_pids(root: int) -> list[int]:
-    try:
-        p = psutil.Process(root)
-        return [root] + [c.pid for c in p.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    """A zombie is not alive (where pid 1 never reaps, a dead agent lingers as one)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _remove(*paths: Path | None) -> None:
     for path in paths:
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def signal_tree(root: int, sig: int) -> None:
-    for pid in tree_pids(root):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+@dataclass
+class _Undo:
+    """What a dump that does not commit leaves to undo."""
+
+    frozen: bool = False  # stopped by --leave-stopped: resume it
+    tmp: Path | None = None  # the epoch being written: discard it
 
 
 class Engine:
     def __init__(self, *, criu_path: str, criu_version: str, node: str, storage: Path, work_roots: list[Path],
                  staging: Path | None = None, steps: list[Step] | None = None, concurrency: int = 2,
-                 criu_timeout_s: float = 3600.0) -> None:
+                 criu_timeout_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.criu = criu_path
         self.criu_version = criu_version
         self.node = node
@@ -173,6 +153,9 @@ class Engine:
         self.steps: list[Step] = steps if steps is not None else [OutputRollback()]
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
+        # Durations (monotonic) and the manifest's creation time (wall clock).
+        self.clock = clock
+        self.wall_clock = wall_clock
         self.pending = 0
         self.clean_stale_staging()
 
@@ -188,7 +171,7 @@ class Engine:
                     owner = int(entry.name.rsplit("-", 2)[-2])
                 except (ValueError, IndexError):
                     continue
-                if owner != os.getpid() and not _alive(owner):
+                if owner != os.getpid() and not procs.alive(owner):
                     log.info("removing stale staging %s", entry)
                     shutil.rmtree(entry, ignore_errors=True)
 
@@ -211,47 +194,28 @@ class Engine:
     async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool) -> tuple[Manifest, list[str]]:
         workdir = self._new_dir(self.work_roots, job)
         staging = self._new_dir([self.staging], job) if self.staging is not None else None
-        manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=time.time(),
+        manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
                             criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags())
         ctx = DumpContext(job=job, generation=generation, pid=pid, files=files, workdir=workdir, stop=stop,
                           manifest=manifest)
-        started = time.monotonic()
-        frozen = False  # the job is stopped by --leave-stopped and must be resumed on failure
-        tmp: Path | None = None
+        started = self.clock()
+        undo = _Undo()
         committed = False
         try:
             for step in self.steps:
                 await step.before_dump(ctx)
-            script = workdir / "action.sh"
-            script.write_text("#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n"
-                              + "\n".join(ctx.post_dump_script) + "\n")
-            script.chmod(0o755)
-            tmp = files.new_tmp(self.node)
-            images = staging if staging is not None else tmp
-            # -v2: errors and warnings only; a verbose log is written while the job is frozen.
-            argv = [self.criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", "dump.log",
-                    "-v2", "--display-stats", "--action-script", str(script),
-                    "--leave-stopped" if stop else "--leave-running"]
-            done = await procs.run(argv, self.criu_timeout_s)
-            frozen = stop and done.returncode == 0
-            if done.returncode != 0:
-                text = self._criu_log(workdir / "dump.log", done.output)
-                full = [ln.strip() for ln in text.splitlines()
-                        if "No space left on device" in ln or "Disk quota exceeded" in ln]
-                if full:
-                    raise NoSpace(f"no space left writing the checkpoint of {job}: {full[0]}")
-                raise CriuError(f"criu dump failed: {last_error_line(text)}")
-            m = _FROZEN_RE.search(done.output)
-            manifest.freeze_s = int(m.group(1)) / 1e6 if m else 0.0
-            manifest.dump_s = time.monotonic() - started
+            undo.tmp = files.new_tmp(self.node)
+            output = await self._dump(ctx, staging if staging is not None else undo.tmp, undo)
+            manifest.freeze_s = criu.frozen_time_s(output)
+            manifest.dump_s = self.clock() - started
             for step in self.steps:
                 await step.after_dump(ctx)
-            manifest = await asyncio.to_thread(files.commit, tmp, manifest, staging)
-            tmp = None
+            manifest = await asyncio.to_thread(files.commit, undo.tmp, manifest, staging, self.clock)
+            undo.tmp = None
             committed = True
             if stop:
                 signal_tree(pid, signal.SIGKILL)
-                frozen = False
+                undo.frozen = False
             return manifest, ctx.notes
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -259,9 +223,26 @@ class Engine:
             raise EpochError(f"checkpoint of {job} failed: {exc}") from None
         finally:
             if not committed:
-                await asyncio.shield(self._undo_dump(ctx, frozen, tmp))
+                await asyncio.shield(self._undo_dump(ctx, undo.frozen, undo.tmp))
             # Deleting GiBs of staging takes a while: not on the event loop.
             await asyncio.to_thread(_remove, workdir, staging)
+
+    async def _dump(self, ctx: DumpContext, images: Path, undo: _Undo) -> str:
+        """Run ``criu dump`` into ``images``; its output (with the stats), or the error it ended with."""
+        script = ctx.workdir / "action.sh"
+        script.write_text(criu.action_script(ctx.post_dump_script))
+        script.chmod(0o755)
+        argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
+                              leave_running=not ctx.stop)
+        done = await procs.run(argv, self.criu_timeout_s)
+        undo.frozen = ctx.stop and done.returncode == 0
+        if done.returncode != 0:
+            text = criu.read_log(ctx.workdir / criu.DUMP_LOG, done.output)
+            full = criu.no_space_line(text)
+            if full is not None:
+                raise NoSpace(f"no space left writing the checkpoint of {ctx.job}: {full}")
+            raise CriuError(f"criu dump failed: {criu.last_error_line(text)}")
+        return done.output
 
     async def _undo_dump(self, ctx: DumpContext, frozen: bool, tmp: Path | None) -> None:
         if frozen:
@@ -288,22 +269,24 @@ class Engine:
                                      epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
                                      manifest=manifest, notes=notes)
                 try:
-                    for step in self.steps:
-                        await step.before_restore(ctx)
-                    pidfile = workdir / "pid"
-                    argv = [self.criu, "restore", "-D", str(ctx.epoch_dir), "-W", str(workdir), "-o", "restore.log",
-                            "-v4", "--restore-detached", "--restore-sibling", "--pidfile", str(pidfile)]
-                    done = await procs.run(argv, self.criu_timeout_s)
-                    if done.returncode != 0:
-                        raise CriuError(f"criu restore failed: {self._criu_error(workdir / 'restore.log', done.output)}")
-                    ctx.pid = int(pidfile.read_text().strip())
-                    for step in self.steps:
-                        await step.after_restore(ctx)
-                    return ctx.pid, manifest, ctx.notes
+                    return await self._restore(ctx)
                 finally:
                     await asyncio.to_thread(_remove, workdir)
         finally:
             self.pending -= 1
+
+    async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str]]:
+        for step in self.steps:
+            await step.before_restore(ctx)
+        pidfile = ctx.workdir / "pid"
+        argv = criu.restore_argv(self.criu, images=ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
+        done = await procs.run(argv, self.criu_timeout_s)
+        if done.returncode != 0:
+            raise CriuError(f"criu restore failed: {criu.log_error(ctx.workdir / criu.RESTORE_LOG, done.output)}")
+        ctx.pid = int(pidfile.read_text().strip())
+        for step in self.steps:
+            await step.after_restore(ctx)
+        return ctx.pid, ctx.manifest, ctx.notes
 
     # ------------------------------------------------------------------ helpers
 
@@ -318,15 +301,3 @@ class Engine:
             except OSError as exc:
                 last = exc
         raise EpochError(f"no usable scratch directory in {', '.join(map(str, roots))}: {last}")
-
-    @staticmethod
-    def _criu_log(logfile: Path, output: str) -> str:
-        try:
-            text = logfile.read_text(errors="replace")
-        except OSError:
-            text = ""
-        return text + "\n" + output if text else output
-
-    @classmethod
-    def _criu_error(cls, logfile: Path, output: str) -> str:
-        return last_error_line(cls._criu_log(logfile, output))

@@ -33,9 +33,11 @@ import shutil
 import time
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
+from revenant.common import retention
 from revenant.common.errors import RevenantError
 from revenant.messages import EpochInfo
 
@@ -164,7 +166,7 @@ class JobFiles:
         self.job = job
         self.epochs_dir = self.dir / "epochs"
         self.output = self.dir / "output.log"
-        # The dead man's switch's stamp (see agent/jobs.py).
+        # The dead man's switch's stamp (see agent/launcher.py).
         self.stamp = self.dir / "alive"
 
     def epoch_dir(self, n: int) -> Path:
@@ -208,10 +210,11 @@ class JobFiles:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, manifest: Manifest, staging: Path | None = None) -> Manifest:
+    def commit(self, tmp: Path, manifest: Manifest, staging: Path | None = None,
+               clock: Callable[[], float] = time.monotonic) -> Manifest:
         """Make the images in ``tmp`` (copied there from ``staging`` first, if given) an epoch:
         checksums, fsync, the manifest last, then the rename to the next N."""
-        started = time.monotonic()
+        started = clock()
         if staging is not None:
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), _image_names(staging)))
@@ -223,7 +226,7 @@ class JobFiles:
             manifest.files = {n: FileEntry(size=(tmp / n).stat().st_size, checksum=f.result()) for n, f in sums.items()}
             for f in syncs:
                 f.result()
-        manifest.commit_s = time.monotonic() - started
+        manifest.commit_s = clock() - started
         manifest.total_s = manifest.dump_s + manifest.commit_s
         n = self.next_number()
         manifest.epoch = n
@@ -282,8 +285,9 @@ class JobFiles:
         raise NoEpoch(f"job {self.job} has no checkpoint")
 
     def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed epochs; returns the numbers removed."""
-        doomed = self.committed()[:-keep] if keep > 0 else []
+        """Delete all but the newest ``keep`` committed epochs (the shared retention rule);
+        returns the numbers removed.  ``keep`` below 1 deletes nothing."""
+        doomed = retention.epochs_to_prune(self.committed(), keep) if keep > 0 else []
         for n in doomed:
             trash = self.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
             os.rename(self.epoch_dir(n), trash)  # unlisted at once, deleted at leisure

@@ -17,10 +17,10 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
+from revenant.common.thresholds import GpuThresholds
 from revenant.messages import GpuHealth, GpuInfo, GpuProcess, HealthState
 
 log = logging.getLogger(__name__)
@@ -35,24 +35,6 @@ _NOT_SUPPORTED, _NO_PERMISSION, _TIMEOUT, _FUNCTION_NOT_FOUND, _VERSION_MISMATCH
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 
 Finding = tuple[HealthState, str]
-
-
-@dataclass(frozen=True)
-class GpuThresholds:
-    # A100/H100/H200 report a "max operating" temperature near 85-87 C and slow
-    # down near 90 C; YELLOW warns before throttling, RED means it is throttling.
-    temperature_yellow_c: float = 85.0
-    temperature_red_c: float = 90.0
-    # Any uncorrectable error since the driver loaded: results may be corrupt.
-    ecc_uncorrected_red: int = 1
-    # How long an XID keeps its finding; it needs a human (or a reset) to clear.
-    xid_hold_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.temperature_yellow_c > self.temperature_red_c:
-            raise ValueError("gpu temperature_yellow_c must not exceed temperature_red_c")
-        if self.ecc_uncorrected_red < 1 or self.xid_hold_s < 0:
-            raise ValueError("gpu ecc_uncorrected_red must be >= 1 and xid_hold_s >= 0")
 
 
 def classify_xid(xid: int) -> HealthState:

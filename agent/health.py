@@ -1,8 +1,9 @@
 """Node health: the probes' readings and the rules that turn them into GREEN/YELLOW/RED.
 
 The rules are a pure function of a :class:`HealthSample` and the thresholds, so
-they are unit-tested without an agent.  The loop monitor that feeds the loop
-readings lives in :mod:`revenant.common.loopmonitor`.
+they are unit-tested without an agent.  The thresholds are configuration values
+(:mod:`revenant.common.thresholds`); the readings are taken by ``agent/probes.py``,
+the loop's by :mod:`revenant.common.loopmonitor`.
 """
 
 from __future__ import annotations
@@ -11,42 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from revenant.agent.gpu import GpuThresholds, classify_gpu
+from revenant.agent.gpu import classify_gpu
+from revenant.common.thresholds import HealthThresholds
 from revenant.messages import GpuHealth, HealthState, HealthSummary
 
 _ORDER: dict[HealthState, int] = {"GREEN": 0, "YELLOW": 1, "RED": 2}
-
-
-@dataclass(frozen=True)
-class HealthThresholds:
-    """Where each probe turns YELLOW and RED; docs/observability.md gives the reasons."""
-
-    memory_yellow_percent: float = 85.0
-    memory_red_percent: float = 95.0
-    storage_yellow_free_bytes: int = 2 * 1024**3
-    storage_red_free_bytes: int = 256 * 1024**2
-    loop_lag_yellow_s: float = 0.25
-    loop_lag_red_s: float = 2.0
-    # Consecutive failed checkpoints (any job): one may be the job's fault, three are the node's.
-    checkpoint_failures_yellow: int = 1
-    checkpoint_failures_red: int = 3
-    # Operations waiting for the supervisor's dump/restore slots.
-    pending_ops_yellow: int = 8
-    pending_ops_red: int = 32
-    gpu: GpuThresholds = GpuThresholds()
-
-    def __post_init__(self) -> None:
-        # The loop-lag pair is left out on purpose: its YELLOW follows the
-        # agent's stall threshold, which may exceed the RED lag (then RED wins).
-        for low, high in (("memory_yellow_percent", "memory_red_percent"),
-                          ("storage_red_free_bytes", "storage_yellow_free_bytes"),
-                          ("checkpoint_failures_yellow", "checkpoint_failures_red"),
-                          ("pending_ops_yellow", "pending_ops_red")):
-            lo, hi = getattr(self, low), getattr(self, high)
-            if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float))) or lo > hi:
-                raise ValueError(f"health thresholds: {low}={lo!r} must be a number <= {high}={hi!r}")
-        if self.checkpoint_failures_yellow < 1 or self.pending_ops_yellow < 1:
-            raise ValueError("health thresholds: checkpoint_failures_yellow and pending_ops_yellow must be >= 1")
 
 
 @dataclass(frozen=True)

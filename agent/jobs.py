@@ -1,18 +1,13 @@
-"""The job supervisor: launching jobs, watching them, and driving the engine for them.
+"""The job supervisor: which jobs run here, at which generation, and what happens to them.
 
-A job runs in its own PID namespace, so it can be restored on any node without
-PID collisions::
+It coordinates the parts that do the work: the launcher (``agent/launcher.py``:
+the PID namespace, revenant-init, the job's files), the engine (``agent/engine.py``:
+checkpoint and restore), the checkpoint bookkeeping (``agent/checkpoints.py``) and
+the exit classifier (``agent/exits.py``: which event a job's end becomes).
 
-    agent ─ unshare --pid --fork --kill-child ─ sh (pid 1: revenant-init) ─ the job
-
-* ``unshare`` dies with the agent (PR_SET_PDEATHSIG), and ``--kill-child`` makes
-  the namespace's init die with ``unshare``, which takes the whole namespace.
-* The init redirects stdin from /dev/null and appends stdout and stderr to
-  ``<storage>/jobs/<id>/output.log``, then waits for the job and exits with its
-  status.  ``unshare`` itself writes nowhere near the job's output.
-* A restored job (``criu restore --restore-sibling``) becomes the agent's direct
-  child; the agent is a child subreaper, so anything orphaned below it is its
-  to reap too.  Either way the agent records the exit status.
+A restored job (``criu restore --restore-sibling``) becomes the agent's direct
+child; the agent is a child subreaper, so anything orphaned below it is its to
+reap too.  Either way the agent records the exit status.
 """
 
 from __future__ import annotations
@@ -20,9 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -30,47 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import psutil
-
 from revenant.agent import procs
-from revenant.agent.engine import Engine, signal_tree
-from revenant.agent.epochs import JobFiles, replace_with_prefix
+from revenant.agent.checkpoints import CheckpointBook
+from revenant.agent.engine import Engine
+from revenant.agent.epochs import JobFiles
+from revenant.agent.exits import ExitClassifier, JobEnd
+from revenant.agent.launcher import Launcher, new_stamp, reset_stamp
+from revenant.agent.procs import signal_tree
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.metrics import AgentMetrics
-from revenant.messages import AgentJobReply, EpochEvent, JobEvent, JobSpec, Message, subjects
+from revenant.messages import AgentJobReply, JobEvent, JobSpec, Message, subjects
 
 log = logging.getLogger(__name__)
-
-# pid 1 of the job's namespace.  Besides waiting for the job it is a dead man's
-# switch: it holds the job's stamp file open as fd 3, and the agent touches that
-# file (by path) each time it renews its lease.  If the stamp goes stale for
-# FENCE_MS - the agent is dead, paused or cut off - it exits, and the kernel
-# kills everything in the namespace.  A restore gives the stamp a new inode
-# first, so a stale copy left behind on a paused node watches a file nobody
-# touches any more, and fences itself.  No descriptor leads outside the job's
-# files, so criu dumps it like any other regular file.
-INIT_SCRIPT = """out=$1; stamp=$2; fence_ms=$3; shift 3
-exec </dev/null >>"$out" 2>&1 3<"$stamp"
-"$@" &
-child=$!
-while kill -0 $child 2>/dev/null; do
-    sleep 0.2
-    m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
-    now=$(date +%s%3N)
-    if [ $((now - ${m%.*}${m#*.})) -gt "$fence_ms" ]; then
-        exit 251
-    fi
-done
-wait $child
-"""
-INIT_NAME = "revenant-init"
-# The init's exit status when its switch fired (the agent tells it from a job's own 251
-# by whether it had stopped resetting the switches).
-SWITCH_EXIT = 251
-
-
-class LaunchError(RevenantError):
-    code = "launch_failed"
 
 
 @dataclass
@@ -106,29 +69,35 @@ class Launch:
 class Supervisor:
     def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
                  criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
-                 switch_timeout_s: float = 1.2) -> None:
-        self.metrics = metrics
+                 switch_timeout_s: float = 1.2, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.switch_timeout_s = switch_timeout_s
         self.node = node
         self.storage = storage
         self.engine = engine
         self.emit = emit
         self.criu_error = criu_error
+        self.wall_clock = wall_clock
+        self.launcher = Launcher(node, storage, switch_timeout_s, clock=clock)
+        self.exits = ExitClassifier(switch_timeout_s, clock)
+        self.book = CheckpointBook(node, emit, metrics, wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
         # Starts and restores in flight, one per job: a newer generation or a kill
         # arriving meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
-        # When the dead man's switches were last reset, and when a gap long enough to fire them ended.
-        self._touched_at = time.monotonic()
-        self._switch_gap_at = -math.inf
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.checkpoint_failures = 0
+        # The jobs' pid watchers.  Not the agent's background tasks: a drain needs them
+        # after the agent has stopped its loops, so shutdown() ends them, last.
+        self._watchers: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ queries
 
     @property
     def pending_ops(self) -> int:
         return self.engine.pending if self.engine else 0
+
+    @property
+    def checkpoint_failures(self) -> int:
+        return self.book.failures
 
     def _get(self, job: str, generation: int | None = None) -> JobRuntime:
         rt = self.jobs.get(job)
@@ -144,7 +113,7 @@ class Supervisor:
 
     def _event(self, rt: JobRuntime, kind: str, **kw) -> None:
         self.emit(subjects.job_event(rt.spec.id, kind),
-                  JobEvent(job=rt.spec.id, kind=kind, at=time.time(), node=self.node, generation=rt.generation,
+                  JobEvent(job=rt.spec.id, kind=kind, at=self.wall_clock(), node=self.node, generation=rt.generation,
                            pid=rt.pid, **kw))
 
     # ------------------------------------------------------------------ start
@@ -156,38 +125,19 @@ class Supervisor:
             return await self._start(spec, generation, fresh, launch)
 
     async def _start(self, spec: JobSpec, generation: int, fresh: bool, launch: Launch) -> AgentJobReply:
-        if not spec.argv:
-            raise LaunchError("empty command")
-        if not os.path.isdir(spec.workdir):
-            raise LaunchError(f"workdir {spec.workdir} does not exist on {self.node}")
-        env = {**os.environ, **spec.env}
-        if shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
-                os.path.isfile(os.path.join(spec.workdir, spec.argv[0])) and "/" in spec.argv[0]):
-            raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
-        files = JobFiles(self.storage, spec.id)
-        files.dir.mkdir(parents=True, exist_ok=True)
-        if fresh:
-            await asyncio.to_thread(replace_with_prefix, files.output, 0)
-        files.output.touch()
-        await asyncio.to_thread(replace_with_prefix, files.stamp, 0)
+        env = self.launcher.check(spec)
+        files = await self.launcher.prepare(spec.id, fresh)
         launch.stamp = files.stamp
-        argv = ["unshare", "--pid", "--fork", "--kill-child", "setsid",
-                "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(files.output), str(files.stamp),
-                str(int(self.switch_timeout_s * 1000)), *spec.argv]
-        wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=spec.workdir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
-        pid = await self._namespace_init(wrapper)
-        rt = JobRuntime(spec=spec, generation=generation, pid=pid or 0, files=files)
+        started = await self.launcher.spawn(spec, files, env)
+        rt = JobRuntime(spec=spec, generation=generation, pid=started.pid or 0, files=files)
         self.jobs[spec.id] = rt
         log.info("job %s (generation %d) started, pid %d", spec.id, generation, rt.pid)
         self._event(rt, "started")
-        if pid is None:
+        if started.pid is None:
             # Finished before we could even see it (`true`): report its exit all the same.
-            procs.WATCHED.discard(wrapper.pid)
-            code = wrapper.returncode if wrapper.returncode >= 0 else 128 - wrapper.returncode
-            asyncio.get_running_loop().call_soon(self._exited, rt, code)
+            asyncio.get_running_loop().call_soon(self._exited, rt, started.exit_code)
         else:
-            self._watch(rt, wrapper.pid, wrapper)
+            self._watch(rt, started.wrapper.pid, started.wrapper)
         await self._check_superseded(rt, launch)
         return self._reply(rt)
 
@@ -223,22 +173,6 @@ class Supervisor:
             raise StaleGeneration(f"job {rt.spec.id} generation {rt.generation} was {launch.superseded} "
                                   f"while it started on {self.node}")
 
-    async def _namespace_init(self, wrapper: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:
-        """The host pid of the namespace's init, or None if the whole job has already exited."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                children = psutil.Process(wrapper.pid).children()
-            except psutil.Error:
-                children = []
-            if children:
-                return children[0].pid
-            if wrapper.poll() is not None:
-                return None
-            await asyncio.sleep(0.005)
-        signal_tree(wrapper.pid, signal.SIGKILL)
-        raise LaunchError(f"the job's namespace did not start within {timeout_s:g} s")
-
     def _watch(self, rt: JobRuntime, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
         async def watch() -> None:
             code = await procs.wait_pid(pid)
@@ -247,8 +181,8 @@ class Supervisor:
             self._exited(rt, code)
 
         task = asyncio.create_task(watch(), name=f"watch-{rt.spec.id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
     def _exited(self, rt: JobRuntime, code: int) -> None:
         rt.exit_code = code
@@ -259,18 +193,14 @@ class Supervisor:
             self._report_exit(rt)  # else the vacate reports it when it ends, however it ends
 
     def _report_exit(self, rt: JobRuntime) -> None:
-        code = rt.exit_code if rt.exit_code is not None else -1
-        if rt.stopped_at_epoch is not None:
-            kind = "evicted" if rt.evicted else "vacated"
-            log.info("job %s %s at epoch %d", rt.spec.id, kind, rt.stopped_at_epoch)
-            self._event(rt, kind, epoch=rt.stopped_at_epoch, reason=rt.kill_reason)
-            return
-        if code == SWITCH_EXIT and not rt.killing and self._switch_may_have_fired():
-            rt.evicted = True
-            rt.kill_reason = "its dead man's switch fired: the agent was stalled or cut off"
-        kind = "evicted" if rt.evicted else "killed" if rt.killing else "exited"
-        log.info("job %s %s with status %d%s", rt.spec.id, kind, code, f" ({rt.kill_reason})" if rt.kill_reason else "")
-        self._event(rt, kind, exit_code=code, reason=rt.kill_reason)
+        verdict = self.exits.classify(JobEnd(code=rt.exit_code, killing=rt.killing, evicted=rt.evicted,
+                                             reason=rt.kill_reason, stopped_at_epoch=rt.stopped_at_epoch))
+        if verdict.epoch is not None:
+            log.info("job %s %s at epoch %d", rt.spec.id, verdict.kind, verdict.epoch)
+        else:
+            log.info("job %s %s with status %d%s", rt.spec.id, verdict.kind, verdict.exit_code,
+                     f" ({verdict.reason})" if verdict.reason else "")
+        self._event(rt, verdict.kind, exit_code=verdict.exit_code, epoch=verdict.epoch, reason=verdict.reason)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -295,32 +225,17 @@ class Supervisor:
 
     async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str) -> AgentJobReply:
         job, generation = rt.spec.id, rt.generation
+        assert self.engine is not None
         try:
             manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop)
         except RevenantError as exc:
-            self.checkpoint_failures += 1
-            if self.metrics is not None:
-                self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
-            self.emit(subjects.epoch_event(job, "failed"),
-                      EpochEvent(job=job, kind="failed", at=time.time(), node=self.node, generation=generation,
-                                 error=str(exc)))
+            self.book.failed(job, generation, exc)
             raise
         if stop:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
             rt.stopped_at_epoch = manifest.epoch
             rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
-        self.checkpoint_failures = 0
-        info = rt.files.info(manifest)
-        if self.metrics is not None:
-            self.metrics.observe_checkpoint(ok=True, duration_s=manifest.dump_s, freeze_s=manifest.freeze_s,
-                                            size_bytes=info.bytes)
-        self.emit(subjects.epoch_event(job, "created"),
-                  EpochEvent(job=job, kind="created", at=time.time(), n=manifest.epoch, node=self.node,
-                             generation=generation, bytes=info.bytes, freeze_s=manifest.freeze_s,
-                             duration_s=manifest.dump_s))
-        for n in await asyncio.to_thread(rt.files.prune, max(1, rt.spec.max_epochs)):
-            self.emit(subjects.epoch_event(job, "pruned"),
-                      EpochEvent(job=job, kind="pruned", at=time.time(), n=n, node=self.node, generation=generation))
+        info = await self.book.committed(rt.files, generation, manifest, rt.spec.max_epochs)
         if stop:
             try:
                 await asyncio.wait_for(rt.exited.wait(), 10)
@@ -341,7 +256,7 @@ class Supervisor:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         files = JobFiles(self.storage, spec.id)
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
-        await asyncio.to_thread(replace_with_prefix, files.stamp, 0)
+        await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
         pid, manifest, notes = await self.engine.restore(spec.id, generation)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
@@ -426,7 +341,7 @@ class Supervisor:
         for rt in doomed:
             rt.evicted = True
         await asyncio.gather(*(self._kill(rt, reason) for rt in doomed))
-        for task in list(self._tasks):
+        for task in list(self._watchers):
             task.cancel()
 
     def _supersede_launches(self, reason: str) -> None:
@@ -436,28 +351,14 @@ class Supervisor:
 
     def touch_stamps(self) -> None:
         """The agent holds its lease: every job's dead man's switch is reset (safe from another thread)."""
-        now = time.monotonic()
-        if now - self._touched_at > self.switch_timeout_s:
-            self._switch_gap_at = now
-        self._touched_at = now
+        self.exits.switches_reset()
         for rt in list(self.jobs.values()):
-            _touch(rt.files.stamp)
+            reset_stamp(rt.files.stamp)
         for launch in list(self.launching.values()):
             if launch.stamp is not None:
-                _touch(launch.stamp)
-
-    def _switch_may_have_fired(self) -> bool:
-        """Whether the switches went unreset long enough to fire, now or a moment ago."""
-        now = time.monotonic()
-        return now - self._touched_at > self.switch_timeout_s * 0.8 or now - self._switch_gap_at < 10.0
+                reset_stamp(launch.stamp)
 
     def reap_orphans(self) -> None:
         for pid, code in procs.reap_orphans():
             log.info("reaped orphan %d (status %d)", pid, code)
 
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError as exc:
-        log.warning("cannot reset the dead man's switch %s: %s", path, exc)

@@ -19,7 +19,6 @@ from typing import Awaitable, Callable
 
 import msgspec
 import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -52,7 +51,8 @@ class LeaseKeeper:
                  fence_timeout_s: float, on_fence: Callable[[float], Awaitable[None]],
                  on_renewed_after_fence: Callable[[], Awaitable[None]],
                  on_renewed: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._on_renewed = on_renewed
         self.js = js
         self.node = node
@@ -60,6 +60,7 @@ class LeaseKeeper:
         self.ttl_s = ttl_s
         self.renew_s = renew_s
         self.clock = clock
+        self.wall_clock = wall_clock
         self.fence = FenceClock(fence_timeout_s, clock())
         self.fenced = False
         self._on_fence = on_fence
@@ -98,7 +99,7 @@ class LeaseKeeper:
                     open_bucket(self.js, subjects.LEASES_BUCKET, self.ttl_s), self.renew_s * 2)
             self._seq += 1
             value = msgspec.msgpack.encode(LeaseValue(node=self.node, incarnation=self.incarnation, seq=self._seq,
-                                                      at=time.time()))
+                                                      at=self.wall_clock()))
             await asyncio.wait_for(self._kv.put(self.node, value), self.renew_s * 2)
             return True
         except (asyncio.TimeoutError, nats.errors.Error, BusError) as exc:

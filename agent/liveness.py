@@ -7,6 +7,15 @@ So this thread has its own event loop and its own NATS connection.  It reports
 the main loop's stall in the health it publishes (RED past ``loop_lag_red_s``),
 and it is the thread that fences: when it cannot renew the lease it kills the
 jobs itself, since the main loop may be the thing that is stuck.
+
+It knows the agent only through what its constructor is given: the values it
+publishes (read through callables, each safe from this thread) and three lease
+callbacks, which run on this thread:
+
+* ``on_renewed()``: the lease was renewed; reset the jobs' dead man's switches;
+* ``on_fence(stale_s)``: the lease went unrenewed too long; kill every job now;
+* ``on_lease_back()``: renewed again after a fence; report it and reconcile
+  (the callback hands that to the main loop).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import os
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import msgspec
 import nats.errors
@@ -27,18 +36,67 @@ from nats.aio.msg import Msg
 
 from revenant.agent.lease import LeaseKeeper
 from revenant.common import bus
-from revenant.messages import HealthSummary, Heartbeat, MessageError, Probe, ProbeReply, decode_as, encode, subjects
-
-if TYPE_CHECKING:
-    from revenant.agent.agent import Agent
+from revenant.common.config import AgentConfig
+from revenant.messages import (
+    Capabilities,
+    HealthSummary,
+    Heartbeat,
+    MessageError,
+    Probe,
+    ProbeReply,
+    decode_as,
+    encode,
+    subjects,
+)
 
 log = logging.getLogger(__name__)
 
 
+def published_health(health: HealthSummary, stuck_s: float, fenced: bool, red_after_s: float) -> HealthSummary:
+    """The main loop's latest health as this thread publishes it: RED if that loop has been
+    stuck for ``red_after_s`` or more (its own health is then stale), or if the node is fenced."""
+    if stuck_s >= red_after_s:
+        health = msgspec.structs.replace(health, state="RED", loop_lag_s=round(stuck_s, 3),
+                                         reasons=[*health.reasons, f"event loop stuck for {stuck_s:.1f} s"])
+    if fenced:
+        health = msgspec.structs.replace(health, state="RED",
+                                         reasons=[*health.reasons, "self-fenced: lease not renewed"])
+    return health
+
+
+def next_beat_at(scheduled: float, now: float, interval_s: float, jitter: float,
+                 uniform: Callable[[float, float], float] = random.uniform) -> float:
+    """When the heartbeat after one due at ``scheduled`` is due: one interval (+/- jitter) later,
+    or one interval from ``now`` if the thread fell behind (never a burst to catch up)."""
+    due = scheduled + interval_s * (1 + uniform(-jitter, jitter))
+    if due < now:
+        due = now + interval_s * (1 + uniform(-jitter, jitter))
+    return due
+
+
 class Liveness:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.config = agent.config
+    def __init__(self, config: AgentConfig, node: str, incarnation: str, *,
+                 health: Callable[[], HealthSummary],
+                 capabilities: Callable[[], Capabilities],
+                 stuck_for: Callable[[float], float],
+                 on_renewed: Callable[[], None],
+                 on_fence: Callable[[float], None],
+                 on_lease_back: Callable[[], None],
+                 on_heartbeat: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.node = node
+        self.incarnation = incarnation
+        self._health = health
+        self._capabilities = capabilities
+        self._stuck_for = stuck_for
+        self._on_renewed = on_renewed
+        self._on_fence = on_fence
+        self._on_lease_back = on_lease_back
+        self._on_heartbeat = on_heartbeat
+        self.clock = clock
+        self.wall_clock = wall_clock
         self.seq = 0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -55,14 +113,14 @@ class Liveness:
     # ------------------------------------------------------------------ lifecycle (called from the main loop)
 
     async def start(self) -> None:
-        self._thread = threading.Thread(target=self._main, name=f"liveness-{self.agent.node}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"liveness-{self.node}", daemon=True)
         self._thread.start()
         await asyncio.to_thread(self._started.wait)
         if self._error is not None:
             raise self._error
 
     async def stop(self) -> None:
-        """Say goodbye (a last ``leaving`` heartbeat) and drain; idempotent."""
+        """Say goodbye (a last ``leaving`` heartbeat) and drain; idempotent, and safe before start()."""
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(stop.set)
@@ -86,70 +144,56 @@ class Liveness:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         cfg = self.config
-        self._nc = nc = await bus.connect(cfg.nats_url, f"revenant-agent-{self.agent.node}-liveness",
+        self._nc = nc = await bus.connect(cfg.nats_url, f"revenant-agent-{self.node}-liveness",
                                           ping_interval_s=cfg.ping_interval_s,
                                           max_outstanding_pings=cfg.max_outstanding_pings,
                                           reconnect_wait_s=cfg.reconnect_wait_s)
-        self.lease = LeaseKeeper(nc.jetstream(), self.agent.node, self.agent.incarnation, ttl_s=cfg.lease_ttl_s,
+        self.lease = LeaseKeeper(nc.jetstream(), self.node, self.incarnation, ttl_s=cfg.lease_ttl_s,
                                  renew_s=cfg.lease_renew_s, fence_timeout_s=cfg.fence_timeout_s,
-                                 on_fence=self._fence, on_renewed_after_fence=self._after_fence,
-                                 on_renewed=self._touch_stamps)
-        await nc.subscribe(subjects.probe(self.agent.node), cb=self._on_probe)
+                                 on_fence=self._fence, on_renewed_after_fence=self._lease_back,
+                                 on_renewed=self._on_renewed, clock=self.clock, wall_clock=self.wall_clock)
+        await nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
         self._started.set()
-        tasks = [asyncio.create_task(self._beat()), asyncio.create_task(self.lease.run())]
         try:
-            await self._stop.wait()
+            async with asyncio.TaskGroup() as tasks:
+                beat = tasks.create_task(self._beat(), name="heartbeat")
+                lease = tasks.create_task(self.lease.run(), name="lease")
+                await self._stop.wait()
+                beat.cancel()
+                lease.cancel()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            try:
-                if nc.is_connected:
-                    await self._publish(leaving=True)
-                    await asyncio.wait_for(nc.drain(), cfg.shutdown_grace_s)
-                else:
-                    await nc.close()
-            except (asyncio.TimeoutError, nats.errors.Error) as exc:
-                log.warning("liveness drain did not finish cleanly: %s", exc or type(exc).__name__)
-                await nc.close()
+            if nc.is_connected and self._stop.is_set():  # asked to stop: say goodbye (not when it broke)
+                await self._publish(leaving=True)
+            await bus.close(nc, cfg.shutdown_grace_s, "liveness")
 
     # ------------------------------------------------------------------ heartbeats and probes
 
     def health(self) -> HealthSummary:
         """The main loop's latest health, made RED here if that loop is stuck."""
-        health = self.agent.health
-        stuck = self.agent.loop_monitor.stuck_for(time.monotonic())
-        if stuck >= self.config.loop_lag_red_s:
-            health = msgspec.structs.replace(health, state="RED", loop_lag_s=round(stuck, 3),
-                                             reasons=[*health.reasons, f"event loop stuck for {stuck:.1f} s"])
-        if self.fenced:
-            health = msgspec.structs.replace(health, state="RED",
-                                             reasons=[*health.reasons, "self-fenced: lease not renewed"])
-        return health
+        return published_health(self._health(), self._stuck_for(self.clock()), self.fenced,
+                                self.config.loop_lag_red_s)
 
     async def _beat(self) -> None:
         interval, jitter = self.config.heartbeat_interval_s, self.config.heartbeat_jitter
-        next_at = time.monotonic()
+        due = self.clock()
         while True:
             assert self.lease is not None
             await self.lease.check()  # a paused agent fences before it says anything
             await self._publish()
-            next_at += interval * (1 + random.uniform(-jitter, jitter))
-            now = time.monotonic()
-            if next_at < now:  # fell behind (the process was stopped): do not burst to catch up
-                next_at = now + interval * (1 + random.uniform(-jitter, jitter))
-            await asyncio.sleep(next_at - now)
+            now = self.clock()
+            due = next_beat_at(due, now, interval, jitter)
+            await asyncio.sleep(due - now)
 
     async def _publish(self, leaving: bool = False) -> None:
         nc = self._nc
         assert nc is not None
         self.seq += 1
-        hb = Heartbeat(node=self.agent.node, seq=self.seq, sent_at=time.time(), incarnation=self.agent.incarnation,
+        hb = Heartbeat(node=self.node, seq=self.seq, sent_at=self.wall_clock(), incarnation=self.incarnation,
                        pid=os.getpid(), interval_s=self.config.heartbeat_interval_s,
-                       capabilities=self.agent.capabilities, health=self.health(), leaving=leaving)
+                       capabilities=self._capabilities(), health=self.health(), leaving=leaving)
         try:
-            await nc.publish(subjects.heartbeat(self.agent.node), encode(hb))
-            self.agent.metrics.heartbeats.inc()
+            await nc.publish(subjects.heartbeat(self.node), encode(hb))
+            self._on_heartbeat()
             if leaving:
                 await nc.flush(timeout=1)
         except nats.errors.OutboundBufferLimitError:
@@ -161,8 +205,8 @@ class Liveness:
     async def _on_probe(self, msg: Msg) -> None:
         try:
             decode_as(msg.data, Probe)
-            reply = encode(ProbeReply(node=self.agent.node, incarnation=self.agent.incarnation, seq=self.seq,
-                                      sent_at=time.time(), health=self.health()))
+            reply = encode(ProbeReply(node=self.node, incarnation=self.incarnation, seq=self.seq,
+                                      sent_at=self.wall_clock(), health=self.health()))
         except MessageError as exc:
             reply = bus.error_reply(exc)
         if msg.reply:
@@ -173,18 +217,8 @@ class Liveness:
 
     # ------------------------------------------------------------------ lease and fence
 
-    def _touch_stamps(self) -> None:
-        if self.agent.supervisor is not None:
-            self.agent.supervisor.touch_stamps()
-
     async def _fence(self, stale_s: float) -> None:
-        # Kill from this thread: the main loop may be the very thing that is stuck.
-        sup = self.agent.supervisor
-        killed = sup.kill_all(f"self-fenced: lease not renewed for {stale_s:.1f} s") if sup is not None else []
-        self.agent.fence_report = (f"lease not renewed for {stale_s:.1f} s; killed "
-                                   f"{', '.join(killed) or 'no jobs'}")
+        self._on_fence(stale_s)  # kills from this thread: the main loop may be the very thing that is stuck
 
-    async def _after_fence(self) -> None:
-        main = self.agent.main_loop
-        if main is not None and not main.is_closed():
-            asyncio.run_coroutine_threadsafe(self.agent.after_fence(), main)
+    async def _lease_back(self) -> None:
+        self._on_lease_back()

@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import psutil
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -44,6 +46,31 @@ def decode_status(status: int) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.waitstatus_to_exitcode(status)
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every process below it (empty if ``root`` is gone)."""
+    try:
+        p = psutil.Process(root)
+        return [root] + [c.pid for c in p.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def signal_tree(root: int, sig: int) -> None:
+    for pid in tree_pids(root):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def alive(pid: int) -> bool:
+    """A zombie is not alive (where pid 1 never reaps, a dead agent lingers as one)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 # Children someone is waiting for: the orphan reaper leaves them alone.

@@ -69,7 +69,7 @@ from pathlib import Path
 import psutil
 
 from revenant.agent.epochs import JobFiles, Manifest
-from revenant.agent.jobs import INIT_NAME, INIT_SCRIPT
+from revenant.agent.launcher import INIT_NAME, INIT_SCRIPT
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"

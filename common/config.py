@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from revenant.common.errors import ConfigError
+from revenant.common.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -94,14 +95,11 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
         _port(self.http_port)
-        # Build the derived objects once, so inconsistent values fail here as a config error.
+        # Build the derived values once, so inconsistent ones fail here as a config error.
         self.health_thresholds()
-        self.anomaly_detector()
+        self.anomaly_settings()
 
-    def health_thresholds(self):
-        from revenant.agent.gpu import GpuThresholds
-        from revenant.agent.health import HealthThresholds
-
+    def health_thresholds(self) -> HealthThresholds:
         return HealthThresholds(
             memory_yellow_percent=self.memory_yellow_percent, memory_red_percent=self.memory_red_percent,
             storage_yellow_free_bytes=self.storage_yellow_free_bytes,
@@ -115,10 +113,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               ecc_uncorrected_red=self.gpu_ecc_uncorrected_red, xid_hold_s=self.gpu_xid_hold_s),
         )
 
-    def anomaly_detector(self):
-        from revenant.agent.anomaly import AnomalyDetector
-
-        return AnomalyDetector(window=self.anomaly_window, sigmas=self.anomaly_sigmas,
+    def anomaly_settings(self) -> AnomalySettings:
+        return AnomalySettings(window=self.anomaly_window, sigmas=self.anomaly_sigmas,
                                min_samples=self.anomaly_min_samples, cooldown_s=self.anomaly_cooldown_s)
 
 

@@ -1,0 +1,156 @@
+"""Launching a job: its PID namespace, its init (revenant-init, the dead man's switch), its files.
+
+A job runs in its own PID namespace, so it can be restored on any node without
+PID collisions::
+
+    agent ─ unshare --pid --fork --kill-child ─ sh (pid 1: revenant-init) ─ the job
+
+* ``unshare`` dies with the agent (PR_SET_PDEATHSIG), and ``--kill-child`` makes
+  the namespace's init die with ``unshare``, which takes the whole namespace.
+* The init redirects stdin from /dev/null and appends stdout and stderr to
+  ``<storage>/jobs/<id>/output.log``, then waits for the job and exits with its
+  status.  ``unshare`` itself writes nowhere near the job's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from revenant.agent import procs
+from revenant.agent.epochs import JobFiles, replace_with_prefix
+from revenant.agent.exits import SWITCH_EXIT
+from revenant.common.errors import RevenantError
+from revenant.messages import JobSpec
+
+log = logging.getLogger(__name__)
+
+# pid 1 of the job's namespace.  Besides waiting for the job it is a dead man's
+# switch: it holds the job's stamp file open as fd 3, and the agent touches that
+# file (by path) each time it renews its lease.  If the stamp goes stale for
+# FENCE_MS - the agent is dead, paused or cut off - it exits, and the kernel
+# kills everything in the namespace.  A restore gives the stamp a new inode
+# first, so a stale copy left behind on a paused node watches a file nobody
+# touches any more, and fences itself.  No descriptor leads outside the job's
+# files, so criu dumps it like any other regular file.
+INIT_SCRIPT = f"""out=$1; stamp=$2; fence_ms=$3; shift 3
+exec </dev/null >>"$out" 2>&1 3<"$stamp"
+"$@" &
+child=$!
+while kill -0 $child 2>/dev/null; do
+    sleep 0.2
+    m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
+    now=$(date +%s%3N)
+    if [ $((now - ${{m%.*}}${{m#*.}})) -gt "$fence_ms" ]; then
+        exit {SWITCH_EXIT}
+    fi
+done
+wait $child
+"""
+INIT_NAME = "revenant-init"
+
+
+class LaunchError(RevenantError):
+    code = "launch_failed"
+
+
+def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str]) -> list[str]:
+    """The command line that runs ``argv`` under revenant-init in a PID namespace of its own."""
+    return ["unshare", "--pid", "--fork", "--kill-child", "setsid",
+            "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
+            str(int(switch_timeout_s * 1000)), *argv]
+
+
+def new_stamp(files: JobFiles) -> None:
+    """A new inode for the job's dead man's switch: any stale copy still watching the old one
+    fences itself (blocking I/O)."""
+    replace_with_prefix(files.stamp, 0)
+
+
+def reset_stamp(path: Path) -> None:
+    """Reset one dead man's switch (safe from any thread)."""
+    try:
+        os.utime(path)
+    except OSError as exc:
+        log.warning("cannot reset the dead man's switch %s: %s", path, exc)
+
+
+@dataclass
+class Launched:
+    """A job's namespace, just started."""
+
+    wrapper: subprocess.Popen[bytes]  # unshare
+    pid: int | None  # host pid of the namespace's init; None: the whole job has already exited
+
+    @property
+    def exit_code(self) -> int:
+        """The wrapper's status, shell-style (only once it has exited)."""
+        code = self.wrapper.returncode
+        return code if code >= 0 else 128 - code
+
+
+class Launcher:
+    def __init__(self, node: str, storage: Path, switch_timeout_s: float, *, start_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.node = node
+        self.storage = storage
+        self.switch_timeout_s = switch_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.clock = clock
+
+    def check(self, spec: JobSpec) -> dict[str, str]:
+        """Refuse a job that cannot start here; its environment if it can."""
+        if not spec.argv:
+            raise LaunchError("empty command")
+        if not os.path.isdir(spec.workdir):
+            raise LaunchError(f"workdir {spec.workdir} does not exist on {self.node}")
+        env = {**os.environ, **spec.env}
+        if shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
+                os.path.isfile(os.path.join(spec.workdir, spec.argv[0])) and "/" in spec.argv[0]):
+            raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
+        return env
+
+    async def prepare(self, job: str, fresh: bool) -> JobFiles:
+        """The job's files for a start: its output (emptied for a ``fresh`` rerun) and a new stamp."""
+        files = JobFiles(self.storage, job)
+        files.dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            await asyncio.to_thread(replace_with_prefix, files.output, 0)
+        files.output.touch()
+        await asyncio.to_thread(new_stamp, files)
+        return files
+
+    async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str]) -> Launched:
+        argv = init_argv(files.output, files.stamp, self.switch_timeout_s, spec.argv)
+        wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              cwd=spec.workdir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
+        pid = await self._namespace_init(wrapper)
+        if pid is None:
+            procs.WATCHED.discard(wrapper.pid)  # reaped by poll(): nobody waits for it
+        return Launched(wrapper, pid)
+
+    async def _namespace_init(self, wrapper: subprocess.Popen[bytes]) -> int | None:
+        """The host pid of the namespace's init, or None if the whole job has already exited."""
+        deadline = self.clock() + self.start_timeout_s
+        while self.clock() < deadline:
+            try:
+                children = psutil.Process(wrapper.pid).children()
+            except psutil.Error:
+                children = []
+            if children:
+                return children[0].pid
+            if wrapper.poll() is not None:
+                return None
+            await asyncio.sleep(0.005)
+        procs.signal_tree(wrapper.pid, signal.SIGKILL)
+        raise LaunchError(f"the job's namespace did not start within {self.start_timeout_s:g} s")

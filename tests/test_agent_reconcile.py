@@ -1,0 +1,86 @@
+"""The agent's reconcile against a real nats-server, with a stand-in leader: it asks which of
+its jobs moved on and kills exactly those; with no leader answering it leaves them alone."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from helpers import agent_config, running, wait_for
+from revenant.agent.agent import Agent
+from revenant.common import bus
+from revenant.common.errors import NoResponders
+from revenant.messages import (
+    AgentJobReply,
+    JobEvent,
+    JobSpec,
+    LocalJob,
+    ReconcileReply,
+    ReconcileRequest,
+    StaleJob,
+    StartJob,
+    decode_as,
+    encode,
+    subjects,
+)
+
+pytestmark = pytest.mark.nats
+
+
+async def _start(nc, job: str, generation: int) -> None:
+    spec = JobSpec(id=job, argv=["sleep", "60"], workdir="/")
+
+    async def start():
+        try:
+            return await bus.request(nc, subjects.node_command("node-1", "start"),
+                                     StartJob(spec=spec, generation=generation), AgentJobReply, 10)
+        except NoResponders:  # the agent's subscription has not reached the server yet
+            return None
+
+    await wait_for(start)
+
+
+async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_path):
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    asked: list[ReconcileRequest] = []
+
+    async def leader(msg):
+        asked.append(decode_as(msg.data, ReconcileRequest))
+        await msg.respond(encode(ReconcileReply(stale=[
+            StaleJob(job="1", generation=1, reason="superseded by generation 2 on node-2"),
+            StaleJob(job="2", generation=7, reason="a generation this node does not run"),
+            StaleJob(job="9", generation=1, reason="a job this node does not run"),
+        ])))
+
+    await nc.subscribe(subjects.coordinator("reconcile"), cb=leader)
+    killed = await nc.subscribe(subjects.job_event("1", "killed"))
+    # drain_timeout_s=0: no checkpoint at shutdown, the jobs are simply killed.
+    async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
+        await _start(nc, "1", 1)
+        await _start(nc, "2", 3)
+        await agent.reconcile()
+        assert [(r.node, r.incarnation) for r in asked] == [("node-1", agent.incarnation)]
+        assert sorted(asked[0].jobs, key=lambda j: j.job) == [LocalJob(job="1", generation=1),
+                                                               LocalJob(job="2", generation=3)]
+        event = decode_as((await killed.next_msg(timeout=5)).data, JobEvent)
+        assert (event.job, event.generation, event.reason) == ("1", 1, "superseded by generation 2 on node-2")
+        assert "1" not in agent.supervisor.jobs
+        assert agent.supervisor.jobs["2"].generation == 3  # the leader judged a generation not running here
+    await nc.close()
+
+
+async def test_without_a_leader_reconcile_leaves_the_jobs_alone(nats_url, tmp_path, caplog):
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
+        await _start(nc, "1", 1)
+        with caplog.at_level(logging.WARNING, logger="revenant.agent.agent"):
+            await agent.reconcile()
+        assert any("cannot reconcile" in r.getMessage() for r in caplog.records)
+        assert "1" in agent.supervisor.jobs
+        await wait_for(lambda: _alive(agent, "1"))
+    await nc.close()
+
+
+async def _alive(agent, job) -> bool:
+    return job in agent.supervisor.jobs and not agent.supervisor.jobs[job].exited.is_set()

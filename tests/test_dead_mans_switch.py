@@ -1,0 +1,75 @@
+"""The dead man's switch, agent side, without processes: revenant-init's command line, the
+stamps the lease resets, and the switch timing the supervisor keeps (on a fake clock)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from revenant.agent.epochs import JobFiles
+from revenant.agent.exits import SWITCH_EXIT, JobEnd
+from revenant.agent.jobs import JobRuntime, Launch, Supervisor
+from revenant.agent.launcher import INIT_NAME, INIT_SCRIPT, init_argv, new_stamp, reset_stamp
+from revenant.messages import JobSpec
+
+pytestmark = pytest.mark.unit
+
+
+class FakeClock:
+    def __init__(self, now: float = 500.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_init_gets_the_switch_timeout_in_milliseconds_and_exits_251_when_it_fires(tmp_path):
+    files = JobFiles(tmp_path, "3")
+    argv = init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"])
+    assert argv[:5] == ["unshare", "--pid", "--fork", "--kill-child", "setsid"]
+    assert argv[5:9] == ["/bin/sh", "-c", INIT_SCRIPT, INIT_NAME]
+    assert argv[9:] == [str(files.output), str(files.stamp), "1200", "python3", "train.py"]
+    assert f"exit {SWITCH_EXIT}\n" in INIT_SCRIPT and 'fence_ms=$3' in INIT_SCRIPT
+
+
+def test_a_new_stamp_is_a_new_inode_and_a_reset_touches_it(tmp_path):
+    files = JobFiles(tmp_path, "3")
+    files.dir.mkdir(parents=True)
+    files.stamp.write_bytes(b"")
+    old = files.stamp.stat().st_ino
+    with open(files.stamp) as held:  # what a stale copy's init holds as fd 3
+        new_stamp(files)
+        assert files.stamp.stat().st_ino != old and os.fstat(held.fileno()).st_ino == old
+    os.utime(files.stamp, (1, 1))
+    reset_stamp(files.stamp)
+    assert files.stamp.stat().st_mtime > 1
+    reset_stamp(tmp_path / "gone")  # a missing stamp is logged, never raised
+
+
+def _runtime(storage: Path, job: str) -> JobRuntime:
+    files = JobFiles(storage, job)
+    files.dir.mkdir(parents=True)
+    files.stamp.write_bytes(b"")
+    os.utime(files.stamp, (1, 1))
+    return JobRuntime(spec=JobSpec(id=job, argv=["true"], workdir="/"), generation=1, pid=0, files=files)
+
+
+def test_the_lease_resets_every_switch_and_the_supervisor_keeps_the_timing(tmp_path):
+    clock = FakeClock()
+    sup = Supervisor("n1", tmp_path, None, lambda subject, msg: None, switch_timeout_s=1.2, clock=clock)
+    running, starting = _runtime(tmp_path, "1"), _runtime(tmp_path, "2")
+    sup.jobs["1"] = running
+    sup.launching["2"] = Launch(generation=1, stamp=starting.files.stamp)
+    clock.now += 0.35
+    sup.touch_stamps()
+    # Both switches were reset: the running job's and the one still coming up.
+    assert running.files.stamp.stat().st_mtime > 1 and starting.files.stamp.stat().st_mtime > 1
+    assert not sup.exits.switch_may_have_fired()
+    assert sup.exits.classify(JobEnd(code=SWITCH_EXIT)).kind == "exited"
+    # The liveness thread stops renewing (the agent was paused): past 0.8 of the timeout,
+    # an exit 251 is the switch firing, and the job is evicted.
+    clock.now += 1.0
+    assert sup.exits.switch_may_have_fired()
+    assert sup.exits.classify(JobEnd(code=SWITCH_EXIT)).kind == "evicted"
