@@ -143,3 +143,76 @@ def pytest_runtest_makereport(item, call):
                 continue
             tail = lines[-LOG_TAIL_LINES.get(log_file.name, 20):]
             report.sections.append((f"{c.dir.name}/{log_file.name} (last {len(tail)} lines)", "\n".join(tail)))
+
+
+# ------------------------------------------------------------------ tiers
+# Every test carries at least one tier marker (registered in pyproject.toml):
+#   unit     pure logic in-process: no subprocess, no nats-server, no criu, no real waiting beyond a blink
+#   nats     needs a real nats-server
+#   criu     runs real criu on real processes
+#   cluster  a multi-process revenant cluster (agents + coordinator)
+# `make test-fast` runs `-m unit` alone; `make test` runs every tier.
+
+TIERS = ("unit", "nats", "criu", "cluster")
+
+# Fixtures that start a nats-server or a cluster. item.fixturenames is the closure of what a test
+# requests, so a fixture built on one of these (nats_url, test_job_table's table, ...) counts too.
+SERVICE_FIXTURES = frozenset({"nats_server", "nats_url", "make_cluster", "cluster"})
+
+TIER_ERROR = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `make test-fast` checks every test's tier too
+def pytest_collection_modifyitems(config, items):
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(
+            f"{len(untiered)} test(s) carry no tier marker ({', '.join(TIERS)}); mark the module "
+            "(pytestmark = pytest.mark.unit, ...) or the test:\n  " + "\n  ".join(untiered))
+    for item in items:
+        if item.get_closest_marker("unit"):
+            services = sorted(SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+            if services:
+                item.stash[TIER_ERROR] = (
+                    f"{item.nodeid} is marked unit but requests {', '.join(services)}, which starts a "
+                    "nats-server or a cluster: mark it nats or cluster instead")
+
+
+_MISSING: dict[str, str | None] = {}  # tool -> why it is missing (None: found), once per session
+
+
+def _missing(tool: str) -> str | None:
+    """Why ``tool`` (nats-server or criu) cannot be found, or None when it can."""
+    cache = _MISSING
+    if tool not in cache:
+        try:
+            if tool == "nats-server":
+                from revenant.common.natsserver import find_nats_server
+
+                find_nats_server()
+            else:
+                from revenant.agent.criu import locate_criu
+
+                locate_criu()
+            cache[tool] = None
+        except Exception as e:  # reported as the test's failure
+            cache[tool] = f"{type(e).__name__}: {e}"
+    return cache[tool]
+
+
+NEEDS = {"nats": ("nats-server",), "criu": ("criu",), "cluster": ("nats-server", "criu")}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A unit test that starts services fails; a test whose tier needs nats-server or criu fails
+    (never skips) when that is missing, saying so, instead of failing later on a timeout."""
+    if TIER_ERROR in item.stash:
+        pytest.fail(item.stash[TIER_ERROR], pytrace=False)
+    for tier, tools in NEEDS.items():
+        if item.get_closest_marker(tier):
+            for tool in tools:
+                reason = _missing(tool)
+                if reason:
+                    pytest.fail(f"{item.nodeid} ({tier} tier) needs {tool}, which is missing: {reason}. "
+                                "Run `make setup`.", pytrace=False)

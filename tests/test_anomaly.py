@@ -10,6 +10,8 @@ import pytest
 
 from revenant.agent.anomaly import Anomaly, AnomalyDetector
 
+pytestmark = pytest.mark.unit
+
 
 def feed(d: AnomalyDetector, metric: str, values, start: float = 0.0, step: float = 1.0) -> list[Anomaly]:
     found = []

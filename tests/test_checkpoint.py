@@ -18,6 +18,8 @@ import pytest
 from conftest import COUNTER, counter_reference, wait_until
 from revenant.agent.epochs import JobFiles
 
+pytestmark = [pytest.mark.cluster, pytest.mark.criu]
+
 LINES = 160
 INTERVAL = 0.05
 

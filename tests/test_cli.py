@@ -15,6 +15,8 @@ import pytest
 from conftest import VENV_BIN, revenant_cli, wait_until
 from revenant.common.natsserver import start_nats_server
 
+pytestmark = pytest.mark.cluster
+
 
 def node_table(cluster_dir) -> dict[str, dict]:
     out = revenant_cli("nodes", "--dir", str(cluster_dir), "--json", check=True)

@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from revenant.common.metrics import AgentMetrics, CoordinatorMetrics, health_routes
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary, NodeEvent, NodeStatus
 
+pytestmark = pytest.mark.unit
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 METRIC = re.compile(r"\b(revenant_[a-zA-Z0-9_]+)")
 # Series Prometheus makes itself; alerts may use them.

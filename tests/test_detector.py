@@ -10,6 +10,8 @@ from revenant.common.config import CoordinatorConfig
 from revenant.coordinator.detector import FailureDetector, phi
 from revenant.messages import Heartbeat
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

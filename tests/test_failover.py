@@ -10,8 +10,11 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from conftest import COUNTER, VENV_BIN, counter_reference, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
 LINES = 160
 INTERVAL = 0.05

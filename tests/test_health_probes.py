@@ -1,4 +1,4 @@
-"""Each health probe's thresholds and transitions, through the pure rules (and one real loop stall)."""
+"""Each health probe's thresholds and transitions, through the pure rules (and real loop stalls)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from revenant.agent.gpu import GpuThresholds
-from revenant.agent.health import HealthSample, HealthThresholds, evaluate, probe_values
+from revenant.agent.health import HealthSample, evaluate, probe_values
 from revenant.common.loopmonitor import LoopMonitor
+from revenant.common.thresholds import GpuThresholds, HealthThresholds
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary
+
+pytestmark = pytest.mark.unit
 
 T = HealthThresholds()
 CALM = HealthSample(memory_percent=40, storage_free_bytes=100 * 2**30)
@@ -168,3 +170,57 @@ def test_stuck_for_measures_how_overdue_the_monitor_is():
     monitor.last_wake = 100.0
     assert monitor.stuck_for(100.05) == 0.0
     assert monitor.stuck_for(107.1) == pytest.approx(7.0)
+
+
+# ------------------------------------------------------------------ the rules and the loop monitor, at a glance
+
+@pytest.mark.parametrize(
+    "sample, state, reason",
+    [
+        (HealthSample(memory_percent=50, storage_free_bytes=10 * 2**30), "GREEN", None),
+        (HealthSample(memory_percent=85, storage_free_bytes=10 * 2**30), "YELLOW", "memory"),
+        (HealthSample(memory_percent=96, storage_free_bytes=10 * 2**30), "RED", "memory"),
+        (HealthSample(storage_free_bytes=2**30), "YELLOW", "storage"),
+        (HealthSample(storage_free_bytes=2**20), "RED", "storage"),
+        (HealthSample(storage_free_bytes=10 * 2**30, recent_stalls=1, loop_lag_s=0.3), "YELLOW", "event loop"),
+        (HealthSample(storage_free_bytes=10 * 2**30, loop_lag_s=3.0), "RED", "event loop"),
+        (HealthSample(storage_free_bytes=10 * 2**30, criu_ok=False, criu_error="criu not found"), "RED", "criu"),
+        (HealthSample(storage_free_bytes=10 * 2**30, nats_connected=False), "YELLOW", "NATS"),
+    ],
+)
+def test_health_rules(sample, state, reason):
+    summary = evaluate(sample, T)
+    assert summary.state == state
+    if reason is None:
+        assert summary.reasons == []
+    else:
+        assert any(reason in r for r in summary.reasons), summary.reasons
+
+
+def test_worst_probe_wins_and_every_reason_is_listed():
+    s = evaluate(HealthSample(memory_percent=90, storage_free_bytes=1, nats_connected=False), T)
+    assert s.state == "RED" and len(s.reasons) == 3
+
+
+def test_loop_monitor_counts_stalls_per_window():
+    m = LoopMonitor(stall_threshold_s=0.25)
+    for lag in (0.001, 0.3, 0.002, 1.0):
+        m.record(lag)
+    assert m.take_window() == (1.0, 2)
+    m.record(0.01)
+    assert m.take_window() == (1.0, 0)  # worst of the window includes the lag carried over
+    assert m.take_window() == (0.01, 0)
+    assert m.stalls == 2
+
+
+async def test_loop_monitor_sees_a_blocked_loop():
+    import time
+
+    m = LoopMonitor(period_s=0.02, stall_threshold_s=0.1)
+    task = asyncio.create_task(m.run())
+    await asyncio.sleep(0.05)
+    time.sleep(0.3)  # block the loop
+    await asyncio.sleep(0.05)
+    task.cancel()
+    worst, stalls = m.take_window()
+    assert stalls >= 1 and worst >= 0.2

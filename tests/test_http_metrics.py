@@ -20,6 +20,8 @@ from revenant.common.metrics import (
 )
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary, NodeEvent, NodeStatus
 
+pytestmark = pytest.mark.unit
+
 
 async def request(server: HttpServer, raw: bytes) -> tuple[int, dict[str, str], bytes]:
     reader, writer = await asyncio.open_connection(server.host, server.port)

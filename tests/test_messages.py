@@ -60,6 +60,8 @@ from revenant.messages import (
 )
 from revenant.messages.codec import tag_of
 
+pytestmark = pytest.mark.unit
+
 CAPS = Capabilities(
     hostname="h", kernel="6.18", cpus=2, memory_total_bytes=1 << 34, revenant_version="0.1.0",
     criu=CriuInfo(path="/usr/sbin/criu", version="4.1.1", ok=True, features={"mem_dirty_track": False}),

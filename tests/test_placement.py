@@ -5,6 +5,8 @@ import pytest
 from revenant.coordinator.placement import NoNodeAvailable, place
 from revenant.messages import Capabilities, CriuInfo, NodeStatus
 
+pytestmark = pytest.mark.unit
+
 
 def node(name, state="alive", health="GREEN", criu=True):
     return NodeStatus(name=name, state=state, health=health, reasons=[] if health == "GREEN" else ["memory 90%"],

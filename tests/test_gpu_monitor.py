@@ -15,9 +15,12 @@ import types
 
 import pytest
 
-from revenant.agent.gpu import APPLICATION_XIDS, GpuMonitor, GpuThresholds, classify_gpu, classify_xid
-from revenant.agent.health import HealthSample, HealthThresholds, evaluate
+from revenant.agent.gpu import APPLICATION_XIDS, GpuMonitor, classify_gpu, classify_xid
+from revenant.agent.health import HealthSample, evaluate
+from revenant.common.thresholds import GpuThresholds, HealthThresholds
 from revenant.messages import GpuHealth
+
+pytestmark = pytest.mark.unit
 
 NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_TIMEOUT, NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_GPU_IS_LOST = 3, 10, 13, 15
 

@@ -1,0 +1,46 @@
+"""Helpers shared by the in-process agent and coordinator tests (a real nats-server, no cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from revenant.common.config import AgentConfig
+
+
+@contextlib.asynccontextmanager
+async def running(service):
+    task = asyncio.create_task(service.run())
+    ready = asyncio.create_task(service.ready.wait())
+    await asyncio.wait([task, ready], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        await task  # raises what made it stop
+    assert service.ready.is_set(), "service did not become ready"
+    try:
+        yield service
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 10)
+
+
+def agent_config(nats_url, tmp_path, node="node-1", **kw):
+    return AgentConfig(node=node, nats_url=nats_url, storage=str(tmp_path / "storage"),
+                       heartbeat_interval_s=0.2, http_port=0, **kw)
+
+
+async def wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = await predicate()
+        if result:
+            return result
+        await asyncio.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+async def _states(nodes, want):
+    table = await nodes()
+    if table and {n.name: n.state for n in table} == want:
+        return table
+    return None

@@ -1,0 +1,65 @@
+"""An agent whose event loop is stuck keeps heartbeating from its liveness thread: a real
+`revenant coordinator` process watches an in-process agent and never declares it dead."""
+
+from __future__ import annotations
+
+import time
+
+import nats
+import pytest
+
+from helpers import _states, agent_config, running, wait_for
+from revenant.agent.agent import Agent
+from revenant.common import bus
+from revenant.common.errors import NoResponders, RemoteError
+from revenant.messages import Heartbeat, NodesReply, NodesRequest, decode, decode_as, subjects
+
+pytestmark = pytest.mark.cluster
+
+
+async def test_stuck_event_loop_is_red_but_never_dead(nats_url, tmp_path):
+    import subprocess
+
+    from conftest import VENV_BIN
+
+    coord = subprocess.Popen([str(VENV_BIN / "revenant"), "coordinator", "--nats", nats_url, "--http-port", "0"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        sub = await nc.subscribe(subjects.heartbeat("node-1"))
+        async with running(Agent(agent_config(nats_url, tmp_path))):
+            await wait_for(lambda: _states(lambda: _nodes(nc), {"node-1": "alive"}), timeout=20)
+            time.sleep(3.5)  # the agent's event loop is stuck past node_timeout_s (2.5 s)
+            beats = []
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                try:
+                    beats.append(decode_as((await sub.next_msg(timeout=0.5)).data, Heartbeat))
+                except nats.errors.TimeoutError:
+                    pass
+            table = {n.name: n for n in await _nodes(nc)}
+        assert any(b.health.state == "RED" and any("event loop stuck" in r for r in b.health.reasons)
+                   for b in beats), [b.health for b in beats]
+        assert table["node-1"].state == "alive"
+        js = nc.jetstream()
+        kinds = []
+        esub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        while True:
+            try:
+                kinds.append(decode((await esub.next_msg(timeout=1)).data).kind)
+            except nats.errors.TimeoutError:
+                break
+        assert "dead" not in kinds and "suspect" not in kinds, kinds
+        await nc.close()
+    finally:
+        coord.terminate()
+        coord.wait(timeout=10)
+
+
+async def _nodes(nc):
+    try:
+        return (await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, 1)).nodes
+    except (NoResponders, RemoteError):
+        return []
+    except Exception:
+        return []

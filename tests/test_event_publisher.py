@@ -1,0 +1,89 @@
+"""The event publisher (common/events.py) against a real nats-server: ordering, stop, and an outage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from revenant.common import bus
+from revenant.messages import NodeEvent, decode_as, subjects
+
+pytestmark = pytest.mark.nats
+
+
+async def test_event_bursts_are_published_in_order_per_subject(nats_url):
+    from revenant.common.events import EventPublisher
+
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    pub = EventPublisher(js)
+    pub.start()
+    for i in range(3000):
+        node = f"n{i % 50}"
+        pub.emit(subjects.node_event(node, "joined"), NodeEvent(node=node, kind="joined", at=float(i)))
+    await pub.stop(flush_timeout_s=60)
+    assert pub.dropped == 0 and pub.published == 3000
+    seen: dict[str, list[float]] = {}
+    sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+    for _ in range(3000):
+        ev = decode_as((await sub.next_msg(timeout=5)).data, NodeEvent)
+        seen.setdefault(ev.node, []).append(ev.at)
+    assert all(times == sorted(times) for times in seen.values())
+    await nc.close()
+
+
+async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url):
+    """A publish under way when the publisher stops is finished, not cancelled (which lost the
+    event, and could leave a worker that never ended)."""
+    import time
+
+    from revenant.common.events import EventPublisher
+
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    for round_ in range(20):
+        pub = EventPublisher(js)
+        pub.start()
+        await asyncio.sleep(0.01 * (round_ % 3))
+        pub.emit(subjects.node_event("n1", "joined"), NodeEvent(node="n1", kind="joined", at=float(round_)))
+        await asyncio.sleep(0.0005 * round_)  # stop at every stage of the publish
+        started = time.monotonic()
+        await pub.stop(flush_timeout_s=5)
+        assert time.monotonic() - started < 5
+        assert pub.published == 1 and pub.dropped == 0 and pub.queued == 0
+    await nc.close()
+
+
+async def test_events_emitted_while_nats_is_down_are_published_once_it_is_back(tmp_path):
+    """A self-fence happens exactly when NATS is out of reach: its reports must wait, not drop."""
+    from revenant.common.events import EventPublisher
+    from revenant.common.natsserver import start_nats_server
+
+    server = start_nats_server(tmp_path / "nats")
+    port = int(server.url.rsplit(":", 1)[1])
+    nc = await bus.connect(server.url, "test", reconnect_wait_s=0.2)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    pub = EventPublisher(js, timeout_s=0.5)
+    pub.start()
+    try:
+        server.stop()
+        pub.emit(subjects.node_event("n1", "fenced"), NodeEvent(node="n1", kind="fenced", at=1.0))
+        await asyncio.sleep(2.0)  # several failed attempts
+        assert pub.published == 0 and pub.dropped == 0
+        server = start_nats_server(tmp_path / "nats", port=port)
+        for _ in range(100):
+            if pub.published:
+                break
+            await asyncio.sleep(0.1)
+        assert pub.published == 1 and pub.dropped == 0
+        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        ev = decode_as((await sub.next_msg(timeout=5)).data, NodeEvent)
+        assert (ev.node, ev.kind) == ("n1", "fenced")
+    finally:
+        await pub.stop(flush_timeout_s=1)
+        await nc.close()
+        server.stop()
