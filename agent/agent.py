@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 # How long the leader may take to say which local jobs moved on.
 RECONCILE_TIMEOUT_S = 5.0
+RECONCILE_RETRY_FOR_S = 60.0
 
 
 def _revenant_version() -> str:
@@ -147,7 +148,7 @@ class Agent(Service):
             await bus.ensure_event_stream(js)
         except RevenantError as exc:
             log.error("%s; job events will be retried", exc)
-        self._events = EventPublisher(js)
+        self._events = EventPublisher(js, clock=self.clock)
         self._events.start()
         await asyncio.to_thread(self._clean_half_written_epochs)
         self.supervisor = Supervisor(self.node, self.storage, self._engine(criu), self._events.emit,
@@ -331,19 +332,35 @@ class Agent(Service):
     async def _on_reconnect(self) -> None:
         self._in_task(self.reconcile)
 
+    async def _ask_leader(self, nc: Client, sup: Supervisor) -> ReconcileReply | None:
+        """The leader's answer to which local jobs moved on, asked again (backing off) while no
+        leader answers, for up to RECONCILE_RETRY_FOR_S: NATS often heals as leaders change."""
+        deadline = self.clock() + RECONCILE_RETRY_FOR_S
+        delay = 0.5
+        while True:
+            local = [LocalJob(job=job, generation=rt.generation) for job, rt in list(sup.jobs.items())]
+            if not local:
+                return None
+            try:
+                return await bus.request(nc, subjects.coordinator("reconcile"),
+                                         ReconcileRequest(node=self.node, incarnation=self.incarnation, jobs=local),
+                                         ReconcileReply, RECONCILE_TIMEOUT_S)
+            except RevenantError as exc:
+                if self.clock() + delay >= deadline or self.stopping:
+                    log.warning("cannot reconcile: %s; the jobs are left alone", exc)
+                    return None
+                log.info("reconcile: no answer yet (%s); asking again in %.1f s", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(5.0, delay * 2)
+
     async def reconcile(self) -> None:
         """Ask the leader which local jobs moved on (a newer generation, or now another node's)
         and kill those.  No answer (no leader, a timeout): the jobs are left alone."""
         sup, nc = self.supervisor, self._nc
         if sup is None or not sup.jobs or nc is None:
             return
-        local = [LocalJob(job=job, generation=rt.generation) for job, rt in list(sup.jobs.items())]
-        try:
-            reply = await bus.request(nc, subjects.coordinator("reconcile"),
-                                      ReconcileRequest(node=self.node, incarnation=self.incarnation, jobs=local),
-                                      ReconcileReply, RECONCILE_TIMEOUT_S)
-        except RevenantError as exc:
-            log.warning("cannot reconcile: %s", exc)
+        reply = await self._ask_leader(nc, sup)
+        if reply is None:
             return
         for stale in reply.stale:
             rt = sup.jobs.get(stale.job)

@@ -6,7 +6,8 @@ tasks in an :class:`asyncio.TaskGroup`:
 * ``run()`` starts it (``_start``), serves until ``stop()`` is called or a background
   task fails, then shuts it down (``_shutdown``) and re-raises that task's error;
 * ``stop()`` asks it to stop: safe to call twice, and before ``run()`` (which then
-  returns at once), so a signal handler can call it at any time;
+  returns at once), so a signal handler can call it at any time (during ``_start``
+  it takes effect once the start is done);
 * ``async with service:`` runs it in a task of its own and waits until it is ready;
   leaving the block stops it and waits for the shutdown to finish.
 
@@ -64,6 +65,9 @@ class Service:
             coro.close()
             raise RuntimeError(f"{type(self).__name__} is not running; cannot start {name}")
         task = self._group.create_task(coro, name=name)
+        if self.status is ServiceStatus.STOPPING:
+            task.cancel()  # too late: the group is winding down and would wait for it
+            return task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -97,10 +101,11 @@ class Service:
                 self._cancel_background()
         except BaseExceptionGroup as group_error:
             # A background task failed: raise its own error, not the group.
-            raise _first(group_error) from None
+            raise _first(group_error, type(self).__name__) from None
         finally:
             self._group = None
             self.status = ServiceStatus.STOPPING
+            self.ready.clear()
             try:
                 await self._shutdown()
             finally:
@@ -116,6 +121,11 @@ class Service:
         ready = asyncio.create_task(self.ready.wait())
         try:
             await asyncio.wait({self._runner, ready}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled while starting: nobody would own the service, so it stops here.
+            self.stop()
+            await asyncio.shield(asyncio.wait({self._runner}))
+            raise
         finally:
             ready.cancel()
         if self._runner.done():
@@ -129,8 +139,16 @@ class Service:
             await self._runner
 
 
-def _first(group_error: BaseExceptionGroup) -> BaseException:
-    exc: BaseException = group_error
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
+def _first(group_error: BaseExceptionGroup, service: str) -> BaseException:
+    """The first error of the group; the others are logged, not lost."""
+    errors: list[BaseException] = []
+    pending: list[BaseException] = [group_error]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = list(exc.exceptions)
+        else:
+            errors.append(exc)
+    for other in errors[1:]:
+        log.error("%s: another background task failed too: %r", service, other)
+    return errors[0]

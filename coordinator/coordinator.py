@@ -28,7 +28,7 @@ from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
 from revenant.common.service import Service
 from revenant.coordinator import lifecycle as lc
-from revenant.coordinator.agents import AgentClient
+from revenant.coordinator.agents import AgentClient, check_may_act
 from revenant.coordinator.job_events import JobEventConsumer
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.leader import Leadership
@@ -124,7 +124,8 @@ class Coordinator(Service):
         self._nc = await bus.connect(self.config.nats_url, f"revenant-coordinator-{self.name}",
                                      on_reconnect=on_reconnect)
         self._js = self._nc.jetstream()
-        self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s)
+        self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s,
+                                      clock=self._clock)
         await bus.ensure_event_stream(self._js)
         # A standby tracks every node too, so that it takes over with a warm view.
         self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
@@ -202,6 +203,11 @@ class Coordinator(Service):
                 log.warning("taking over the recovery of job %s (it was %s)", job, inherited[job][0])
             self.failover.recover_job(job, dead)
 
+    def stop(self) -> None:
+        super().stop()
+        if self.failover is not None:
+            self.failover.cancel()  # no restore starts once a stop is asked for
+
     def _deposed(self) -> None:
         self.deposed = True
         self.stop()
@@ -255,6 +261,8 @@ class Coordinator(Service):
             req_f = decode_as(data, FailoverRequest)
             return await self.failover.operator(req_f.action, list(self.detector.nodes.values()))
         if verb == "reconcile":
+            # An agent kills what this answer names: only a leader whose lease is fresh may say.
+            check_may_act(jobs.leader.fresh)
             req_r = decode_as(data, ReconcileRequest)
             return ReconcileReply(stale=jobs.stale_on(req_r.node, req_r.jobs))
         if verb == "jobs":

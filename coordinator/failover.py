@@ -198,7 +198,7 @@ class Failover:
         that it outlives this leader (a new one starts held: :meth:`restore_hold`)."""
         self._announce(self.storm.update(nodes, self.pending_nodes))
         if action in ("pause", "resume"):
-            await self.jobs.store.save_hold(action == "pause")
+            await self.jobs.save_hold(action == "pause")
         if action == "pause":
             self._announce(self.storm.hold(), "an operator paused failover")
         elif action == "resume":
@@ -215,7 +215,7 @@ class Failover:
     async def restore_hold(self) -> None:
         """A new leader keeps an operator's hold."""
         try:
-            held = await self.jobs.store.load_hold()
+            held = await self.jobs.load_hold()
         except RevenantError as exc:
             log.error("%s; failover starts unheld", exc)
             return

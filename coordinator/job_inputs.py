@@ -98,11 +98,13 @@ class RestartAsked:
 
 @dataclass(frozen=True)
 class Restored:
-    """A restore's (or a recovery's start's) reply."""
+    """A restore's (or a recovery's start's) reply.  ``announce``: publish a ``restored`` event
+    (an operator's restart; failover publishes its own), with this reason if a string."""
     generation: int
     pid: int
     epoch: EpochInfo | None = None
     output: str = ""
+    announce: bool | str = False
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,8 @@ class Decision:
     record: JobRecord | None = None
     commands: list[Command] = field(default_factory=list)
     events: list[Emit] = field(default_factory=list)
-    # What a recovery came to: "restored", "requeued" or "failed" (None otherwise).
+    # "failed": a recovery found nothing to restore from; "evicted": an agent's report hands the
+    # job to failover.  None otherwise.
     outcome: str | None = None
 
     @property

@@ -102,6 +102,7 @@ class JobService:
             self.leader.step_down(why)
             raise NotLeader(f"{why}; this coordinator stepped down")
         stored = conflict.stored
+        self.store.accept(conflict)
         if stored is not None and lc.moved_on(stored, mine):
             self.jobs[key] = stored
             log.warning("%s, which no longer leads, and moved it on (generation %d, %s on %s): "
@@ -109,7 +110,10 @@ class JobService:
             raise BusError(f"job {key} was moved on by another coordinator (now generation "
                            f"{stored.generation}, {stored.state}); try again")
         log.warning("%s, which no longer leads; this leader's record stands", why)
-        await self.store.save(mine)
+        try:
+            await self.store.save(mine)
+        except WriteConflict:
+            raise BusError(f"cannot save job {key}: it keeps changing in the store; try again") from None
 
     async def step(self, job: str, inp: lc.Input | Callable[[JobRecord], lc.Input | None]) -> lc.Decision:
         """Apply one input to the job's record as it is now: write, publish, return the decision
@@ -123,12 +127,16 @@ class JobService:
                 inp = inp(rec)
                 if inp is None:
                     return lc.Decision()
-            decision = lc.transition(rec, inp, self.wall())
-            if decision.record is not None:
-                await self.save(decision.record)
-            for emit in decision.events:
-                self._event(decision.record or rec, emit.kind, **emit.fields)
-            return decision
+            return await self._apply(rec, inp)
+
+    async def _apply(self, rec: JobRecord | None, inp: lc.Input) -> lc.Decision:
+        """transition, write, publish: with the job's lock held."""
+        decision = lc.transition(rec, inp, self.wall())
+        if decision.record is not None:
+            await self.save(decision.record)
+        for emit in decision.events:
+            self._event(decision.record or rec, emit.kind, **emit.fields)
+        return decision
 
     def _event(self, rec: JobRecord, kind: str, **kw) -> None:
         self.events.emit(subjects.job_event(rec.spec.id, kind),
@@ -199,7 +207,7 @@ class JobService:
         before: list[JobRecord] = []
 
         def ask(rec: JobRecord) -> lc.Input:
-            lc.check_restart(rec)
+            lc.check_restart(rec)  # before placement: a refusal names the job's state, not a node
             before.append(rec)
             return lc.RestartAsked(place(self.nodes(), self.jobs_per_node(), node))
 
@@ -211,13 +219,12 @@ class JobService:
             await self.agents.abandon(cmd.node, job, cmd.generation, why)
             await self.step(job, lc.RestartFailed(cmd.generation, why, before[0].state, before[0].node))
             raise
-        await self.step(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output))
-        rec = self.get(job)
-        self._event(rec, "restored", pid=reply.pid, epoch=reply.epoch.n if reply.epoch else None,
-                    reason="; ".join(reply.notes))
-        return rec, reply.notes
+        await self.step(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
+                                          announce="; ".join(reply.notes) or True))
+        return self.get(job), reply.notes
 
     async def purge(self, job: str) -> tuple[JobRecord, list[str]]:
+        # One lock for the whole purge: a restart waiting on it must not restore deleted epochs.
         async with self.lock(job):
             rec = self.get(job)
             lc.check_purge(rec)
@@ -226,7 +233,7 @@ class JobService:
                 raise NoNodeAvailable("no node is alive to remove the checkpoints")
             target = next((n.name for n in candidates if n.name == rec.node), candidates[0].name)
             reply = await self.agents.send(target, "purge", PurgeJob(job=job), self.config.start_timeout_s)
-        await self.step(job, lc.Purged())
+            await self._apply(rec, lc.Purged())
         return self.get(job), [f"freed {reply.freed_bytes} bytes"]
 
     # ------------------------------------------------------------------ failover
@@ -270,6 +277,14 @@ class JobService:
         await self.step(job, lc.Restored(launch.generation, reply.pid, reply.epoch, reply.output))
         return ("restored" if reply.epoch else "requeued"), self.get(job), reply.epoch.n if reply.epoch else None, \
             reply.notes
+
+    async def save_hold(self, held: bool) -> None:
+        """Record (or lift) an operator's failover hold with the job table (it outlives the leader)."""
+        check_may_act(self.leader.fresh)
+        await self.store.save_hold(held)
+
+    async def load_hold(self) -> bool:
+        return await self.store.load_hold()
 
     async def fail_recovery(self, job: str, reason: str) -> None:
         await self.step(job, lc.RecoveryFailed(reason))

@@ -150,12 +150,16 @@ def _restart_asked(rec: JobRecord, inp: RestartAsked, now: float) -> Decision:
 
 
 def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
-    if rec.generation != inp.generation or rec.state not in (State.RESTORING, State.PENDING):
-        return Decision()
+    if rec.generation != inp.generation or rec.state not in (State.RESTORING, State.PENDING) or not rec.node:
+        return Decision()  # not the attempt the record names (one given up on has no node)
     new = _copy(rec, state=State.RUNNING, pid=inp.pid, last_checkpoint_at=now, output=inp.output or rec.output)
     if inp.epoch is not None:  # a restore's reply describes its epoch in full (an event only numbers it)
         new.epochs = [inp.epoch if e.n == inp.epoch.n else e for e in rec.epochs]
-    return Decision(new)
+    events = []
+    if inp.announce:
+        events.append(Emit("restored", {"pid": inp.pid, "epoch": inp.epoch.n if inp.epoch else None,
+                                        "reason": inp.announce if isinstance(inp.announce, str) else ""}))
+    return Decision(new, events=events)
 
 
 def _restart_failed(rec: JobRecord, inp: RestartFailed, now: float) -> Decision:
@@ -243,6 +247,8 @@ def _recovery_failed(rec: JobRecord, inp: RecoveryFailed, now: float) -> Decisio
 
 
 def _purged(rec: JobRecord, inp: Purged, now: float) -> Decision:
+    if rec.state not in ENDED:
+        return Decision()
     return Decision(_copy(rec, epochs=[]), events=[Emit("purged")])
 
 
@@ -311,7 +317,9 @@ def stale_local_jobs(node: str, local: Iterable[LocalJob], jobs: Mapping[str, Jo
         rec = jobs.get(lj.job)
         if rec is None:
             continue
-        if rec.generation != lj.generation or rec.node != node:
+        # Only an older generation, or this one moved to another node: a newer generation than
+        # the table knows is a copy this leader has not heard of yet, never to be killed on its word.
+        if lj.generation < rec.generation or (lj.generation == rec.generation and rec.node != node):
             out.append(StaleJob(job=lj.job, generation=lj.generation,
                                 reason=f"superseded by generation {rec.generation} on {rec.node or 'no node'}"))
     return out

@@ -36,20 +36,18 @@ class PeriodicCheckpoints:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        try:
-            while True:
-                records = list(self.jobs.jobs.values())
-                if any(r.spec.checkpoint_interval_s for r in records):
-                    alive = {n.name for n in self.nodes() if n.state == "alive"}
-                    for job in due(records, alive, self._busy, self.wall()):
-                        self._busy.add(job)
-                        task = asyncio.create_task(self._one(job), name=f"periodic-checkpoint-{job}")
-                        self._tasks.add(task)  # kept (a bare task may be garbage-collected)
-                        task.add_done_callback(self._tasks.discard)
-                await asyncio.sleep(self.tick_s)
-        finally:
-            for task in list(self._tasks):
-                task.cancel()
+        # Checkpoints in flight are not cancelled with this loop: a dump half done must reach its
+        # reply (or failure), or the job would stay "checkpointing" for the rest of this term.
+        while True:
+            records = list(self.jobs.jobs.values())
+            if any(r.spec.checkpoint_interval_s for r in records):
+                alive = {n.name for n in self.nodes() if n.state == "alive"}
+                for job in due(records, alive, self._busy, self.wall()):
+                    self._busy.add(job)
+                    task = asyncio.create_task(self._one(job), name=f"periodic-checkpoint-{job}")
+                    self._tasks.add(task)  # kept (a bare task may be garbage-collected)
+                    task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(self.tick_s)
 
     async def _one(self, job: str) -> None:
         try:

@@ -24,6 +24,7 @@ from nats.js.kv import KeyValue
 
 from revenant.common.bus import map_exceptions
 from revenant.common.errors import BusError, RevenantError
+from revenant.common.kv import open_bucket
 from revenant.messages import JobRecord, subjects
 
 log = logging.getLogger(__name__)
@@ -43,15 +44,25 @@ class WriteConflict(RevenantError):
     code = "write_conflict"
     retriable = True
 
-    def __init__(self, job: str, stored: JobRecord | None) -> None:
+    def __init__(self, job: str, stored: JobRecord | None, revision: int | None) -> None:
         super().__init__(f"job {job} was changed in the job table by another coordinator")
         self.job = job
         self.stored = stored
+        # The stored record's revision (None: the key is gone).
+        self.revision = revision
 
 
 class JobStore(Protocol):
     async def load(self) -> dict[str, JobRecord]: ...
-    async def save(self, rec: JobRecord) -> None: ...
+
+    async def save(self, rec: JobRecord) -> None:
+        """Compare-and-set against the revision last read or written; :class:`WriteConflict` if
+        the record changed since (the revision expected stays as it was)."""
+
+    def accept(self, conflict: WriteConflict) -> None:
+        """Take the conflicting record's revision as the one the next save compares against."""
+
+
     async def next_id(self) -> str: ...
     async def load_hold(self) -> bool: ...
     async def save_hold(self, held: bool) -> None: ...
@@ -64,8 +75,7 @@ class KvJobStore:
         self._revisions: dict[str, int] = {}
 
     async def open(self) -> None:
-        with map_exceptions(f"cannot open the job table {subjects.JOBS_BUCKET}"):
-            self.kv = await self.js.create_key_value(bucket=subjects.JOBS_BUCKET, history=5)
+        self.kv = await open_bucket(self.js, subjects.JOBS_BUCKET, None, history=5)
 
     async def load(self) -> dict[str, JobRecord]:
         if self.kv is None:
@@ -102,16 +112,21 @@ class KvJobStore:
                 return
             except nats.js.errors.KeyWrongLastSequenceError:
                 pass
-            stored: JobRecord | None = None
             try:
                 entry = await self.kv.get(key)
-                self._revisions[key] = entry.revision
-                stored = _DEC.decode(entry.value)
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                self._revisions.pop(key, None)
-            except msgspec.DecodeError as exc:
-                raise BusError(f"cannot save job {key}: the stored record is unreadable ({exc})") from None
-        raise WriteConflict(key, stored)
+                raise WriteConflict(key, None, None) from None
+        try:
+            stored = _DEC.decode(entry.value)
+        except msgspec.DecodeError as exc:
+            raise BusError(f"cannot save job {key}: the stored record is unreadable ({exc})") from None
+        raise WriteConflict(key, stored, entry.revision)
+
+    def accept(self, conflict: WriteConflict) -> None:
+        if conflict.revision is None:
+            self._revisions.pop(conflict.job, None)
+        else:
+            self._revisions[conflict.job] = conflict.revision
 
     async def next_id(self) -> str:
         assert self.kv is not None
@@ -174,13 +189,17 @@ class MemoryJobStore:
         current = self.records.get(key)
         if (current[0] if current else None) != self._seen.get(key):
             if current is None:
-                self._seen.pop(key, None)
-                raise WriteConflict(key, None)
-            self._seen[key] = current[0]
-            raise WriteConflict(key, _DEC.decode(current[1]))
+                raise WriteConflict(key, None, None)
+            raise WriteConflict(key, _DEC.decode(current[1]), current[0])
         self._revision += 1
         self.records[key] = (self._revision, _ENC.encode(rec))
         self._seen[key] = self._revision
+
+    def accept(self, conflict: WriteConflict) -> None:
+        if conflict.revision is None:
+            self._seen.pop(conflict.job, None)
+        else:
+            self._seen[conflict.job] = conflict.revision
 
     async def next_id(self) -> str:
         n, self._next_id = self._next_id, self._next_id + 1
