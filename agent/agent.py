@@ -117,6 +117,8 @@ class Agent(Service):
         self._nc: Client | None = None
         self._events: EventPublisher | None = None
         # Requests being answered, and reconciles: short-lived, cancelled first at shutdown.
+        # Requests being answered: outside the service's task group on purpose, since a request
+        # that arrives while the service stops must still get its answer ("shutting down").
         self._requests: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle

@@ -6,14 +6,9 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Protocol
-
 import uvloop
 
-
-class Service(Protocol):
-    async def run(self) -> None: ...
-    def stop(self) -> None: ...
+from revenant.common.service import Service
 
 
 def setup_logging(role: str, name: str = "", level: str = "INFO") -> None:

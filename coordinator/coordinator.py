@@ -83,7 +83,8 @@ class Coordinator(Service):
         self._js: JetStreamContext | None = None
         self._events: EventPublisher | None = None
         self._probe_slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
-        self._probe_tasks: set[asyncio.Task[None]] = set()
+        # Requests being answered: outside the service's task group on purpose, since a request
+        # that arrives while the service stops must still get its answer ("shutting down").
         self._requests: set[asyncio.Task[None]] = set()
         self.jobs: JobService | None = None
         self.failover: Failover | None = None
@@ -157,7 +158,7 @@ class Coordinator(Service):
     async def _shutdown(self) -> None:
         if self.failover is not None:
             self.failover.cancel()
-        for task in list(self._requests) + list(self._probe_tasks):
+        for task in list(self._requests):
             task.cancel()
         if self._events is not None:
             await self._events.stop()
@@ -304,9 +305,7 @@ class Coordinator(Service):
                 self._storm_dirty = False
                 self.failover.check_storm(list(self.detector.nodes.values()))
             for node in probes:
-                task = asyncio.create_task(self._probe(node))
-                self._probe_tasks.add(task)
-                task.add_done_callback(self._probe_tasks.discard)
+                self.spawn(self._probe(node), f"probe-{node}")
 
     async def _probe(self, node: str) -> None:
         ok, incarnation = False, None

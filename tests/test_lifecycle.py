@@ -362,3 +362,20 @@ async def test_requests_for_an_unknown_job_say_so():
         with pytest.raises(UnknownJob, match="unknown job 999"):
             await request
     assert not await jobs.apply_event(JobEvent(job="999", kind="exited", at=1.0, node="node-1", generation=1))
+
+
+async def test_a_conflict_nobody_could_settle_is_settled_by_the_next_write():
+    """The store could not say who leads: nothing is written, and the next write still meets the
+    other coordinator's record (compare-and-set) instead of overwriting it."""
+    jobs, store, agents, lease = shell()
+    await jobs.submit(SubmitRequest(argv=["true"]))
+    moved = jobs.get("1").__copy__()
+    moved.generation, moved.node = 5, "node-3"
+    store.write_behind_my_back(moved)
+    lease.leads = None
+    with pytest.raises(BusError, match="could not be read"):
+        await jobs.checkpoint("1", stop=False)
+    lease.leads = True
+    with pytest.raises(BusError, match="moved on by another coordinator"):
+        await jobs.checkpoint("1", stop=False)
+    assert (await store.load())["1"].generation == 5 and jobs.get("1").node == "node-3"

@@ -1,0 +1,42 @@
+"""The leader's answer to an agent's reconcile request, against a real nats-server: which of the
+agent's jobs moved on, from the job table the leader holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import running
+from revenant.common import bus
+from revenant.common.config import CoordinatorConfig
+from revenant.common.errors import RemoteError
+from revenant.coordinator.coordinator import Coordinator
+from revenant.coordinator.store import KvJobStore
+from revenant.messages import JobRecord, JobSpec, LocalJob, ReconcileReply, ReconcileRequest, subjects
+
+pytestmark = pytest.mark.nats
+
+
+async def test_the_leader_names_the_stale_jobs_and_only_those(nats_url):
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    try:
+        store = KvJobStore(nc.jetstream())
+        await store.open()
+        for job, generation, node in (("1", 3, "node-2"), ("2", 1, "node-1"), ("3", 2, "node-1")):
+            await store.save(JobRecord(spec=JobSpec(id=job, argv=["true"]), state="running",
+                                       generation=generation, node=node))
+        async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord:
+            ask = ReconcileRequest(node="node-1", jobs=[
+                LocalJob(job="1", generation=2),   # moved on to generation 3 on node-2: stale
+                LocalJob(job="2", generation=1),   # its own: kept
+                LocalJob(job="3", generation=3),   # newer than the table knows: never killed on its word
+                LocalJob(job="9", generation=1),   # unknown to the leader: left alone
+            ])
+            reply = await bus.request(nc, subjects.coordinator("reconcile"), ask, ReconcileReply, 5)
+            assert [(s.job, s.generation) for s in reply.stale] == [("1", 2)]
+            assert "generation 3 on node-2" in reply.stale[0].reason
+            # A leader whose lease is not fresh (its loop stalled) says nothing an agent would act on.
+            coord.leadership.fresh = lambda: False
+            with pytest.raises(RemoteError, match="not fresh"):
+                await bus.request(nc, subjects.coordinator("reconcile"), ask, ReconcileReply, 5)
+    finally:
+        await nc.close()
