@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Mapping
 
 from revenant.common.errors import RevenantError
 from revenant.coordinator.jobs import JobService
@@ -14,13 +14,16 @@ from revenant.messages import JobRecord, NodeStatus
 log = logging.getLogger(__name__)
 
 
-def due(jobs: list[JobRecord], alive: set[str], busy: set[str], now: float) -> list[str]:
-    """The jobs whose periodic checkpoint is due at wall time ``now``."""
+def due(jobs: list[JobRecord], alive: set[str], busy: set[str], failed_at: Mapping[str, float],
+        now: float) -> list[str]:
+    """The jobs whose periodic checkpoint is due at wall time ``now``: a full interval after the
+    last checkpoint, or after the last failed attempt (never at once again)."""
     out = []
     for rec in jobs:
         interval = rec.spec.checkpoint_interval_s
+        last = max(rec.last_checkpoint_at, failed_at.get(rec.spec.id, 0.0))
         if (interval and rec.state == State.RUNNING and rec.node in alive and rec.spec.id not in busy
-                and now - rec.last_checkpoint_at >= interval):
+                and now - last >= interval):
             out.append(rec.spec.id)
     return out
 
@@ -33,6 +36,7 @@ class PeriodicCheckpoints:
         self.tick_s = tick_s
         self.wall = wall
         self._busy: set[str] = set()
+        self._failed_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -42,7 +46,7 @@ class PeriodicCheckpoints:
             records = list(self.jobs.jobs.values())
             if any(r.spec.checkpoint_interval_s for r in records):
                 alive = {n.name for n in self.nodes() if n.state == "alive"}
-                for job in due(records, alive, self._busy, self.wall()):
+                for job in due(records, alive, self._busy, self._failed_at, self.wall()):
                     self._busy.add(job)
                     task = asyncio.create_task(self._one(job), name=f"periodic-checkpoint-{job}")
                     self._tasks.add(task)  # kept (a bare task may be garbage-collected)
@@ -52,11 +56,9 @@ class PeriodicCheckpoints:
     async def _one(self, job: str) -> None:
         try:
             await self.jobs.checkpoint(job, stop=False)
+            self._failed_at.pop(job, None)
         except RevenantError as exc:
             log.warning("periodic checkpoint of job %s failed: %s", job, exc)
-            async with self.jobs.lock(job):
-                rec = self.jobs.jobs.get(job)
-                if rec is not None:
-                    rec.last_checkpoint_at = self.wall()  # retry after a full interval, not at once
+            self._failed_at[job] = self.wall()  # retry after a full interval, not at once
         finally:
             self._busy.discard(job)

@@ -379,3 +379,16 @@ async def test_a_conflict_nobody_could_settle_is_settled_by_the_next_write():
     with pytest.raises(BusError, match="moved on by another coordinator"):
         await jobs.checkpoint("1", stop=False)
     assert (await store.load())["1"].generation == 5 and jobs.get("1").node == "node-3"
+
+
+def test_a_periodic_checkpoint_is_due_a_full_interval_after_the_last_one_or_the_last_failure():
+    from revenant.coordinator.periodic import due
+
+    rec = record("running")
+    rec.spec.checkpoint_interval_s, rec.last_checkpoint_at = 60, 100.0
+    assert due([rec], {"node-1"}, set(), {}, 159.0) == []
+    assert due([rec], {"node-1"}, set(), {}, 160.0) == ["7"]
+    assert due([rec], {"node-1"}, {"7"}, {}, 160.0) == []          # one in flight already
+    assert due([rec], {"node-2"}, set(), {}, 160.0) == []          # its node is not alive
+    assert due([rec], {"node-1"}, set(), {"7": 150.0}, 160.0) == []  # failed at 150: again at 210
+    assert due([rec], {"node-1"}, set(), {"7": 150.0}, 210.0) == ["7"]
