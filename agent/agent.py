@@ -33,6 +33,7 @@ from revenant.agent.epochs import JobFiles
 from revenant.agent.gpu import GpuMonitor
 from revenant.agent.jobs import Supervisor
 from revenant.agent.liveness import Liveness
+from revenant.agent import reconcile
 from revenant.agent.probes import HealthProbes, anomaly_event
 from revenant.common import bus
 from revenant.common.config import AgentConfig
@@ -49,11 +50,8 @@ from revenant.messages import (
     CriuInfo,
     HealthSummary,
     KillJob,
-    LocalJob,
     NodeEvent,
     PurgeJob,
-    ReconcileReply,
-    ReconcileRequest,
     RestoreJob,
     StartJob,
     decode_as,
@@ -63,8 +61,6 @@ from revenant.messages import (
 log = logging.getLogger(__name__)
 
 # How long the leader may take to say which local jobs moved on.
-RECONCILE_TIMEOUT_S = 5.0
-RECONCILE_RETRY_FOR_S = 60.0
 
 
 def _revenant_version() -> str:
@@ -155,7 +151,8 @@ class Agent(Service):
         await asyncio.to_thread(self._clean_half_written_epochs)
         self.supervisor = Supervisor(self.node, self.storage, self._engine(criu), self._events.emit,
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
-                                     switch_timeout_s=self.config.fence_timeout_s, clock=self.clock,
+                                     switch_timeout_s=self.config.fence_timeout_s,
+                                     max_frozen_s=self.config.max_frozen_s, clock=self.clock,
                                      wall_clock=self.wall_clock)
         with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):
             await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
@@ -273,6 +270,7 @@ class Agent(Service):
             self.health = await self._sample_health()
             if self.supervisor is not None:
                 self.supervisor.reap_orphans()
+                await self.supervisor.expire_frozen(self.config.max_frozen_s)
 
     # ------------------------------------------------------------------ commands
 
@@ -311,10 +309,10 @@ class Agent(Service):
             self.supervisor.touch_stamps()
 
     def _fence(self, stale_s: float) -> None:
-        # Kill from the liveness thread: the main loop may be the very thing that is stuck.
+        # Freeze from the liveness thread: the main loop may be the very thing that is stuck.
         sup = self.supervisor
-        killed = sup.kill_all(f"self-fenced: lease not renewed for {stale_s:.1f} s") if sup is not None else []
-        self.fence_report = f"lease not renewed for {stale_s:.1f} s; killed {', '.join(killed) or 'no jobs'}"
+        frozen = sup.freeze_all(f"self-fenced: lease not renewed for {stale_s:.1f} s") if sup is not None else []
+        self.fence_report = f"lease not renewed for {stale_s:.1f} s; froze {', '.join(frozen) or 'no jobs'}"
 
     def _lease_back(self) -> None:
         main = self.main_loop
@@ -334,43 +332,12 @@ class Agent(Service):
     async def _on_reconnect(self) -> None:
         self._in_task(self.reconcile)
 
-    async def _ask_leader(self, nc: Client, sup: Supervisor) -> ReconcileReply | None:
-        """The leader's answer to which local jobs moved on, asked again (backing off) while no
-        leader answers, for up to RECONCILE_RETRY_FOR_S: NATS often heals as leaders change."""
-        deadline = self.clock() + RECONCILE_RETRY_FOR_S
-        delay = 0.5
-        while True:
-            local = [LocalJob(job=job, generation=rt.generation) for job, rt in list(sup.jobs.items())]
-            if not local:
-                return None
-            try:
-                return await bus.request(nc, subjects.coordinator("reconcile"),
-                                         ReconcileRequest(node=self.node, incarnation=self.incarnation, jobs=local),
-                                         ReconcileReply, RECONCILE_TIMEOUT_S)
-            except RevenantError as exc:
-                if self.clock() + delay >= deadline or self.stopping:
-                    log.warning("cannot reconcile: %s; the jobs are left alone", exc)
-                    return None
-                log.info("reconcile: no answer yet (%s); asking again in %.1f s", exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
-
     async def reconcile(self) -> None:
-        """Ask the leader which local jobs moved on (a newer generation, or now another node's)
-        and kill those.  No answer (no leader, a timeout): the jobs are left alone."""
+        """Ask the leader which local jobs moved on (killed) and which frozen ones may thaw."""
         sup, nc = self.supervisor, self._nc
         if sup is None or not sup.jobs or nc is None:
             return
-        reply = await self._ask_leader(nc, sup)
-        if reply is None:
-            return
-        for stale in reply.stale:
-            rt = sup.jobs.get(stale.job)
-            if rt is None or rt.generation != stale.generation:
-                continue  # ended or replaced meanwhile: the verdict was about a copy no longer here
-            reason = stale.reason or f"generation {stale.generation} is stale"
-            log.warning("job %s generation %d is stale (%s): killing it", stale.job, stale.generation, reason)
-            try:
-                await sup.kill(stale.job, stale.generation, reason=reason)
-            except RevenantError as exc:
-                log.warning("reconcile: cannot kill job %s: %s", stale.job, exc)
+        reply = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, lambda: self.stopping)
+        if reply is not None:
+            await reconcile.apply(sup, reply)
+

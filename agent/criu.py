@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from revenant.agent import procs
@@ -29,6 +30,15 @@ _FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")
 # criu's logs, written into its work directory (-W).
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
+# A failed run's log is kept in <storage>/jobs/<job>/LOG_DIR/, the newest KEEP_LOGS of them.
+LOG_DIR = "criu-logs"
+KEEP_LOGS = 10
+# Where criu's parasite mounts a proc of its own, relative to the dumped root's working directory
+# (criu/pie/parasite.c, get_proc_fd), when the /proc it sees is not its PID namespace's.
+PARASITE_PROC_DIR = "proc.crtools"
+# Lines that say only that criu failed, never why; and one it logs and then succeeds anyway.
+_CLOSING = ("Dumping FAILED.", "Pre-dumping FAILED.", "Restoring FAILED.")
+_HARMLESS = ("RLIMIT_NOFILE",)
 
 
 def locate_criu(configured: str = "", environ: dict[str, str] | None = None) -> str:
@@ -82,13 +92,18 @@ def action_script(post_dump: list[str]) -> str:
 
 # ------------------------------------------------------------------ what criu says
 
-def last_error_line(output: str) -> str:
-    """criu's most telling line: the last error that is not the harmless RLIMIT_NOFILE one."""
+def error_line(output: str) -> str:
+    """criu's most telling line: its first specific error.  criu logs the cause first and then
+    each caller on the way out, down to a closing "Dumping FAILED.", which is used only when
+    nothing more specific was said (and the harmless RLIMIT_NOFILE error never)."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln and "RLIMIT_NOFILE" not in ln]
+    rest = [ln for ln in lines if not any(h in ln for h in _HARMLESS)]
+    errors = [ln for ln in rest if "Error" in ln]
+    specific = [ln for ln in errors if not ln.endswith(_CLOSING)]
+    if specific:
+        return specific[0]
     if errors:
         return errors[-1]
-    rest = [ln for ln in lines if "RLIMIT_NOFILE" not in ln]
     return rest[-1] if rest else "(no output)"
 
 
@@ -103,7 +118,42 @@ def read_log(logfile: Path, output: str) -> str:
 
 def log_error(logfile: Path, output: str) -> str:
     """The line that says why a criu run failed, from its log and its output."""
-    return last_error_line(read_log(logfile, output))
+    return error_line(read_log(logfile, output))
+
+
+def keep_log(text: str, job_dir: Path, name: str, keep: int = KEEP_LOGS) -> Path:
+    """Write a failed run's log to ``job_dir``/LOG_DIR/``name`` (on shared storage, so it outlives
+    the node's scratch and the node), keeping the newest ``keep``; blocking I/O, raises OSError."""
+    logs = job_dir / LOG_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    dest = logs / name
+    dest.write_text(text)
+    # Names start with a UTC timestamp: sorted, oldest first.
+    for old in sorted(p for p in logs.iterdir() if p.suffix == ".log")[:-keep]:
+        old.unlink(missing_ok=True)
+    return dest
+
+
+def log_name(kind: str, wall_time: float, generation: int, node: str) -> str:
+    """``20251116T155626.123Z-dump-g3-node-1.log``: sortable, and says what failed where."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_time)) + f".{int(wall_time * 1000) % 1000:03d}Z"
+    return f"{stamp}-{kind}-g{generation}-{node}.log"
+
+
+async def clear_stale_proc_dir(root_cwd: Path, timeout_s: float = 10.0) -> Path | None:
+    """Remove the parasite's proc mountpoint that a criu killed mid-dump left in ``root_cwd``
+    (still mounted, or not); the path if there was one.  While it exists every dump of a root
+    working there fails with "Can't create a directory (-17)".  Only for a directory that no
+    other dump can be using at the same time (a job's own).  Raises OSError or CriuError."""
+    path = root_cwd / PARASITE_PROC_DIR
+    if not os.path.lexists(path):
+        return None
+    if os.path.ismount(path):
+        rc, out = await _run(["umount", "-l", str(path)], timeout_s)
+        if rc != 0:
+            raise CriuError(f"cannot unmount the stale {path}: {error_line(out)}")
+    os.rmdir(path)
+    return path
 
 
 def no_space_line(text: str) -> str | None:
@@ -147,7 +197,7 @@ async def inspect_criu(configured: str = "", timeout_s: float = 30.0) -> CriuInf
         rc, out = await _run(version_argv(path), timeout_s)
         version = parse_version(out)
         if rc != 0:
-            return CriuInfo(path=path, ok=False, error=f"criu --version failed: {last_error_line(out)}")
+            return CriuInfo(path=path, ok=False, error=f"criu --version failed: {error_line(out)}")
         if version is None:
             return CriuInfo(path=path, ok=False, error=f"{path} is not criu: no 'Version:' in its --version output")
         if version_tuple(version) < MIN_VERSION:
@@ -161,5 +211,5 @@ async def inspect_criu(configured: str = "", timeout_s: float = 30.0) -> CriuInf
     features = {name: code == 0 for name, (code, _) in zip(FEATURES, results)}
     if rc != 0:
         return CriuInfo(path=path, version=version, ok=False, features=features,
-                        error=f"criu check failed: {last_error_line(out)}")
+                        error=f"criu check failed: {error_line(out)}")
     return CriuInfo(path=path, version=version, ok=True, features=features)

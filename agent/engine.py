@@ -232,6 +232,7 @@ class Engine:
         script = ctx.workdir / "action.sh"
         script.write_text(criu.action_script(ctx.post_dump_script))
         script.chmod(0o755)
+        await self._clear_stale_proc_dir(ctx)
         argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
                               leave_running=not ctx.stop)
         done = await procs.run(argv, self.criu_timeout_s)
@@ -241,8 +242,31 @@ class Engine:
             full = criu.no_space_line(text)
             if full is not None:
                 raise NoSpace(f"no space left writing the checkpoint of {ctx.job}: {full}")
-            raise CriuError(f"criu dump failed: {criu.last_error_line(text)}")
+            kept = await self._keep_log(ctx.files, "dump", ctx.generation, text)
+            raise CriuError(f"criu dump failed: {criu.error_line(text)}{kept}")
         return done.output
+
+    async def _clear_stale_proc_dir(self, ctx: DumpContext) -> None:
+        """The job's init works in the job's directory (agent/launcher.py), where criu's parasite
+        mounts its proc: a criu killed mid-dump would leave that behind and fail every later dump."""
+        try:
+            stale = await criu.clear_stale_proc_dir(ctx.files.dir)
+        except (OSError, CriuError) as exc:
+            log.warning("job %s: cannot remove criu's stale proc mountpoint: %s", ctx.job, exc)
+            return
+        if stale is not None:
+            log.warning("job %s: removed %s, left behind by a criu killed mid-dump", ctx.job, stale)
+
+    async def _keep_log(self, files: JobFiles, kind: str, generation: int, text: str) -> str:
+        """Keep a failed criu run's log on shared storage (its scratch is deleted): the error's
+        pointer to it, or "" if it could not be kept."""
+        name = criu.log_name(kind, self.wall_clock(), generation, self.node)
+        try:
+            path = await asyncio.to_thread(criu.keep_log, text, files.dir, name)
+        except OSError as exc:
+            log.warning("job %s: cannot keep criu's %s log: %s", files.job, kind, exc)
+            return ""
+        return f" (criu log: {path})"
 
     async def _undo_dump(self, ctx: DumpContext, frozen: bool, tmp: Path | None) -> None:
         if frozen:
@@ -282,7 +306,9 @@ class Engine:
         argv = criu.restore_argv(self.criu, images=ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
         done = await procs.run(argv, self.criu_timeout_s)
         if done.returncode != 0:
-            raise CriuError(f"criu restore failed: {criu.log_error(ctx.workdir / criu.RESTORE_LOG, done.output)}")
+            text = criu.read_log(ctx.workdir / criu.RESTORE_LOG, done.output)
+            kept = await self._keep_log(ctx.files, "restore", ctx.generation, text)
+            raise CriuError(f"criu restore failed: {criu.error_line(text)}{kept}")
         ctx.pid = int(pidfile.read_text().strip())
         for step in self.steps:
             await step.after_restore(ctx)

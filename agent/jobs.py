@@ -28,7 +28,7 @@ from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
 from revenant.agent.exits import ExitClassifier, JobEnd
 from revenant.agent.launcher import Launcher, new_stamp, reset_stamp
-from revenant.agent.procs import signal_tree
+from revenant.agent.procs import freeze_tree, signal_tree
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.metrics import AgentMetrics
 from revenant.messages import AgentJobReply, JobEvent, JobSpec, Message, subjects
@@ -53,6 +53,8 @@ class JobRuntime:
     exit_code: int | None = None
     # Stopped by its node (a drain, a fence), not by a user or itself: to be restored elsewhere.
     evicted: bool = False
+    # When its node's self-fence froze it (SIGSTOP; clock time), or None: running.
+    frozen_at: float | None = None
 
 
 @dataclass
@@ -69,16 +71,18 @@ class Launch:
 class Supervisor:
     def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
                  criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
-                 switch_timeout_s: float = 1.2, *, clock: Callable[[], float] = time.monotonic,
+                 switch_timeout_s: float = 1.2, *, max_frozen_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.switch_timeout_s = switch_timeout_s
+        self.clock = clock
         self.node = node
         self.storage = storage
         self.engine = engine
         self.emit = emit
         self.criu_error = criu_error
         self.wall_clock = wall_clock
-        self.launcher = Launcher(node, storage, switch_timeout_s, clock=clock)
+        self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock)
         self.exits = ExitClassifier(switch_timeout_s, clock)
         self.book = CheckpointBook(node, emit, metrics, wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
@@ -207,6 +211,10 @@ class Supervisor:
     async def checkpoint(self, job: str, generation: int, stop: bool, evict_reason: str = "") -> AgentJobReply:
         """``stop``: vacate.  ``evict_reason`` (with ``stop``): the node stops it, to be restored elsewhere."""
         rt = self._get(job, generation)
+        if rt.frozen_at is not None:
+            # Its image would hold stopped processes, and come back stopped wherever restored.
+            raise RevenantError(f"job {job} is frozen (node {self.node}'s lease lapsed); it can be "
+                                f"checkpointed once the leader lets it thaw", code="frozen", retriable=True)
         if self.engine is None:
             raise CriuError(f"cannot checkpoint on {self.node}: {self.criu_error}")
         if rt.lock.locked():
@@ -284,15 +292,44 @@ class Supervisor:
         await self._kill(rt, reason or f"killed as generation {rt.generation}")
         return self._reply(rt)
 
-    def kill_all(self, reason: str) -> list[str]:
-        """SIGKILL every job now, without waiting (the self-fence; safe from another thread).
-        Their exits are reported, with ``reason``, as the watchers see them."""
+    # ------------------------------------------------------------------ fencing by freezing
+
+    def freeze_all(self, reason: str) -> list[str]:
+        """SIGSTOP every job's processes now (the self-fence; safe from another thread).  A
+        frozen job writes and does nothing; it thaws only on the leader's word (:meth:`thaw`),
+        or is killed after ``max_frozen_s`` (:meth:`expire_frozen`).  Starts and restores in
+        flight are superseded, as they were never reported running.  The namespace's init is
+        left running: its dead man's switch is the backstop if this agent stops for good."""
         self._supersede_launches(reason)
-        doomed = list(self.jobs.values())
-        for rt in doomed:
-            rt.killing, rt.evicted, rt.kill_reason = True, True, reason
-            signal_tree(rt.pid, signal.SIGKILL)
-        return [rt.spec.id for rt in doomed]
+        frozen = []
+        for rt in list(self.jobs.values()):
+            if rt.frozen_at is None:
+                rt.frozen_at = self.clock()
+            freeze_tree(rt.pid)
+            frozen.append(rt.spec.id)
+        if frozen:
+            log.error("%s: froze job(s) %s", reason, ", ".join(frozen))
+        return frozen
+
+    def thaw(self, job: str, generation: int) -> bool:
+        """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen."""
+        rt = self.jobs.get(job)
+        if rt is None or rt.generation != generation or rt.frozen_at is None:
+            return False
+        reset_stamp(rt.files.stamp)
+        signal_tree(rt.pid, signal.SIGCONT)
+        rt.frozen_at = None
+        return True
+
+    async def expire_frozen(self, max_frozen_s: float) -> None:
+        """Kill each job frozen for longer than ``max_frozen_s`` (reported evicted: the leader
+        restores it from its last epoch)."""
+        now = self.clock()
+        for rt in list(self.jobs.values()):
+            if rt.frozen_at is not None and now - rt.frozen_at > max_frozen_s:
+                rt.evicted = True
+                await self._kill(rt, f"frozen for {now - rt.frozen_at:.0f} s (max_frozen_s) without "
+                                     f"the leader's word to go on")
 
     async def _kill(self, rt: JobRuntime, reason: str = "") -> None:
         rt.killing = True
@@ -317,7 +354,7 @@ class Supervisor:
         "evicted", with its new epoch, for the coordinator to restore elsewhere.  A job that
         cannot be checkpointed in time is left for :meth:`shutdown`, which evicts it without one."""
         self._supersede_launches(reason)
-        jobs = list(self.jobs.values())
+        jobs = [rt for rt in self.jobs.values() if rt.frozen_at is None]  # frozen: restored from their epoch
         if not jobs or self.engine is None or budget_s <= 0:
             return
         log.info("draining %d job(s) within %g s", len(jobs), budget_s)

@@ -10,6 +10,14 @@ PID collisions::
 * The init redirects stdin from /dev/null and appends stdout and stderr to
   ``<storage>/jobs/<id>/output.log``, then waits for the job and exits with its
   status.  ``unshare`` itself writes nowhere near the job's output.
+* The init's working directory is the job's own directory on shared storage
+  (``<storage>/jobs/<id>/``); only the job itself runs in its workdir (a
+  ``cd`` shim before it ``exec``s).  criu's parasite, injected into the init,
+  finds that the host's /proc is not its PID namespace's and mounts a proc of
+  its own at ``proc.crtools``, a path *relative to the init's working
+  directory*, then removes it: two jobs that shared a workdir, dumped at once,
+  failed with "Can't create a directory (-17)".  A directory of its own per job
+  cannot collide, and it exists on every node a restore may pick.
 """
 
 from __future__ import annotations
@@ -38,21 +46,33 @@ log = logging.getLogger(__name__)
 # pid 1 of the job's namespace.  Besides waiting for the job it is a dead man's
 # switch: it holds the job's stamp file open as fd 3, and the agent touches that
 # file (by path) each time it renews its lease.  If the stamp goes stale for
-# FENCE_MS - the agent is dead, paused or cut off - it exits, and the kernel
-# kills everything in the namespace.  A restore gives the stamp a new inode
-# first, so a stale copy left behind on a paused node watches a file nobody
-# touches any more, and fences itself.  No descriptor leads outside the job's
+# FENCE_MS - the agent is dead, paused or cut off - it freezes the job (SIGSTOP to
+# every other process of the namespace): a frozen job writes and does nothing, so
+# it is as safe as a dead one, and loses nothing if its agent comes back and the
+# leader lets it go on.  Only the agent thaws it (SIGCONT), on the leader's word.
+# Frozen for MAX_FROZEN_MS with the stamp still stale (the agent never came back),
+# it exits, and the kernel kills everything in the namespace.  A restore gives the
+# stamp a new inode first, so a stale copy left behind on a paused node watches a
+# file nobody touches any more, and freezes.  No descriptor leads outside the job's
 # files, so criu dumps it like any other regular file.
-INIT_SCRIPT = f"""out=$1; stamp=$2; fence_ms=$3; shift 3
+INIT_SCRIPT = f"""out=$1; stamp=$2; fence_ms=$3; max_frozen_ms=$4; shift 4
 exec </dev/null >>"$out" 2>&1 3<"$stamp"
 "$@" &
 child=$!
+frozen=0
 while kill -0 $child 2>/dev/null; do
     sleep 0.2
     m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
     now=$(date +%s%3N)
     if [ $((now - ${{m%.*}}${{m#*.}})) -gt "$fence_ms" ]; then
-        exit {SWITCH_EXIT}
+        if [ "$frozen" = 0 ]; then
+            kill -STOP -1 2>/dev/null
+            frozen=$now
+        elif [ $((now - frozen)) -gt "$max_frozen_ms" ]; then
+            exit {SWITCH_EXIT}
+        fi
+    else
+        frozen=0
     fi
 done
 wait $child
@@ -64,11 +84,19 @@ class LaunchError(RevenantError):
     code = "launch_failed"
 
 
-def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str]) -> list[str]:
-    """The command line that runs ``argv`` under revenant-init in a PID namespace of its own."""
+# Runs the job in its workdir while the init stays in the job's own directory (see above).
+CD_SHIM = 'cd -- "$1" && shift && exec "$@"'
+CD_NAME = "revenant-cd"
+
+
+def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str],
+              workdir: str | None = None, max_frozen_s: float = 600.0) -> list[str]:
+    """The command line that runs ``argv`` under revenant-init in a PID namespace of its own;
+    with ``workdir``, the job runs there whatever directory the init is started in."""
+    job = ["/bin/sh", "-c", CD_SHIM, CD_NAME, workdir, *argv] if workdir is not None else argv
     return ["unshare", "--pid", "--fork", "--kill-child", "setsid",
             "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
-            str(int(switch_timeout_s * 1000)), *argv]
+            str(int(switch_timeout_s * 1000)), str(int(max_frozen_s * 1000)), *job]
 
 
 def new_stamp(files: JobFiles) -> None:
@@ -101,10 +129,11 @@ class Launched:
 
 class Launcher:
     def __init__(self, node: str, storage: Path, switch_timeout_s: float, *, start_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_frozen_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.node = node
         self.storage = storage
         self.switch_timeout_s = switch_timeout_s
+        self.max_frozen_s = max_frozen_s
         self.start_timeout_s = start_timeout_s
         self.clock = clock
 
@@ -131,9 +160,11 @@ class Launcher:
         return files
 
     async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str]) -> Launched:
-        argv = init_argv(files.output, files.stamp, self.switch_timeout_s, spec.argv)
+        argv = init_argv(files.output, files.stamp, self.switch_timeout_s, spec.argv, os.path.abspath(spec.workdir),
+                         self.max_frozen_s)
+        # The init's cwd is the job's own directory: criu's parasite mounts its proc there.
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=spec.workdir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
+                              cwd=files.dir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
         pid = await self._namespace_init(wrapper)
         if pid is None:
             procs.WATCHED.discard(wrapper.pid)  # reaped by poll(): nobody waits for it

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -63,6 +64,17 @@ def signal_tree(root: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def freeze_tree(root: int) -> None:
+    """SIGSTOP every process below ``root`` (not ``root`` itself: a job's init keeps watching its
+    dead man's switch).  Twice over, for a process forked while the first pass ran."""
+    for _ in range(2):
+        for pid in tree_pids(root)[1:]:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
 
 
 def alive(pid: int) -> bool:

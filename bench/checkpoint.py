@@ -240,14 +240,14 @@ def init_args(out: Path, stamp: Path) -> list[str]:
     """The arguments revenant's init script takes before the job's argv, by the names it gives them.
 
     ``out`` is the output file; ``stamp`` and ``fence_ms`` are the dead man's
-    switch (if the agent stops touching the stamp for fence_ms, the init exits).
+    switch (if the agent stops touching the stamp for fence_ms, the init freezes the job).
     With no agent on the raw side, the fence is set beyond any run.
     """
     first = INIT_SCRIPT.split("\n", 1)[0]
     names = {name: int(i) for name, i in re.findall(r"(\w+)=\$(\d+)", first)}
     shift = re.search(r"\bshift(?:\s+(\d+))?", first)
     count = (int(shift.group(1) or 1)) if shift else 0
-    known = {"out": str(out), "stamp": str(stamp), "fence_ms": str(10**9)}
+    known = {"out": str(out), "stamp": str(stamp), "fence_ms": str(10**9), "max_frozen_ms": str(10**9)}
     args: list[str | None] = [None] * count
     for name, i in names.items():
         if name not in known or not 1 <= i <= count:

@@ -70,10 +70,14 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # /live fails once the event loop has not woken up for this long.
     live_stuck_after_s: float = 5.0
     # Leases: renewed every lease_renew_s; unrenewed for fence_timeout_s (shorter than
-    # the lease), the agent kills its own jobs before anyone can restore them elsewhere.
+    # the lease), the agent freezes its own jobs (SIGSTOP) before anyone can restore them
+    # elsewhere; they thaw only on the leader's word once the lease is back.
     lease_ttl_s: float = 1.7
     lease_renew_s: float = 0.35
     fence_timeout_s: float = 1.2
+    # A job frozen this long without the leader's answer is killed (the memory it pins
+    # matters) and restored from its last epoch elsewhere.
+    max_frozen_s: float = 600.0
     # On SIGTERM: how long running work may take to finish before it is cancelled.
     shutdown_grace_s: float = 3.0
     # On SIGTERM the agent drains: it checkpoints and stops every job, which the coordinator
@@ -87,6 +91,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("lease_renew_s must be at most lease_ttl_s / 3")
         if self.fence_timeout_s >= self.lease_ttl_s:
             raise ValueError("fence_timeout_s must be shorter than lease_ttl_s")
+        if not self.max_frozen_s > self.fence_timeout_s:
+            raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
                   "criu_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
@@ -159,10 +165,13 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     max_concurrent_restores: int = 4
     # Standby coordinators: the leader holds a KV lease of this length.
     leader_lease_s: float = 3.0
+    # A finished job's record leaves the live table (to the archive, where `show job` still
+    # finds it) once it has not changed for this long.
+    job_retention_s: float = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_margin_s", "requeue_timeout_s", "restore_rate_per_s",
-                  "max_concurrent_restores", "leader_lease_s")
+                  "max_concurrent_restores", "leader_lease_s", "job_retention_s")
         if not 0 < self.failover_pause_fraction <= 1:
             raise ValueError("failover_pause_fraction must be in (0, 1]")
         _positive(self, "start_timeout_s", "checkpoint_timeout_s", "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",

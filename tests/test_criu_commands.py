@@ -57,7 +57,7 @@ def test_the_error_is_read_from_the_log_then_the_output(tmp_path):
     assert text.startswith(RLIMIT) and text.endswith("Dumping FAILED.\n")
     assert criu.log_error(log, "Dumping FAILED.\n") == \
         "(00.3) Error (criu/pie/parasite.c:634): Can't create a directory (-17)"
-    assert criu.last_error_line("") == "(no output)"
+    assert criu.error_line("") == "(no output)"
 
 
 def test_a_full_disk_is_named_and_the_freeze_is_read_from_the_stats():

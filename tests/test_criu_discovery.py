@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from revenant.agent.criu import last_error_line, locate_criu, parse_version
+from revenant.agent.criu import error_line, locate_criu, parse_version
 from revenant.common.errors import CriuError
 
 pytestmark = pytest.mark.unit
 
 
-def test_last_error_line_skips_the_harmless_rlimit_error():
+def test_the_error_line_skips_the_harmless_rlimit_error():
     out = ("(00.001) Error (criu/util.c:123): rlimit: Can't setup RLIMIT_NOFILE\n"
            "(00.200) Error (criu/cr-dump.c:99): Dumping FAILED.\n"
            "(00.201) Error (criu/util.c:123): rlimit: Can't setup RLIMIT_NOFILE\n")
-    assert last_error_line(out) == "(00.200) Error (criu/cr-dump.c:99): Dumping FAILED."
-    assert last_error_line("Looks good.\n") == "Looks good."
+    assert error_line(out) == "(00.200) Error (criu/cr-dump.c:99): Dumping FAILED."
+    assert error_line("Looks good.\n") == "Looks good."
     assert parse_version("Version: 4.1.1\nGitID: x\n") == "4.1.1"
 
 

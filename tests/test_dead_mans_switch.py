@@ -25,13 +25,14 @@ class FakeClock:
         return self.now
 
 
-def test_the_init_gets_the_switch_timeout_in_milliseconds_and_exits_251_when_it_fires(tmp_path):
+def test_the_init_gets_the_switch_timeouts_in_milliseconds_freezes_then_exits_251(tmp_path):
     files = JobFiles(tmp_path, "3")
-    argv = init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"])
+    argv = init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"], max_frozen_s=600)
     assert argv[:5] == ["unshare", "--pid", "--fork", "--kill-child", "setsid"]
     assert argv[5:9] == ["/bin/sh", "-c", INIT_SCRIPT, INIT_NAME]
-    assert argv[9:] == [str(files.output), str(files.stamp), "1200", "python3", "train.py"]
-    assert f"exit {SWITCH_EXIT}\n" in INIT_SCRIPT and 'fence_ms=$3' in INIT_SCRIPT
+    assert argv[9:] == [str(files.output), str(files.stamp), "1200", "600000", "python3", "train.py"]
+    assert "kill -STOP -1" in INIT_SCRIPT and f"exit {SWITCH_EXIT}\n" in INIT_SCRIPT
+    assert 'fence_ms=$3; max_frozen_ms=$4' in INIT_SCRIPT
 
 
 def test_a_new_stamp_is_a_new_inode_and_a_reset_touches_it(tmp_path):

@@ -66,7 +66,7 @@ async def growing(sup: Supervisor, job: str) -> bool:
     return out.stat().st_size > before
 
 
-async def test_failing_criu_reports_its_last_error_line_and_the_job_keeps_running(tmp_path, supervisor_factory):
+async def test_failing_criu_reports_its_error_keeps_its_log_and_the_job_runs_on(tmp_path, supervisor_factory):
     fake = tmp_path / "criu"
     fake.write_text('#!/bin/sh\necho "(00.01) Error (criu/util.c:1): rlimit: Can\'t setup RLIMIT_NOFILE"\n'
                     'echo "(00.02) Error (criu/cr-dump.c:2120): Dumping FAILED."\n'
@@ -77,7 +77,11 @@ async def test_failing_criu_reports_its_last_error_line_and_the_job_keeps_runnin
     for stop in (False, True):
         with pytest.raises(CriuError) as info:
             await sup.checkpoint("1", 1, stop=stop)
-        assert str(info.value) == "criu dump failed: (00.02) Error (criu/cr-dump.c:2120): Dumping FAILED."
+        # Nothing more specific was said: the closing line, and where the run's log is kept.
+        error, kept = str(info.value).split(" (criu log: ")
+        assert error == "criu dump failed: (00.02) Error (criu/cr-dump.c:2120): Dumping FAILED."
+        assert Path(kept.rstrip(")")).parent == JobFiles(sup.storage, "1").dir / "criu-logs"
+        assert "Dumping FAILED." in Path(kept.rstrip(")")).read_text()
         assert await growing(sup, "1")
     assert JobFiles(sup.storage, "1").committed() == []
     assert [e.kind for e in events if e.__class__.__name__ == "EpochEvent"] == ["failed", "failed"]
@@ -125,22 +129,31 @@ async def test_full_disk_fails_the_checkpoint_cleanly(tmp_path, supervisor_facto
     assert psutil.Process(pid).status() != psutil.STATUS_STOPPED
 
 
-async def test_dead_mans_switch_kills_a_job_nobody_resets(tmp_path):
+async def test_dead_mans_switch_freezes_then_kills_a_job_nobody_resets(tmp_path):
     procs.become_subreaper()
     events: list = []
-    sup = Supervisor("n1", tmp_path / "storage", None, lambda subject, msg: events.append(msg), switch_timeout_s=0.8)
+    sup = Supervisor("n1", tmp_path / "storage", None, lambda subject, msg: events.append(msg), switch_timeout_s=0.8,
+                     max_frozen_s=2.0)
     try:
         spec = JobSpec(id="1", argv=[sys.executable, str(COUNTER), "100000", "0.02"], workdir="/")
         spec2 = JobSpec(id="2", argv=[sys.executable, str(COUNTER), "100000", "0.02"], workdir="/")
         await sup.start(spec, 1)
         await sup.start(spec2, 1)
         rt1 = sup.jobs["1"]
-        # Job 2's stamp is kept fresh, as a live agent holding its lease does; job 1's is not.
-        deadline = time.monotonic() + 10
+        # Job 2's stamp is kept fresh, as a live agent holding its lease does; job 1's is not:
+        # its switch freezes it first (its output stops), and kills it max_frozen_s later.
+        output = JobFiles(sup.storage, "1").output
+        frozen_size = None
+        deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not rt1.exited.is_set():
             os.utime(JobFiles(sup.storage, "2").stamp)
+            job = [p for p in psutil.Process(rt1.pid).children(recursive=True) if str(COUNTER) in p.cmdline()]
+            if frozen_size is None and job and all(p.status() == psutil.STATUS_STOPPED for p in job):
+                frozen_size = output.stat().st_size
             await asyncio.sleep(0.1)
+        assert frozen_size is not None, "the switch never froze the job"
         assert rt1.exited.is_set() and rt1.exit_code == SWITCH_EXIT
+        assert output.stat().st_size == frozen_size  # not one byte while frozen
         # Nobody reset job 1's switch (no agent holds a lease here): its node stopped it, so it is
         # reported evicted, for the coordinator to restore it from its last epoch.
         evicted = [e for e in events if getattr(e, "kind", "") == "evicted"]
@@ -167,9 +180,15 @@ async def vacated_counter(sup: Supervisor) -> JobSpec:
 
 def copies_running(storage: Path, job: str) -> int:
     """Processes of the job's command line (a restored job is its own namespace's init + the job)."""
-    return sum(1 for p in psutil.process_iter(["cmdline", "status"])
-               if p.info["status"] != psutil.STATUS_ZOMBIE and str(COUNTER) in " ".join(p.info["cmdline"] or [])
-               and "revenant-init" not in " ".join(p.info["cmdline"] or []))
+    count = 0
+    for p in psutil.Process().children(recursive=True):  # this test's jobs, not another run's on the machine
+        try:
+            line = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and str(COUNTER) in line and "revenant-init" not in line:
+                count += 1
+        except psutil.Error:
+            pass  # gone meanwhile
+    return count
 
 
 async def test_a_kill_during_a_restore_kills_what_the_restore_brings_up(tmp_path, supervisor_factory):
