@@ -37,8 +37,10 @@ class CheckpointBook:
             self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
         self._epoch_event(job, "failed", generation, error=str(error))
 
-    async def committed(self, files: JobFiles, generation: int, manifest: Manifest, max_epochs: int) -> EpochInfo:
-        """Record a committed epoch, then apply retention (at least one epoch is kept)."""
+    async def committed(self, files: JobFiles, generation: int, manifest: Manifest,
+                        max_epochs: int) -> tuple[EpochInfo, list[int]]:
+        """Record a committed epoch, then apply retention (at least one epoch is kept); the
+        epoch's info and the numbers retention deleted."""
         self.failures = 0
         info = files.info(manifest)
         if self.metrics is not None:
@@ -46,6 +48,8 @@ class CheckpointBook:
                                             size_bytes=info.bytes)
         self._epoch_event(files.job, "created", generation, n=manifest.epoch, bytes=info.bytes,
                           freeze_s=manifest.freeze_s, duration_s=manifest.dump_s)
-        for n in await asyncio.to_thread(files.prune, max(1, max_epochs)):
+        # The new epoch's checksums were taken as it was written: it is not read again.
+        pruned = await asyncio.to_thread(files.prune, max(1, max_epochs), {manifest.epoch})
+        for n in pruned:
             self._epoch_event(files.job, "pruned", generation, n=n)
-        return info
+        return info, pruned

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -33,13 +34,15 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import msgspec
 
 from revenant.common import retention
 from revenant.common.errors import RevenantError
 from revenant.messages import EpochInfo
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -284,15 +287,41 @@ class JobFiles:
             raise NoEpoch(f"job {self.job}: no epoch verifies ({'; '.join(notes)})")
         raise NoEpoch(f"job {self.job} has no checkpoint")
 
-    def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed epochs (the shared retention rule);
-        returns the numbers removed.  ``keep`` below 1 deletes nothing."""
-        doomed = retention.epochs_to_prune(self.committed(), keep) if keep > 0 else []
+    def prune(self, keep: int, verified: Collection[int] = ()) -> list[int]:
+        """Delete committed epochs beyond ``keep`` by the shared retention rule: those that fail
+        verification first, never the newest that verifies; returns the numbers removed.
+        ``verified``: epochs known to verify, not read again (the one just committed, whose
+        checksums were taken as it was written: with ``keep`` 1 nothing is read at all).
+        ``keep`` below 1 deletes nothing, and so does a storage error while verifying (a
+        read that failed proves nothing about the epoch)."""
+        committed = self.committed()
+        if keep < 1 or len(committed) <= keep:
+            return []
+
+        def verifies(n: int) -> bool:
+            if n in verified:
+                return True
+            try:
+                self.verify(n)
+                return True
+            except CorruptEpoch:
+                return False
+
+        try:
+            doomed = retention.epochs_to_prune(committed, keep, verifies)
+        except OSError as exc:
+            log.warning("job %s: retention skipped, an epoch could not be read: %s", self.job, exc)
+            return []
+        removed = []
         for n in doomed:
             trash = self.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
-            os.rename(self.epoch_dir(n), trash)  # unlisted at once, deleted at leisure
+            try:
+                os.rename(self.epoch_dir(n), trash)  # unlisted at once, deleted at leisure
+            except FileNotFoundError:
+                continue  # another node's retention got there first
             shutil.rmtree(trash, ignore_errors=True)
-        return doomed
+            removed.append(n)
+        return removed
 
     def purge(self) -> int:
         """Remove every checkpoint of the job; returns the bytes freed."""

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from revenant.agent.gpu import classify_gpu
 from revenant.common.thresholds import HealthThresholds
-from revenant.messages import GpuHealth, HealthState, HealthSummary
+from revenant.messages import GpuHealth, HealthFinding, HealthState, HealthSummary
 
 _ORDER: dict[HealthState, int] = {"GREEN": 0, "YELLOW": 1, "RED": 2}
 
@@ -39,44 +39,52 @@ class HealthSample:
     gpu_errors: Mapping[int, str] = field(default_factory=dict)
 
 
-def _findings(sample: HealthSample, t: HealthThresholds) -> list[tuple[HealthState, str]]:
-    findings: list[tuple[HealthState, str]] = []
+# A finding: its state, a machine-readable code (HealthFinding.code) and the reason in words.
+Finding = tuple[HealthState, str, str]
+
+
+def _findings(sample: HealthSample, t: HealthThresholds) -> list[Finding]:
+    findings: list[Finding] = []
     if sample.memory_percent >= t.memory_red_percent:
-        findings.append(("RED", f"memory {sample.memory_percent:.0f}% >= {t.memory_red_percent:g}%"))
+        findings.append(("RED", "memory", f"memory {sample.memory_percent:.0f}% >= {t.memory_red_percent:g}%"))
     elif sample.memory_percent >= t.memory_yellow_percent:
-        findings.append(("YELLOW", f"memory {sample.memory_percent:.0f}% >= {t.memory_yellow_percent:g}%"))
+        findings.append(("YELLOW", "memory", f"memory {sample.memory_percent:.0f}% >= {t.memory_yellow_percent:g}%"))
     if sample.storage_free_bytes is not None:
         free_mib = sample.storage_free_bytes / 2**20
         if sample.storage_free_bytes < t.storage_red_free_bytes:
-            findings.append(("RED", f"storage free {free_mib:.0f} MiB < {t.storage_red_free_bytes / 2**20:.0f} MiB"))
+            findings.append(("RED", "storage_low",
+                             f"storage free {free_mib:.0f} MiB < {t.storage_red_free_bytes / 2**20:.0f} MiB"))
         elif sample.storage_free_bytes < t.storage_yellow_free_bytes:
-            findings.append(("YELLOW", f"storage free {free_mib:.0f} MiB < {t.storage_yellow_free_bytes / 2**20:.0f} MiB"))
+            findings.append(("YELLOW", "storage_low",
+                             f"storage free {free_mib:.0f} MiB < {t.storage_yellow_free_bytes / 2**20:.0f} MiB"))
     if sample.loop_lag_s >= t.loop_lag_red_s:
-        findings.append(("RED", f"event loop lag {sample.loop_lag_s:.2f} s"))
+        findings.append(("RED", "loop_lag", f"event loop lag {sample.loop_lag_s:.2f} s"))
     elif sample.loop_lag_s >= t.loop_lag_yellow_s or sample.recent_stalls > 0:
-        findings.append(("YELLOW", f"event loop stalled ({sample.recent_stalls} recent, lag {sample.loop_lag_s:.2f} s)"))
+        findings.append(("YELLOW", "loop_lag",
+                         f"event loop stalled ({sample.recent_stalls} recent, lag {sample.loop_lag_s:.2f} s)"))
     if not sample.criu_ok:
-        findings.append(("RED", f"criu unusable: {sample.criu_error or 'unknown error'}"))
+        findings.append(("RED", "criu", f"criu unusable: {sample.criu_error or 'unknown error'}"))
     if not sample.nats_connected:
-        findings.append(("YELLOW", "NATS disconnected"))
+        findings.append(("YELLOW", "nats", "NATS disconnected"))
     failures = sample.checkpoint_failures
     if failures >= t.checkpoint_failures_red:
-        findings.append(("RED", f"{failures} checkpoints failed in a row"))
+        findings.append(("RED", "checkpoint_failures", f"{failures} checkpoints failed in a row"))
     elif failures >= t.checkpoint_failures_yellow:
-        findings.append(("YELLOW", f"{failures} checkpoint{'s' if failures > 1 else ''} failed in a row"))
+        findings.append(("YELLOW", "checkpoint_failures",
+                         f"{failures} checkpoint{'s' if failures > 1 else ''} failed in a row"))
     if sample.pending_ops >= t.pending_ops_red:
-        findings.append(("RED", f"{sample.pending_ops} operations queued >= {t.pending_ops_red}"))
+        findings.append(("RED", "pending_ops", f"{sample.pending_ops} operations queued >= {t.pending_ops_red}"))
     elif sample.pending_ops >= t.pending_ops_yellow:
-        findings.append(("YELLOW", f"{sample.pending_ops} operations queued >= {t.pending_ops_yellow}"))
+        findings.append(("YELLOW", "pending_ops", f"{sample.pending_ops} operations queued >= {t.pending_ops_yellow}"))
     seen = set()
     for gpu in sample.gpus:
         seen.add(gpu.index)
         if gpu.index in sample.gpu_errors:
-            findings.append(("RED", f"GPU {gpu.index} unreadable: {sample.gpu_errors[gpu.index]}"))
-        findings.extend(classify_gpu(gpu, t.gpu, sample.gpu_recent_xids.get(gpu.index, ())))
+            findings.append(("RED", "gpu", f"GPU {gpu.index} unreadable: {sample.gpu_errors[gpu.index]}"))
+        findings.extend((s, "gpu", r) for s, r in classify_gpu(gpu, t.gpu, sample.gpu_recent_xids.get(gpu.index, ())))
     for index, xids in sample.gpu_recent_xids.items():  # XIDs from a GPU we could not name
         if index not in seen and xids:
-            findings.extend(classify_gpu(GpuHealth(index=index), t.gpu, xids))
+            findings.extend((s, "gpu", r) for s, r in classify_gpu(GpuHealth(index=index), t.gpu, xids))
     return findings
 
 
@@ -84,12 +92,13 @@ def evaluate(sample: HealthSample, t: HealthThresholds) -> HealthSummary:
     """The worst state any probe reports, with one reason per probe that is not GREEN."""
     findings = _findings(sample, t)
     state: HealthState = "GREEN"
-    for s, _ in findings:
+    for s, _, _ in findings:
         if _ORDER[s] > _ORDER[state]:
             state = s
     return HealthSummary(
         state=state,
-        reasons=[reason for _, reason in findings],
+        reasons=[reason for _, _, reason in findings],
+        findings=[HealthFinding(state=s, code=code) for s, code, _ in findings],
         loop_lag_s=round(sample.loop_lag_s, 4),
         loop_stalls=sample.loop_stalls,
         memory_percent=round(sample.memory_percent, 1),

@@ -243,14 +243,14 @@ class Supervisor:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
             rt.stopped_at_epoch = manifest.epoch
             rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
-        info = await self.book.committed(rt.files, generation, manifest, rt.spec.max_epochs)
+        info, pruned = await self.book.committed(rt.files, generation, manifest, rt.spec.max_epochs)
         if stop:
             try:
                 await asyncio.wait_for(rt.exited.wait(), 10)
             except asyncio.TimeoutError:
                 log.error("job %s did not die after vacate; killing it", job)
                 signal_tree(rt.pid, signal.SIGKILL)
-        return self._reply(rt, epoch=info, notes=notes)
+        return self._reply(rt, epoch=info, notes=notes, pruned=pruned)
 
     # ------------------------------------------------------------------ restore
 

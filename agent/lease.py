@@ -74,13 +74,15 @@ class LeaseKeeper:
         if not self.fenced and self.fence.must_fence(now):
             self.fenced = True
             stale = self.fence.stale_for(now)
-            log.error("lease not renewed for %.1f s (fence %.1f s): self-fencing, killing every job",
+            log.error("lease not renewed for %.1f s (fence %.1f s): self-fencing, freezing every job",
                       stale, self.fence.fence_timeout_s)
             await self._on_fence(stale)
         return self.fenced
 
-    async def run(self) -> None:
-        while True:
+    async def run(self, until: asyncio.Event | None = None) -> None:
+        """Renew until cancelled, or until ``until`` is set (which a cancellation swallowed by a
+        request in flight cannot defeat)."""
+        while until is None or not until.is_set():
             await self.check()
             if await self._renew():
                 self.fence.renewed(self.clock())

@@ -157,7 +157,7 @@ class Liveness:
         try:
             async with asyncio.TaskGroup() as tasks:
                 beat = tasks.create_task(self._beat(), name="heartbeat")
-                lease = tasks.create_task(self.lease.run(), name="lease")
+                lease = tasks.create_task(self.lease.run(until=self._stop), name="lease")
                 await self._stop.wait()
                 beat.cancel()
                 lease.cancel()
@@ -176,7 +176,10 @@ class Liveness:
     async def _beat(self) -> None:
         interval, jitter = self.config.heartbeat_interval_s, self.config.heartbeat_jitter
         due = self.clock()
-        while True:
+        stop = self._stop
+        # Ends on the stop flag too: a cancellation that lands as a flush returns can be swallowed
+        # (Python 3.11's wait_for), and a heartbeat loop that lives on would hold up the stop.
+        while stop is None or not stop.is_set():
             assert self.lease is not None
             await self.lease.check()  # a paused agent fences before it says anything
             await self._publish()

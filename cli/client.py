@@ -1,4 +1,7 @@
-"""Client commands that read the cluster over NATS: ``nodes`` and ``events``."""
+"""Client commands that speak to the cluster over NATS: nodes, jobs and events.
+
+Every list is read page by page (``nodes_request.v1``, ``jobs_request.v1``); the events come
+one message at a time from the stream, so no single reply grows with the cluster."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from revenant.common import bus
 from revenant.common.cluster import resolve_nats_url
 from revenant.common.errors import BusError, RevenantError
 from revenant.common.intervals import format_interval, parse_interval
+from revenant.common.limits import BadRequest, check_submit
 from revenant.messages import (
     AnomalyEvent,
     EpochEvent,
@@ -251,16 +255,29 @@ async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout
         await nc.close()
 
 
-def submit(args: argparse.Namespace) -> int:
+def submit_request(args: argparse.Namespace) -> SubmitRequest:
+    """The request ``revenant submit`` sends, checked against every limit the coordinator checks
+    (:func:`revenant.common.limits.check_submit`), before anything is sent."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise RevenantError("nothing to run: revenant submit [options] -- CMD [ARG...]")
+        raise BadRequest("nothing to run: revenant submit [options] -- CMD [ARG...]")
     interval = parse_interval(args.checkpoint) if args.checkpoint else None
-    workdir = os.path.abspath(args.workdir or os.getcwd())
+    if args.node:
+        subjects.check_name(args.node)
+    try:
+        workdir = os.path.abspath(args.workdir or os.getcwd())
+    except OSError as exc:
+        raise BadRequest(f"cannot read the current directory ({exc.strerror}): give --workdir") from None
     req = SubmitRequest(argv=command, name=args.name or "", node=args.node or "", workdir=workdir,
                         checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue)
+    check_submit(req)
+    return req
+
+
+def submit(args: argparse.Namespace) -> int:
+    req = submit_request(args)
     reply = asyncio.run(_coord(_url(args), "submit", req, JobReply, args.timeout))
     print(reply.job.spec.id)
     return 0
@@ -291,21 +308,43 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
 
 def show_job(args: argparse.Namespace) -> int:
     reply = asyncio.run(_coord(_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout))
+    for note in reply.notes:
+        print(f"revenant: {note}", file=sys.stderr)
     _print_job(reply.job, args.json)
     return 0
 
 
+async def request_jobs(nc, timeout_s: float) -> list[JobRecord]:
+    """The whole live job table, page by page (each page after the last id of the one before)."""
+    jobs: list[JobRecord] = []
+    after = ""
+    while True:
+        reply = await bus.request(nc, subjects.coordinator("jobs"), JobsRequest(after=after), JobsReply, timeout_s)
+        jobs += reply.jobs
+        if not reply.more or not reply.jobs:
+            return jobs
+        after = reply.jobs[-1].spec.id
+
+
+async def fetch_jobs(url: str, timeout_s: float) -> list[JobRecord]:
+    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, connect_timeout_s=min(timeout_s, 5.0))
+    try:
+        return await request_jobs(nc, timeout_s)
+    finally:
+        await nc.close()
+
+
 def list_jobs(args: argparse.Namespace) -> int:
-    reply = asyncio.run(_coord(_url(args), "jobs", JobsRequest(), JobsReply, args.timeout))
+    jobs = asyncio.run(fetch_jobs(_url(args), args.timeout))
     if args.json:
-        print(json.dumps([job_view(r) for r in reply.jobs], indent=2))
+        print(json.dumps([job_view(r) for r in jobs], indent=2))
         return 0
-    if not reply.jobs:
+    if not jobs:
         print("no jobs")
         return 0
     header = ["ID", "NAME", "STATE", "NODE", "PID", "GEN", "EPOCHS", "EXIT"]
     rows = [[r.spec.id, r.spec.name, r.state, r.node or "-", str(r.pid or "-"), str(r.generation),
-             str(len(r.epochs)), "-" if r.exit_code is None else str(r.exit_code)] for r in reply.jobs]
+             str(len(r.epochs)), "-" if r.exit_code is None else str(r.exit_code)] for r in jobs]
     print(render_table(header, rows))
     return 0
 

@@ -5,18 +5,25 @@ coordinator and N agents named node-1..node-N that share DIR/storage, which
 stands in for a cluster's shared filesystem.  Every process runs in its own
 session so that a Ctrl-C reaches ``up`` alone, which then stops them in order:
 the coordinator first, then the agents (each drains its jobs, which the next
-``up`` on DIR restores), then NATS.
+``up`` on DIR restores), then NATS.  Until then ``up`` (or, with ``--detach``, the
+``revenant supervise`` it leaves behind) restarts any of them that dies: see
+``cli/supervise.py``.  ``down`` stops that supervisor first, then the rest in the
+same order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -24,7 +31,7 @@ from revenant.cli.client import request_nodes
 from revenant.common import bus
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
 from revenant.common.errors import ClusterNotFound, RevenantError
-from revenant.common.natsserver import start_nats_server
+from revenant.common.natsserver import pin_option, start_nats_server
 from revenant.messages import NodesReply
 
 # The coordinator first: the agents' drains leave their evicted jobs in the event stream,
@@ -82,7 +89,8 @@ def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[b
     while time.monotonic() < deadline:
         for proc, info in procs:
             if proc.poll() is not None:
-                raise RevenantError(f"{info.role} {info.name} exited with status {proc.returncode} at start; "
+                what = info.name if info.name == info.role else f"{info.role} {info.name}"
+                raise RevenantError(f"{what} exited with status {proc.returncode} at start; "
                                     f"log {info.log}:\n{_tail(info.log)}")
         try:
             reply = asyncio.run(_nodes(url, 1.0))
@@ -95,33 +103,51 @@ def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[b
     raise RevenantError(f"nodes not alive after {timeout_s:g} s: {', '.join(sorted(missing))}")
 
 
-def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0) -> int:
-    if n_nodes < 1:
-        raise RevenantError(f"--nodes must be at least 1, got {n_nodes}")
-    root = Path(directory).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    if cluster_file(root).exists():
-        try:
-            old = read_cluster(root)
-        except ClusterNotFound:
-            old = None
-        if old is not None and any(_ours(p) for p in old.processes):
-            raise RevenantError(f"a cluster is already running in {root}; stop it with 'revenant down --dir {root}'")
+def refuse_running(root: Path) -> None:
+    """Refuse a directory whose cluster still runs (any process it records, its supervisor too)."""
+    if not cluster_file(root).exists():
+        return
+    try:
+        old = read_cluster(root)
+    except ClusterNotFound:
+        return
+    recorded = old.processes + ([old.supervisor] if old.supervisor is not None else [])
+    if any(_ours(p) for p in recorded):
+        raise RevenantError(f"a cluster is already running in {root}; stop it with 'revenant down --dir {root}'")
+
+
+def _supervisor_info(logs: Path) -> ProcessInfo:
+    me = os.getpid()
+    try:
+        argv = psutil.Process(me).cmdline()
+    except psutil.Error:
+        argv = [sys.executable, *sys.argv]
+    return ProcessInfo(role="supervisor", name="supervisor", pid=me, create_time=_create_time(me),
+                       log=str(logs / "supervisor.log"), argv=argv)
+
+
+def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None,
+                  timeout_s: float) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
+    """Start nats-server (unless ``external_nats``), the coordinator and the agents, as this
+    process's children; wait until every node is alive; write cluster.json, naming this process
+    their supervisor and pinning the ports each one chose into its argv, so that a restart with
+    that argv comes back on them.  Returns the file and the children by name.  A failure, a
+    Ctrl-C, a SIGTERM or a SIGUSR1 (``revenant down``) on the way stops what started."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.default_int_handler)
     logs = root / "logs"
     storage = root / "storage"
     storage.mkdir(parents=True, exist_ok=True)
-
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
-    infos: list[ProcessInfo] = []
     try:
         if external_nats:
             url = external_nats
         else:
             server = start_nats_server(root / "nats", log_file=logs / "nats-server.log", new_session=True)
             url = server.url
-            infos.append(ProcessInfo(role="nats-server", name="nats-server", pid=server.pid,
-                                     create_time=_create_time(server.pid), log=str(logs / "nats-server.log"),
-                                     argv=[str(a) for a in server.process.args]))
+            started.append((server.process, ProcessInfo(
+                role="nats-server", name="nats-server", pid=server.pid, create_time=_create_time(server.pid),
+                log=str(logs / "nats-server.log"), argv=server.argv)))
         py = [sys.executable, "-m", "revenant.cli"]
         # Every process serves its HTTP endpoints on a free port; cluster.json records which.
         started.append(_spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator",
@@ -130,8 +156,9 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
         for name in names:
             started.append(_spawn("agent", name, py + ["agent", "--node", name, "--nats", url, "--http-port", "0",
                                                        "--storage", str(storage)], logs / f"{name}.log"))
-        infos += [info for _, info in started]
-        cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(), processes=infos)
+        infos = [info for _, info in started]
+        cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(),
+                              processes=infos, supervisor=_supervisor_info(logs))
         write_cluster(root, cluster)
         reply = _wait_alive(url, names, started, timeout_s)
         urls = {n.name: n.capabilities.metrics_url for n in reply.nodes}
@@ -140,40 +167,112 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
                 info.metrics_url = urls.get(info.name, "")
             elif info.role == "coordinator":
                 info.metrics_url = reply.coordinator_metrics_url
+            port = urlsplit(info.metrics_url).port if info.metrics_url else None
+            if port:
+                info.argv = pin_option(info.argv, "--http-port", str(port))
         write_cluster(root, cluster)
     except BaseException:
         # Interrupted or failed while starting: stop what started, and let no
         # second Ctrl-C cut the clean-up short and leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _stop_processes(infos, timeout_s=5.0)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        _stop_processes([info for _, info in started], timeout_s=5.0)
         cluster_file(root).unlink(missing_ok=True)
         raise
+    return cluster, {info.name: proc for proc, info in started}
 
+
+def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0) -> int:
+    """Start a local cluster and supervise it: in this process, or with ``detach`` in a
+    detached ``revenant supervise`` that this one waits for (until every node is alive)."""
+    if n_nodes < 1:
+        raise RevenantError(f"--nodes must be at least 1, got {n_nodes}")
+    root = Path(directory).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    refuse_running(root)
+    if detach:
+        url = _up_detached(root, n_nodes, external_nats, timeout_s)
+    else:
+        from revenant.cli.supervise import log_to
+
+        log_to(root, echo=True)
+        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s)
+        url = cluster.nats_url
     print(f"revenant: cluster up in {root}: {n_nodes} node(s) alive, NATS at {url}", file=sys.stderr)
     print(f"revenant: try 'revenant nodes --dir {root}'; stop with "
           f"{'revenant down --dir ' + str(root) if detach else 'Ctrl-C'}", file=sys.stderr)
     if detach:
         return 0
-    return _foreground(root, infos, started)
+    from revenant.cli.supervise import supervise_until_stopped
+
+    return supervise_until_stopped(root, cluster, procs)
 
 
-def _foreground(root: Path, infos: list[ProcessInfo], started: list[tuple[subprocess.Popen[bytes], ProcessInfo]]) -> int:
-    stop = False
+def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s: float) -> str:
+    """Start ``revenant supervise`` in its own session and wait for its word on the start
+    (through a pipe); returns the NATS URL.  Interrupted, it stops the supervisor, which stops
+    what it started."""
+    log_path = root / "logs" / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-m", "revenant.cli", "supervise", str(root), "--nodes", str(n_nodes),
+            "--timeout", str(timeout_s), "--ready-fd", str(write_fd)]
+    argv += ["--nats", external_nats] if external_nats else []
+    try:
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True, pass_fds=(write_fd,))
+    finally:
+        os.close(write_fd)
+    # Starting NATS, then the nodes (timeout_s), then on a failure stopping what started.
+    deadline = time.monotonic() + timeout_s + 60.0
+    try:
+        with os.fdopen(read_fd, "rb") as pipe:
+            data = _read_until_eof(pipe, deadline)
+    except BaseException:
+        proc.terminate()  # it stops what it started, then exits
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        raise
+    try:
+        report = json.loads(data) if data else {}
+    except ValueError:
+        report = {}
+    if "nats_url" in report:
+        return str(report["nats_url"])
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    if "error" in report:
+        raise RevenantError(str(report["error"]))
+    status = "is still running" if proc.poll() is None else describe_exit(proc.returncode)
+    raise RevenantError(f"the supervisor ({status}) gave no word on the start; log {log_path}:\n{_tail(str(log_path))}")
 
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    while not stop:
-        time.sleep(0.2)
-    print("revenant: stopping the cluster", file=sys.stderr)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _stop_processes(infos, timeout_s=30.0)
-    cluster_file(root).unlink(missing_ok=True)
-    return 0
+def _read_until_eof(pipe: BinaryIO, deadline: float) -> bytes:
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RevenantError("the cluster did not come up in time (no word from the supervisor)")
+        ready, _, _ = select.select([pipe], [], [], left)
+        if ready:
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
 
 
 def _running(proc: psutil.Process) -> bool:
@@ -220,8 +319,32 @@ def _stop_processes(infos: list[ProcessInfo], timeout_s: float) -> list[str]:
     return killed
 
 
+def _stop_supervisor(info: ProcessInfo) -> None:
+    """Stop the supervisor before anything else, so that it restarts nothing that is being
+    stopped: SIGUSR1 makes it exit at once (leaving the rest to ``down``); SIGKILL if it does not."""
+    proc = _ours(info)
+    if proc is None:
+        return
+    try:
+        proc.send_signal(signal.SIGUSR1)
+    except psutil.Error:
+        return
+    for p in _wait_gone([proc], 10.0):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+        _wait_gone([p], 5.0)
+
+
 def down(directory: str, timeout_s: float = 30.0) -> int:
     cluster = read_cluster(directory)
+    if cluster.supervisor is not None:
+        _stop_supervisor(cluster.supervisor)
+        try:
+            cluster = read_cluster(directory)  # what it restarted last is in the file it left
+        except ClusterNotFound:
+            pass  # it was stopping the cluster itself (Ctrl-C, SIGTERM): stop what it had
     killed = _stop_processes(cluster.processes, timeout_s)
     left = [f"{p.role} {p.name} (pid {p.pid})" for p in cluster.processes if _ours(p) is not None]
     if left:

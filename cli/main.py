@@ -4,10 +4,45 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 import sys
+from typing import NoReturn
 
 from revenant.common.errors import RevenantError
+from revenant.common.limits import MAX_EPOCHS, check_range
 from revenant.messages import MessageError
+
+# Numeric flags, checked after parsing and before anything runs: flag, lowest, highest.
+NUMBER_RANGES = {
+    "timeout": ("--timeout", 0.001, 7 * 86400.0),
+    "interval": ("--interval", 0.01, 86400.0),
+    "nodes": ("--nodes", 1, 1000),
+    "max_epochs": ("--max-epochs", 1, MAX_EPOCHS),
+    "ready_fd": ("--ready-fd", 0, 1 << 20),
+}
+# A service's flags go into its config, which checks their ranges; here, only that they are finite.
+FINITE_NUMBERS = {"heartbeat_interval_s": "--heartbeat-interval", "node_timeout_s": "--node-timeout",
+                  "suspect_timeout_s": "--suspect-timeout"}
+# Characters that would break a one-line error in two (str.splitlines' line boundaries).
+_LINE_BREAKS = re.compile("[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]")
+
+
+def _one_line(message: str) -> str:
+    return _LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], message)
+
+
+def _fail(message: str) -> NoReturn:
+    """An argument error: one line on stderr, exit status 2."""
+    print(f"revenant: {_one_line(message)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like every other error (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(f"{message} (see {self.prog} --help)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser, timeout: float = 5.0) -> None:
@@ -17,7 +52,7 @@ def _add_cluster_args(p: argparse.ArgumentParser, timeout: float = 5.0) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="revenant", description="Checkpoint/restore and failover for cluster jobs.")
+    parser = _Parser(prog="revenant", description="Checkpoint/restore and failover for cluster jobs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("agent", help="run the node agent")
@@ -50,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats", help="use this external NATS server instead of starting one")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the nodes (default 30)")
     p.set_defaults(func=_cmd_up)
+
+    # Hidden (no help): what 'revenant up --detach' leaves running to restart what dies.
+    p = sub.add_parser("supervise")
+    p.add_argument("dir")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--nats")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--ready-fd", type=int, help="a pipe to write the start's outcome to (JSON), then close")
+    p.set_defaults(func=_cmd_supervise)
 
     p = sub.add_parser("down", help="stop everything 'revenant up' started")
     p.add_argument("--dir", required=True)
@@ -161,6 +205,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return up(args.dir, args.nodes, detach=args.detach, external_nats=args.nats, timeout_s=args.timeout)
 
 
+def _cmd_supervise(args: argparse.Namespace) -> int:
+    from revenant.cli.supervise import supervise
+
+    return supervise(args.dir, args.nodes, external_nats=args.nats, timeout_s=args.timeout, ready_fd=args.ready_fd)
+
+
 def _cmd_down(args: argparse.Namespace) -> int:
     from revenant.cli.local import down
 
@@ -209,14 +259,41 @@ def _cmd_events(args: argparse.Namespace) -> int:
     return events(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_args(args: argparse.Namespace) -> None:
+    """Range-check numbers, and build (and so check) what a submit would send: a mistake is found
+    here, before anything connects or starts."""
+    for dest, (flag, lowest, highest) in NUMBER_RANGES.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, (int, float)):
+            check_range(flag, value, lowest, highest)
+    for dest, flag in FINITE_NUMBERS.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RevenantError(f"{flag} must be a finite number, got {value}")
+    if getattr(args, "func", None) is _cmd_submit:
+        from revenant.cli.client import submit_request
+
+        submit_request(args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed and checked command line; any mistake exits 2 with one line on stderr."""
     args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except (RevenantError, MessageError) as exc:
+        _fail(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     # Client commands speak through their one-line errors; services reconfigure logging.
     logging.basicConfig(level=logging.ERROR, format="revenant: %(message)s")
     try:
         return args.func(args)
     except (RevenantError, MessageError) as exc:
-        print(f"revenant: {exc}", file=sys.stderr)
+        print(f"revenant: {_one_line(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

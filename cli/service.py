@@ -33,8 +33,4 @@ def run_service(service: Service) -> int:
         await service.run()
 
     uvloop.run(main())
-    if getattr(service, "deposed", False):
-        print("revenant: lost the leader lease; exiting so a supervisor restarts this coordinator as a standby",
-              file=sys.stderr)
-        return 1
     return 0

@@ -29,6 +29,11 @@ M = TypeVar("M", bound=Message)
 
 EVENTS_MAX_AGE_S = 7 * 24 * 3600
 EVENTS_MAX_BYTES = 256 * 1024 * 1024
+# The stream drops a message whose Nats-Msg-Id it stored within this window: every retry of
+# an event carries the id fixed when it was emitted, and the publisher sends no copy later
+# than its retry span (60 s) after the first (common/events.py refuses a longer span).
+EVENTS_DUPLICATE_WINDOW_S = 120.0
+MSG_ID_HEADER = "Nats-Msg-Id"
 
 
 @contextlib.contextmanager
@@ -178,6 +183,7 @@ async def ensure_event_stream(js: JetStreamContext) -> None:
         max_age=EVENTS_MAX_AGE_S,
         max_bytes=EVENTS_MAX_BYTES,
         discard=DiscardPolicy.OLD,
+        duplicate_window=EVENTS_DUPLICATE_WINDOW_S,
     )
     with map_exceptions(f"cannot create event stream {subjects.EVENTS_STREAM}"):
         try:
@@ -186,7 +192,10 @@ async def ensure_event_stream(js: JetStreamContext) -> None:
             await js.update_stream(config)
 
 
-async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeout_s: float) -> Any:
-    """Publish an event to JetStream and wait for the stream's ack."""
+async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeout_s: float,
+                        msg_id: str = "") -> Any:
+    """Publish an event to JetStream and wait for the stream's ack.  With ``msg_id``, a copy the
+    stream already holds (a retry whose first ack was lost) is acked and dropped, not stored."""
+    headers = {MSG_ID_HEADER: msg_id} if msg_id else None
     with map_exceptions(f"cannot publish event on {subject}"):
-        return await js.publish(subject, encode(msg), timeout=timeout_s)
+        return await js.publish(subject, encode(msg), timeout=timeout_s, headers=headers)

@@ -1,7 +1,8 @@
 """Finding a cluster: ``--nats URL``, ``--dir DIR`` (its cluster.json) or ``$REVENANT_NATS``.
 
 ``cluster.json`` is written by ``revenant up`` and is part of the CLI contract
-(docs/cli.md): the NATS URL and every process that ``up`` started.
+(docs/cli.md): the NATS URL, every process that ``up`` started (with the argv that
+restarts it on the same ports) and the supervisor that restarts them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class ProcessInfo(msgspec.Struct, kw_only=True):
     argv: list[str] = []
     # Where the process serves /metrics, /health, /ready and /live ("" for nats-server).
     metrics_url: str = ""
+    # How often the supervisor restarted it, and whether it stopped doing so (a crash loop).
+    restarts: int = 0
+    given_up: bool = False
 
 
 class ClusterFile(msgspec.Struct, kw_only=True):
@@ -37,6 +41,9 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     storage: str
     created_at: float
     processes: list[ProcessInfo] = []
+    # The process that restarts them when they die (``revenant up`` itself, or with
+    # --detach its ``revenant supervise``); ``revenant down`` stops it first.
+    supervisor: ProcessInfo | None = None
 
 
 def cluster_file(directory: str | os.PathLike[str]) -> Path:

@@ -5,12 +5,19 @@ flushes what is queued.  Events are sharded over the workers by subject, so
 the events of one node or job keep their order while a burst (20,000 nodes
 joining at once) is published many at a time.  The queues are bounded: a
 full one drops the event and counts it, loudly, rather than grow without end.
+
+Each event gets a message id (``Nats-Msg-Id``) when it is emitted, and every retry
+carries that same id: a publish whose ack was lost (it timed out, or the connection
+broke after the stream stored it) is retried, and the stream's duplicate window
+(``bus.EVENTS_DUPLICATE_WINDOW_S``, longer than the retries last) drops the copy, so
+consumers see each event once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import zlib
 from typing import Callable
@@ -23,6 +30,14 @@ from revenant.messages import Message
 
 log = logging.getLogger(__name__)
 
+# A retry waits longer for its ack than the attempt before it (a slow stream would time out
+# every attempt alike), doubling from ``timeout_s`` up to this.
+ATTEMPT_TIMEOUT_MAX_S = 8.0
+
+
+def new_msg_id() -> str:
+    return secrets.token_hex(12)
+
 
 class EventPublisher:
     def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 100_000,
@@ -33,18 +48,28 @@ class EventPublisher:
         self._timeout_s = timeout_s
         # An event is retried (backing off to 2 s) for this long: a short loss of NATS, the very
         # moment a self-fence stops jobs, must not lose their reports.  Per subject, order holds.
+        # No copy is sent later than this after the first, so the stream's duplicate window
+        # must be longer.
+        if retry_for_s >= bus.EVENTS_DUPLICATE_WINDOW_S:
+            raise ValueError(f"events retried for {retry_for_s:g} s would outlive the stream's "
+                             f"{bus.EVENTS_DUPLICATE_WINDOW_S:g} s duplicate window")
         self._retry_for_s = retry_for_s
         per_worker = max(1, max_queued // workers)
-        self._queues: list[asyncio.Queue[tuple[str, Message]]] = [asyncio.Queue(per_worker) for _ in range(workers)]
+        self._queues: list[asyncio.Queue[tuple[str, Message, str]]] = [
+            asyncio.Queue(per_worker) for _ in range(workers)]
         self._tasks: list[asyncio.Task[None]] = []
         self.dropped = 0
         self.published = 0
+        # Attempts that failed and were retried (each with the event's own message id).
+        self.retried = 0
         self._stopping = False
 
-    def emit(self, subject: str, msg: Message) -> None:
+    def emit(self, subject: str, msg: Message, msg_id: str = "") -> None:
+        """Queue ``msg`` for ``subject``.  Its message id is fixed now (``msg_id``, or a new one):
+        every retry carries it, and the stream stores the event once."""
         queue = self._queues[zlib.crc32(subject.encode()) % len(self._queues)]
         try:
-            queue.put_nowait((subject, msg))
+            queue.put_nowait((subject, msg, msg_id or new_msg_id()))
         except asyncio.QueueFull:
             self.dropped += 1
             if self.dropped & (self.dropped - 1) == 0:  # log 1, 2, 4, 8, ...
@@ -101,20 +126,23 @@ class EventPublisher:
             if self._stopping and queue.empty():
                 return
 
-    async def _publish(self, subject: str, msg: Message) -> None:
+    async def _publish(self, subject: str, msg: Message, msg_id: str) -> None:
         deadline = self._clock() + self._retry_for_s
         attempt = 0
         while True:
+            timeout_s = min(self._timeout_s * 2 ** attempt, max(self._timeout_s, ATTEMPT_TIMEOUT_MAX_S))
             try:
-                await bus.publish_event(self._js, subject, msg, self._timeout_s)
+                await bus.publish_event(self._js, subject, msg, timeout_s, msg_id)
                 self.published += 1
                 return
             except BusError as exc:
                 attempt += 1
-                if self._clock() >= deadline:
+                backoff_s = min(2.0, 0.2 * 2 ** (attempt - 1))
+                if self._clock() + backoff_s >= deadline:
                     self.dropped += 1
                     log.error("event lost after %d attempts: %s", attempt, exc)
                     return
                 if attempt == 1:
                     log.warning("event not published yet, retrying: %s", exc)
-                await asyncio.sleep(min(2.0, 0.2 * 2 ** (attempt - 1)))
+                self.retried += 1
+                await asyncio.sleep(backoff_s)

@@ -12,8 +12,9 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from revenant.common.errors import NatsServerError
 
@@ -40,10 +41,17 @@ class NatsServer:
     process: subprocess.Popen[bytes]
     url: str
     store_dir: Path
+    # The command line that starts this server again on the same port with the same store
+    # (``--port`` pinned to the port it chose): what ``revenant up`` records and restarts.
+    argv: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 0
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.process.poll() is not None:
@@ -65,7 +73,8 @@ def start_nats_server(
     new_session: bool = False,
     ready_timeout_s: float = 10.0,
 ) -> NatsServer:
-    """Start nats-server with JetStream, state under ``store_dir``; port -1 picks a free one."""
+    """Start nats-server with JetStream, state under ``store_dir``; port -1 picks a free one
+    (``NatsServer.argv`` then names the port it picked, so a restart comes back on it)."""
     store = Path(store_dir)
     ports_dir = store / "ports"
     ports_dir.mkdir(parents=True, exist_ok=True)
@@ -94,9 +103,21 @@ def start_nats_server(
         try:
             info = json.loads(ports_file.read_text())
             url = info["nats"][0]
-            return NatsServer(process=proc, url=url, store_dir=store)
+            server = NatsServer(process=proc, url=url, store_dir=store)
+            server.argv = pin_option(cmd, "--port", str(server.port))
+            return server
         except (FileNotFoundError, json.JSONDecodeError, KeyError, IndexError):
             time.sleep(0.02)
     proc.kill()
     proc.wait()
     raise NatsServerError(f"nats-server did not report its ports within {ready_timeout_s:g} s")
+
+
+def pin_option(argv: list[str], option: str, value: str) -> list[str]:
+    """``argv`` with ``option``'s value replaced by ``value`` (appended if absent)."""
+    out = list(argv)
+    if option in out[:-1]:
+        out[out.index(option) + 1] = value
+    else:
+        out += [option, value]
+    return out

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -27,20 +28,22 @@ from revenant.common.loopmonitor import LoopMonitor
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
 from revenant.common.service import Service
-from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.agents import AgentClient, check_may_act
+from revenant.coordinator.archive import Archiver
 from revenant.coordinator.job_events import JobEventConsumer
 from revenant.coordinator.jobs import JobService
-from revenant.coordinator.leader import Leadership
+from revenant.coordinator.leader import Leadership, Term
+from revenant.coordinator.paging import JobPages, fitting, shown
 from revenant.coordinator.periodic import PeriodicCheckpoints
 from revenant.coordinator.store import KvJobStore
+from revenant.coordinator.takeover import take_over
 from revenant.messages import (
+    ClusterEvent,
     HealthSummary,
     FailoverRequest,
     Heartbeat,
     JobReply,
     JobRequest,
-    JobsReply,
     JobsRequest,
     Message,
     SubmitRequest,
@@ -48,9 +51,9 @@ from revenant.messages import (
     NodeEvent,
     NodesReply,
     NodesRequest,
+    NodeStatus,
     Probe,
     ProbeReply,
-    ReconcileReply,
     ReconcileRequest,
     decode_as,
     subjects,
@@ -87,9 +90,12 @@ class Coordinator(Service):
         # that arrives while the service stops must still get its answer ("shutting down").
         self._requests: set[asyncio.Task[None]] = set()
         self.jobs: JobService | None = None
+        self._job_pages = JobPages()
         self.failover: Failover | None = None
         self.leadership: Leadership | None = None
-        self.deposed = False
+        # The term it leads now (None while a standby), and how often it stepped down.
+        self._term: Term | None = None
+        self.step_downs = 0
         self._storm_dirty = False
         self._hb_sub = None
         self._reconnected = False
@@ -131,29 +137,25 @@ class Coordinator(Service):
         # A standby tracks every node too, so that it takes over with a warm view.
         self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
                                                 pending_msgs_limit=1_000_000)
-        elected = asyncio.Event()
-
-        async def on_elected() -> None:
-            elected.set()
-
         self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
-                                     on_elected=on_elected, on_deposed=self._deposed, clock=self._clock)
-        nodes = lambda: self.detector.snapshot(self._clock())  # noqa: E731
+                                     on_elected=self._elected, on_deposed=self._deposed, clock=self._clock)
         self.jobs = JobService(KvJobStore(self._js), AgentClient(self._nc, self.leadership.fresh), self.config,
-                               self._events, nodes, self.leadership, wall=self._wall)
-        self.failover = failover = Failover(self.config, self._js, self.jobs, self._events, nodes,
-                                            self._last_heartbeat, clock=self._clock, wall=self._wall,
-                                            on_result=self.metrics.count_failover)
-        self._job_events = JobEventConsumer(
-            self._js, self.jobs, lambda job, node, why: failover.recover_job(job, node, evicted=why))
-        self._periodic = PeriodicCheckpoints(self.jobs, nodes, min(1.0, self.config.tick_interval_s * 10),
+                               self._events, self._nodes, self.leadership, wall=self._wall)
+        self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
+        self._periodic = PeriodicCheckpoints(self.jobs, self._nodes, min(1.0, self.config.tick_interval_s * 10),
                                              self._wall)
         self._events.start()
         self.spawn(self._tick_loop(), "detector-tick")
         self.spawn(self.loop_monitor.run(), "loop-monitor")
         self.spawn(self.leadership.run(), "leadership")
-        self.spawn(self._lead(elected), "lead")
         log.info("coordinator %s up; waiting to lead", self.name)
+
+    def _nodes(self) -> list[NodeStatus]:
+        return self.detector.snapshot(self._clock())
+
+    def _evicted(self, job: str, node: str, why: str) -> None:
+        if self.failover is not None:
+            self.failover.recover_job(job, node, evicted=why)
 
     async def _shutdown(self) -> None:
         if self.failover is not None:
@@ -168,50 +170,82 @@ class Coordinator(Service):
             await self.http.stop()
         log.info("coordinator %s stopped", self.name)
 
-    async def _lead(self, elected: asyncio.Event) -> None:
-        """Once elected: load the job table, serve requests, run failover and checkpoints."""
-        await elected.wait()
-        assert self.jobs is not None and self._nc is not None and self.failover is not None
-        await self.jobs.open()
-        await self.failover.restore_hold()
-        # What the previous leader left, before this one touches anything (see _take_over).
-        inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
-        await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes)
-        for verb in REQUEST_VERBS:
-            await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request)
-        self.spawn(_supervised(self._job_events.run), "job-events")
-        self.spawn(_supervised(self._periodic.run), "periodic-checkpoints")
-        self.spawn(self._take_over(inherited), "take-over")
-        log.info("coordinator %s leads", self.name)
-        self.ready.set()
+    async def _elected(self) -> None:
+        assert self.leadership is not None
+        self._term = term = Term(self.leadership.terms)
+        self.spawn(self._lead(term), f"lead-{term.number}")
 
-    async def _take_over(self, inherited: dict[str, tuple[str, int, str]]) -> None:
-        """Finish what a previous leader left: jobs on nodes that are gone, half-done failovers."""
-        await asyncio.sleep(self.config.node_timeout_s + self.config.probe_timeout_s)
-        assert self.jobs is not None and self.failover is not None
-        alive = {n.name for n in self.detector.snapshot(self._clock()) if n.state in ("alive", "suspect")}
-        for job, dead in lc.takeover_plan(inherited, self.jobs.jobs, alive, self.failover.recovering):
-            if dead is None:
-                log.warning("job %s: the old leader's checkpoint of it never answered; it runs on", job)
-                try:
-                    await self.jobs.checkpoint_abandoned(job, inherited[job][1])
-                except RevenantError as exc:
-                    log.error("job %s: cannot mark it running again: %s", job, exc)
-                continue
-            if dead:
-                log.warning("taking over the recovery of job %s (node %s is gone)", job, dead)
-            else:
-                log.warning("taking over the recovery of job %s (it was %s)", job, inherited[job][0])
-            self.failover.recover_job(job, dead)
+    async def _lead(self, term: Term) -> None:
+        """One term as the leader: load the job table, serve requests, run failover and
+        checkpoints, until the term ends (:meth:`_deposed`, or a stop).  Everything leader-only
+        is the term's (``term.add``, ``term.subscriptions``) and ends with it."""
+        assert self.jobs is not None and self._nc is not None and self.leadership is not None
+        try:
+            await self.jobs.open()  # a new term reads the table afresh: another leader may have written
+            self.failover = failover = self._new_failover()
+            await failover.restore_hold()
+            # What the previous leader left, before this one touches anything (see take_over).
+            inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
+            term.subscriptions.append(await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes))
+            for verb in REQUEST_VERBS:
+                term.subscriptions.append(
+                    await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request))
+            await self._nc.flush(timeout=self.config.leader_lease_s)  # the server has them: ready means ready
+            if term.over.is_set():
+                return  # deposed while taking office
+            term.add(self.spawn(_supervised(self._job_events.run), "job-events"))
+            term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
+            term.add(self.spawn(_supervised(Archiver(self.jobs, self.config.job_retention_s, wall=self._wall).run),
+                                "job-archive"))
+            term.add(self.spawn(take_over(
+                inherited, self.config.node_timeout_s + self.config.probe_timeout_s, js=self._js,
+                events=self._events, detector=self.detector, jobs=self.jobs, failover=failover,
+                clock=self._clock, wall=self._wall), "take-over"))
+            log.info("coordinator %s leads (term %d)", self.name, term.number)
+            self._leader_event("leader_elected", f"coordinator {self.name} leads")
+            self.ready.set()
+            await term.over.wait()
+        except (RevenantError, nats.errors.Error) as exc:
+            # Leading on a table it could not read would be leading blind: step down, campaign again.
+            if self._term is term:
+                self.leadership.step_down(f"cannot take office: {exc or type(exc).__name__}")
+        finally:
+            if not self.stopping:  # a stop drains the connection, answering what already arrived
+                await term.unsubscribe()
+
+    def _new_failover(self) -> Failover:
+        """Each term its own: a hold, a storm or a recovery of an earlier term is not this one's."""
+        assert self._js is not None and self.jobs is not None and self._events is not None
+        return Failover(self.config, self._js, self.jobs, self._events, self._nodes, self._last_heartbeat,
+                        clock=self._clock, wall=self._wall, on_result=self.metrics.count_failover)
 
     def stop(self) -> None:
         super().stop()
+        if self._term is not None:
+            self._term.end()
         if self.failover is not None:
             self.failover.cancel()  # no restore starts once a stop is asked for
 
     def _deposed(self) -> None:
-        self.deposed = True
-        self.stop()
+        """The leader lease is lost: every leader-only part stops at once (requests, job events,
+        checkpoints, failovers, the take-over), the node table stays warm, and the leadership
+        campaigns again (coordinator/leader.py).  A new term reloads the job table."""
+        term, self._term = self._term, None
+        if term is None:
+            return  # not leading: a write conflict noticed after the step-down
+        self.ready.clear()
+        term.end()
+        if self.failover is not None:
+            self.failover.cancel()
+        self.step_downs += 1
+        why = self.leadership.why if self.leadership is not None else ""
+        log.warning("coordinator %s stepped down (%s); standing by", self.name, why or "lease lost")
+        self._leader_event("leader_stepped_down", why)
+
+    def _leader_event(self, kind: str, reason: str) -> None:
+        if self._events is not None:
+            self._events.emit(subjects.cluster_event(kind),
+                              ClusterEvent(kind=kind, at=self._wall(), reason=reason, coordinator=self.name))
 
     def _last_heartbeat(self, node: str) -> float | None:
         rec = self.detector.nodes.get(node)
@@ -243,7 +277,8 @@ class Coordinator(Service):
             limit = max(1, min(req.limit, NODES_PAGE_MAX))
             names = sorted(self.detector.nodes)
             page = names[max(0, req.offset):max(0, req.offset) + limit]
-            return NodesReply(nodes=self.detector.snapshot(self._clock(), page), coordinator=self.name,
+            # As many as fit one message: a node with many GPUs takes several kilobytes.
+            return NodesReply(nodes=fitting(self.detector.snapshot(self._clock(), page)), coordinator=self.name,
                               coordinator_metrics_url=self.http.url if self.http is not None else "",
                               total=len(names), offset=req.offset)
 
@@ -265,14 +300,17 @@ class Coordinator(Service):
             # An agent kills what this answer names: only a leader whose lease is fresh may say.
             check_may_act(jobs.leader.fresh)
             req_r = decode_as(data, ReconcileRequest)
-            return ReconcileReply(stale=jobs.stale_on(req_r.node, req_r.jobs))
+            return await jobs.reconcile(req_r.node, req_r.jobs)
         if verb == "jobs":
-            decode_as(data, JobsRequest)
-            return JobsReply(jobs=sorted(jobs.jobs.values(), key=lambda r: _job_sort_key(r.spec.id)))
+            req_j = decode_as(data, JobsRequest)
+            return self._job_pages.page(jobs.jobs, req_j.after, req_j.limit)
         req = decode_as(data, JobRequest)
         subjects.check_name(req.job, "job id")
         if verb == "job":
-            return JobReply(job=jobs.get(req.job))
+            if req.job not in jobs.jobs and (archived := await jobs.store.load_archived(req.job)) is not None:
+                return JobReply(job=shown(archived), notes=["archived: finished more than job_retention_s ago, "
+                                                            "so `revenant jobs` no longer lists it"])
+            return JobReply(job=shown(jobs.get(req.job)))
         if verb in ("checkpoint", "vacate"):
             rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate")
         elif verb == "restart":
@@ -344,10 +382,6 @@ class Coordinator(Service):
                 # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.
                 if self.failover is not None and t.kind != "left":
                     self.failover.node_dead(t.node, t.previous_incarnation or t.incarnation)
-
-
-def _job_sort_key(job_id: str) -> tuple[int, str]:
-    return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
 
 
 async def _supervised(loop_fn) -> None:

@@ -26,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from revenant.common.config import CoordinatorConfig
-from revenant.messages import Capabilities, GpuHealth, HealthState, Heartbeat, NodeEventKind, NodeState, NodeStatus
+from revenant.messages import (Capabilities, GpuHealth, HealthFinding, HealthState, Heartbeat, NodeEventKind, NodeState,
+                               NodeStatus)
 
 # Inter-arrival history kept per node for phi-accrual.
 PHI_WINDOW = 100
@@ -57,6 +58,7 @@ class NodeRecord:
     interval_s: float = 1.0
     health: HealthState = "GREEN"
     reasons: list[str] = field(default_factory=list)
+    findings: list[HealthFinding] = field(default_factory=list)
     capabilities: Capabilities = field(default_factory=Capabilities)
     gpus: list[GpuHealth] = field(default_factory=list)
     last_heartbeat_at: float = 0.0
@@ -201,6 +203,7 @@ class FailureDetector:
                 state=r.state,
                 health=r.health,
                 reasons=list(r.reasons),
+                findings=list(r.findings),
                 pid=r.pid,
                 incarnation=r.incarnation,
                 seq=r.seq,
@@ -229,6 +232,7 @@ class FailureDetector:
         rec.interval_s = hb.interval_s if hb.interval_s > 0 else rec.interval_s
         rec.health = hb.health.state
         rec.reasons = list(hb.health.reasons)
+        rec.findings = list(hb.health.findings)
         rec.capabilities = hb.capabilities
         rec.gpus = hb.health.gpus
         rec.last_heartbeat_at = now

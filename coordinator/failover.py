@@ -295,8 +295,11 @@ class Failover:
 
     async def _recover_inner(self, job: str, dead: str, incarnation: str, evicted: str = "") -> bool | None:
         why = (f"node {dead} stopped it: {evicted}" if evicted else f"node {dead} is dead" if dead
-               else "taken over")
+               else "taken over from the previous leader")
         self._event(job, "restoring", dead, reason=why)
+        # Taken before the lease wait: a frozen copy that its node is let thaw from now on voids
+        # this failover (the leader records the thaw first), whatever the lease reads say.
+        token = self.jobs.fence_token(job)
         # Never two copies: the dead node's agent fences itself before its lease expires.
         # (An eviction is the node's own word that the job has exited: nothing to wait for.)
         if dead and not evicted and not await self.wait_for_lease_expiry(job, dead, incarnation):
@@ -316,7 +319,7 @@ class Failover:
                     await asyncio.sleep(delay)
                     continue
                 try:
-                    outcome = await self.jobs.recover(job, dead, evicted)
+                    outcome = await self.jobs.recover(job, dead, evicted, token)
                 except RevenantError as exc:
                     last_error = str(exc)
                     log.warning("job %s: recovery attempt failed: %s", job, exc)
@@ -335,6 +338,15 @@ class Failover:
                     return False
                 self._event(job, kind, dead, node=rec.node, generation=rec.generation, pid=rec.pid, epoch=epoch,
                             reason="; ".join(notes))
-                log.warning("job %s %s on %s (generation %d) %.2f s after %s's last heartbeat", job, kind,
-                            rec.node, rec.generation, self._since_last_heartbeat(dead) or 0.0, dead)
+                log.warning("job %s %s on %s (generation %d) %s", job, kind, rec.node or "-", rec.generation,
+                            self._since_words(dead))
                 return True
+
+    def _since_words(self, dead: str) -> str:
+        """When, for the log: never an empty node name (a take-over may not know the node)."""
+        since = self._since_last_heartbeat(dead) if dead else None
+        if since is not None:
+            return f"{since:.2f} s after node {dead}'s last heartbeat"
+        if dead:
+            return f"(node {dead}: no heartbeat seen by this coordinator)"
+        return "(taken over from the previous leader)"

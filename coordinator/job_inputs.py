@@ -8,7 +8,31 @@ from typing import Any, Mapping
 
 from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec
 
-__all__ = ['AgentReport', 'Checkpoint', 'CheckpointAsked', 'CheckpointFailed', 'Checkpointed', 'Command', 'Decision', 'Emit', 'Input', 'Kill', 'LaunchFailed', 'Launched', 'Purged', 'Recover', 'RecoveryAttemptFailed', 'RecoveryFailed', 'RestartAsked', 'RestartFailed', 'Restore', 'Restored', 'Start', 'Submit']
+__all__ = [
+    "AgentReport",
+    "Checkpoint",
+    "CheckpointAsked",
+    "CheckpointFailed",
+    "Checkpointed",
+    "Command",
+    "Decision",
+    "Emit",
+    "Input",
+    "Kill",
+    "LaunchFailed",
+    "Launched",
+    "Purged",
+    "Recover",
+    "RecoveryAttemptFailed",
+    "RecoveryFailed",
+    "RestartAsked",
+    "RestartFailed",
+    "Restore",
+    "Restored",
+    "Start",
+    "Submit",
+    "ThawAsked",
+]
 
 
 # ---------------------------------------------------------------------- commands to agents
@@ -83,6 +107,8 @@ class Checkpointed:
     generation: int
     stop: bool
     epoch: EpochInfo | None
+    # What the agent's retention deleted (corrupt epochs first): dropped from the listing.
+    pruned: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,10 +149,20 @@ class AgentReport:
 @dataclass(frozen=True)
 class Recover:
     """The job's node is gone (``dead``; "" when a new leader takes over a half-done launch or
-    restore) or stopped it (``evicted``: its reason); ``target`` is where placement puts it."""
+    restore) or stopped it (``evicted``: its reason); ``target`` is where placement puts it.
+    ``fence_token``: the record's token when the failover began (before its lease wait); if
+    a frozen copy was let thaw since, the failover is void."""
     dead: str
     target: str
     evicted: str = ""
+    fence_token: int | None = None
+
+
+@dataclass(frozen=True)
+class ThawAsked:
+    """An agent whose lease is back asks whether its frozen copy (``generation``) may go on."""
+    node: str
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -146,7 +182,8 @@ class Purged:
 
 
 Input = (Submit | Launched | LaunchFailed | CheckpointAsked | Checkpointed | CheckpointFailed | RestartAsked
-         | Restored | RestartFailed | AgentReport | Recover | RecoveryAttemptFailed | RecoveryFailed | Purged)
+         | Restored | RestartFailed | AgentReport | Recover | ThawAsked | RecoveryAttemptFailed | RecoveryFailed
+         | Purged)
 
 
 @dataclass(frozen=True)
@@ -162,7 +199,7 @@ class Decision:
     commands: list[Command] = field(default_factory=list)
     events: list[Emit] = field(default_factory=list)
     # "failed": a recovery found nothing to restore from; "evicted": an agent's report hands the
-    # job to failover.  None otherwise.
+    # job to failover; "thaw" / "kill": the answer to a frozen copy's ThawAsked.  None otherwise.
     outcome: str | None = None
 
     @property

@@ -19,11 +19,23 @@ from typing import Awaitable, Callable, Protocol
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError, UnknownJob
 from revenant.common.events import EventPublisher
+from revenant.common.limits import check_submit
 from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
-from revenant.coordinator.placement import NoNodeAvailable, place
+from revenant.coordinator.placement import NoNodeAvailable, place, restore_note
 from revenant.coordinator.store import JobStore, WriteConflict
-from revenant.messages import JobEvent, JobRecord, JobSpec, NodeStatus, PurgeJob, SubmitRequest, subjects
+from revenant.messages import (
+    JobEvent,
+    JobRecord,
+    JobSpec,
+    LocalJob,
+    NodeStatus,
+    PurgeJob,
+    ReconcileReply,
+    StaleJob,
+    SubmitRequest,
+    subjects,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +158,7 @@ class JobService:
     # ------------------------------------------------------------------ operations
 
     async def submit(self, req: SubmitRequest) -> JobRecord:
-        if not req.argv:
-            raise RevenantError("nothing to run: give a command after --", code="bad_request")
-        if req.max_epochs < 1:
-            raise RevenantError(f"--max-epochs must be at least 1, got {req.max_epochs}", code="bad_request")
-        if req.checkpoint_interval_s is not None and req.checkpoint_interval_s <= 0:
-            raise RevenantError("checkpoint interval must be positive", code="bad_request")
+        check_submit(req)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
         node = place(self.nodes(), self.jobs_per_node(), req.node)
@@ -195,7 +202,7 @@ class JobService:
         except RevenantError:
             await self.step(job, lc.CheckpointFailed(cmd.generation))
             raise
-        await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch))
+        await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned)))
         return self.get(job), reply.notes
 
     async def checkpoint_abandoned(self, job: str, generation: int) -> None:
@@ -205,11 +212,15 @@ class JobService:
 
     async def restart(self, job: str, node: str = "") -> tuple[JobRecord, list[str]]:
         before: list[JobRecord] = []
+        waived: list[str] = []
 
         def ask(rec: JobRecord) -> lc.Input:
             lc.check_restart(rec)  # before placement: a refusal names the job's state, not a node
             before.append(rec)
-            return lc.RestartAsked(place(self.nodes(), self.jobs_per_node(), node))
+            nodes = self.nodes()
+            target = place(nodes, self.jobs_per_node(), node, restore=True)
+            waived[:] = _waived(job, nodes, target)
+            return lc.RestartAsked(target)
 
         cmd = (await self.step(job, ask)).commands[0]
         try:
@@ -219,41 +230,60 @@ class JobService:
             await self.agents.abandon(cmd.node, job, cmd.generation, why)
             await self.step(job, lc.RestartFailed(cmd.generation, why, before[0].state, before[0].node))
             raise
+        notes = waived + reply.notes
         await self.step(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
-                                          announce="; ".join(reply.notes) or True))
-        return self.get(job), reply.notes
+                                          announce="; ".join(notes) or True))
+        return self.get(job), notes
 
     async def purge(self, job: str) -> tuple[JobRecord, list[str]]:
+        """Delete a finished job's checkpoints, then its record (live or archived)."""
         # One lock for the whole purge: a restart waiting on it must not restore deleted epochs.
         async with self.lock(job):
-            rec = self.get(job)
+            rec = self.jobs.get(job) or await self.store.load_archived(job)
+            if rec is None:
+                raise UnknownJob(f"unknown job {job}")
             lc.check_purge(rec)
             candidates = [n for n in self.nodes() if n.state == "alive"]
             if not candidates:
                 raise NoNodeAvailable("no node is alive to remove the checkpoints")
             target = next((n.name for n in candidates if n.name == rec.node), candidates[0].name)
             reply = await self.agents.send(target, "purge", PurgeJob(job=job), self.config.start_timeout_s)
-            await self._apply(rec, lc.Purged())
-        return self.get(job), [f"freed {reply.freed_bytes} bytes"]
+            # The record goes rather than being written: the decision's events, not its record.
+            decision = lc.transition(rec, lc.Purged(), self.wall())
+            check_may_act(self.leader.fresh)
+            try:
+                await self.store.remove(job)
+            except WriteConflict as conflict:
+                await self._resolve(conflict, rec)  # raises unless this leader's record stands
+                await self.store.remove(job)
+            self.jobs.pop(job, None)
+            for emit in decision.events:
+                self._event(decision.record or rec, emit.kind, **emit.fields)
+        return decision.record or rec, [f"freed {reply.freed_bytes} bytes; the job's record is removed"]
 
     # ------------------------------------------------------------------ failover
 
-    async def recover(self, job: str, dead: str, evicted: str = "") -> Recovery | None:
+    async def recover(self, job: str, dead: str, evicted: str = "", fence_token: int | None = None) -> Recovery | None:
         """Restore (or requeue) a job lost with node ``dead`` on another node.
 
         Returns None when there is nothing left to do (the job finished, was vacated, or
         already runs elsewhere), else (kind, record, epoch, notes).  Raises on a failed attempt.
         """
+        waived: list[str] = []
+
         def choose(rec: JobRecord) -> lc.Input | None:
             if not lc.needs_recovery(rec, dead):
                 return None
+            nodes, restore = self.nodes(), bool(rec.epochs)  # a requeue is a new start: no waiver
             try:
-                target = place(self.nodes(), self.jobs_per_node(), exclude={dead} if dead else set())
+                target = place(nodes, self.jobs_per_node(), exclude={dead} if dead else set(), restore=restore)
             except NoNodeAvailable:
                 if not evicted:
                     raise
-                target = place(self.nodes(), self.jobs_per_node())  # its own node, if that is all there is
-            return lc.Recover(dead, target, evicted)
+                # Its own node, if that is all there is.
+                target = place(nodes, self.jobs_per_node(), restore=restore)
+            waived[:] = _waived(job, nodes, target) if restore else []
+            return lc.Recover(dead, target, evicted, fence_token)
 
         decision = await self.step(job, choose)
         if decision.record is None:
@@ -276,7 +306,7 @@ class JobService:
             raise
         await self.step(job, lc.Restored(launch.generation, reply.pid, reply.epoch, reply.output))
         return ("restored" if reply.epoch else "requeued"), self.get(job), reply.epoch.n if reply.epoch else None, \
-            reply.notes
+            waived + reply.notes
 
     async def save_hold(self, held: bool) -> None:
         """Record (or lift) an operator's failover hold with the job table (it outlives the leader)."""
@@ -297,6 +327,33 @@ class JobService:
             return False  # a job this coordinator does not know
         return (await self.step(ev.job, lc.AgentReport(ev))).outcome == "evicted"
 
-    def stale_on(self, node: str, local) -> list:
-        """An agent's jobs that moved on (:func:`lifecycle.stale_local_jobs`)."""
-        return lc.stale_local_jobs(node, local, self.jobs)
+    def fence_token(self, job: str) -> int | None:
+        rec = self.jobs.get(job)
+        return None if rec is None else rec.fence_token
+
+    async def reconcile(self, node: str, local: list[LocalJob]) -> ReconcileReply:
+        """An agent's jobs: which moved on (kill), and which frozen ones may thaw.  A thaw is
+        recorded (the job's fence token) before it is answered, so no failover that began
+        earlier can still restore the job elsewhere."""
+        stale = lc.stale_local_jobs(node, [lj for lj in local if not lj.frozen], self.jobs)
+        thaw: list[LocalJob] = []
+        for lj in local:
+            if not lj.frozen or lj.job not in self.jobs:
+                continue  # a job this leader does not know stays frozen (its node kills it in time)
+            decision = await self.step(lj.job, lc.ThawAsked(node, lj.generation))
+            if decision.outcome == "thaw":
+                thaw.append(lj)
+            else:
+                rec = self.get(lj.job)
+                stale.append(StaleJob(job=lj.job, generation=lj.generation,
+                                      reason=f"frozen copy superseded: the job is {rec.state}, generation "
+                                             f"{rec.generation} on {rec.node or 'no node'}"))
+        return ReconcileReply(stale=stale, thaw=thaw)
+
+
+def _waived(job: str, nodes: list[NodeStatus], target: str) -> list[str]:
+    """The note for a restore placed on a node RED only for reasons a restore does not worsen."""
+    note = restore_note(nodes, target)
+    if note:
+        log.warning("job %s: restore %s", job, note)
+    return [note] if note else []

@@ -30,7 +30,7 @@ from revenant.common.errors import JobNotRunning, RevenantError
 from revenant.coordinator.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
     AgentReport, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, Kill, Launched,
     LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed, Restore,
-    Restored, Start, Checkpoint, Submit, Input,
+    Restored, Start, Checkpoint, Submit, ThawAsked, Input,
 )
 from revenant.messages import EpochInfo, JobEvent, JobRecord, LocalJob, StaleJob
 
@@ -117,7 +117,8 @@ def _checkpoint_asked(rec: JobRecord, inp: CheckpointAsked, now: float) -> Decis
 def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
     new = _copy(rec)
     if inp.epoch is not None:
-        new.epochs = keep_epochs([e for e in rec.epochs if e.n != inp.epoch.n] + [inp.epoch], rec.spec.max_epochs)
+        listed = [e for e in rec.epochs if e.n != inp.epoch.n and e.n not in inp.pruned]
+        new.epochs = keep_epochs(listed + [inp.epoch], rec.spec.max_epochs)
         new.last_checkpoint_at = now
     if rec.generation == inp.generation and rec.state == State.CHECKPOINTING:
         if inp.stop:
@@ -210,6 +211,8 @@ def _recover(rec: JobRecord, inp: Recover, now: float) -> Decision:
     checkpoint, no --requeue), restore it from its newest epoch, or start it afresh."""
     if not needs_recovery(rec, inp.dead):
         return Decision()
+    if inp.fence_token is not None and inp.fence_token != rec.fence_token:
+        return Decision()  # a frozen copy was let thaw after this failover began: it keeps the job
     # A launch the old leader left (no dead node) barely ran: start it again, requeue or not.
     relaunch = not inp.dead and rec.state == State.PENDING
     if not rec.epochs and not rec.spec.requeue and not relaunch:
@@ -234,6 +237,16 @@ def needs_recovery(rec: JobRecord, dead: str) -> bool:
     return rec.state in ACTIVE and not (rec.state == State.RUNNING and rec.node not in (dead, ""))
 
 
+def _thaw_asked(rec: JobRecord, inp: ThawAsked, now: float) -> Decision:
+    """A frozen copy may go on only if the record still names it (same node, same generation)
+    and the job runs; the token it bumps voids any failover that began before.  Anything else
+    (moved on, vacated, ended, given up on) and the copy is killed."""
+    if (rec.node, rec.generation) == (inp.node, inp.generation) and rec.state in (State.RUNNING,
+                                                                                   State.CHECKPOINTING):
+        return Decision(_copy(rec, fence_token=rec.fence_token + 1), outcome="thaw")
+    return Decision(outcome="kill")
+
+
 def _recovery_attempt_failed(rec: JobRecord, inp: RecoveryAttemptFailed, now: float) -> Decision:
     if rec.generation != inp.generation or rec.state not in (State.RESTORING, State.PENDING):
         return Decision()
@@ -256,6 +269,7 @@ _HANDLERS: dict[type, Any] = {
     Launched: _launched, LaunchFailed: _launch_failed, CheckpointAsked: _checkpoint_asked,
     Checkpointed: _checkpointed, CheckpointFailed: _checkpoint_failed, RestartAsked: _restart_asked,
     Restored: _restored, RestartFailed: _restart_failed, AgentReport: _agent_report, Recover: _recover,
+    ThawAsked: _thaw_asked,
     RecoveryAttemptFailed: _recovery_attempt_failed, RecoveryFailed: _recovery_failed, Purged: _purged,
 }
 

@@ -1,4 +1,10 @@
-"""Where a job goes: a pure function of the node table and the job counts."""
+"""Where a job goes: a pure function of the node table and the job counts.
+
+A restore is placed by a looser rule than a new job: RED reasons that a restore
+does not make worse (low space on the shared storage: every node shares it, so
+every node goes RED at once) do not keep it off a node, and the caller says
+which it ignored (:func:`restore_waivers`).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,34 @@ from revenant.messages import NodeStatus
 
 _HEALTH_RANK = {"GREEN": 0, "YELLOW": 1}
 
+# RED finding codes (HealthFinding.code) a restore may ignore.  Low free space on the shared
+# storage: a restore writes no new epoch (it replaces the output with a copy of its prefix and
+# deletes the old one), and the storage is the same whichever node takes the job.
+RESTORE_IGNORES = frozenset({"storage_low"})
+
 
 class NoNodeAvailable(RevenantError):
     code = "no_node"
     retriable = True
 
 
-def usable(node: NodeStatus) -> str | None:
-    """Why ``node`` cannot take a job, or None if it can."""
+def restore_waivers(node: NodeStatus) -> list[str]:
+    """The reasons ``node`` is RED if a restore may ignore every one of them, else [].
+
+    Only what the node's heartbeat coded (``findings``, one per reason) counts: a reason
+    without a code (an older agent, a RED set by hand: a drain, a fence) is never ignored."""
+    if node.health != "RED" or len(node.findings) != len(node.reasons):
+        return []
+    red = [reason for finding, reason in zip(node.findings, node.reasons) if finding.state == "RED"]
+    codes = {finding.code for finding in node.findings if finding.state == "RED"}
+    return red if red and codes <= RESTORE_IGNORES else []
+
+
+def usable(node: NodeStatus, restore: bool = False) -> str | None:
+    """Why ``node`` cannot take a job (a restore, with ``restore``), or None if it can."""
     if node.state != "alive":
         return f"node {node.name} is {node.state}"
-    if node.health == "RED":
+    if node.health == "RED" and not (restore and restore_waivers(node)):
         return f"node {node.name} is RED ({'; '.join(node.reasons) or 'unhealthy'})"
     if not node.capabilities.criu.ok:
         return f"node {node.name} has no working criu ({node.capabilities.criu.error})"
@@ -25,23 +48,35 @@ def usable(node: NodeStatus) -> str | None:
 
 
 def place(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested: str = "",
-          exclude: set[str] | frozenset[str] = frozenset()) -> str:
+          exclude: set[str] | frozenset[str] = frozenset(), *, restore: bool = False) -> str:
     """The node for a job: ``requested`` if usable; else the healthiest node with the fewest jobs.
 
-    RED nodes never get work; YELLOW ones only when no GREEN node is usable.
+    RED nodes never get work; YELLOW ones only when no GREEN node is usable.  A ``restore``
+    may also go to a node RED only for reasons it does not worsen (:func:`restore_waivers`),
+    last of all.
     """
     if requested:
         node = next((n for n in nodes if n.name == requested), None)
         if node is None:
             raise NoNodeAvailable(f"unknown node {requested}")
-        why = usable(node)
+        why = usable(node, restore)
         if why:
             raise NoNodeAvailable(why)
         return requested
-    candidates = [n for n in nodes if n.name not in exclude and usable(n) is None]
+    candidates = [n for n in nodes if n.name not in exclude and usable(n, restore) is None]
     if not candidates:
-        reasons = [usable(n) for n in nodes if n.name not in exclude]
+        reasons = [usable(n, restore) for n in nodes if n.name not in exclude]
         detail = "; ".join(r for r in reasons if r) or "no node has joined"
         raise NoNodeAvailable(f"no node can take the job: {detail}")
     best = min(candidates, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name))
     return best.name
+
+
+def restore_note(nodes: list[NodeStatus], placed: str) -> str:
+    """What a restore placed on ``placed`` ignored, in words ("" if nothing)."""
+    node = next((n for n in nodes if n.name == placed), None)
+    waived = restore_waivers(node) if node is not None else []
+    if not waived:
+        return ""
+    return (f"placed on {placed} although it is RED ({'; '.join(waived)}): a restore needs no new "
+            f"space on the shared storage, so that reason was ignored")

@@ -1,5 +1,9 @@
 """Where the job table lives: JetStream KV ``revenant_jobs``, behind a small Protocol.
 
+Finished jobs move, after ``job_retention_s``, to the bucket ``revenant_jobs_archive``
+(:mod:`revenant.coordinator.archive`), where ``show job`` still finds them; a purge removes
+a job's record from either.
+
 Every write is a compare-and-set against the revision this coordinator last read
 or wrote, so a deposed leader (say, one whose loop stalled past its lease) can
 never overwrite what its successor wrote: the write raises :class:`WriteConflict`
@@ -19,7 +23,7 @@ from typing import Protocol
 
 import msgspec
 import nats.js.errors
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from revenant.common.bus import map_exceptions
@@ -29,10 +33,19 @@ from revenant.messages import JobRecord, subjects
 
 log = logging.getLogger(__name__)
 
+ARCHIVE_BUCKET = "revenant_jobs_archive"
 NEXT_ID_KEY = "next-id"
 # An operator's `revenant failover pause`, kept with the job table so that it outlives the leader.
 HOLD_KEY = "failover-hold"
 _RESERVED = (NEXT_ID_KEY, HOLD_KEY)
+# Id allocation is a compare-and-set on NEXT_ID_KEY.  This coordinator allocates one id at a
+# time (so its own submits never contend), and retries with jittered exponential backoff
+# against another coordinator's (a deposed leader's) allocations: NEXT_ID_ATTEMPTS tries
+# over about two seconds at most.
+NEXT_ID_ATTEMPTS = 12
+# Loading the table: the longest wait for the next record before giving up.
+LOAD_STALL_S = 10.0
+NEXT_ID_BACKOFF_S = (0.002, 0.25)
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(JobRecord)
@@ -63,6 +76,16 @@ class JobStore(Protocol):
         """Take the conflicting record's revision as the one the next save compares against."""
 
 
+    async def archive(self, rec: JobRecord) -> None:
+        """Copy ``rec`` to the archive, then remove it from the live table (compare-and-set:
+        :class:`WriteConflict` if it changed since, and then it stays live)."""
+
+    async def load_archived(self, job: str) -> JobRecord | None: ...
+
+    async def remove(self, job: str) -> None:
+        """Remove the job's record from the live table (compare-and-set, as :meth:`save`) and
+        from the archive."""
+
     async def next_id(self) -> str: ...
     async def load_hold(self) -> bool: ...
     async def save_hold(self, held: bool) -> None: ...
@@ -72,30 +95,37 @@ class KvJobStore:
     def __init__(self, js: JetStreamContext) -> None:
         self.js = js
         self.kv: KeyValue | None = None
+        self.archive_kv: KeyValue | None = None
         self._revisions: dict[str, int] = {}
+        self._id_lock = asyncio.Lock()
 
     async def open(self) -> None:
         self.kv = await open_bucket(self.js, subjects.JOBS_BUCKET, None, history=5)
+        self.archive_kv = await open_bucket(self.js, ARCHIVE_BUCKET, None, history=1)
 
     async def load(self) -> dict[str, JobRecord]:
         if self.kv is None:
             await self.open()
         assert self.kv is not None
         jobs: dict[str, JobRecord] = {}
+        revisions: dict[str, int] = {}
         with map_exceptions("cannot read the job table"):
+            # One ordered pass over every key's newest value (a get per key would take minutes
+            # for 100,000 jobs); the watcher's first None marks the end of what is stored.
+            watcher = await self.kv.watchall(ignore_deletes=True)
             try:
-                keys = await self.kv.keys()
-            except nats.js.errors.NoKeysError:
-                keys = []
-            for key in keys:
-                if key in _RESERVED:
-                    continue
-                try:
-                    entry = await self.kv.get(key)
-                    jobs[key] = _DEC.decode(entry.value)
-                    self._revisions[key] = entry.revision
-                except (nats.js.errors.KeyNotFoundError, msgspec.DecodeError) as exc:
-                    log.error("job table entry %s unreadable: %s", key, exc)
+                while (entry := await watcher.updates(timeout=LOAD_STALL_S)) is not None:
+                    if entry.key in _RESERVED:
+                        continue
+                    try:
+                        jobs[entry.key] = _DEC.decode(entry.value)
+                        revisions[entry.key] = entry.revision
+                    except msgspec.DecodeError as exc:
+                        log.error("job table entry %s unreadable: %s", entry.key, exc)
+            finally:
+                await watcher.stop()
+        # What was read is all this coordinator knows: a key removed meanwhile has no revision.
+        self._revisions = revisions
         return jobs
 
     async def save(self, rec: JobRecord) -> None:
@@ -128,25 +158,90 @@ class KvJobStore:
         else:
             self._revisions[conflict.job] = conflict.revision
 
+    async def archive(self, rec: JobRecord) -> None:
+        assert self.kv is not None and self.archive_kv is not None
+        key = rec.spec.id
+        with map_exceptions(f"cannot archive job {key}"):
+            await self.archive_kv.put(key, _ENC.encode(rec))
+        try:
+            await self._remove_live(key)
+        except WriteConflict:
+            with map_exceptions(f"cannot archive job {key}"):
+                await self.archive_kv.purge(key)  # the live record, newer, stays the only one
+            raise
+
+    async def load_archived(self, job: str) -> JobRecord | None:
+        assert self.archive_kv is not None
+        with map_exceptions(f"cannot read the job archive for job {job}"):
+            try:
+                entry = await self.archive_kv.get(job)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, nats.js.errors.InvalidKeyError):
+                return None
+        try:
+            return _DEC.decode(entry.value)
+        except msgspec.DecodeError as exc:
+            raise BusError(f"job {job}: its archived record is unreadable ({exc})") from None
+
+    async def remove(self, job: str) -> None:
+        assert self.archive_kv is not None
+        if job in self._revisions:
+            try:
+                await self._remove_live(job)
+            except WriteConflict as conflict:
+                if conflict.stored is not None:
+                    raise
+        with map_exceptions(f"cannot remove job {job} from the archive"):
+            await self.archive_kv.purge(job)
+
+    async def _remove_live(self, key: str) -> None:
+        """Purge ``key`` (its history too) if its revision is still the one last read or written."""
+        assert self.kv is not None
+        last = self._revisions.get(key)
+        headers = {"KV-Operation": "PURGE", api.Header.ROLLUP: "sub",
+                   api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last or 0)}
+        with map_exceptions(f"cannot remove job {key} from the job table"):
+            try:
+                await self.js.publish(f"$KV.{subjects.JOBS_BUCKET}.{key}", b"", headers=headers)
+                self._revisions.pop(key, None)
+                return
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in (10071, 10164):  # wrong last sequence
+                    raise
+            try:
+                entry = await self.kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                self._revisions.pop(key, None)
+                raise WriteConflict(key, None, None) from None  # removed by another coordinator
+        try:
+            stored = _DEC.decode(entry.value)
+        except msgspec.DecodeError as exc:
+            raise BusError(f"cannot remove job {key}: the stored record is unreadable ({exc})") from None
+        raise WriteConflict(key, stored, entry.revision)
+
     async def next_id(self) -> str:
         assert self.kv is not None
-        for attempt in range(20):
-            with map_exceptions("cannot allocate a job id"):
-                try:
-                    entry = await self.kv.get(NEXT_ID_KEY)
-                    n = int(entry.value or b"1")
-                    await self.kv.update(NEXT_ID_KEY, str(n + 1).encode(), last=entry.revision)
-                    return str(n)
-                except nats.js.errors.KeyNotFoundError:
+        async with self._id_lock:
+            delay_s, most_s = NEXT_ID_BACKOFF_S
+            for _ in range(NEXT_ID_ATTEMPTS):
+                with map_exceptions("cannot allocate a job id"):
                     try:
-                        await self.kv.create(NEXT_ID_KEY, b"2")
-                        return "1"
+                        entry = await self.kv.get(NEXT_ID_KEY)
+                        n = int(entry.value or b"1")
+                        await self.kv.update(NEXT_ID_KEY, str(n + 1).encode(), last=entry.revision)
+                        return str(n)
+                    except nats.js.errors.KeyNotFoundError:
+                        try:
+                            await self.kv.create(NEXT_ID_KEY, b"2")
+                            return "1"
+                        except nats.js.errors.KeyWrongLastSequenceError:
+                            pass
                     except nats.js.errors.KeyWrongLastSequenceError:
                         pass
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    pass
-            await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
-        raise BusError("cannot allocate a job id: the counter is contended")
+                # Another coordinator allocated meanwhile: back off (full jitter) and try again.
+                await asyncio.sleep(random.uniform(0, delay_s))
+                delay_s = min(delay_s * 2, most_s)
+        raise BusError(f"cannot allocate a job id: another coordinator kept changing the counter "
+                       f"({NEXT_ID_ATTEMPTS} attempts); try again", retriable=True)
 
     async def save_hold(self, held: bool) -> None:
         assert self.kv is not None
@@ -170,6 +265,7 @@ class MemoryJobStore:
 
     def __init__(self) -> None:
         self.records: dict[str, tuple[int, bytes]] = {}
+        self.archived: dict[str, bytes] = {}
         self._seen: dict[str, int] = {}
         self._revision = 0
         self._next_id = 1
@@ -200,6 +296,35 @@ class MemoryJobStore:
             self._seen.pop(conflict.job, None)
         else:
             self._seen[conflict.job] = conflict.revision
+
+    def _check_unchanged(self, key: str) -> None:
+        current = self.records.get(key)
+        if (current[0] if current else None) != self._seen.get(key):
+            if current is None:
+                raise WriteConflict(key, None, None)
+            raise WriteConflict(key, _DEC.decode(current[1]), current[0])
+
+    async def archive(self, rec: JobRecord) -> None:
+        key = rec.spec.id
+        self._check_unchanged(key)
+        self.archived[key] = _ENC.encode(rec)
+        self.records.pop(key, None)
+        self._seen.pop(key, None)
+
+    async def load_archived(self, job: str) -> JobRecord | None:
+        data = self.archived.get(job)
+        return None if data is None else _DEC.decode(data)
+
+    async def remove(self, job: str) -> None:
+        if job in self._seen:
+            try:
+                self._check_unchanged(job)
+            except WriteConflict as conflict:
+                if conflict.stored is not None:
+                    raise
+            self.records.pop(job, None)
+            self._seen.pop(job, None)
+        self.archived.pop(job, None)
 
     async def next_id(self) -> str:
         n, self._next_id = self._next_id, self._next_id + 1

@@ -97,9 +97,22 @@ class GpuHealth(_Body):
     processes: list[GpuProcess] = []
 
 
+class HealthFinding(_Body):
+    """One entry of ``reasons`` in machine-readable form: its state and the probe's code.
+
+    Codes: ``memory``, ``storage_low`` (free space on the shared storage), ``loop_lag``,
+    ``criu``, ``nats``, ``checkpoint_failures``, ``pending_ops``, ``gpu``."""
+
+    state: HealthState
+    code: str
+
+
 class HealthSummary(_Body):
     state: HealthState = "GREEN"
     reasons: list[str] = []
+    # One per entry of ``reasons``, same order.  A reason added without one (an older agent,
+    # or a RED set by hand) leaves the lists of different lengths: read as "not known".
+    findings: list[HealthFinding] = []
     loop_lag_s: float = 0.0
     loop_stalls: int = 0
     memory_percent: float = 0.0
@@ -118,6 +131,8 @@ class NodeStatus(_Body):
     state: NodeState
     health: HealthState = "GREEN"
     reasons: list[str] = []
+    # The reasons' codes, as the node's heartbeat gave them (see HealthSummary.findings).
+    findings: list[HealthFinding] = []
     pid: int = 0
     incarnation: str = ""
     seq: int = 0
@@ -168,6 +183,9 @@ class JobRecord(_Body):
     created_at: float = 0.0
     updated_at: float = 0.0
     last_checkpoint_at: float = 0.0
+    # Bumped each time the leader lets a frozen copy of the job thaw (its node's lease had
+    # lapsed): a failover decided before that is void.
+    fence_token: int = 0
 
 
 class LeaseValue(_Body):
@@ -276,7 +294,12 @@ class JobRequest(Message, tag="job_request.v1"):
 
 
 class JobsRequest(Message, tag="jobs_request.v1"):
-    pass
+    """A page of the live job table in id order (a whole table would not fit one message)."""
+
+    # The page starts after this job id ("": at the start).  A cursor rather than an offset,
+    # so that jobs archived or purged between two pages shift nothing.
+    after: str = ""
+    limit: int = 1000
 
 
 class JobReply(Message, tag="job_reply.v1"):
@@ -286,7 +309,11 @@ class JobReply(Message, tag="job_reply.v1"):
 
 
 class JobsReply(Message, tag="jobs_reply.v1"):
+    # As many as fit one message (up to the request's limit).
     jobs: list[JobRecord] = []
+    # Jobs in the live table; ``more``: jobs follow this page (ask again after its last id).
+    total: int = 0
+    more: bool = False
 
 
 class FailoverRequest(Message, tag="failover_request.v1"):
@@ -348,6 +375,9 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     epoch: EpochInfo | None = None
     freed_bytes: int = 0
     notes: list[str] = []
+    # Epochs retention deleted after this checkpoint (corrupt ones go first, so not always the
+    # oldest): the job table drops them from its listing.
+    pruned: list[int] = []
 
 
 # -- events (JetStream, revenant.evt.job.<job>.<kind> / revenant.evt.epoch.<job>.<kind>)
@@ -384,20 +414,25 @@ class EpochEvent(Message, tag="epoch_event.v1"):
 
 
 class ClusterEvent(Message, tag="cluster_event.v1"):
-    """A cluster-wide alert on ``revenant.evt.cluster.<kind>``: failover paused or resumed."""
+    """A cluster-wide event on ``revenant.evt.cluster.<kind>``: failover paused or resumed, a
+    coordinator became the leader or stepped down."""
 
-    kind: Literal["failover_paused", "failover_resumed"]
+    kind: Literal["failover_paused", "failover_resumed", "leader_elected", "leader_stepped_down"]
     at: float
     silent: int = 0
     total: int = 0
     reason: str = ""
+    # leader_elected / leader_stepped_down: the coordinator's name.
+    coordinator: str = ""
 
 
 class LocalJob(_Body):
-    """A job as an agent runs it: which generation."""
+    """A job as an agent runs it: which generation, and whether it is frozen (its node's lease
+    lapsed, and it waits for the leader's word to go on)."""
 
     job: str
     generation: int
+    frozen: bool = False
 
 
 class StaleJob(_Body):
@@ -419,6 +454,9 @@ class ReconcileReply(Message, tag="reconcile_reply.v1"):
     the agent kills them.  A job the leader does not know is left alone."""
 
     stale: list[StaleJob] = []
+    # Frozen jobs the agent may thaw: still theirs, at the same generation, and no failover of
+    # them can now go ahead (the leader recorded the thaw first).
+    thaw: list[LocalJob] = []
 
 
 class ErrorReply(Message, tag="error.v1"):
@@ -493,6 +531,7 @@ __all__ = [
     "GpuHealth",
     "GpuInfo",
     "GpuProcess",
+    "HealthFinding",
     "HealthState",
     "HealthSummary",
     "Heartbeat",

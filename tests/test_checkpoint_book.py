@@ -36,9 +36,9 @@ async def test_failures_count_until_a_commit_and_retention_follows_it(tmp_path):
     for n in (1, 2):
         _committed(files, n)
     events.clear()
-    info = await book.committed(files, 2, _committed(files, 3), max_epochs=2)
+    info, pruned = await book.committed(files, 2, _committed(files, 3), max_epochs=2)
     assert book.failures == 0
-    assert info.n == 3 and info.generation == 2
+    assert info.n == 3 and info.generation == 2 and pruned == [1]
     assert [(m.kind, m.n) for _, m in events] == [("created", 3), ("pruned", 1)]
     created = events[0][1]
     assert (created.freeze_s, created.duration_s, created.at) == (0.05, 0.4, 1234.5)

@@ -36,7 +36,8 @@ async def test_coordinator_tracks_nodes_and_publishes_events(nats_url, tmp_path)
         table = await wait_for(lambda: _states(nodes, {"node-a": "left", "node-b": "left"}))
 
         js = nc.jetstream()
-        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        # Node events only: the stream also holds the coordinator's own leader_elected cluster event.
+        sub = await js.subscribe(f"{subjects.EVENTS_PREFIX}.node.>", ordered_consumer=True)
         seen = []
         while len(seen) < 4:
             msg = await sub.next_msg(timeout=5)

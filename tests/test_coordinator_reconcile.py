@@ -3,17 +3,30 @@ agent's jobs moved on, from the job table the leader holds."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from helpers import running
 from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
-from revenant.common.errors import RemoteError
+from revenant.common.errors import NoResponders, RemoteError
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.store import KvJobStore
 from revenant.messages import JobRecord, JobSpec, LocalJob, ReconcileReply, ReconcileRequest, subjects
 
 pytestmark = pytest.mark.nats
+
+
+async def ask_leader(nc, ask: ReconcileRequest) -> ReconcileReply:
+    """nats-server may answer "no responders" just after a subscription made on another
+    connection (even after its flush): asked again for a moment, as an agent does."""
+    for _ in range(20):
+        try:
+            return await bus.request(nc, subjects.coordinator("reconcile"), ask, ReconcileReply, 5)
+        except NoResponders:
+            await asyncio.sleep(0.1)
+    return await bus.request(nc, subjects.coordinator("reconcile"), ask, ReconcileReply, 5)
 
 
 async def test_the_leader_names_the_stale_jobs_and_only_those(nats_url):
@@ -31,12 +44,12 @@ async def test_the_leader_names_the_stale_jobs_and_only_those(nats_url):
                 LocalJob(job="3", generation=3),   # newer than the table knows: never killed on its word
                 LocalJob(job="9", generation=1),   # unknown to the leader: left alone
             ])
-            reply = await bus.request(nc, subjects.coordinator("reconcile"), ask, ReconcileReply, 5)
+            reply = await ask_leader(nc, ask)
             assert [(s.job, s.generation) for s in reply.stale] == [("1", 2)]
             assert "generation 3 on node-2" in reply.stale[0].reason
             # A leader whose lease is not fresh (its loop stalled) says nothing an agent would act on.
             coord.leadership.fresh = lambda: False
             with pytest.raises(RemoteError, match="not fresh"):
-                await bus.request(nc, subjects.coordinator("reconcile"), ask, ReconcileReply, 5)
+                await ask_leader(nc, ask)
     finally:
         await nc.close()

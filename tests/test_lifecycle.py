@@ -160,7 +160,9 @@ inputs = st.one_of(
     st.builds(lambda kind, g, n, code, epoch: report(kind, g, n, exit_code=code, epoch=epoch),
               st.sampled_from(["exited", "killed", "vacated", "evicted", "started"]), generations, nodes,
               st.sampled_from([0, 1, None]), st.one_of(st.none(), st.integers(1, 9))),
-    st.builds(lc.Recover, st.sampled_from(["", *NODES]), nodes, st.sampled_from(["", "drained"])),
+    st.builds(lc.Recover, st.sampled_from(["", *NODES]), nodes, st.sampled_from(["", "drained"]),
+              st.one_of(st.none(), st.integers(0, 3))),
+    st.builds(lc.ThawAsked, nodes, generations),
     st.builds(lc.RecoveryAttemptFailed, generations, st.just("no")),
     st.builds(lc.RecoveryFailed, st.just("gave up")),
     st.builds(lc.Purged),
@@ -392,3 +394,11 @@ def test_a_periodic_checkpoint_is_due_a_full_interval_after_the_last_one_or_the_
     assert due([rec], {"node-2"}, set(), {}, 160.0) == []          # its node is not alive
     assert due([rec], {"node-1"}, set(), {"7": 150.0}, 160.0) == []  # failed at 150: again at 210
     assert due([rec], {"node-1"}, set(), {"7": 150.0}, 210.0) == ["7"]
+
+
+def test_the_listing_drops_what_the_agents_retention_deleted():
+    """Corrupt epochs are deleted first, so the agent's retention is not always "the oldest":
+    the table follows what it reports."""
+    rec = record("checkpointing", epochs=[2, 3])
+    d = lc.transition(rec, lc.Checkpointed(1, False, EpochInfo(n=4), pruned=(3,)), 9.0)
+    assert [e.n for e in d.record.epochs] == [2, 4]
