@@ -70,11 +70,14 @@ async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_p
     await nc.close()
 
 
-async def test_without_a_leader_reconcile_leaves_the_jobs_alone(nats_url, tmp_path, caplog):
+async def test_without_a_leader_reconcile_leaves_the_jobs_alone(nats_url, tmp_path, caplog, monkeypatch):
+    from revenant.agent import reconcile
+
+    monkeypatch.setattr(reconcile, "RECONCILE_RETRY_FOR_S", 1.5)  # asks again for 60 s by default
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
         await _start(nc, "1", 1)
-        with caplog.at_level(logging.WARNING, logger="revenant.agent.agent"):
+        with caplog.at_level(logging.WARNING, logger="revenant.agent.reconcile"):
             await agent.reconcile()
         assert any("cannot reconcile" in r.getMessage() for r in caplog.records)
         assert "1" in agent.supervisor.jobs
