@@ -74,6 +74,12 @@ class Cluster:
         doc = json.loads((self.dir / "cluster.json").read_text())
         return {p["name"]: p["pid"] for p in doc["processes"]}
 
+    def supervisor_pid(self) -> int | None:
+        import json
+
+        sup = json.loads((self.dir / "cluster.json").read_text()).get("supervisor")
+        return sup["pid"] if sup else None
+
     def events(self) -> list[dict]:
         import json
 
@@ -101,9 +107,11 @@ def make_cluster(tmp_path):
     yield make
     for c in made:
         pids = c.pids() if (c.dir / "cluster.json").exists() else {}
+        supervisor = c.supervisor_pid() if (c.dir / "cluster.json").exists() else None
         if (c.dir / "cluster.json").exists():
             revenant_cli("down", "--dir", str(c.dir))
-        for pid in pids.values():
+        # Should down have failed, the supervisor goes first: it would restart what is killed next.
+        for pid in ([supervisor] if supervisor else []) + list(pids.values()):
             try:
                 psutil.Process(pid).kill()
             except psutil.Error:
