@@ -3,8 +3,9 @@
 Each agent holds a key ``<node>`` in the JetStream KV bucket ``revenant_leases``
 and renews it every ``lease_renew_s``.  If it cannot renew for
 ``fence_timeout_s`` (shorter than the lease), measured on its own monotonic
-clock, it kills its jobs before the coordinator, which waits for the lease to
-expire plus a margin, can restore them elsewhere.  That is the self-fence.
+clock, it freezes its jobs before the coordinator, which waits for the lease to
+expire plus a margin, can restore them elsewhere.  That is the self-fence; the
+jobs thaw only on the leader's word (agent/reconcile.py).
 
 :class:`FenceClock` is the rule, free of I/O; :class:`LeaseKeeper` renews.
 """

@@ -5,7 +5,7 @@ The agent's event loop runs commands, checkpoints and health probes.  If it is
 busy or stuck, it must not look dead: a false verdict would move healthy jobs.
 So this thread has its own event loop and its own NATS connection.  It reports
 the main loop's stall in the health it publishes (RED past ``loop_lag_red_s``),
-and it is the thread that fences: when it cannot renew the lease it kills the
+and it is the thread that fences: when it cannot renew the lease it freezes the
 jobs itself, since the main loop may be the thing that is stuck.
 
 It knows the agent only through what its constructor is given: the values it
@@ -13,7 +13,7 @@ publishes (read through callables, each safe from this thread) and three lease
 callbacks, which run on this thread:
 
 * ``on_renewed()``: the lease was renewed; reset the jobs' dead man's switches;
-* ``on_fence(stale_s)``: the lease went unrenewed too long; kill every job now;
+* ``on_fence(stale_s)``: the lease went unrenewed too long; freeze every job now;
 * ``on_lease_back()``: renewed again after a fence; report it and reconcile
   (the callback hands that to the main loop).
 """
@@ -221,7 +221,7 @@ class Liveness:
     # ------------------------------------------------------------------ lease and fence
 
     async def _fence(self, stale_s: float) -> None:
-        self._on_fence(stale_s)  # kills from this thread: the main loop may be the very thing that is stuck
+        self._on_fence(stale_s)  # freezes from this thread: the main loop may be the very thing that is stuck
 
     async def _lease_back(self) -> None:
         self._on_lease_back()
