@@ -163,6 +163,8 @@ class Agent(Service):
                  criu.version if criu.ok else "unusable")
         self.spawn(self.loop_monitor.run(), "loop-monitor")
         self.spawn(self._health_loop(), "health")
+        # A leader that never saw this node's previous agent die learns it here (its jobs died with it).
+        self._in_task(lambda: self.reconcile(started=True))
 
     async def _shutdown(self) -> None:
         """Drain the node, say goodbye, close; copes with a start that got only part of the way."""
@@ -332,12 +334,14 @@ class Agent(Service):
     async def _on_reconnect(self) -> None:
         self._in_task(self.reconcile)
 
-    async def reconcile(self) -> None:
-        """Ask the leader which local jobs moved on (killed) and which frozen ones may thaw."""
+    async def reconcile(self, started: bool = False) -> None:
+        """Ask the leader which local jobs moved on (killed) and which frozen ones may thaw.
+        ``started``: this agent has just started, and says so even with no jobs."""
         sup, nc = self.supervisor, self._nc
-        if sup is None or not sup.jobs or nc is None:
+        if sup is None or nc is None or not (sup.jobs or started):
             return
-        reply = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, lambda: self.stopping)
+        reply = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, lambda: self.stopping,
+                                           started)
         if reply is not None:
             await reconcile.apply(sup, reply)
 

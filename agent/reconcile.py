@@ -33,18 +33,20 @@ def local_jobs(sup: Supervisor) -> list[LocalJob]:
 
 
 async def ask_leader(nc: Client, sup: Supervisor, node: str, incarnation: str, clock: Callable[[], float],
-                     stopping: Callable[[], bool]) -> ReconcileReply | None:
+                     stopping: Callable[[], bool], started: bool = False) -> ReconcileReply | None:
     """The leader's answer, asked again (backing off) while none answers: for as long as a job
-    is frozen, else for up to RECONCILE_RETRY_FOR_S."""
+    is frozen, else for up to RECONCILE_RETRY_FOR_S.  ``started``: the agent has just started
+    (asked even with no jobs: the leader learns that this node runs nothing an earlier agent ran)."""
     deadline = clock() + RECONCILE_RETRY_FOR_S
     delay = 0.5
     while True:
         local = local_jobs(sup)
-        if not local:
+        if not local and not started:
             return None
         try:
             return await bus.request(nc, subjects.coordinator("reconcile"),
-                                     ReconcileRequest(node=node, incarnation=incarnation, jobs=local),
+                                     ReconcileRequest(node=node, incarnation=incarnation, jobs=local,
+                                                      started=started),
                                      ReconcileReply, RECONCILE_TIMEOUT_S)
         except RevenantError as exc:
             frozen = any(lj.frozen for lj in local)

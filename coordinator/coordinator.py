@@ -300,6 +300,9 @@ class Coordinator(Service):
             # An agent kills what this answer names: only a leader whose lease is fresh may say.
             check_may_act(jobs.leader.fresh)
             req_r = decode_as(data, ReconcileRequest)
+            if req_r.started:
+                for job in jobs.lost_on(req_r.node, req_r.jobs):
+                    self._evicted(job, req_r.node, f"node {req_r.node}'s agent restarted without it")
             return await jobs.reconcile(req_r.node, req_r.jobs)
         if verb == "jobs":
             req_j = decode_as(data, JobsRequest)

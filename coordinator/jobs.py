@@ -327,6 +327,13 @@ class JobService:
             return False  # a job this coordinator does not know
         return (await self.step(ev.job, lc.AgentReport(ev))).outcome == "evicted"
 
+    def lost_on(self, node: str, local: list[LocalJob]) -> list[str]:
+        """Jobs the table has running on ``node`` that its freshly started agent does not run:
+        they died with the agent before it (a new leader may never have seen that one die)."""
+        here = {lj.job for lj in local}
+        return [j for j in self.jobs_on(node) if j not in here
+                and self.jobs[j].state in (lc.State.RUNNING, lc.State.CHECKPOINTING)]
+
     def fence_token(self, job: str) -> int | None:
         rec = self.jobs.get(job)
         return None if rec is None else rec.fence_token

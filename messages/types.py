@@ -447,6 +447,9 @@ class ReconcileRequest(Message, tag="reconcile_request.v1"):
     node: str
     incarnation: str = ""
     jobs: list[LocalJob] = []
+    # The agent has just started: it runs nothing an earlier agent of its node ran, so a job
+    # the table has running there was lost with that agent (and is restored elsewhere).
+    started: bool = False
 
 
 class ReconcileReply(Message, tag="reconcile_reply.v1"):

@@ -44,9 +44,15 @@ async def _start(nc, job: str, generation: int) -> None:
 async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_path):
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     asked: list[ReconcileRequest] = []
+    started: list[ReconcileRequest] = []
 
     async def leader(msg):
-        asked.append(decode_as(msg.data, ReconcileRequest))
+        req = decode_as(msg.data, ReconcileRequest)
+        if req.started:  # the agent's word at start-up that it runs nothing yet
+            started.append(req)
+            await msg.respond(encode(ReconcileReply()))
+            return
+        asked.append(req)
         await msg.respond(encode(ReconcileReply(stale=[
             StaleJob(job="1", generation=1, reason="superseded by generation 2 on node-2"),
             StaleJob(job="2", generation=7, reason="a generation this node does not run"),
@@ -61,6 +67,7 @@ async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_p
         await _start(nc, "2", 3)
         await agent.reconcile()
         assert [(r.node, r.incarnation) for r in asked] == [("node-1", agent.incarnation)]
+        assert [(r.node, r.incarnation, r.jobs) for r in started] == [("node-1", agent.incarnation, [])]
         assert sorted(asked[0].jobs, key=lambda j: j.job) == [LocalJob(job="1", generation=1),
                                                                LocalJob(job="2", generation=3)]
         event = decode_as((await killed.next_msg(timeout=5)).data, JobEvent)

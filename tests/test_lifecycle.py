@@ -402,3 +402,14 @@ def test_the_listing_drops_what_the_agents_retention_deleted():
     rec = record("checkpointing", epochs=[2, 3])
     d = lc.transition(rec, lc.Checkpointed(1, False, EpochInfo(n=4), pruned=(3,)), 9.0)
     assert [e.n for e in d.record.epochs] == [2, 4]
+
+
+async def test_a_freshly_started_agent_loses_the_running_jobs_it_does_not_list():
+    jobs, _, _, _ = shell()
+    await jobs.submit(SubmitRequest(argv=["true"]))
+    await jobs.submit(SubmitRequest(argv=["true"], node="node-1"))
+    on_1 = jobs.jobs_on("node-1")
+    assert on_1
+    assert jobs.lost_on("node-1", []) == on_1
+    assert jobs.lost_on("node-1", [LocalJob(job=j, generation=1) for j in on_1]) == []
+    assert jobs.lost_on("node-3", []) == []
