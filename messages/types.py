@@ -17,186 +17,32 @@ from typing import Literal
 
 import msgspec
 
-HealthState = Literal["GREEN", "YELLOW", "RED"]
-JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
-JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
-                       "requeued", "failed", "evicted"]
-EpochEventKind = Literal["created", "failed", "pruned"]
-NodeState = Literal["alive", "suspect", "dead", "left"]
-NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left", "fenced"]
-
-
-class _Body(msgspec.Struct, kw_only=True):
-    """A nested, untagged value (only ever found inside a tagged message)."""
+from revenant.messages.parts import (  # noqa: F401  (part of this module's names: see __all__)
+    Capabilities,
+    CriuInfo,
+    EpochEventKind,
+    EpochInfo,
+    GpuHealth,
+    GpuInfo,
+    GpuProcess,
+    HealthFinding,
+    HealthState,
+    HealthSummary,
+    JobEventKind,
+    JobRecord,
+    JobSpec,
+    JobState,
+    LeaseValue,
+    LocalJob,
+    NodeEventKind,
+    NodeState,
+    NodeStatus,
+    StaleJob,
+)
 
 
 class Message(msgspec.Struct, kw_only=True, tag_field="type"):
     """Base of every tagged top-level message."""
-
-
-# --------------------------------------------------------------------------- parts
-
-
-class CriuInfo(_Body):
-    """What the agent found out about its criu binary."""
-
-    path: str | None = None
-    version: str | None = None
-    ok: bool = False
-    # `criu check` failed or criu is missing: criu's own last error line.
-    error: str | None = None
-    # `criu check --feature NAME` results, e.g. {"mem_dirty_track": False}.
-    features: dict[str, bool] = {}
-
-
-class GpuInfo(_Body):
-    index: int
-    name: str = ""
-    uuid: str = ""
-    memory_total_bytes: int = 0
-    driver_version: str = ""
-
-
-class Capabilities(_Body):
-    hostname: str = ""
-    kernel: str = ""
-    cpus: int = 0
-    memory_total_bytes: int = 0
-    revenant_version: str = ""
-    criu: CriuInfo = msgspec.field(default_factory=CriuInfo)
-    # Where this agent serves /metrics, /health, /ready and /live ("" when off).
-    metrics_url: str = ""
-    # "none" when NVML has no driver or no device; that is normal, not an error.
-    gpu: str = "none"
-    gpus: list[GpuInfo] = []
-
-
-class GpuProcess(_Body):
-    pid: int
-    used_memory_bytes: int = 0
-    # The revenant job this pid belongs to, when it is one.
-    job: str = ""
-
-
-class GpuHealth(_Body):
-    """One GPU's readings from NVML, as of the heartbeat."""
-
-    index: int
-    uuid: str = ""
-    name: str = ""
-    temperature_c: float = 0.0
-    memory_used_bytes: int = 0
-    memory_total_bytes: int = 0
-    utilization_percent: float = 0.0
-    power_w: float = 0.0
-    ecc_uncorrected_volatile: int = 0
-    remapped_rows_pending: int = 0
-    remapped_rows_failed: int = 0
-    # XID codes seen since the previous heartbeat.
-    xids: list[int] = []
-    processes: list[GpuProcess] = []
-
-
-class HealthFinding(_Body):
-    """One entry of ``reasons`` in machine-readable form: its state and the probe's code.
-
-    Codes: ``memory``, ``storage_low`` (free space on the shared storage), ``loop_lag``,
-    ``criu``, ``nats``, ``checkpoint_failures``, ``pending_ops``, ``gpu``."""
-
-    state: HealthState
-    code: str
-
-
-class HealthSummary(_Body):
-    state: HealthState = "GREEN"
-    reasons: list[str] = []
-    # One per entry of ``reasons``, same order.  A reason added without one (an older agent,
-    # or a RED set by hand) leaves the lists of different lengths: read as "not known".
-    findings: list[HealthFinding] = []
-    loop_lag_s: float = 0.0
-    loop_stalls: int = 0
-    memory_percent: float = 0.0
-    storage_free_bytes: int = 0
-    criu_ok: bool = True
-    nats_connected: bool = True
-    checkpoint_failures: int = 0
-    pending_ops: int = 0
-    gpus: list[GpuHealth] = []
-
-
-class NodeStatus(_Body):
-    """One row of the coordinator's membership table."""
-
-    name: str
-    state: NodeState
-    health: HealthState = "GREEN"
-    reasons: list[str] = []
-    # The reasons' codes, as the node's heartbeat gave them (see HealthSummary.findings).
-    findings: list[HealthFinding] = []
-    pid: int = 0
-    incarnation: str = ""
-    seq: int = 0
-    last_heartbeat_age_s: float | None = None
-    phi: float = 0.0
-    state_since_age_s: float = 0.0
-    capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
-    # The GPU readings from the node's latest heartbeat.
-    gpus: list[GpuHealth] = []
-
-
-class JobSpec(_Body):
-    """What to run; fixed at submit time."""
-
-    id: str
-    argv: list[str]
-    name: str = ""
-    workdir: str = "/"
-    env: dict[str, str] = {}
-    # Periodic checkpoint interval; None means manual checkpoints only.
-    checkpoint_interval_s: float | None = None
-    max_epochs: int = 1
-    requeue: bool = False
-
-
-class EpochInfo(_Body):
-    n: int
-    bytes: int = 0
-    created_at: float = 0.0
-    freeze_s: float = 0.0
-    duration_s: float = 0.0
-    node: str = ""
-    generation: int = 0
-
-
-class JobRecord(_Body):
-    """One row of the job table (JetStream KV ``revenant_jobs``)."""
-
-    spec: JobSpec
-    state: JobState = "pending"
-    node: str = ""
-    pid: int = 0
-    generation: int = 0
-    epochs: list[EpochInfo] = []
-    output: str = ""
-    exit_code: int | None = None
-    reason: str = ""
-    created_at: float = 0.0
-    updated_at: float = 0.0
-    last_checkpoint_at: float = 0.0
-    # Bumped each time the leader lets a frozen copy of the job thaw (its node's lease had
-    # lapsed): a failover decided before that is void.
-    fence_token: int = 0
-
-
-class LeaseValue(_Body):
-    """A node's lease (JetStream KV ``revenant_leases``, key ``<node>``): the agent renews it,
-    the coordinator reads it before restoring that node's jobs elsewhere."""
-
-    node: str
-    incarnation: str
-    seq: int
-    # The holder's wall clock, for operators; nobody decides on it.
-    at: float
 
 
 # ------------------------------------------------------------------------ messages
@@ -424,21 +270,6 @@ class ClusterEvent(Message, tag="cluster_event.v1"):
     reason: str = ""
     # leader_elected / leader_stepped_down: the coordinator's name.
     coordinator: str = ""
-
-
-class LocalJob(_Body):
-    """A job as an agent runs it: which generation, and whether it is frozen (its node's lease
-    lapsed, and it waits for the leader's word to go on)."""
-
-    job: str
-    generation: int
-    frozen: bool = False
-
-
-class StaleJob(_Body):
-    job: str
-    generation: int
-    reason: str = ""
 
 
 class ReconcileRequest(Message, tag="reconcile_request.v1"):
