@@ -153,7 +153,7 @@ class Agent(Service):
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
                                      switch_timeout_s=self.config.fence_timeout_s,
                                      max_frozen_s=self.config.max_frozen_s, clock=self.clock,
-                                     wall_clock=self.wall_clock)
+                                     wall_clock=self.wall_clock, scratch=self.config.job_scratch())
         with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):
             await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
             await self._nc.flush(timeout=self.config.shutdown_grace_s)  # served once ready is set
@@ -200,6 +200,8 @@ class Agent(Service):
         return Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
                       work_roots=self._work_roots(), staging=Path(cfg.staging_dir) if cfg.staging_dir else None,
                       concurrency=cfg.checkpoint_concurrency, criu_timeout_s=cfg.criu_timeout_s,
+                      file_snapshot_max_bytes=cfg.file_snapshot_max_bytes,
+                      workdir_scan_max_entries=cfg.workdir_scan_max_entries,
                       clock=self.clock, wall_clock=self.wall_clock)
 
     def _clean_half_written_epochs(self) -> None:

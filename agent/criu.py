@@ -68,20 +68,36 @@ def check_argv(criu: str, feature: str | None = None) -> list[str]:
     return [criu, "check"] + (["--feature", feature] if feature else [])
 
 
+# A job's mount namespace (agent/launcher.py: a private copy of the host's, plus its own tmpfs
+# /tmp and /dev/shm).  criu dumps a namespace's every mount by its filesystem's own means unless
+# told otherwise: it would tar the host's /dev/shm (the agents' scratch), the cgroup tmpfs and
+# any other tmpfs into each epoch, and restore private snapshots of them.  ``mnt[]`` (dump):
+# every mount that is a bind of one in criu's own namespace (all the host's, and the paths the
+# launcher binds back into the job's tmpfs) is recorded as external, by its path there; only the
+# job's own tmpfs are dumped.  ``mnt[]`` (restore): each is bound again from that path on the
+# restoring node.  ``--root /``: the namespace's root is the node's own / (without it criu 4.1.1
+# crashes restoring a mount namespace, "mnt: BUG at criu/mount.c:48").  All three are no-ops for
+# a job that shares the host's mount namespace (and its older epochs).
+DUMP_MOUNTS = ("--external", "mnt[]")
+RESTORE_MOUNTS = ("--root", "/", "--external", "mnt[]")
+
+
 def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script: Path,
               leave_running: bool) -> list[str]:
     """Dump the tree rooted at ``pid`` into ``images``; its log goes to ``workdir``/DUMP_LOG.
     ``leave_running`` False: the tree is left stopped (a vacate kills it after the commit)."""
     # -v2: errors and warnings only; a verbose log is written while the job is frozen.
+    # --file-locks: the job's POSIX and flock locks (SQLite holds them) are dumped and taken again.
     return [criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", DUMP_LOG,
-            "-v2", "--display-stats", "--action-script", str(action_script),
-            "--leave-running" if leave_running else "--leave-stopped"]
+            "-v2", "--display-stats", "--action-script", str(action_script), "--file-locks",
+            *DUMP_MOUNTS, "--leave-running" if leave_running else "--leave-stopped"]
 
 
 def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path) -> list[str]:
     """Restore as the caller's own child (--restore-sibling keeps the saved PDEATHSIG alive)."""
     return [criu, "restore", "-D", str(images), "-W", str(workdir), "-o", RESTORE_LOG,
-            "-v4", "--restore-detached", "--restore-sibling", "--pidfile", str(pidfile)]
+            "-v4", "--restore-detached", "--restore-sibling", "--pidfile", str(pidfile), "--file-locks",
+            *RESTORE_MOUNTS]
 
 
 def action_script(post_dump: list[str]) -> str:

@@ -3,9 +3,12 @@
     checkpoint:  step.before_dump ... criu dump ... step.after_dump ... commit epoch ... prune
     restore:     pick newest verified epoch ... step.before_restore ... criu restore ... step.after_restore
 
-Steps plug in before and after criu without touching the engine: output
-rollback is a step today; GPU suspend/resume (cuda-checkpoint), pre-dump and
-deduplicated storage are steps of the same shape.  ``on_dump_failed`` runs
+Steps plug in before and after criu without touching the engine: the job's
+own files (output included: agent/jobfiles.py, agent/jobfiles_restore.py) are
+a step today; GPU suspend/resume (cuda-checkpoint), pre-dump and deduplicated
+storage are steps of the same shape.  A step may refuse an epoch before
+anything is changed (``check_restore``): the restore then falls back to the
+next older epoch, as it does for one that fails verification.  ``on_dump_failed`` runs
 shielded from cancellation, so a step that changed the job (suspended its GPU,
 say) always gets to undo it.
 
@@ -30,11 +33,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
-from revenant.agent import criu, procs
+from revenant.agent import criu, jobfiles_restore, procs
+from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags
+from revenant.agent.jobfiles import Snapshot
 from revenant.agent.procs import signal_tree
-from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags, rollback_outputs
 from revenant.common.errors import CriuError, RevenantError
 
 log = logging.getLogger(__name__)
@@ -54,9 +58,17 @@ class DumpContext:
     workdir: Path
     stop: bool
     manifest: Manifest
+    # Where the epoch's files are written while the job is frozen (the epoch's temporary
+    # directory on shared storage, or node-local staging), and the job's own working directory.
+    epoch_tmp: Path = Path()
+    job_workdir: str = ""
     # Extra lines for criu's post-dump action script (run while the job is frozen).
     post_dump_script: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # A step's own state for this dump, by step name.
+    state: dict[str, Any] = field(default_factory=dict)
+    # Asked when criu fails: a step's own reason for the failure (its action script's, say), or "".
+    why_failed: list[Callable[[], str]] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +89,8 @@ class Step(Protocol):
     async def before_dump(self, ctx: DumpContext) -> None: ...
     async def after_dump(self, ctx: DumpContext) -> None: ...
     async def on_dump_failed(self, ctx: DumpContext) -> None: ...
+    # Blocking, in a worker thread: raise EpochError to refuse the epoch (an older one is tried).
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None: ...
     async def before_restore(self, ctx: RestoreContext) -> None: ...
     async def after_restore(self, ctx: RestoreContext) -> None: ...
 
@@ -93,6 +107,9 @@ class BaseStep:
     async def on_dump_failed(self, ctx: DumpContext) -> None:
         pass
 
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
+        pass
+
     async def before_restore(self, ctx: RestoreContext) -> None:
         pass
 
@@ -100,27 +117,50 @@ class BaseStep:
         pass
 
 
-class OutputRollback(BaseStep):
-    """Records each output file's size while the job is frozen; cuts it back before a restore."""
+class JobFilesStep(BaseStep):
+    """The job's own files: what it holds open for writing, copies, its workdir's listing, taken
+    while criu holds it frozen (agent/jobfiles.py); put back before a restore
+    (agent/jobfiles_restore.py)."""
 
-    name = "output-rollback"
-    SIZES = "output-sizes"
+    name = "job-files"
+
+    def __init__(self, storage: Path, max_bytes: int = 64 * 1024**2, max_entries: int = 20_000) -> None:
+        self.storage = storage
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
 
     async def before_dump(self, ctx: DumpContext) -> None:
-        out = ctx.workdir / self.SIZES
-        for path in [ctx.files.output]:
-            ctx.post_dump_script.append(f"stat -c '%s' {_sh(str(path))} >> {_sh(str(out))} || echo 0 >> {_sh(str(out))}")
+        snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
+                        max_bytes=self.max_bytes, max_entries=self.max_entries)
+        ctx.post_dump_script += snap.script_lines()
+        ctx.why_failed.append(lambda: snap.result.error)
+        ctx.state[self.name] = (snap, asyncio.ensure_future(asyncio.to_thread(snap.serve)))
+
+    async def _finish(self, ctx: DumpContext):
+        snap, serving = ctx.state.pop(self.name)
+        snap.release()
+        return await asyncio.shield(serving)
 
     async def after_dump(self, ctx: DumpContext) -> None:
-        sizes = (ctx.workdir / self.SIZES).read_text().split()
-        ctx.manifest.outputs = {str(ctx.files.output): int(sizes[0])}
+        result = await self._finish(ctx)
+        if result.error:
+            raise EpochError(result.error)
+        ctx.manifest.job_files = result.files
+        ctx.manifest.workdir, ctx.manifest.workdir_note = result.workdir, result.workdir_note
+        ctx.manifest.files_s = result.seconds
+
+    async def on_dump_failed(self, ctx: DumpContext) -> None:
+        if self.name in ctx.state:
+            await self._finish(ctx)
+
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
+        jobfiles_restore.plan(manifest, epoch_dir)
 
     async def before_restore(self, ctx: RestoreContext) -> None:
-        ctx.notes += await asyncio.to_thread(rollback_outputs, ctx.manifest)
-
-
-def _sh(s: str) -> str:
-    return "'" + s.replace("'", "'\\''") + "'"
+        def put_back() -> list[str]:
+            notes = jobfiles_restore.apply(jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir))
+            return notes + jobfiles_restore.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries)
+        ctx.notes += await asyncio.to_thread(put_back)
 
 
 def _remove(*paths: Path | None) -> None:
@@ -140,7 +180,8 @@ class _Undo:
 class Engine:
     def __init__(self, *, criu_path: str, criu_version: str, node: str, storage: Path, work_roots: list[Path],
                  staging: Path | None = None, steps: list[Step] | None = None, concurrency: int = 2,
-                 criu_timeout_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
+                 criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
+                 workdir_scan_max_entries: int = 20_000, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.criu = criu_path
         self.criu_version = criu_version
@@ -150,7 +191,8 @@ class Engine:
         self.work_roots = work_roots
         # Dump here first (network storage); None: dump straight into the epoch.
         self.staging = staging
-        self.steps: list[Step] = steps if steps is not None else [OutputRollback()]
+        self.steps: list[Step] = steps if steps is not None else [
+            JobFilesStep(storage, file_snapshot_max_bytes, workdir_scan_max_entries)]
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
         # Durations (monotonic) and the manifest's creation time (wall clock).
@@ -177,8 +219,9 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoint
 
-    async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool) -> tuple[Manifest, list[str]]:
-        """Dump ``job`` (root ``pid``) into a new committed epoch.
+    async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool,
+                         workdir: str = "") -> tuple[Manifest, list[str]]:
+        """Dump ``job`` (root ``pid``, working directory ``workdir``) into a new committed epoch.
 
         ``stop`` (vacate): the job is left stopped after the dump and killed only
         once the epoch has committed; on any failure it is resumed, unharmed.
@@ -187,24 +230,26 @@ class Engine:
         self.pending += 1
         try:
             async with self.slots:
-                return await self._checkpoint(files, job, generation, pid, stop)
+                return await self._checkpoint(files, job, generation, pid, stop, workdir)
         finally:
             self.pending -= 1
 
-    async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool) -> tuple[Manifest, list[str]]:
+    async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool,
+                          job_workdir: str) -> tuple[Manifest, list[str]]:
         workdir = self._new_dir(self.work_roots, job)
         staging = self._new_dir([self.staging], job) if self.staging is not None else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
                             criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags())
         ctx = DumpContext(job=job, generation=generation, pid=pid, files=files, workdir=workdir, stop=stop,
-                          manifest=manifest)
+                          manifest=manifest, job_workdir=job_workdir)
         started = self.clock()
         undo = _Undo()
         committed = False
         try:
+            undo.tmp = files.new_tmp(self.node)
+            ctx.epoch_tmp = staging if staging is not None else undo.tmp
             for step in self.steps:
                 await step.before_dump(ctx)
-            undo.tmp = files.new_tmp(self.node)
             output = await self._dump(ctx, staging if staging is not None else undo.tmp, undo)
             manifest.freeze_s = criu.frozen_time_s(output)
             manifest.dump_s = self.clock() - started
@@ -243,6 +288,9 @@ class Engine:
             if full is not None:
                 raise NoSpace(f"no space left writing the checkpoint of {ctx.job}: {full}")
             kept = await self._keep_log(ctx.files, "dump", ctx.generation, text)
+            own = next((why for ask in ctx.why_failed if (why := ask())), "")
+            if own:
+                raise EpochError(f"checkpoint of {ctx.job} failed: {own}{kept}")
             raise CriuError(f"criu dump failed: {criu.error_line(text)}{kept}")
         return done.output
 
@@ -287,7 +335,7 @@ class Engine:
         self.pending += 1
         try:
             async with self.slots:
-                manifest, notes = await asyncio.to_thread(files.newest_verified)
+                manifest, notes = await asyncio.to_thread(files.newest_verified, self._check_restore)
                 workdir = self._new_dir(self.work_roots, f"restore-{job}")
                 ctx = RestoreContext(job=job, generation=generation, files=files,
                                      epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
@@ -298,6 +346,10 @@ class Engine:
                     await asyncio.to_thread(_remove, workdir)
         finally:
             self.pending -= 1
+
+    def _check_restore(self, manifest: Manifest) -> None:
+        for step in self.steps:
+            step.check_restore(manifest, JobFiles(self.storage, manifest.job).epoch_dir(manifest.epoch))
 
     async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str]]:
         for step in self.steps:

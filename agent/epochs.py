@@ -1,17 +1,17 @@
-"""Epochs on shared storage: atomic commit, verification, retention, output rollback.
+"""Epochs on shared storage: atomic commit, verification, retention.
 
 Layout, per job, under ``<storage>/jobs/<job>/``::
 
     output.log                the job's stdout and stderr (append mode)
-    epochs/<N>/               a committed epoch: criu images + manifest.json
+    epochs/<N>/               a committed epoch: criu images, files/ (copies of the job's own
+                              files, agent/jobfiles.py), workdir.json, manifest.json
     epochs/.tmp-<node>-<rnd>/ an epoch being written; never listed, never used
     epochs/.trash-<N>-<rnd>/  an epoch being deleted; never listed
 
-An epoch is committed by writing its images into a temporary directory,
-writing ``manifest.json`` last (size and CRC-32 of every file, the criu
-version, kernel, CPU flags and the size of each output file at the moment of
-the dump), fsyncing, and renaming the directory to ``<N>``.  A directory named
-by a number always holds a complete epoch; anything else is ignored.
+An epoch is committed by writing its files into a temporary directory, then
+``manifest.json`` (size and CRC-32 of every file, the criu version, kernel, CPU
+flags, the job's own files at the dump), fsyncing, and renaming the directory
+to ``<N>``.  A directory named by a number always holds a complete epoch.
 
 The checksums guard against corruption (a torn write, a bad disk, a truncated
 copy), not against an attacker with write access to the storage, so they are
@@ -40,7 +40,8 @@ import msgspec
 
 from revenant.common import retention
 from revenant.common.errors import RevenantError
-from revenant.messages import EpochInfo
+from revenant.messages import EpochFile, EpochInfo
+from revenant.messages.parts import MAX_EPOCH_FILES
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,34 @@ class NoEpoch(EpochError):
     code = "no_epoch"
 
 
+class FilesChanged(EpochError):
+    """The job's files changed since the epoch in a way it cannot put back (agent/jobfiles_restore.py)."""
+
+    code = "files_changed"
+
+
 class FileEntry(msgspec.Struct):
     size: int
     # Hex digest in the manifest's ``checksum`` algorithm.
     checksum: str
+
+
+class JobFile(msgspec.Struct, kw_only=True):
+    """A regular file the job held open for writing at the dump (agent/jobfiles.py)."""
+
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    ino: int
+    mtime_ns: int
+    # Every descriptor of it was O_APPEND: writes after the dump only added to it.
+    append: bool = False
+    # The copy inside the epoch ("files/<i>"); "" if none, and no_copy says why.
+    copy: str = ""
+    no_copy: str = ""
+    # fingerprint() of its content at the dump, for a file with no copy.
+    sample: str = ""
 
 
 class Manifest(msgspec.Struct, kw_only=True):
@@ -79,11 +104,18 @@ class Manifest(msgspec.Struct, kw_only=True):
     kernel: str
     cpu_flags: list[str] = []
     files: dict[str, FileEntry] = {}
-    # Absolute path -> size in bytes at the moment of the dump (while frozen).
+    # Absolute path -> size in bytes at the moment of the dump (epochs written before job_files).
     outputs: dict[str, int] = {}
+    # Absolute path -> what the job's files were at the dump (while frozen).
+    job_files: dict[str, JobFile] = {}
+    # The job's working directory, and why its listing (workdir.json) was not taken ("" if it was).
+    workdir: str = ""
+    workdir_note: str = ""
     checksum: str = "crc32"
-    # criu's own freeze; criu's whole dump; checksums, fsync (and copy, with staging); all of it.
+    # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
+    # fsync (and copy, with staging); all of it.
     freeze_s: float = 0.0
+    files_s: float = 0.0
     dump_s: float = 0.0
     commit_s: float = 0.0
     total_s: float = 0.0
@@ -161,6 +193,13 @@ def _image_names(directory: Path) -> list[str]:
     return names + [n for n in ("stats-dump",) if (directory / n).is_file()]
 
 
+def _job_file_names(directory: Path) -> list[str]:
+    """The job's own files taken with the epoch (agent/jobfiles.py): copies and the workdir listing."""
+    copies = directory / "files"
+    names = sorted(f"files/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
+    return names + [n for n in ("workdir.json",) if (directory / n).is_file()]
+
+
 class JobFiles:
     """Paths of one job on shared storage."""
 
@@ -202,8 +241,13 @@ class JobFiles:
             raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
 
     def info(self, m: Manifest) -> EpochInfo:
+        # The files it could not copy first: they are the ones an operator needs to see.
+        files = sorted(m.job_files.items(), key=lambda kv: (bool(kv[1].copy) or kv[1].append, kv[0]))
         return EpochInfo(n=m.epoch, bytes=m.total_bytes, created_at=m.created_at, freeze_s=m.freeze_s,
-                         duration_s=m.total_s or m.dump_s, node=m.node, generation=m.generation)
+                         duration_s=m.total_s or m.dump_s, node=m.node, generation=m.generation,
+                         files=[EpochFile(path=path, size=f.size, copied=bool(f.copy), not_copied=f.no_copy)
+                                for path, f in files[:MAX_EPOCH_FILES]],
+                         files_total=len(m.job_files), workdir_note=m.workdir_note)
 
     # ------------------------------------------------------------------ commit
 
@@ -219,13 +263,17 @@ class JobFiles:
         checksums, fsync, the manifest last, then the rename to the next N."""
         started = clock()
         if staging is not None:
+            staged = _image_names(staging) + _job_file_names(staging)
+            if (staging / "files").is_dir():
+                (tmp / "files").mkdir(mode=0o700, exist_ok=True)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                list(pool.map(lambda n: _copy_file(staging / n, tmp / n), _image_names(staging)))
+                list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
         names = _image_names(tmp)
+        extra = _job_file_names(tmp)  # written there while the job was frozen, never fsynced
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             # Checksum (CPU) and fsync (disk) of the same files overlap.
-            sums = {n: pool.submit(checksum_file, tmp / n, manifest.checksum) for n in names}
-            syncs = [] if staging is not None else [pool.submit(_fsync_file, tmp / n) for n in names]
+            sums = {n: pool.submit(checksum_file, tmp / n, manifest.checksum) for n in names + extra}
+            syncs = [pool.submit(_fsync_file, tmp / n) for n in (extra if staging is not None else names + extra)]
             manifest.files = {n: FileEntry(size=(tmp / n).stat().st_size, checksum=f.result()) for n, f in sums.items()}
             for f in syncs:
                 f.result()
@@ -238,6 +286,8 @@ class JobFiles:
             f.write(msgspec.json.encode(manifest))
             f.flush()
             os.fsync(f.fileno())
+        if (tmp / "files").is_dir():
+            _fsync_dir(tmp / "files")
         _fsync_dir(tmp)
         final = self.epoch_dir(n)
         os.rename(tmp, final)  # the commit point; a crash before it leaves only .tmp-*
@@ -275,16 +325,23 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
         return m
 
-    def newest_verified(self) -> tuple[Manifest, list[str]]:
-        """The newest epoch that verifies, and a note for each newer one that did not."""
+    def newest_verified(self, check: Callable[[Manifest], None] | None = None) -> tuple[Manifest, list[str]]:
+        """The newest epoch that verifies (and that ``check`` does not refuse with FilesChanged),
+        and a note for each newer one that did not."""
         notes: list[str] = []
+        refused = False
         for n in reversed(self.committed()):
             try:
-                return self.verify(n), notes
-            except CorruptEpoch as exc:
+                m = self.verify(n)
+                if check is not None:
+                    check(m)
+                return m, notes
+            except (CorruptEpoch, FilesChanged) as exc:
+                refused = refused or isinstance(exc, FilesChanged)
                 notes.append(f"{exc}; falling back to an older epoch")
         if notes:
-            raise NoEpoch(f"job {self.job}: no epoch verifies ({'; '.join(notes)})")
+            raise NoEpoch(f"job {self.job}: no epoch {'can be restored' if refused else 'verifies'} "
+                          f"({'; '.join(notes)})")
         raise NoEpoch(f"job {self.job} has no checkpoint")
 
     def prune(self, keep: int, verified: Collection[int] = ()) -> list[int]:
@@ -339,44 +396,13 @@ class JobFiles:
         return freed
 
 
-def replace_with_prefix(path: Path | str, size: int) -> None:
-    """Replace ``path`` by a new file holding its first ``size`` bytes.
-
-    A new inode, not a truncate: a stale copy of the job that still runs
-    somewhere (on a partitioned or paused node) keeps its descriptor to the old
-    inode, so its writes can never land in the current output.  That is the
-    fence at the resource.
-    """
+def replace_empty(path: Path | str) -> None:
+    """Replace ``path`` by a new, empty file: a new inode, not a truncate.  A stale copy of the job
+    still running somewhere keeps its descriptor to the old inode, so its writes never land in the
+    new file (the fence at the resource)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     with open(tmp, "wb") as out:
-        if size:
-            with open(path, "rb") as src:
-                remaining = size
-                while remaining > 0:
-                    n = os.copy_file_range(src.fileno(), out.fileno(), remaining)
-                    if n == 0:
-                        break
-                    remaining -= n
-        out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def rollback_outputs(manifest: Manifest) -> list[str]:
-    """Cut each output file back to its size at the dump, so restored output is never duplicated."""
-    notes = []
-    for path, size in manifest.outputs.items():
-        try:
-            current = os.stat(path).st_size
-        except FileNotFoundError:
-            raise EpochError(f"output file {path} is gone; cannot restore epoch {manifest.epoch}") from None
-        if current < size:
-            raise EpochError(f"output file {path} is {current} bytes, shorter than at the dump ({size}): "
-                             f"data was lost; refusing to restore epoch {manifest.epoch}")
-        replace_with_prefix(path, size)
-        if current > size:
-            notes.append(f"rolled {os.path.basename(path)} back {current - size} bytes to its size at epoch {manifest.epoch}")
-    return notes
-

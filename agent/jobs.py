@@ -73,7 +73,7 @@ class Supervisor:
                  criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
                  switch_timeout_s: float = 1.2, *, max_frozen_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, scratch: dict[str, str] | None = None) -> None:
         self.switch_timeout_s = switch_timeout_s
         self.clock = clock
         self.node = node
@@ -82,7 +82,8 @@ class Supervisor:
         self.emit = emit
         self.criu_error = criu_error
         self.wall_clock = wall_clock
-        self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock)
+        self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock,
+                                 scratch=scratch)
         self.exits = ExitClassifier(switch_timeout_s, clock)
         self.book = CheckpointBook(node, emit, metrics, wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
@@ -235,7 +236,7 @@ class Supervisor:
         job, generation = rt.spec.id, rt.generation
         assert self.engine is not None
         try:
-            manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop)
+            manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, workdir=rt.spec.workdir)
         except RevenantError as exc:
             self.book.failed(job, generation, exc)
             raise

@@ -233,7 +233,10 @@ def job_view(rec: JobRecord) -> dict:
         "pid": rec.pid,
         "generation": rec.generation,
         "epochs": [{"n": e.n, "bytes": e.bytes, "created_at": e.created_at, "node": e.node,
-                    "freeze_s": e.freeze_s, "duration_s": e.duration_s} for e in rec.epochs],
+                    "freeze_s": e.freeze_s, "duration_s": e.duration_s,
+                    "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
+                              for f in e.files],
+                    "files_total": e.files_total, "workdir_note": e.workdir_note} for e in rec.epochs],
         "output": rec.output,
         "exit_code": rec.exit_code,
         "reason": rec.reason,
@@ -299,11 +302,28 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("generation", str(v["generation"])),
         ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
         ("epochs", epochs),
+        *_epoch_files(rec),
         ("output", v["output"] or "-"),
         ("exit_code", "-" if v["exit_code"] is None else str(v["exit_code"])),
         ("command", " ".join(rec.spec.argv)),
     ]
     print("\n".join(f"{k:<12} {val}" for k, val in rows))
+
+
+def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
+    """The newest epoch's own files: how many, how each comes back, and those it could not copy."""
+    if not rec.epochs:
+        return []
+    e = rec.epochs[-1]
+    copied = sum(f.copied for f in e.files)
+    rows = [("files", f"epoch #{e.n} covers {e.files_total} open for writing: {copied} copied, "
+                      f"{len(e.files) - copied} cut back on restore"
+                      + (f" ({e.files_total - len(e.files)} more not listed)" if e.files_total > len(e.files) else ""))]
+    rows += [("", f"{f.path} ({_fmt_bytes(f.size)}): not copied, {f.not_copied}") for f in e.files
+             if not f.copied and not f.not_copied.startswith("append-only")]
+    if e.workdir_note:
+        rows.append(("", f"workdir not tracked: {e.workdir_note}"))
+    return rows
 
 
 def show_job(args: argparse.Namespace) -> int:

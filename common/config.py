@@ -9,6 +9,7 @@ every key; tests/test_config.py checks that the two agree.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +40,12 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_concurrency: int = 2
     # Limit on one criu dump or restore.
     criu_timeout_s: float = 3600.0
+    # A file the job rewrites in place (open for writing without O_APPEND) is copied into the epoch
+    # while the job is frozen: a reflink where the filesystem clones, else a copy only up to this size.
+    file_snapshot_max_bytes: int = 64 * 1024**2
+    # The job's working directory is listed at each dump (so a restore can move aside what appeared
+    # after it) unless it holds more entries than this.
+    workdir_scan_max_entries: int = 20_000
     # NATS client: short pings so a dead server is noticed fast.
     ping_interval_s: float = 2.0
     max_outstanding_pings: int = 2
@@ -84,6 +91,12 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # restores elsewhere.  A job not checkpointed within this budget is killed and restored
     # from its last epoch instead (0: no checkpoint, kill at once).
     drain_timeout_s: float = 15.0
+    # Each job's own /tmp and /dev/shm: tmpfs mounts in a mount namespace of its own, which criu
+    # dumps into every epoch and restores wherever the job lands.  Sizes as tmpfs takes them: bytes,
+    # "512M", "1G", or a percentage of memory.  false: jobs share the host's /tmp and /dev/shm.
+    job_private_scratch: bool = True
+    job_tmp_size: str | int = "1G"
+    job_shm_size: str | int = "1G"
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
@@ -94,16 +107,27 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.max_frozen_s > self.fence_timeout_s:
             raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
-                  "criu_timeout_s",
+                  "criu_timeout_s", "workdir_scan_max_entries",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be 0 or more")
+        if self.file_snapshot_max_bytes < 0:
+            raise ValueError("file_snapshot_max_bytes must be 0 or more (0: copy only by reflink)")
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
         _port(self.http_port)
         # Build the derived values once, so inconsistent ones fail here as a config error.
         self.health_thresholds()
         self.anomaly_settings()
+        tmpfs_size("job_tmp_size", self.job_tmp_size)
+        tmpfs_size("job_shm_size", self.job_shm_size)
+
+    def job_scratch(self) -> dict[str, str]:
+        """A job's private tmpfs mounts, mountpoint -> size (tmpfs's ``size=``); empty: none."""
+        if not self.job_private_scratch:
+            return {}
+        return {"/tmp": tmpfs_size("job_tmp_size", self.job_tmp_size),
+                "/dev/shm": tmpfs_size("job_shm_size", self.job_shm_size)}
 
     def health_thresholds(self) -> HealthThresholds:
         return HealthThresholds(
@@ -183,6 +207,19 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ValueError("tick_interval_s must be shorter than self_stall_grace_s, "
                              "or every tick would count as a stall and no node would ever be declared dead")
         _port(self.http_port)
+
+
+_TMPFS_SIZE = re.compile(r"[1-9][0-9]*[kmgt]?|([1-9][0-9]?|100)%", re.I)
+
+
+def tmpfs_size(name: str, value: str | int) -> str:
+    """``value`` as tmpfs's ``size=`` option: bytes, a number with k, m, g or t (powers of 1024), or a
+    percentage of memory.  Never 0, which tmpfs reads as "no limit"."""
+    text = str(value).strip() if not isinstance(value, bool) else ""
+    if not _TMPFS_SIZE.fullmatch(text):
+        raise ValueError(f"{name} must be a tmpfs size: bytes, or a number with k, m, g or t "
+                         f"(512M, 1G), or a percentage of memory (1% to 100%); got {value!r}")
+    return text
 
 
 def _port(port: int) -> None:

@@ -141,6 +141,21 @@ class JobSpec(_Body):
     requeue: bool = False
 
 
+class EpochFile(_Body):
+    """A file of the job's own that an epoch covers: open for writing at the dump."""
+
+    path: str
+    size: int = 0
+    # The epoch holds a copy of it (put back from it on restore).
+    copied: bool = False
+    # Why it holds none ("" if it does): append-only (cut back on restore), or too big to copy.
+    not_copied: str = ""
+
+
+# An EpochInfo lists at most this many of its files (those not copied first); files_total counts all.
+MAX_EPOCH_FILES = 32
+
+
 class EpochInfo(_Body):
     n: int
     bytes: int = 0
@@ -149,6 +164,10 @@ class EpochInfo(_Body):
     duration_s: float = 0.0
     node: str = ""
     generation: int = 0
+    files: list[EpochFile] = []
+    files_total: int = 0
+    # Why the working directory's later changes are not moved aside on restore ("" if they are).
+    workdir_note: str = ""
 
 
 class JobRecord(_Body):

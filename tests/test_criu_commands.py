@@ -17,7 +17,8 @@ def test_dump_command_line():
                           leave_running=True)
     assert argv == ["/usr/sbin/criu", "dump", "-t", "42", "-D", "/s/jobs/1/epochs/.tmp-n1-ab", "-W", "/dev/shm/w",
                     "-o", "dump.log", "-v2", "--display-stats", "--action-script", "/dev/shm/w/action.sh",
-                    "--leave-running"]
+                    # The job's locks (SQLite's); every mount it inherited from the node is the node's.
+                    "--file-locks", "--external", "mnt[]", "--leave-running"]
     stopped = criu.dump_argv("criu", pid=42, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                              leave_running=False)
     assert stopped[-1] == "--leave-stopped" and "--leave-running" not in stopped
@@ -26,7 +27,8 @@ def test_dump_command_line():
 def test_restore_command_line_makes_the_job_our_child():
     argv = criu.restore_argv("criu", images=Path("/s/jobs/1/epochs/3"), workdir=Path("/w"), pidfile=Path("/w/pid"))
     assert argv == ["criu", "restore", "-D", "/s/jobs/1/epochs/3", "-W", "/w", "-o", "restore.log", "-v4",
-                    "--restore-detached", "--restore-sibling", "--pidfile", "/w/pid"]
+                    "--restore-detached", "--restore-sibling", "--pidfile", "/w/pid", "--file-locks",
+                    "--root", "/", "--external", "mnt[]"]
 
 
 def test_check_command_lines():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch, rollback_outputs
+from revenant.agent.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch
+from revenant.agent.jobfiles_restore import apply, plan
 
 pytestmark = pytest.mark.unit
 
@@ -77,9 +78,9 @@ def test_rollback_cuts_output_back_and_refuses_lost_data(tmp_path):
     out.write_bytes(b"0123456789")
     m = Manifest(job="7", epoch=3, generation=1, node="n", created_at=0, criu_version="4.1.1", kernel="k",
                  outputs={str(out): 4})
-    notes = rollback_outputs(m)
+    notes = apply(plan(m, tmp_path))
     assert out.read_bytes() == b"0123" and "6 bytes" in notes[0]
-    assert rollback_outputs(m) == []  # already at the right size
+    assert apply(plan(m, tmp_path)) == []  # already at the right size
     m.outputs[str(out)] = 100
     with pytest.raises(EpochError, match="shorter than at the dump"):
-        rollback_outputs(m)
+        plan(m, tmp_path)

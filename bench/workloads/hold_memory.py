@@ -25,9 +25,8 @@ MiB = 1 << 20
 PAGE = mmap.PAGESIZE
 
 
-def main() -> None:
-    mib = int(sys.argv[1])
-    interval = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+def fill(mib: int) -> tuple[mmap.mmap, float, int]:
+    """M MiB resident, non-zero, page-distinct: (the mapping, seconds it took, a check value)."""
     t0 = time.monotonic()
     size = mib * MiB
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -45,6 +44,13 @@ def main() -> None:
     total = 0
     for off in range(0, size, PAGE):
         total += buf[off + 16]
+    return buf, filled, total
+
+
+def main() -> None:
+    mib = int(sys.argv[1])
+    interval = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+    buf, filled, total = fill(mib)
     print(f"ready {mib} MiB pid {os.getpid()} fill {filled:.2f} s check {total & 0xffff}", flush=True)
     n = 0
     while True:

@@ -1,0 +1,376 @@
+"""A job's own files at the dump: which it holds open for writing, their sizes, copies.
+
+criu restores a process's open files by path and refuses one whose size changed
+since the dump; a file that only grew (a log in append mode) restores "fine"
+with everything written after the epoch duplicated.  So while criu holds the
+job frozen (its post-dump action script), :class:`Snapshot` records, for every
+regular file any process of the job holds open for writing:
+
+* its size, owner, mode, inode and mtime, and whether every descriptor of it is
+  in append mode;
+* a copy, inside the epoch, of each file opened for writing *without* O_APPEND
+  (rewritten in place: ``"w"``, ``"r+"``, a database): a reflink where the
+  filesystem clones (instant, whatever the size), else a copy in the kernel for
+  files up to ``file_snapshot_max_bytes``.  A larger file is recorded "not
+  copied" with a fingerprint of its content (:func:`fingerprint`);
+* a listing of the job's working directory (inode, size, mtime of every
+  entry, at most ``workdir_scan_max_entries``), so a restore can move aside
+  what appeared or changed after the epoch (``agent/jobfiles_restore.py``).
+
+Files on a filesystem mounted inside the job's own mount namespace (its private
+``/tmp`` and ``/dev/shm``) are skipped: criu dumps their contents itself.
+
+The action script and this module meet over two FIFOs, so the work runs in
+the agent (in a thread, no interpreter to start) while criu waits; the job
+stays frozen only as long as the scan and the copies take.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import stat
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from revenant.agent.epochs import JobFile
+
+# ioctl(dst, FICLONE, src): a copy-on-write clone of a whole file (btrfs, XFS, bcachefs, ...).
+FICLONE = 0x40049409
+FILES_DIR = "files"
+LISTING = "workdir.json"
+ASIDE_PREFIX = "revenant-after-epoch-"
+# Workdirs whose changes are never moved aside: shared by everything on the node.
+SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
+                         "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
+                         "/var/tmp", "/var/lib"})
+_SAMPLE = 64 * 1024
+_SAMPLE_BLOCKS = 16
+_BLOCK = 4096
+
+
+def fingerprint(fd: int, size: int) -> str:
+    """CRC-32 of a file's first ``size`` bytes, sampled: the first and last 64 KiB and 16 blocks
+    spread between (all of it up to 192 KiB).  Checks a file that has no copy: a rewrite of its
+    header or its tail (a database's page 1, a log's last line) always shows."""
+    if size <= 3 * _SAMPLE:
+        spans = [(0, size)]
+    else:
+        step = (size - 2 * _SAMPLE) // (_SAMPLE_BLOCKS + 1)
+        spans = [(0, _SAMPLE)] + [(_SAMPLE + i * step, _BLOCK) for i in range(1, _SAMPLE_BLOCKS + 1)]
+        spans.append((size - _SAMPLE, _SAMPLE))
+    crc = 0
+    for offset, length in spans:
+        crc = zlib.crc32(os.pread(fd, length, offset), crc)
+    return f"{crc:08x}:{size}"
+
+
+def copy_bytes(src: int, dst: int, size: int) -> None:
+    """Copy ``size`` bytes in the kernel: copy_file_range, or sendfile across filesystems."""
+    copied = 0
+    try:
+        while copied < size:
+            n = os.copy_file_range(src, dst, size - copied, copied, copied)
+            if n == 0:
+                break
+            copied += n
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        while copied < size:
+            n = os.sendfile(dst, src, copied, size - copied)
+            if n == 0:
+                break
+            copied += n
+    if copied < size:
+        raise OSError(errno.EIO, f"short copy: {copied} of {size} bytes")
+    os.ftruncate(dst, size)
+
+
+def reflink(src: int, dst: int) -> bool:
+    """Clone ``src`` into ``dst`` copy-on-write; False where the filesystem cannot."""
+    try:
+        fcntl.ioctl(dst, FICLONE, src)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            return False
+        raise
+
+
+# ------------------------------------------------------------------ the job's processes and descriptors
+
+def job_pids(root: int) -> list[int]:
+    """``root`` and all its descendants (every thread's children)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def _mount_devs(mountinfo: str) -> set[str]:
+    return {line.split()[2] for line in mountinfo.splitlines() if line.strip()}
+
+
+def private_devs(root: int) -> set[int]:
+    """Devices of filesystems mounted in the job's own mount namespace and nowhere in ours
+    (its private tmpfs ``/tmp`` and ``/dev/shm``): criu dumps their contents itself."""
+    try:
+        theirs = Path(f"/proc/{root}/mountinfo").read_text()
+        ours = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return set()
+    devs = set()
+    for majmin in _mount_devs(theirs) - _mount_devs(ours):
+        major, _, minor = majmin.partition(":")
+        devs.add(os.makedev(int(major), int(minor)))
+    return devs
+
+
+@dataclass
+class OpenFile:
+    path: str
+    source: str  # /proc/<pid>/fd/<n>: opens the very file, whatever namespace the path is in
+    st: os.stat_result
+    append: bool
+
+
+def _fd_flags(pid: int, fd: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def open_for_writing(root: int) -> dict[str, OpenFile]:
+    """Regular files the job's processes hold open for writing, by path."""
+    skip = private_devs(root)
+    found: dict[str, OpenFile] = {}
+    for pid in job_pids(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            flags = _fd_flags(pid, fd)
+            if flags is None or flags & os.O_ACCMODE == os.O_RDONLY:
+                continue
+            source = f"/proc/{pid}/fd/{fd}"
+            try:
+                st = os.stat(source)
+                path = os.readlink(source)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_dev in skip or not path.startswith("/") \
+                    or path.endswith(" (deleted)"):
+                continue  # criu keeps unlinked files (ghosts) itself
+            append = bool(flags & os.O_APPEND)
+            if path in found:
+                found[path].append = found[path].append and append
+            else:
+                found[path] = OpenFile(path, source, st, append)
+    return found
+
+
+# ------------------------------------------------------------------ the working directory
+
+def eligible_workdir(workdir: str, storage: Path) -> str | None:
+    """Why ``workdir``'s changes after an epoch are not moved aside, or None if they are."""
+    if not workdir:
+        return "the job has no working directory"
+    real = os.path.realpath(workdir)
+    if real in SYSTEM_DIRS:
+        return f"the working directory {real} is shared by the whole node"
+    storage_real = os.path.realpath(storage)
+    if storage_real == real or storage_real.startswith(real + "/"):
+        return f"the working directory {real} holds revenant's storage"
+    return None
+
+
+def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozenset()) -> dict[str, list[int]] | None:
+    """``relative path: [inode, size, mtime_ns, is_dir]`` of everything under ``workdir`` on its
+    own filesystem, revenant's moved-aside folders and ``skip`` (absolute paths) excepted; None
+    if there are more than ``max_entries``."""
+    root = os.path.realpath(workdir)
+    dev = os.stat(root).st_dev
+    listing: dict[str, list[int]] = {}
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, rel) if rel else root))
+        except OSError:
+            continue
+        for entry in entries:
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            if (not rel and entry.name.startswith(ASIDE_PREFIX)) or entry.path in skip:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            is_dir = stat.S_ISDIR(st.st_mode)
+            listing[name] = [st.st_ino, st.st_size, st.st_mtime_ns, int(is_dir)]
+            if len(listing) > max_entries:
+                return None
+            if is_dir and st.st_dev == dev:
+                todo.append(name)
+    return listing
+
+
+# ------------------------------------------------------------------ the snapshot, while frozen
+
+@dataclass
+class SnapshotResult:
+    files: dict[str, JobFile] = field(default_factory=dict)
+    workdir: str = ""
+    workdir_note: str = ""  # why the workdir was not listed ("" if it was)
+    error: str = ""  # the snapshot failed: the dump must fail with this line
+    seconds: float = 0.0  # how long it held the job frozen
+
+
+class Snapshot:
+    """The post-dump rendezvous: :meth:`script_lines` go into criu's action script, :meth:`serve`
+    runs in a thread while criu dumps, :meth:`release` ends it if criu never got that far."""
+
+    def __init__(self, root: int, epoch_tmp: Path, scratch: Path, *, workdir: str, storage: Path,
+                 max_bytes: int, max_entries: int, timeout_s: float = 600.0) -> None:
+        self.root = root
+        self.epoch_tmp = epoch_tmp
+        self.workdir = workdir
+        self.storage = storage
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.timeout_s = timeout_s
+        self.fifo_in = scratch / "frozen.fifo"
+        self.fifo_out = scratch / "done.fifo"
+        os.mkfifo(self.fifo_in, 0o600)
+        os.mkfifo(self.fifo_out, 0o600)
+        self._released = threading.Event()
+        self.result = SnapshotResult()
+
+    def script_lines(self) -> list[str]:
+        """Shell for the post-dump action: hold a reader on the answer FIFO (so the agent's answer
+        never blocks), say "frozen", wait for the answer; anything but "ok" fails the dump."""
+        q_in, q_out = _sh(str(self.fifo_in)), _sh(str(self.fifo_out))
+        return [f"exec 4<>{q_out}",
+                f"echo frozen > {q_in}",
+                f"r=$(timeout {int(self.timeout_s)} head -n 1 <&4)",
+                '[ "$r" = ok ] || exit 1']
+
+    def release(self) -> None:
+        self._released.set()
+
+    def serve(self) -> SnapshotResult:
+        """Wait for the action script's "frozen", take the snapshot, answer; returns at once after
+        :meth:`release` if the script never spoke."""
+        fd = os.open(self.fifo_in, os.O_RDONLY | os.O_NONBLOCK)
+        said = b""
+        try:
+            while not self._released.is_set():
+                ready, _, _ = select.select([fd], [], [], 0.1)
+                data = os.read(fd, 64) if ready else b""
+                said += data
+                if b"frozen" in said:
+                    break
+                if ready and not data:  # a writer came and went without a word: wait on
+                    self._released.wait(0.05)
+            else:
+                return self.result
+        finally:
+            os.close(fd)
+        started = time.monotonic()
+        try:
+            self.take()
+        except Exception as exc:  # noqa: BLE001 - any failure must fail the dump, not hang it
+            self.result.error = f"cannot snapshot the job's files: {exc}"
+        self.result.seconds = time.monotonic() - started
+        self._answer("ok" if not self.result.error else "error")
+        return self.result
+
+    def _answer(self, word: str) -> None:
+        try:
+            fd = os.open(self.fifo_out, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return  # the script is gone (criu was killed)
+        try:
+            os.write(fd, word.encode() + b"\n")
+        finally:
+            os.close(fd)
+
+    def take(self) -> None:
+        """The snapshot itself (the job is frozen): open files, their copies, the workdir listing."""
+        files = open_for_writing(self.root)
+        copies = self.epoch_tmp / FILES_DIR
+        for i, (path, of) in enumerate(sorted(files.items())):
+            self.result.files[path] = self._record(of, copies, i)
+        self.result.workdir = os.path.realpath(self.workdir) if self.workdir else ""
+        why = eligible_workdir(self.workdir, self.storage)
+        listing = None
+        if why is None:
+            try:
+                listing = scan_workdir(self.workdir, self.max_entries, frozenset(files))
+            except OSError as exc:
+                why = f"cannot list the working directory: {exc.strerror}"
+            else:
+                if listing is None:
+                    why = f"the working directory has more than {self.max_entries} entries (workdir_scan_max_entries)"
+        self.result.workdir_note = why or ""
+        if listing is not None:
+            (self.epoch_tmp / LISTING).write_bytes(msgspec.json.encode(listing))
+
+    def _record(self, of: OpenFile, copies: Path, i: int) -> JobFile:
+        st = of.st
+        entry = JobFile(size=st.st_size, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
+                        ino=st.st_ino, mtime_ns=st.st_mtime_ns, append=of.append)
+        src = os.open(of.source, os.O_RDONLY)
+        try:
+            if of.append:
+                entry.no_copy = "append-only: cut back to its size on restore"
+                entry.sample = fingerprint(src, st.st_size)
+                return entry
+            copies.mkdir(exist_ok=True, mode=0o700)
+            name = f"{FILES_DIR}/{i}"
+            dst = os.open(self.epoch_tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if reflink(src, dst):
+                    entry.copy = name
+                elif st.st_size <= self.max_bytes:
+                    copy_bytes(src, dst, st.st_size)
+                    entry.copy = name
+            finally:
+                os.close(dst)
+            if not entry.copy:
+                os.unlink(self.epoch_tmp / name)
+                entry.no_copy = (f"{st.st_size} bytes, over file_snapshot_max_bytes ({self.max_bytes}), "
+                                 "on a filesystem without reflinks")
+                entry.sample = fingerprint(src, st.st_size)
+            return entry
+        finally:
+            os.close(src)
+
+
+def _sh(s: str) -> str:
+    return "'" + s.replace("'", "'\\''") + "'"

@@ -1,0 +1,241 @@
+"""Putting a job's own files back as they were at an epoch, before criu restores it.
+
+Two phases, so a refused epoch changes nothing and the engine can try an older one:
+
+* :func:`plan` checks every file the epoch covers against what is on disk now and
+  decides what to do, or raises :class:`FilesChanged` naming the file and why:
+
+  ==========================================  =========================================
+  the file now                                 with a copy in the epoch / without one
+  ==========================================  =========================================
+  as at the dump, or only grown                put back from the copy / cut back to its
+                                               size (its sampled fingerprint must match)
+  rewritten in place, shorter, or gone         put back from the copy / **refused**
+  ==========================================  =========================================
+
+* :func:`apply` carries the plan out (:func:`put_back`), giving each file the
+  owner and mode it had at the dump.  Then :func:`move_aside` moves whatever
+  appeared or changed in the working directory after the epoch into
+  ``<workdir>/revenant-after-epoch-<N>/`` (never deleted).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from revenant.agent.epochs import EpochError, FilesChanged, JobFile, Manifest
+from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, copy_bytes, fingerprint, reflink, scan_workdir
+
+# Notes name every file; past this many moved-aside entries, the rest are counted.
+MAX_NAMED = 50
+
+
+@dataclass
+class PutBack:
+    path: str
+    size: int
+    source: str  # the file to take the first ``size`` bytes from: the epoch's copy or the file itself
+    entry: JobFile | None  # owner and mode to give it; None: an old epoch's output (keep them)
+    note: str
+    new_inode: bool = False  # the job's output in revenant's storage (see put_back)
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _sample(path: str, size: int) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fingerprint(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _in_storage(path: str, epoch_dir: Path) -> bool:
+    return path.startswith(str(epoch_dir.parent.parent) + "/")  # <storage>/jobs/<id>/epochs/<n>
+
+
+def _check(path: str, e: JobFile, n: int, epoch_dir: Path) -> PutBack:
+    st = _stat(path)
+    unchanged = st is not None and (st.st_ino, st.st_size, st.st_mtime_ns) == (e.ino, e.size, e.mtime_ns)
+    if e.copy:
+        note = "" if unchanged else f"restored {path} from epoch {n}'s copy ({_how(st, e)} since the dump)"
+        return PutBack(path, e.size, str(epoch_dir / e.copy), e, note, _in_storage(path, epoch_dir))
+    why = f"epoch {n} holds no copy of it: {e.no_copy}" if e.no_copy else f"epoch {n} holds no copy of it"
+    if st is None:
+        raise FilesChanged(f"{path} is gone since epoch {n} and {why}")
+    if st.st_size < e.size:
+        raise FilesChanged(f"{path} is {st.st_size} bytes, shorter than at epoch {n} ({e.size}), and {why}")
+    if not e.append and not unchanged and st.st_size == e.size:
+        raise FilesChanged(f"{path} was rewritten in place since epoch {n} and {why}")
+    if e.sample and _sample(path, e.size) != e.sample:
+        raise FilesChanged(f"{path} was rewritten in place since epoch {n} (its first {e.size} bytes "
+                           f"differ) and {why}")
+    grown = st.st_size - e.size
+    note = f"cut {path} back {grown} bytes to its size at epoch {n}" if grown else ""
+    return PutBack(path, e.size, path, e, note, _in_storage(path, epoch_dir))
+
+
+def _how(st: os.stat_result | None, e: JobFile) -> str:
+    if st is None:
+        return "deleted"
+    if st.st_size < e.size:
+        return "truncated"
+    if st.st_ino != e.ino:
+        return "replaced"
+    return "grown" if st.st_size > e.size else "rewritten"
+
+
+def plan(manifest: Manifest, epoch_dir: Path) -> list[PutBack]:
+    """What putting the epoch's files back takes; raises FilesChanged if it cannot be done exactly."""
+    n = manifest.epoch
+    plan = [_check(path, e, n, epoch_dir) for path, e in sorted(manifest.job_files.items())]
+    for path, size in manifest.outputs.items():  # an epoch from before job_files: its output only
+        st = _stat(path)
+        if st is None:
+            raise FilesChanged(f"output file {path} is gone; cannot restore epoch {n}")
+        if st.st_size < size:
+            raise FilesChanged(f"output file {path} is {st.st_size} bytes, shorter than at the dump ({size}): "
+                               f"data was lost; refusing to restore epoch {n}")
+        grown = st.st_size - size
+        plan.append(PutBack(path, size, path, None, f"cut {path} back {grown} bytes to its size at epoch {n}"
+                            if grown else "", new_inode=True))
+    return plan
+
+
+def put_back(p: PutBack) -> None:
+    """Make ``p.path`` hold the first ``p.size`` bytes of ``p.source``, with its owner and mode at the dump.
+
+    The job's own files keep their inode, rewritten in place: programs remember it (SQLite
+    refuses to write a database whose path now names another inode, "attempt to write a
+    readonly database").  The job's output under revenant's storage gets a new inode
+    instead: a stale copy of the job still running somewhere keeps writing into the old one,
+    never into the restored job's output (the fence at the resource)."""
+    path = Path(p.path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a copied file whose directory went too
+    if p.new_inode or not path.exists():
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    else:
+        tmp, flags = path, os.O_WRONLY
+    src = os.open(p.source, os.O_RDONLY)
+    try:
+        dst = os.open(tmp, flags, 0o600)
+        try:
+            if tmp != path or p.source != p.path:  # a new file, or from the epoch's copy
+                copy_bytes(src, dst, p.size)
+            os.ftruncate(dst, p.size)
+            st = os.fstat(src)
+            mode, uid, gid = ((p.entry.mode, p.entry.uid, p.entry.gid) if p.entry is not None
+                              else (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid))
+            os.fchown(dst, uid, gid)
+            os.fchmod(dst, mode)  # after chown, which clears set-id bits
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    except BaseException:
+        if tmp != path:
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(src)
+    if tmp != path:
+        os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def apply(plan: list[PutBack]) -> list[str]:
+    for p in plan:
+        try:
+            put_back(p)
+        except OSError as exc:
+            raise EpochError(f"cannot put back {p.path}: {exc.strerror or exc}") from None
+    return [p.note for p in plan if p.note]
+
+
+# ------------------------------------------------------------------ the working directory
+
+def _aside_dir(workdir: str, n: int) -> Path:
+    base = Path(workdir) / f"{ASIDE_PREFIX}{n}"
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
+
+
+def _inside(rel: str, dirs: set[str]) -> bool:
+    parts = rel.split("/")
+    return any("/".join(parts[:i]) in dirs for i in range(1, len(parts)))
+
+
+def changed_since(listing: dict[str, list[int]], now: dict[str, list[int]]) -> list[str]:
+    """Entries (relative paths) that appeared or changed after the listing was taken, outermost
+    only: a new or replaced directory moves whole.  Directories' own mtimes are not changes."""
+    moved: list[str] = []
+    dirs: set[str] = set()
+    for rel in sorted(now):
+        if _inside(rel, dirs):
+            continue
+        ino, size, mtime, is_dir = now[rel]
+        then = listing.get(rel)
+        if then is None or then[0] != ino or then[3] != is_dir or (not is_dir and (then[1], then[2]) != (size, mtime)):
+            moved.append(rel)
+            dirs.add(rel)
+    return moved
+
+
+def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int) -> list[str]:
+    """Move what appeared or changed in the workdir after the epoch into a folder named after it."""
+    n, workdir = manifest.epoch, manifest.workdir
+    if not workdir:
+        return []
+    if manifest.workdir_note:
+        return [f"the working directory's changes after epoch {n} were left in place: {manifest.workdir_note}"]
+    try:
+        listing = msgspec.json.decode((epoch_dir / LISTING).read_bytes(), type=dict[str, list[int]])
+    except (OSError, msgspec.DecodeError) as exc:
+        raise EpochError(f"epoch {n}: unreadable {LISTING}: {exc}") from None
+    if not os.path.isdir(workdir):
+        return [f"the working directory {workdir} is not there: nothing moved aside"]
+    now = scan_workdir(workdir, max_entries, frozenset(manifest.job_files))
+    if now is None:
+        return [f"the working directory's changes after epoch {n} were left in place: it now has more than "
+                f"{max_entries} entries (workdir_scan_max_entries)"]
+    moved = changed_since(listing, now)
+    notes = []
+    if moved:
+        aside = _aside_dir(workdir, n)
+        for rel in moved:
+            dst = aside / rel
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(os.path.join(workdir, rel), dst)
+            except OSError as exc:
+                raise EpochError(f"cannot move {os.path.join(workdir, rel)} aside to {dst}: "
+                                 f"{exc.strerror or exc}") from None
+        named = ", ".join(moved[:MAX_NAMED]) + (f" and {len(moved) - MAX_NAMED} more" if len(moved) > MAX_NAMED else "")
+        notes.append(f"moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} of {workdir} that appeared or "
+                     f"changed after epoch {n} to {aside}: {named}")
+    moved_set = set(moved)
+    gone_all = {rel for rel in listing if rel not in now and not _inside(rel, moved_set)}
+    gone = [rel for rel in gone_all if not _inside(rel, gone_all)]
+    if gone:
+        notes.append(f"{len(gone)} entr{'y' if len(gone) == 1 else 'ies'} of {workdir} at epoch {n} "
+                     f"are gone since: {', '.join(sorted(gone)[:MAX_NAMED])}")
+    return notes
