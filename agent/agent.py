@@ -202,6 +202,7 @@ class Agent(Service):
                       concurrency=cfg.checkpoint_concurrency, criu_timeout_s=cfg.criu_timeout_s,
                       file_snapshot_max_bytes=cfg.file_snapshot_max_bytes,
                       workdir_scan_max_entries=cfg.workdir_scan_max_entries,
+                      file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
                       clock=self.clock, wall_clock=self.wall_clock)
 
     def _clean_half_written_epochs(self) -> None:
@@ -298,7 +299,7 @@ class Agent(Service):
             return await sup.checkpoint(ck.job, ck.generation, ck.stop)
         if verb == "restore":
             rs = decode_as(data, RestoreJob)
-            return await sup.restore(rs.spec, rs.generation)
+            return await sup.restore(rs.spec, rs.generation, rs.leave_workdir)
         if verb == "kill":
             kj = decode_as(data, KillJob)
             return await sup.kill(kj.job, kj.generation, kj.reason)

@@ -31,14 +31,15 @@ import platform
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable
 
-from revenant.agent import criu, jobfiles_restore, procs
+from revenant.agent import criu, procs
 from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags
-from revenant.agent.jobfiles import Snapshot
+from revenant.agent.filestep import JobFilesStep
 from revenant.agent.procs import signal_tree
+from revenant.agent.steps import DumpContext, RestoreContext, Step
 from revenant.common.errors import CriuError, RevenantError
 
 log = logging.getLogger(__name__)
@@ -46,121 +47,6 @@ log = logging.getLogger(__name__)
 
 class NoSpace(RevenantError):
     code = "no_space"
-
-
-@dataclass
-class DumpContext:
-    job: str
-    generation: int
-    pid: int
-    files: JobFiles
-    # Node-local scratch: criu's log, the action script, step notes.
-    workdir: Path
-    stop: bool
-    manifest: Manifest
-    # Where the epoch's files are written while the job is frozen (the epoch's temporary
-    # directory on shared storage, or node-local staging), and the job's own working directory.
-    epoch_tmp: Path = Path()
-    job_workdir: str = ""
-    # Extra lines for criu's post-dump action script (run while the job is frozen).
-    post_dump_script: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    # A step's own state for this dump, by step name.
-    state: dict[str, Any] = field(default_factory=dict)
-    # Asked when criu fails: a step's own reason for the failure (its action script's, say), or "".
-    why_failed: list[Callable[[], str]] = field(default_factory=list)
-
-
-@dataclass
-class RestoreContext:
-    job: str
-    generation: int
-    files: JobFiles
-    epoch_dir: Path
-    workdir: Path
-    manifest: Manifest
-    pid: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
-class Step(Protocol):
-    name: str
-
-    async def before_dump(self, ctx: DumpContext) -> None: ...
-    async def after_dump(self, ctx: DumpContext) -> None: ...
-    async def on_dump_failed(self, ctx: DumpContext) -> None: ...
-    # Blocking, in a worker thread: raise EpochError to refuse the epoch (an older one is tried).
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None: ...
-    async def before_restore(self, ctx: RestoreContext) -> None: ...
-    async def after_restore(self, ctx: RestoreContext) -> None: ...
-
-
-class BaseStep:
-    name = "step"
-
-    async def before_dump(self, ctx: DumpContext) -> None:
-        pass
-
-    async def after_dump(self, ctx: DumpContext) -> None:
-        pass
-
-    async def on_dump_failed(self, ctx: DumpContext) -> None:
-        pass
-
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
-        pass
-
-    async def before_restore(self, ctx: RestoreContext) -> None:
-        pass
-
-    async def after_restore(self, ctx: RestoreContext) -> None:
-        pass
-
-
-class JobFilesStep(BaseStep):
-    """The job's own files: what it holds open for writing, copies, its workdir's listing, taken
-    while criu holds it frozen (agent/jobfiles.py); put back before a restore
-    (agent/jobfiles_restore.py)."""
-
-    name = "job-files"
-
-    def __init__(self, storage: Path, max_bytes: int = 64 * 1024**2, max_entries: int = 20_000) -> None:
-        self.storage = storage
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
-
-    async def before_dump(self, ctx: DumpContext) -> None:
-        snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
-                        max_bytes=self.max_bytes, max_entries=self.max_entries)
-        ctx.post_dump_script += snap.script_lines()
-        ctx.why_failed.append(lambda: snap.result.error)
-        ctx.state[self.name] = (snap, asyncio.ensure_future(asyncio.to_thread(snap.serve)))
-
-    async def _finish(self, ctx: DumpContext):
-        snap, serving = ctx.state.pop(self.name)
-        snap.release()
-        return await asyncio.shield(serving)
-
-    async def after_dump(self, ctx: DumpContext) -> None:
-        result = await self._finish(ctx)
-        if result.error:
-            raise EpochError(result.error)
-        ctx.manifest.job_files = result.files
-        ctx.manifest.workdir, ctx.manifest.workdir_note = result.workdir, result.workdir_note
-        ctx.manifest.files_s = result.seconds
-
-    async def on_dump_failed(self, ctx: DumpContext) -> None:
-        if self.name in ctx.state:
-            await self._finish(ctx)
-
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
-        jobfiles_restore.plan(manifest, epoch_dir)
-
-    async def before_restore(self, ctx: RestoreContext) -> None:
-        def put_back() -> list[str]:
-            notes = jobfiles_restore.apply(jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir))
-            return notes + jobfiles_restore.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries)
-        ctx.notes += await asyncio.to_thread(put_back)
 
 
 def _remove(*paths: Path | None) -> None:
@@ -181,7 +67,7 @@ class Engine:
     def __init__(self, *, criu_path: str, criu_version: str, node: str, storage: Path, work_roots: list[Path],
                  staging: Path | None = None, steps: list[Step] | None = None, concurrency: int = 2,
                  criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
-                 workdir_scan_max_entries: int = 20_000, clock: Callable[[], float] = time.monotonic,
+                 workdir_scan_max_entries: int = 20_000, file_snapshot_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.criu = criu_path
         self.criu_version = criu_version
@@ -192,7 +78,7 @@ class Engine:
         # Dump here first (network storage); None: dump straight into the epoch.
         self.staging = staging
         self.steps: list[Step] = steps if steps is not None else [
-            JobFilesStep(storage, file_snapshot_max_bytes, workdir_scan_max_entries)]
+            JobFilesStep(storage, file_snapshot_max_bytes, workdir_scan_max_entries, file_snapshot_timeout_s)]
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
         # Durations (monotonic) and the manifest's creation time (wall clock).
@@ -319,18 +205,19 @@ class Engine:
     async def _undo_dump(self, ctx: DumpContext, frozen: bool, tmp: Path | None) -> None:
         if frozen:
             signal_tree(ctx.pid, signal.SIGCONT)
-        if tmp is not None:
-            await asyncio.to_thread(ctx.files.discard, tmp)
-        for step in self.steps:
+        for step in self.steps:  # before the discard: a step may still be writing into the epoch
             try:
                 await step.on_dump_failed(ctx)
             except Exception as exc:  # keep undoing the others
                 log.error("step %s could not undo a failed dump of %s: %s", step.name, ctx.job, exc)
+        if tmp is not None:
+            await asyncio.to_thread(ctx.files.discard, tmp)
 
     # ------------------------------------------------------------------ restore
 
-    async def restore(self, job: str, generation: int) -> tuple[int, Manifest, list[str]]:
-        """Restore ``job`` from its newest verified epoch as our child; returns (pid, manifest, notes)."""
+    async def restore(self, job: str, generation: int, leave_workdir: str = "") -> tuple[int, Manifest, list[str]]:
+        """Restore ``job`` from its newest verified epoch as our child; returns (pid, manifest, notes).
+        ``leave_workdir``: why the job's working directory must be left as it is (it is shared)."""
         files = JobFiles(self.storage, job)
         self.pending += 1
         try:
@@ -339,7 +226,7 @@ class Engine:
                 workdir = self._new_dir(self.work_roots, f"restore-{job}")
                 ctx = RestoreContext(job=job, generation=generation, files=files,
                                      epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
-                                     manifest=manifest, notes=notes)
+                                     manifest=manifest, notes=notes, leave_workdir=leave_workdir)
                 try:
                     return await self._restore(ctx)
                 finally:

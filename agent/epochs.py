@@ -247,7 +247,8 @@ class JobFiles:
                          duration_s=m.total_s or m.dump_s, node=m.node, generation=m.generation,
                          files=[EpochFile(path=path, size=f.size, copied=bool(f.copy), not_copied=f.no_copy)
                                 for path, f in files[:MAX_EPOCH_FILES]],
-                         files_total=len(m.job_files), workdir_note=m.workdir_note)
+                         files_total=len(m.job_files), files_copied=sum(1 for f in m.job_files.values() if f.copy),
+                         workdir_note=m.workdir_note)
 
     # ------------------------------------------------------------------ commit
 

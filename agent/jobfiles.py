@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import pwd
 import select
 import stat
 import threading
@@ -51,6 +52,8 @@ ASIDE_PREFIX = "revenant-after-epoch-"
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
                          "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
                          "/var/tmp", "/var/lib"})
+# Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
+PSEUDO = ("/proc/", "/sys/", "/dev/")
 _SAMPLE = 64 * 1024
 _SAMPLE_BLOCKS = 16
 _BLOCK = 4096
@@ -84,6 +87,7 @@ def copy_bytes(src: int, dst: int, size: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise
+        os.lseek(dst, copied, os.SEEK_SET)  # sendfile writes at dst's position
         while copied < size:
             n = os.sendfile(dst, src, copied, size - copied)
             if n == 0:
@@ -184,8 +188,8 @@ def open_for_writing(root: int) -> dict[str, OpenFile]:
             except OSError:
                 continue
             if not stat.S_ISREG(st.st_mode) or st.st_dev in skip or not path.startswith("/") \
-                    or path.endswith(" (deleted)"):
-                continue  # criu keeps unlinked files (ghosts) itself
+                    or path.endswith(" (deleted)") or path.startswith(PSEUDO):
+                continue  # criu keeps unlinked files (ghosts) itself; /proc, /sys: not data
             append = bool(flags & os.O_APPEND)
             if path in found:
                 found[path].append = found[path].append and append
@@ -196,16 +200,26 @@ def open_for_writing(root: int) -> dict[str, OpenFile]:
 
 # ------------------------------------------------------------------ the working directory
 
+def _is_home(real: str) -> bool:
+    """``real`` is its owner's home directory (one lookup: never an enumeration of every user)."""
+    try:
+        return os.path.realpath(pwd.getpwuid(os.stat(real).st_uid).pw_dir) == real
+    except (OSError, KeyError):
+        return False
+
+
 def eligible_workdir(workdir: str, storage: Path) -> str | None:
     """Why ``workdir``'s changes after an epoch are not moved aside, or None if they are."""
     if not workdir:
         return "the job has no working directory"
     real = os.path.realpath(workdir)
-    if real in SYSTEM_DIRS:
+    if real in SYSTEM_DIRS or real.startswith(PSEUDO) or real == "/dev/shm":
         return f"the working directory {real} is shared by the whole node"
+    if _is_home(real):
+        return f"the working directory {real} is a home directory (the user's other files are in it)"
     storage_real = os.path.realpath(storage)
-    if storage_real == real or storage_real.startswith(real + "/"):
-        return f"the working directory {real} holds revenant's storage"
+    if storage_real == real or storage_real.startswith(real + "/") or real.startswith(storage_real + "/"):
+        return f"the working directory {real} overlaps revenant's storage"
     return None
 
 
@@ -231,11 +245,13 @@ def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozense
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
+            if st.st_dev != dev:
+                continue  # a mount point: another filesystem, never listed nor moved
             is_dir = stat.S_ISDIR(st.st_mode)
             listing[name] = [st.st_ino, st.st_size, st.st_mtime_ns, int(is_dir)]
             if len(listing) > max_entries:
                 return None
-            if is_dir and st.st_dev == dev:
+            if is_dir:
                 todo.append(name)
     return listing
 
@@ -249,14 +265,22 @@ class SnapshotResult:
     workdir_note: str = ""  # why the workdir was not listed ("" if it was)
     error: str = ""  # the snapshot failed: the dump must fail with this line
     seconds: float = 0.0  # how long it held the job frozen
+    ran: bool = False  # the action script said "frozen"
+    done: bool = False  # serve() has answered
 
 
 class Snapshot:
     """The post-dump rendezvous: :meth:`script_lines` go into criu's action script, :meth:`serve`
-    runs in a thread while criu dumps, :meth:`release` ends it if criu never got that far."""
+    runs in a thread of its own while criu dumps, :meth:`release` (always called once criu has
+    exited) lets it go, whether or not the script ever spoke.
+
+    The agent holds both FIFOs open read-write from the start, so nothing on either side ever
+    blocks in open(): the script's "frozen" waits in one pipe, the answer in the other, and the
+    script's wait for it is bounded (``timeout_s``): a snapshot that hangs fails the dump and
+    the job resumes, it never stays frozen."""
 
     def __init__(self, root: int, epoch_tmp: Path, scratch: Path, *, workdir: str, storage: Path,
-                 max_bytes: int, max_entries: int, timeout_s: float = 600.0) -> None:
+                 max_bytes: int, max_entries: int, timeout_s: float = 120.0) -> None:
         self.root = root
         self.epoch_tmp = epoch_tmp
         self.workdir = workdir
@@ -268,64 +292,76 @@ class Snapshot:
         self.fifo_out = scratch / "done.fifo"
         os.mkfifo(self.fifo_in, 0o600)
         os.mkfifo(self.fifo_out, 0o600)
+        self._in = os.open(self.fifo_in, os.O_RDWR | os.O_NONBLOCK)
+        self._out = os.open(self.fifo_out, os.O_RDWR | os.O_NONBLOCK)
         self._released = threading.Event()
         self.result = SnapshotResult()
 
     def script_lines(self) -> list[str]:
-        """Shell for the post-dump action: hold a reader on the answer FIFO (so the agent's answer
-        never blocks), say "frozen", wait for the answer; anything but "ok" fails the dump."""
+        """Shell for the post-dump action: say "frozen", wait (bounded) for the answer; anything
+        but "ok" fails the dump."""
         q_in, q_out = _sh(str(self.fifo_in)), _sh(str(self.fifo_out))
-        return [f"exec 4<>{q_out}",
-                f"echo frozen > {q_in}",
-                f"r=$(timeout {int(self.timeout_s)} head -n 1 <&4)",
+        return [f"echo frozen > {q_in}",
+                f"r=$(timeout {max(1, int(self.timeout_s))} sh -c 'head -n 1 < \"$0\"' {q_out})",
                 '[ "$r" = ok ] || exit 1']
 
     def release(self) -> None:
         self._released.set()
 
+    def why_failed(self) -> str:
+        """The snapshot's reason for a failed dump, or "" if it has none."""
+        if self.result.error:
+            return self.result.error
+        if self.result.ran and not self.result.done:
+            return (f"the job's files were not snapshotted within {self.timeout_s:g} s "
+                    "(file_snapshot_timeout_s); the job was resumed")
+        return ""
+
     def serve(self) -> SnapshotResult:
-        """Wait for the action script's "frozen", take the snapshot, answer; returns at once after
-        :meth:`release` if the script never spoke."""
-        fd = os.open(self.fifo_in, os.O_RDONLY | os.O_NONBLOCK)
-        said = b""
+        """Wait for the script's "frozen", take the snapshot, answer; then wait for release()."""
+        word = "error"
         try:
-            while not self._released.is_set():
-                ready, _, _ = select.select([fd], [], [], 0.1)
-                data = os.read(fd, 64) if ready else b""
-                said += data
-                if b"frozen" in said:
-                    break
-                if ready and not data:  # a writer came and went without a word: wait on
-                    self._released.wait(0.05)
-            else:
-                return self.result
-        finally:
-            os.close(fd)
-        started = time.monotonic()
-        try:
-            self.take()
+            if self._wait_frozen():
+                self.result.ran = True
+                started = time.monotonic()
+                try:
+                    self.take()
+                    word = "ok"
+                finally:
+                    self.result.seconds = time.monotonic() - started
         except Exception as exc:  # noqa: BLE001 - any failure must fail the dump, not hang it
-            self.result.error = f"cannot snapshot the job's files: {exc}"
-        self.result.seconds = time.monotonic() - started
-        self._answer("ok" if not self.result.error else "error")
+            self.result.error = self.result.error or f"cannot snapshot the job's files: {exc}"
+        finally:
+            self.result.done = True
+            try:
+                os.write(self._out, word.encode() + b"\n")
+                self._released.wait()  # the script may still be on its way to read the answer
+            finally:
+                os.close(self._in)
+                os.close(self._out)
         return self.result
 
-    def _answer(self, word: str) -> None:
-        try:
-            fd = os.open(self.fifo_out, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:
-            return  # the script is gone (criu was killed)
-        try:
-            os.write(fd, word.encode() + b"\n")
-        finally:
-            os.close(fd)
+    def _wait_frozen(self) -> bool:
+        poller = select.poll()
+        poller.register(self._in, select.POLLIN)
+        said = b""
+        while not self._released.is_set():
+            if poller.poll(100):
+                said += os.read(self._in, 64)
+                if b"frozen" in said:
+                    return True
+        return False
 
     def take(self) -> None:
         """The snapshot itself (the job is frozen): open files, their copies, the workdir listing."""
         files = open_for_writing(self.root)
         copies = self.epoch_tmp / FILES_DIR
         for i, (path, of) in enumerate(sorted(files.items())):
-            self.result.files[path] = self._record(of, copies, i)
+            try:
+                self.result.files[path] = self._record(of, copies, i)
+            except OSError as exc:
+                self.result.error = f"cannot snapshot {path}: {exc.strerror or exc}"
+                raise
         self.result.workdir = os.path.realpath(self.workdir) if self.workdir else ""
         why = eligible_workdir(self.workdir, self.storage)
         listing = None

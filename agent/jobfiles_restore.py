@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Collection
 
 import msgspec
 
@@ -45,13 +45,24 @@ class PutBack:
     entry: JobFile | None  # owner and mode to give it; None: an old epoch's output (keep them)
     note: str
     new_inode: bool = False  # the job's output in revenant's storage (see put_back)
+    make_parent: bool = False  # its directory is gone, and lies in the job's working directory
 
 
-def _stat(path: str) -> os.stat_result | None:
+def _stat(path: str, n: int) -> os.stat_result | None:
+    """The file as it is now (None if gone); refuses what the epoch's file cannot be put back over."""
     try:
-        return os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
-        return None
+        st = None
+    except OSError as exc:
+        raise FilesChanged(f"cannot look at {path}: {exc.strerror}; refusing epoch {n}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "not a regular file"
+        raise FilesChanged(f"{path} is now {kind}; refusing to put epoch {n}'s file back over it")
+    if os.path.realpath(path) != path:
+        raise FilesChanged(f"a directory on the path of {path} is now a symlink; refusing epoch {n}")
+    return st
 
 
 def _sample(path: str, size: int) -> str:
@@ -63,15 +74,26 @@ def _sample(path: str, size: int) -> str:
 
 
 def _in_storage(path: str, epoch_dir: Path) -> bool:
-    return path.startswith(str(epoch_dir.parent.parent) + "/")  # <storage>/jobs/<id>/epochs/<n>
+    return path.startswith(os.path.realpath(epoch_dir.parent.parent) + "/")  # <storage>/jobs/<id>/epochs/<n>
 
 
-def _check(path: str, e: JobFile, n: int, epoch_dir: Path) -> PutBack:
-    st = _stat(path)
+def _check(path: str, e: JobFile, n: int, epoch_dir: Path, workdir: str) -> PutBack:
+    try:
+        return _decide(path, e, n, epoch_dir, workdir)
+    except OSError as exc:
+        raise FilesChanged(f"cannot check {path}: {exc.strerror or exc}; refusing epoch {n}") from None
+
+
+def _decide(path: str, e: JobFile, n: int, epoch_dir: Path, workdir: str) -> PutBack:
+    st = _stat(path, n)
     unchanged = st is not None and (st.st_ino, st.st_size, st.st_mtime_ns) == (e.ino, e.size, e.mtime_ns)
     if e.copy:
         note = "" if unchanged else f"restored {path} from epoch {n}'s copy ({_how(st, e)} since the dump)"
-        return PutBack(path, e.size, str(epoch_dir / e.copy), e, note, _in_storage(path, epoch_dir))
+        parent = os.path.dirname(path)
+        make_parent = not os.path.isdir(parent)
+        if make_parent and not (workdir and parent.startswith(workdir + "/")):
+            raise FilesChanged(f"{path} cannot be put back: its directory {parent} is gone; refusing epoch {n}")
+        return PutBack(path, e.size, str(epoch_dir / e.copy), e, note, _in_storage(path, epoch_dir), make_parent)
     why = f"epoch {n} holds no copy of it: {e.no_copy}" if e.no_copy else f"epoch {n} holds no copy of it"
     if st is None:
         raise FilesChanged(f"{path} is gone since epoch {n} and {why}")
@@ -100,9 +122,11 @@ def _how(st: os.stat_result | None, e: JobFile) -> str:
 def plan(manifest: Manifest, epoch_dir: Path) -> list[PutBack]:
     """What putting the epoch's files back takes; raises FilesChanged if it cannot be done exactly."""
     n = manifest.epoch
-    plan = [_check(path, e, n, epoch_dir) for path, e in sorted(manifest.job_files.items())]
+    plan = [_check(path, e, n, epoch_dir, manifest.workdir) for path, e in sorted(manifest.job_files.items())]
     for path, size in manifest.outputs.items():  # an epoch from before job_files: its output only
-        st = _stat(path)
+        if path in manifest.job_files:
+            continue  # written for older agents alongside job_files
+        st = _stat(path, n)
         if st is None:
             raise FilesChanged(f"output file {path} is gone; cannot restore epoch {n}")
         if st.st_size < size:
@@ -123,13 +147,14 @@ def put_back(p: PutBack) -> None:
     instead: a stale copy of the job still running somewhere keeps writing into the old one,
     never into the restored job's output (the fence at the resource)."""
     path = Path(p.path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # a copied file whose directory went too
+    if p.make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a copied file whose directory went too
     if p.new_inode or not path.exists():
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     else:
-        tmp, flags = path, os.O_WRONLY
-    src = os.open(p.source, os.O_RDONLY)
+        tmp, flags = path, os.O_WRONLY | os.O_NOFOLLOW
+    src = os.open(p.source, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         dst = os.open(tmp, flags, 0o600)
         try:
@@ -165,7 +190,10 @@ def apply(plan: list[PutBack]) -> list[str]:
             put_back(p)
         except OSError as exc:
             raise EpochError(f"cannot put back {p.path}: {exc.strerror or exc}") from None
-    return [p.note for p in plan if p.note]
+    notes = [p.note for p in plan if p.note]
+    if len(notes) > MAX_NAMED:  # a reply stays small: the rest are counted
+        notes = notes[:MAX_NAMED] + [f"and {len(notes) - MAX_NAMED} more files cut back or restored"]
+    return notes
 
 
 # ------------------------------------------------------------------ the working directory
@@ -184,13 +212,16 @@ def _inside(rel: str, dirs: set[str]) -> bool:
     return any("/".join(parts[:i]) in dirs for i in range(1, len(parts)))
 
 
-def changed_since(listing: dict[str, list[int]], now: dict[str, list[int]]) -> list[str]:
+def changed_since(listing: dict[str, list[int]], now: dict[str, list[int]],
+                  holds: frozenset[str] = frozenset()) -> list[str]:
     """Entries (relative paths) that appeared or changed after the listing was taken, outermost
-    only: a new or replaced directory moves whole.  Directories' own mtimes are not changes."""
+    only: a new or replaced directory moves whole, unless it ``holds`` one of the job's covered
+    files (those are put back where they were: it is entered instead).  Directories' own mtimes
+    are not changes."""
     moved: list[str] = []
     dirs: set[str] = set()
     for rel in sorted(now):
-        if _inside(rel, dirs):
+        if _inside(rel, dirs) or rel in holds:
             continue
         ino, size, mtime, is_dir = now[rel]
         then = listing.get(rel)
@@ -200,13 +231,43 @@ def changed_since(listing: dict[str, list[int]], now: dict[str, list[int]]) -> l
     return moved
 
 
-def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int) -> list[str]:
-    """Move what appeared or changed in the workdir after the epoch into a folder named after it."""
+def _held_open() -> set[tuple[int, int]]:
+    """(device, inode) of every file a process on this node holds open: never moved away from it."""
+    held = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            held.add((st.st_dev, st.st_ino))
+    return held
+
+
+def _holders(workdir: str, covered: Collection[str]) -> frozenset[str]:
+    """Relative paths of the directories in ``workdir`` that hold a covered file."""
+    holds = set()
+    for path in covered:
+        if path.startswith(workdir + "/"):
+            parts = path[len(workdir) + 1:].split("/")
+            holds.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return frozenset(holds)
+
+
+def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str = "") -> list[str]:
+    """Move what appeared or changed in the workdir after the epoch into a folder named after it;
+    ``leave``: why the workdir must be left as it is (another job uses it)."""
     n, workdir = manifest.epoch, manifest.workdir
     if not workdir:
         return []
-    if manifest.workdir_note:
-        return [f"the working directory's changes after epoch {n} were left in place: {manifest.workdir_note}"]
+    if manifest.workdir_note or leave:
+        return [f"the working directory's changes after epoch {n} were left in place: {manifest.workdir_note or leave}"]
     try:
         listing = msgspec.json.decode((epoch_dir / LISTING).read_bytes(), type=dict[str, list[int]])
     except (OSError, msgspec.DecodeError) as exc:
@@ -217,15 +278,23 @@ def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int) -> list[st
     if now is None:
         return [f"the working directory's changes after epoch {n} were left in place: it now has more than "
                 f"{max_entries} entries (workdir_scan_max_entries)"]
-    moved = changed_since(listing, now)
+    moved = changed_since(listing, now, _holders(workdir, manifest.job_files))
     notes = []
+    if moved:
+        held = _held_open()
+        busy = [rel for rel in moved if not now[rel][3] and (os.lstat(os.path.join(workdir, rel)).st_dev,
+                                                              now[rel][0]) in held]
+        if busy:
+            notes.append(f"left {', '.join(busy[:MAX_NAMED])} in {workdir}, though changed after epoch {n}: "
+                         "a process on this node holds it open")
+            moved = [rel for rel in moved if rel not in set(busy)]
     if moved:
         aside = _aside_dir(workdir, n)
         for rel in moved:
             dst = aside / rel
             try:
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(os.path.join(workdir, rel), dst)
+                os.rename(os.path.join(workdir, rel), dst)  # a rename, never a copy and delete
             except OSError as exc:
                 raise EpochError(f"cannot move {os.path.join(workdir, rel)} aside to {dst}: "
                                  f"{exc.strerror or exc}") from None

@@ -255,19 +255,19 @@ class Supervisor:
 
     # ------------------------------------------------------------------ restore
 
-    async def restore(self, spec: JobSpec, generation: int) -> AgentJobReply:
+    async def restore(self, spec: JobSpec, generation: int, leave_workdir: str = "") -> AgentJobReply:
         subjects.check_name(spec.id, "job id")
         async with self._launch(spec.id, generation) as launch:
-            return await self._restore(spec, generation, launch)
+            return await self._restore(spec, generation, launch, leave_workdir)
 
-    async def _restore(self, spec: JobSpec, generation: int, launch: Launch) -> AgentJobReply:
+    async def _restore(self, spec: JobSpec, generation: int, launch: Launch, leave_workdir: str) -> AgentJobReply:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         files = JobFiles(self.storage, spec.id)
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
-        pid, manifest, notes = await self.engine.restore(spec.id, generation)
+        pid, manifest, notes = await self.engine.restore(spec.id, generation, leave_workdir)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)

@@ -236,7 +236,8 @@ def job_view(rec: JobRecord) -> dict:
                     "freeze_s": e.freeze_s, "duration_s": e.duration_s,
                     "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
                               for f in e.files],
-                    "files_total": e.files_total, "workdir_note": e.workdir_note} for e in rec.epochs],
+                    "files_total": e.files_total, "files_copied": e.files_copied,
+                    "workdir_note": e.workdir_note} for e in rec.epochs],
         "output": rec.output,
         "exit_code": rec.exit_code,
         "reason": rec.reason,
@@ -315,9 +316,8 @@ def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
     if not rec.epochs:
         return []
     e = rec.epochs[-1]
-    copied = sum(f.copied for f in e.files)
-    rows = [("files", f"epoch #{e.n} covers {e.files_total} open for writing: {copied} copied, "
-                      f"{len(e.files) - copied} cut back on restore"
+    rows = [("files", f"epoch #{e.n} covers {e.files_total} open for writing: {e.files_copied} copied, "
+                      f"{e.files_total - e.files_copied} cut back on restore"
                       + (f" ({e.files_total - len(e.files)} more not listed)" if e.files_total > len(e.files) else ""))]
     rows += [("", f"{f.path} ({_fmt_bytes(f.size)}): not copied, {f.not_copied}") for f in e.files
              if not f.copied and not f.not_copied.startswith("append-only")]

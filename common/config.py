@@ -46,6 +46,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The job's working directory is listed at each dump (so a restore can move aside what appeared
     # after it) unless it holds more entries than this.
     workdir_scan_max_entries: int = 20_000
+    # The longest the job stays frozen for its files (the copies, the listing): past it the dump
+    # fails and the job resumes.
+    file_snapshot_timeout_s: float = 120.0
     # NATS client: short pings so a dead server is noticed fast.
     ping_interval_s: float = 2.0
     max_outstanding_pings: int = 2
@@ -107,7 +110,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.max_frozen_s > self.fence_timeout_s:
             raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
-                  "criu_timeout_s", "workdir_scan_max_entries",
+                  "criu_timeout_s", "workdir_scan_max_entries", "file_snapshot_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be 0 or more")

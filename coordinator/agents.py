@@ -66,8 +66,8 @@ class AgentClient:
             return await self.send(cmd.node, "start", StartJob(spec=cmd.spec, generation=cmd.generation,
                                                                fresh=cmd.fresh), timeout_s)
         if isinstance(cmd, lc.Restore):
-            return await self.send(cmd.node, "restore", RestoreJob(spec=cmd.spec, generation=cmd.generation),
-                                   timeout_s)
+            return await self.send(cmd.node, "restore", RestoreJob(spec=cmd.spec, generation=cmd.generation,
+                                                                   leave_workdir=cmd.leave_workdir), timeout_s)
         if isinstance(cmd, lc.Checkpoint):
             return await self.send(cmd.node, "checkpoint", CheckpointJob(job=cmd.job, generation=cmd.generation,
                                                                          stop=cmd.stop), timeout_s)

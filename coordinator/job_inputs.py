@@ -51,6 +51,9 @@ class Restore:
     node: str
     spec: JobSpec
     generation: int
+    # Why the job's working directory must be left as it is (the shell fills it in: another job
+    # works there), or "".
+    leave_workdir: str = ""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ winning (a job that exits before its start reply is processed ends
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Awaitable, Callable, Protocol
@@ -22,7 +23,7 @@ from revenant.common.events import EventPublisher
 from revenant.common.limits import check_submit
 from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
-from revenant.coordinator.placement import NoNodeAvailable, place, restore_note
+from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, workdir_shared
 from revenant.coordinator.store import JobStore, WriteConflict
 from revenant.messages import (
     JobEvent,
@@ -81,6 +82,12 @@ class JobService:
         if rec is None:
             raise UnknownJob(f"unknown job {job}")
         return rec
+
+    def _workdir_rule(self, cmd: lc.Command) -> lc.Command:
+        """A restore leaves the job's working directory as it is when other jobs work there too."""
+        if isinstance(cmd, lc.Restore):
+            return dataclasses.replace(cmd, leave_workdir=workdir_shared(cmd.spec, self.jobs.values()))
+        return cmd
 
     def jobs_per_node(self) -> dict[str, int]:
         return lc.jobs_per_node(self.jobs.values())
@@ -222,7 +229,7 @@ class JobService:
             waived[:] = _waived(job, nodes, target)
             return lc.RestartAsked(target)
 
-        cmd = (await self.step(job, ask)).commands[0]
+        cmd = self._workdir_rule((await self.step(job, ask)).commands[0])
         try:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
         except RevenantError as exc:
@@ -296,6 +303,7 @@ class JobService:
                 await self.agents.carry_out(kill, 5.0)
             except RevenantError:
                 pass
+        launch = self._workdir_rule(launch)
         timeout_s = self.config.checkpoint_timeout_s if isinstance(launch, lc.Restore) else self.config.start_timeout_s
         try:
             reply = await self.agents.carry_out(launch, timeout_s)

@@ -8,8 +8,10 @@ which it ignored (:func:`restore_waivers`).
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from revenant.common.errors import RevenantError
-from revenant.messages import NodeStatus
+from revenant.messages import JobRecord, JobSpec, NodeStatus
 
 _HEALTH_RANK = {"GREEN": 0, "YELLOW": 1}
 
@@ -17,6 +19,24 @@ _HEALTH_RANK = {"GREEN": 0, "YELLOW": 1}
 # storage: a restore writes no new epoch (it replaces the output with a copy of its prefix and
 # deletes the old one), and the storage is the same whichever node takes the job.
 RESTORE_IGNORES = frozenset({"storage_low"})
+
+
+def workdir_shared(spec: JobSpec, jobs: Iterable[JobRecord]) -> str:
+    """Why a restore of ``spec`` must leave its working directory as it is, or "": other jobs not
+    ended (running, vacated, failed over later...) work in it, or in a directory nested with it,
+    and their files must never be moved aside for this one (agent/jobfiles_restore.py)."""
+    mine = spec.workdir.rstrip("/") or "/"
+
+    def nested(other: str) -> bool:
+        other = other.rstrip("/") or "/"
+        return other == mine or other.startswith(mine + "/") or mine.startswith(other + "/") or "/" in (mine, other)
+
+    others = sorted((r.spec.id for r in jobs if r.spec.id != spec.id and r.state not in ("completed", "failed")
+                     and nested(r.spec.workdir)), key=lambda j: (len(j), j))
+    if not others:
+        return ""
+    named = ", ".join(others[:10]) + (f" and {len(others) - 10} more" if len(others) > 10 else "")
+    return f"job{'s' if len(others) > 1 else ''} {named} also work{'' if len(others) > 1 else 's'} in it"
 
 
 class NoNodeAvailable(RevenantError):

@@ -166,6 +166,7 @@ class EpochInfo(_Body):
     generation: int = 0
     files: list[EpochFile] = []
     files_total: int = 0
+    files_copied: int = 0
     # Why the working directory's later changes are not moved aside on restore ("" if they are).
     workdir_note: str = ""
 

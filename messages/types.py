@@ -201,6 +201,8 @@ class CheckpointJob(Message, tag="checkpoint_job.v1"):
 class RestoreJob(Message, tag="restore_job.v1"):
     spec: JobSpec
     generation: int
+    # Why the job's working directory must be left as it is (other jobs work in it), or "".
+    leave_workdir: str = ""
 
 
 class KillJob(Message, tag="kill_job.v1"):

@@ -5,7 +5,9 @@ criu's action script (played here by a thread)."""
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import subprocess
 import threading
 from pathlib import Path
 
@@ -142,7 +144,16 @@ def test_eligible_workdir_never_the_node_s_shared_directories_nor_the_storage(tm
     assert eligible_workdir(str(tmp_path / "wd"), storage) is None
     assert "shared by the whole node" in eligible_workdir("/", storage)
     assert "shared by the whole node" in eligible_workdir("/home", storage)
-    assert "holds revenant's storage" in eligible_workdir(str(tmp_path), storage)
+    assert "overlaps revenant's storage" in eligible_workdir(str(tmp_path), storage)
+    assert "overlaps revenant's storage" in eligible_workdir(str(storage / "jobs" / "1"), storage)
+    home = tmp_path / "alice"
+    home.mkdir()
+    real_getpwuid = pwd.getpwuid
+    pwd.getpwuid = lambda uid: type("pw", (), {"pw_dir": str(home)})  # alice owns it and calls it home
+    try:
+        assert "is a home directory" in eligible_workdir(str(home), storage)
+    finally:
+        pwd.getpwuid = real_getpwuid
 
 
 def test_move_aside_names_the_epoch_and_keeps_what_it_moves(tmp_path):
@@ -182,18 +193,21 @@ def test_the_rendezvous_snapshots_while_the_script_waits_and_a_release_ends_it(t
     answer: list[bytes] = []
 
     def script() -> None:  # what the action script's lines do, in Python
-        back = os.open(snap.fifo_out, os.O_RDWR)
         with open(snap.fifo_in, "w") as f:
             f.write("frozen\n")
-        answer.append(os.read(back, 16))
-        os.close(back)
+        with open(snap.fifo_out, "rb", buffering=0) as back:
+            answer.append(back.read(16))
+        snap.release()  # then criu exits
 
     t = threading.Thread(target=script)
     t.start()
+    safety = threading.Timer(10, snap.release)  # should the script never get there
+    safety.start()
     result = snap.serve()
+    safety.cancel()
     t.join(5)
     held.close()
-    assert answer == [b"ok\n"] and not result.error
+    assert not t.is_alive() and answer == [b"ok\n"] and not result.error
     e = result.files[str(wd / "metrics.csv")]
     # (pytest itself may hold other files open for writing: they are listed too, under other numbers)
     assert e.copy.startswith("files/") and (epoch / e.copy).read_text() == "0,1\n" and e.size == 4
@@ -213,7 +227,7 @@ def test_an_epoch_lists_its_files_those_not_copied_first(tmp_path):
     info = JobFiles(tmp_path, "1").info(m)
     assert [(x.path, x.copied, x.not_copied) for x in info.files] == [
         ("/b", False, "too big"), ("/a", True, ""), ("/c", False, "append-only")]
-    assert info.files_total == 3
+    assert (info.files_total, info.files_copied) == (3, 1)
 
 
 def test_show_job_lists_the_newest_epoch_s_files_and_those_it_could_not_copy(capsys):
@@ -223,7 +237,8 @@ def test_show_job_lists_the_newest_epoch_s_files_and_those_it_could_not_copy(cap
     files = [EpochFile(path="/wd/big.bin", size=2 << 20, not_copied="2097152 bytes, over file_snapshot_max_bytes"),
              EpochFile(path="/wd/metrics.csv", size=10, copied=True),
              EpochFile(path="/wd/train.log", size=7, not_copied="append-only: cut back to its size on restore")]
-    rec = JobRecord(spec=JobSpec(id="7", argv=["train"]), epochs=[EpochInfo(n=4, files=files, files_total=3)])
+    rec = JobRecord(spec=JobSpec(id="7", argv=["train"]),
+                    epochs=[EpochInfo(n=4, files=files, files_total=3, files_copied=1)])
     _print_job(rec, as_json=False)
     out = capsys.readouterr().out
     assert "epoch #4 covers 3 open for writing: 1 copied, 2 cut back on restore" in out
@@ -231,3 +246,86 @@ def test_show_job_lists_the_newest_epoch_s_files_and_those_it_could_not_copy(cap
     assert "train.log" not in out  # an append-only log is the usual case, not a warning
     assert job_view(rec)["epochs"][0]["files"][0] == {"path": "/wd/big.bin", "size": 2 << 20, "copied": False,
                                                       "not_copied": "2097152 bytes, over file_snapshot_max_bytes"}
+
+
+def test_a_snapshot_that_fails_answers_error_at_once_naming_why(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    snap = Snapshot(os.getpid(), tmp_path / "no-such-epoch", scratch, workdir="", storage=tmp_path,
+                    max_bytes=1024, max_entries=10)
+    answer: list[bytes] = []
+
+    def script() -> None:
+        with open(snap.fifo_in, "w") as f:
+            f.write("frozen\n")
+        with open(snap.fifo_out, "rb", buffering=0) as back:
+            answer.append(back.read(16))
+        snap.release()  # then criu exits
+
+    with open(tmp_path / "w.csv", "w") as held:  # a copy is due, into an epoch directory that is not there
+        t = threading.Thread(target=script)
+        t.start()
+        safety = threading.Timer(10, snap.release)  # should the script never get there
+        safety.start()
+        result = snap.serve()
+        safety.cancel()
+        t.join(5)
+    assert answer == [b"error\n"]
+    assert held.closed and result.ran and result.done
+    assert result.error.startswith("cannot snapshot ") and "No such file or directory" in result.error
+    assert snap.why_failed() == result.error
+
+
+def test_a_covered_path_now_a_symlink_or_under_one_is_refused(tmp_path):
+    wd = tmp_path / "wd"
+    (wd / "sub").mkdir(parents=True)
+    f = wd / "sub" / "state.bin"
+    f.write_bytes(b"1234")
+    epoch = tmp_path / "storage" / "jobs" / "1" / "epochs" / "3"
+    (epoch / "files").mkdir(parents=True)
+    (epoch / "files" / "0").write_bytes(b"1234")
+    m = manifest(job_files={str(f): entry(f, copy="files/0")}, workdir=str(wd))
+    victim = tmp_path / "victim"
+    victim.write_text("not the job's")
+    f.unlink()
+    f.symlink_to(victim)
+    with pytest.raises(FilesChanged, match="state.bin is now a symlink; refusing to put epoch 3's file back"):
+        plan(m, epoch)
+    f.unlink()
+    os.rename(wd / "sub", tmp_path / "elsewhere")
+    (wd / "sub").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FilesChanged, match="a directory on the path of .*state.bin is now a symlink"):
+        plan(m, epoch)
+    assert victim.read_text() == "not the job's"
+    (wd / "sub").unlink()
+    # Its directory gone: made again inside the workdir, never outside it.
+    assert apply(plan(m, epoch)) == [f"restored {f} from epoch 3's copy (deleted since the dump)"]
+    assert f.read_bytes() == b"1234"
+    outside = tmp_path / "gone" / "x.bin"
+    m2 = manifest(job_files={str(outside): entry(f, copy="files/0")}, workdir=str(wd))
+    with pytest.raises(FilesChanged, match="its directory .*gone is gone"):
+        plan(m2, epoch)
+
+
+def test_move_aside_enters_a_new_directory_holding_a_covered_file_and_spares_open_files(tmp_path):
+    wd = tmp_path / "wd"
+    (wd / "run").mkdir(parents=True)
+    epoch = tmp_path / "epoch"
+    epoch.mkdir()
+    covered = wd / "run" / "metrics.csv"
+    covered.write_text("0\n")
+    (epoch / LISTING).write_bytes(msgspec.json.encode(scan_workdir(str(wd), 100, frozenset({str(covered)}))))
+    m = manifest(workdir=str(wd), job_files={str(covered): entry(covered)})
+    os.rename(wd / "run", wd / "run.old")  # the directory replaced after the dump...
+    (wd / "run").mkdir()
+    os.rename(wd / "run.old" / "metrics.csv", covered)
+    (wd / "run" / "new.txt").write_text("later")
+    (wd / "busy.log").write_text("held")
+    with open(wd / "busy.log"):
+        notes = move_aside(m, epoch, 100)
+    aside = wd / "revenant-after-epoch-3"
+    # ...is entered, not moved: the covered file stays where the restore put it back.
+    assert covered.exists() and (aside / "run" / "new.txt").exists() and (aside / "run.old").is_dir()
+    assert (wd / "busy.log").exists() and any("left busy.log in" in n for n in notes), notes
+    assert move_aside(m, epoch, 100, leave="job 12 shares it") == [
+        "the working directory's changes after epoch 3 were left in place: job 12 shares it"]

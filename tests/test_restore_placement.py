@@ -171,3 +171,19 @@ async def test_a_dead_nodes_job_is_restored_on_a_node_red_only_for_low_shared_st
                                  node="node-1", generation=1))
     with pytest.raises(NoNodeAvailable):
         await service.recover("2", "node-1")
+
+
+@pytest.mark.unit
+def test_a_restore_leaves_a_working_directory_other_live_jobs_share():
+    from revenant.coordinator.placement import workdir_shared
+    from revenant.messages import JobRecord, JobSpec
+
+    def rec(job: str, workdir: str, state: str = "running") -> JobRecord:
+        return JobRecord(spec=JobSpec(id=job, argv=["x"], workdir=workdir), state=state)
+
+    mine = JobSpec(id="1", argv=["x"], workdir="/proj/run1")
+    jobs = [rec("1", "/proj/run1"), rec("2", "/proj/run2"), rec("3", "/elsewhere")]
+    assert workdir_shared(mine, jobs) == ""  # siblings do not share it
+    jobs += [rec("4", "/proj/run1/sub"), rec("5", "/proj", "completed"), rec("12", "/proj")]
+    assert workdir_shared(mine, jobs) == "jobs 4, 12 also work in it"  # nested either way; ended jobs do not count
+    assert workdir_shared(mine, [rec("7", "/proj/run1/", "vacated")]) == "job 7 also works in it"

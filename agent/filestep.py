@@ -1,0 +1,99 @@
+"""The engine step for a job's own files: taken while criu holds the job frozen
+(agent/jobfiles.py), put back before a restore (agent/jobfiles_restore.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+from revenant.agent import jobfiles_restore
+from revenant.agent.epochs import EpochError, Manifest
+from revenant.agent.jobfiles import Snapshot, SnapshotResult
+from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
+
+log = logging.getLogger(__name__)
+
+# Once criu has exited, the snapshot's thread has answered (or never started): this long at most.
+_SETTLE_S = 5.0
+
+
+def _in_thread(snap: Snapshot, name: str) -> asyncio.Future[SnapshotResult]:
+    """``snap.serve`` in a thread of its own: never queued behind the default executor's
+    other work while the job is frozen."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[SnapshotResult] = loop.create_future()
+
+    def settle(result: SnapshotResult) -> None:
+        if not done.done():
+            done.set_result(result)
+
+    def run() -> None:
+        result = snap.serve()
+        try:
+            loop.call_soon_threadsafe(settle, result)
+        except RuntimeError:
+            pass  # the loop is gone (the agent stopped): nobody waits any more
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+class JobFilesStep(BaseStep):
+    name = "job-files"
+
+    def __init__(self, storage: Path, max_bytes: int = 64 * 1024**2, max_entries: int = 20_000,
+                 timeout_s: float = 120.0) -> None:
+        self.storage = storage
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.timeout_s = timeout_s
+
+    async def before_dump(self, ctx: DumpContext) -> None:
+        snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
+                        max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s)
+        ctx.post_dump_script += snap.script_lines()
+        ctx.why_failed.append(snap.why_failed)
+        ctx.state[self.name] = (snap, _in_thread(snap, f"snapshot-{ctx.job}"))
+
+    async def _finish(self, ctx: DumpContext) -> SnapshotResult | None:
+        """Let the snapshot's thread go (criu has exited) and take its result; None if it is still
+        busy (a hung file system): it is abandoned, and the dump fails."""
+        snap, serving = ctx.state.pop(self.name)
+        snap.release()
+        try:
+            return await asyncio.wait_for(asyncio.shield(serving), _SETTLE_S)
+        except asyncio.TimeoutError:
+            log.error("job %s: the snapshot of its files is still busy after the dump; abandoned", ctx.job)
+            return None
+
+    async def after_dump(self, ctx: DumpContext) -> None:
+        result = await self._finish(ctx)
+        if result is None or not result.ran:
+            raise EpochError(f"checkpoint of {ctx.job} failed: the job's files were not snapshotted "
+                             "while it was frozen")
+        if result.error:
+            raise EpochError(f"checkpoint of {ctx.job} failed: {result.error}")
+        m = ctx.manifest
+        m.job_files, m.workdir, m.workdir_note, m.files_s = result.files, result.workdir, result.workdir_note, \
+            result.seconds
+        # The output's size as well, as epochs had it before job_files: an older agent restoring
+        # this epoch still cuts the output back.
+        out = str(ctx.files.output)
+        if out in result.files:
+            m.outputs = {out: result.files[out].size}
+
+    async def on_dump_failed(self, ctx: DumpContext) -> None:
+        if self.name in ctx.state:
+            await self._finish(ctx)
+
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
+        jobfiles_restore.plan(manifest, epoch_dir)
+
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        def put_back() -> list[str]:
+            notes = jobfiles_restore.apply(jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir))
+            return notes + jobfiles_restore.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries,
+                                                       leave=ctx.leave_workdir)
+        ctx.notes += await asyncio.to_thread(put_back)

@@ -1,0 +1,85 @@
+"""The engine's pipeline steps: what a step sees of a dump or a restore, and the hooks it has.
+
+A step plugs in before and after criu without touching the engine (agent/engine.py): the
+job's own files are one (agent/filestep.py); GPU suspend/resume, pre-dump and
+deduplicated storage are steps of the same shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from revenant.agent.epochs import JobFiles, Manifest
+
+
+@dataclass
+class DumpContext:
+    job: str
+    generation: int
+    pid: int
+    files: JobFiles
+    # Node-local scratch: criu's log, the action script, step notes.
+    workdir: Path
+    stop: bool
+    manifest: Manifest
+    # Where the epoch's files are written while the job is frozen (the epoch's temporary
+    # directory on shared storage, or node-local staging), and the job's own working directory.
+    epoch_tmp: Path = Path()
+    job_workdir: str = ""
+    # Extra lines for criu's post-dump action script (run while the job is frozen).
+    post_dump_script: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # A step's own state for this dump, by step name.
+    state: dict[str, Any] = field(default_factory=dict)
+    # Asked when criu fails: a step's own reason for the failure (its action script's, say), or "".
+    why_failed: list[Callable[[], str]] = field(default_factory=list)
+
+
+@dataclass
+class RestoreContext:
+    job: str
+    generation: int
+    files: JobFiles
+    epoch_dir: Path
+    workdir: Path
+    manifest: Manifest
+    pid: int = 0
+    notes: list[str] = field(default_factory=list)
+    # Why the job's working directory must be left as it is (another job uses it), or "".
+    leave_workdir: str = ""
+
+
+class Step(Protocol):
+    name: str
+
+    async def before_dump(self, ctx: DumpContext) -> None: ...
+    async def after_dump(self, ctx: DumpContext) -> None: ...
+    async def on_dump_failed(self, ctx: DumpContext) -> None: ...
+    # Blocking, in a worker thread: raise EpochError to refuse the epoch (an older one is tried).
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None: ...
+    async def before_restore(self, ctx: RestoreContext) -> None: ...
+    async def after_restore(self, ctx: RestoreContext) -> None: ...
+
+
+class BaseStep:
+    name = "step"
+
+    async def before_dump(self, ctx: DumpContext) -> None:
+        pass
+
+    async def after_dump(self, ctx: DumpContext) -> None:
+        pass
+
+    async def on_dump_failed(self, ctx: DumpContext) -> None:
+        pass
+
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
+        pass
+
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        pass
+
+    async def after_restore(self, ctx: RestoreContext) -> None:
+        pass
