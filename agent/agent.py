@@ -35,7 +35,7 @@ from revenant.agent.jobs import Supervisor
 from revenant.agent.liveness import Liveness
 from revenant.agent import reconcile
 from revenant.agent.probes import HealthProbes, anomaly_event
-from revenant.common import bus
+from revenant.common import bus, security
 from revenant.common.config import AgentConfig
 from revenant.common.errors import ConfigError, RevenantError
 from revenant.common.events import EventPublisher
@@ -139,6 +139,7 @@ class Agent(Service):
             max_outstanding_pings=self.config.max_outstanding_pings,
             reconnect_wait_s=self.config.reconnect_wait_s,
             on_reconnect=self._on_reconnect,
+            **security.credentials(security.agent_identity(self.node), self.config.nats_creds),
         )
         js = self._nc.jetstream()
         self.main_loop = asyncio.get_running_loop()
@@ -153,7 +154,8 @@ class Agent(Service):
                                      criu_error=criu.error or "criu unusable", metrics=self.metrics,
                                      switch_timeout_s=self.config.fence_timeout_s,
                                      max_frozen_s=self.config.max_frozen_s, clock=self.clock,
-                                     wall_clock=self.wall_clock, scratch=self.config.job_scratch())
+                                     wall_clock=self.wall_clock, scratch=self.config.job_scratch(),
+                                     allow_root_jobs=self.config.allow_root_jobs)
         with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):
             await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
             await self._nc.flush(timeout=self.config.shutdown_grace_s)  # served once ready is set
@@ -208,7 +210,11 @@ class Agent(Service):
     def _clean_half_written_epochs(self) -> None:
         """Epochs this node was writing when an earlier agent died: never listed, now removed."""
         for job_dir in self.storage.glob("jobs/*"):
-            JobFiles(self.storage, job_dir.name).clean_stale_tmp(self.node)
+            try:
+                files = JobFiles(self.storage, job_dir.name)
+            except subjects.InvalidName:
+                continue  # not a job's directory
+            files.clean_stale_tmp(self.node)
 
     def _work_roots(self) -> list[Path]:
         """Node-local scratch for criu's logs and scripts (small)."""

@@ -38,6 +38,7 @@ from typing import Callable
 from revenant.agent import criu, procs
 from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags
 from revenant.agent.filestep import JobFilesStep
+from revenant.agent.private import DUMP_UMASK, private_dir
 from revenant.agent.procs import signal_tree
 from revenant.agent.steps import DumpContext, RestoreContext, Step
 from revenant.common.errors import CriuError, RevenantError
@@ -106,8 +107,9 @@ class Engine:
     # ------------------------------------------------------------------ checkpoint
 
     async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool,
-                         workdir: str = "") -> tuple[Manifest, list[str]]:
-        """Dump ``job`` (root ``pid``, working directory ``workdir``) into a new committed epoch.
+                         workdir: str = "", user: str = "") -> tuple[Manifest, list[str]]:
+        """Dump ``job`` (root ``pid``, working directory ``workdir``, owned by ``user``, which the
+        manifest records) into a new committed epoch.
 
         ``stop`` (vacate): the job is left stopped after the dump and killed only
         once the epoch has committed; on any failure it is resumed, unharmed.
@@ -116,16 +118,17 @@ class Engine:
         self.pending += 1
         try:
             async with self.slots:
-                return await self._checkpoint(files, job, generation, pid, stop, workdir)
+                return await self._checkpoint(files, job, generation, pid, stop, workdir, user)
         finally:
             self.pending -= 1
 
     async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool,
-                          job_workdir: str) -> tuple[Manifest, list[str]]:
+                          job_workdir: str, user: str) -> tuple[Manifest, list[str]]:
         workdir = self._new_dir(self.work_roots, job)
         staging = self._new_dir([self.staging], job) if self.staging is not None else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
-                            criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags())
+                            criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags(),
+                            user=user)
         ctx = DumpContext(job=job, generation=generation, pid=pid, files=files, workdir=workdir, stop=stop,
                           manifest=manifest, job_workdir=job_workdir)
         started = self.clock()
@@ -166,7 +169,7 @@ class Engine:
         await self._clear_stale_proc_dir(ctx)
         argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
                               leave_running=not ctx.stop)
-        done = await procs.run(argv, self.criu_timeout_s)
+        done = await procs.run(argv, self.criu_timeout_s, umask=DUMP_UMASK)  # images 0600 from the start
         undo.frozen = ctx.stop and done.returncode == 0
         if done.returncode != 0:
             text = criu.read_log(ctx.workdir / criu.DUMP_LOG, done.output)
@@ -256,13 +259,14 @@ class Engine:
     # ------------------------------------------------------------------ helpers
 
     def _new_dir(self, roots: list[Path], name: str) -> Path:
-        """A fresh directory under the first usable root (named so a successor can tell it is stale)."""
+        """A fresh private directory (0700: staging holds images) under the first usable root
+        (named so a successor can tell it is stale)."""
         for root in roots:
             try:
-                root.mkdir(parents=True, exist_ok=True)
+                root.mkdir(parents=True, exist_ok=True, mode=0o700)
                 path = root / f"{name}-{os.getpid()}-{time.monotonic_ns()}"
-                path.mkdir()
-                return path
+                path.mkdir(mode=0o700)
+                return private_dir(path)
             except OSError as exc:
                 last = exc
         raise EpochError(f"no usable scratch directory in {', '.join(map(str, roots))}: {last}")

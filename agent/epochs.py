@@ -18,6 +18,7 @@ copy), not against an attacker with write access to the storage, so they are
 CRC-32 (zlib, several GB/s) rather than SHA-256 (about 1.6 GB/s here): at
 2 GiB the difference is a second on every checkpoint and every restore.
 
+Epochs are private: root's, directories 0700 and files 0600 (agent/private.py).
 Everything here is blocking file I/O, run in a worker thread by the engine.
 """
 
@@ -38,10 +39,12 @@ from typing import Callable, Collection
 
 import msgspec
 
+from revenant.agent.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
 from revenant.common.errors import RevenantError
 from revenant.messages import EpochFile, EpochInfo
 from revenant.messages.parts import MAX_EPOCH_FILES
+from revenant.messages.subjects import check_name
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     epoch: int
     generation: int
     node: str
+    # The Unix user the job belongs to (JobSpec.user); "" for epochs written before jobs had users.
+    user: str = ""
     created_at: float
     criu_version: str
     kernel: str
@@ -170,7 +175,7 @@ def _fsync_file(path: Path) -> None:
 
 def _copy_file(src: Path, dst: Path) -> None:
     """Copy in the kernel: copy_file_range within a filesystem, sendfile across (tmpfs → ext4 is EXDEV)."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with open(src, "rb") as fin, open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         copied = 0
         try:
@@ -204,7 +209,8 @@ class JobFiles:
     """Paths of one job on shared storage."""
 
     def __init__(self, storage: str | os.PathLike[str], job: str) -> None:
-        self.dir = Path(storage) / "jobs" / job
+        # The one way from a job id to a path: an id that could leave jobs/ is refused here.
+        self.dir = Path(storage) / "jobs" / check_name(job, "job id")
         self.job = job
         self.epochs_dir = self.dir / "epochs"
         self.output = self.dir / "output.log"
@@ -253,10 +259,9 @@ class JobFiles:
     # ------------------------------------------------------------------ commit
 
     def new_tmp(self, node: str) -> Path:
-        self.epochs_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.epochs_dir / f".tmp-{node}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        return tmp
+        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.epochs_dir)
+        return private_dir(self.epochs_dir / f".tmp-{check_name(node)}-{secrets.token_hex(4)}")
 
     def commit(self, tmp: Path, manifest: Manifest, staging: Path | None = None,
                clock: Callable[[], float] = time.monotonic) -> Manifest:
@@ -269,6 +274,7 @@ class JobFiles:
                 (tmp / "files").mkdir(mode=0o700, exist_ok=True)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
+        make_private(tmp)  # whatever criu's and the copies' modes were
         names = _image_names(tmp)
         extra = _job_file_names(tmp)  # written there while the job was frozen, never fsynced
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -283,7 +289,7 @@ class JobFiles:
         n = self.next_number()
         manifest.epoch = n
         mpath = tmp / MANIFEST
-        with open(mpath, "wb") as f:
+        with open(os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as f:
             f.write(msgspec.json.encode(manifest))
             f.flush()
             os.fsync(f.fileno())
@@ -313,6 +319,8 @@ class JobFiles:
     def verify(self, n: int) -> Manifest:
         """The manifest of epoch ``n`` if every file matches its size and checksum."""
         m = self.read_manifest(n)
+        if m.job != self.job:  # an epoch moved here from another job's directory
+            raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
         d = self.epoch_dir(n)
         for name, entry in m.files.items():
             path = d / name
@@ -329,6 +337,8 @@ class JobFiles:
     def newest_verified(self, check: Callable[[Manifest], None] | None = None) -> tuple[Manifest, list[str]]:
         """The newest epoch that verifies (and that ``check`` does not refuse with FilesChanged),
         and a note for each newer one that did not."""
+        if not trusted(self.epochs_dir):
+            raise EpochError(f"job {self.job}: {self.epochs_dir} is not the agent's own directory; never restored from")
         notes: list[str] = []
         refused = False
         for n in reversed(self.committed()):

@@ -52,6 +52,8 @@ ASIDE_PREFIX = "revenant-after-epoch-"
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
                          "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
                          "/var/tmp", "/var/lib"})
+# Caches the workdir may hold that are nobody's output (hidden entries are skipped too).
+UNTRACKED = frozenset({"__pycache__"})
 # Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
 PSEUDO = ("/proc/", "/sys/", "/dev/")
 _SAMPLE = 64 * 1024
@@ -239,8 +241,9 @@ def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozense
             continue
         for entry in entries:
             name = f"{rel}/{entry.name}" if rel else entry.name
-            if (not rel and entry.name.startswith(ASIDE_PREFIX)) or entry.path in skip:
-                continue
+            if (not rel and entry.name.startswith(ASIDE_PREFIX)) or entry.path in skip or entry.name in UNTRACKED \
+                    or entry.name.startswith("."):
+                continue  # hidden entries (.git, .venv, caches) and __pycache__ are never tracked
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
@@ -375,7 +378,8 @@ class Snapshot:
                     why = f"the working directory has more than {self.max_entries} entries (workdir_scan_max_entries)"
         self.result.workdir_note = why or ""
         if listing is not None:
-            (self.epoch_tmp / LISTING).write_bytes(msgspec.json.encode(listing))
+            with open(os.open(self.epoch_tmp / LISTING, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(msgspec.json.encode(listing))  # private, as the images are (agent/private.py)
 
     def _record(self, of: OpenFile, copies: Path, i: int) -> JobFile:
         st = of.st

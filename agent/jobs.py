@@ -73,7 +73,8 @@ class Supervisor:
                  criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
                  switch_timeout_s: float = 1.2, *, max_frozen_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, scratch: dict[str, str] | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, scratch: dict[str, str] | None = None,
+                 allow_root_jobs: bool = True) -> None:
         self.switch_timeout_s = switch_timeout_s
         self.clock = clock
         self.node = node
@@ -83,7 +84,7 @@ class Supervisor:
         self.criu_error = criu_error
         self.wall_clock = wall_clock
         self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock,
-                                 scratch=scratch)
+                                 scratch=scratch, allow_root_jobs=allow_root_jobs)
         self.exits = ExitClassifier(switch_timeout_s, clock)
         self.book = CheckpointBook(node, emit, metrics, wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
@@ -130,10 +131,11 @@ class Supervisor:
             return await self._start(spec, generation, fresh, launch)
 
     async def _start(self, spec: JobSpec, generation: int, fresh: bool, launch: Launch) -> AgentJobReply:
-        env = self.launcher.check(spec)
-        files = await self.launcher.prepare(spec.id, fresh)
+        user = self.launcher.user(spec)  # as its user: never root unless allowed
+        env = self.launcher.check(spec, user)
+        files = await self.launcher.prepare(spec.id, fresh, user)
         launch.stamp = files.stamp
-        started = await self.launcher.spawn(spec, files, env)
+        started = await self.launcher.spawn(spec, files, env, user)
         rt = JobRuntime(spec=spec, generation=generation, pid=started.pid or 0, files=files)
         self.jobs[spec.id] = rt
         log.info("job %s (generation %d) started, pid %d", spec.id, generation, rt.pid)
@@ -236,7 +238,8 @@ class Supervisor:
         job, generation = rt.spec.id, rt.generation
         assert self.engine is not None
         try:
-            manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, workdir=rt.spec.workdir)
+            manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, workdir=rt.spec.workdir,
+                                                           user=rt.spec.user)
         except RevenantError as exc:
             self.book.failed(job, generation, exc)
             raise
@@ -263,6 +266,7 @@ class Supervisor:
     async def _restore(self, spec: JobSpec, generation: int, launch: Launch, leave_workdir: str) -> AgentJobReply:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
+        self.launcher.user(spec)  # criu restores the credentials it dumped: root's only where allowed
         files = JobFiles(self.storage, spec.id)
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(new_stamp, files)

@@ -4,8 +4,8 @@ A job runs in its own PID namespace, so it can be restored on any node without
 PID collisions, and in its own mount namespace, with a private tmpfs at /tmp
 and at /dev/shm (its *scratch*)::
 
-    agent ─ unshare --mount --pid --fork --kill-child ─ sh (pid 1: revenant-scratch,
-            which execs revenant-init) ─ the job
+    agent ─ unshare --mount --pid --fork --kill-child ─ sh (pid 1: revenant-scratch, root,
+            which execs setpriv, which execs revenant-init as the job's user) ─ the job
 
 * ``unshare`` dies with the agent (PR_SET_PDEATHSIG), and ``--kill-child`` makes
   the namespace's init die with ``unshare``, which takes the whole namespace.
@@ -15,7 +15,8 @@ and at /dev/shm (its *scratch*)::
 * The init's working directory is the job's own directory on shared storage
   (``<storage>/jobs/<id>/``); only the job itself runs in its workdir (a
   ``cd`` shim before it ``exec``s).  criu's parasite, injected into the init,
-  finds that the host's /proc is not its PID namespace's and mounts a proc of
+  finds that the host's /proc is not its PID namespace's (a root job with no
+  mount namespace; the others get a /proc of their own, see below) and mounts a proc of
   its own at ``proc.crtools``, a path *relative to the init's working
   directory*, then removes it: two jobs that shared a workdir, dumped at once,
   failed with "Can't create a directory (-17)".  A directory of its own per job
@@ -25,7 +26,7 @@ The scratch.  The mount namespace starts as a private copy of the host's
 (``--propagation private``: nothing mounted in it reaches the host, nor the
 other way round).  Its pid 1 first runs ``revenant-scratch``
 (:func:`scratch_script`), which mounts the tmpfs (``job_tmp_size``,
-``job_shm_size``) and ``exec``s revenant-init; a setup that fails writes why to
+``job_shm_size``) and a /proc, and ``exec``s revenant-init; a setup that fails writes why to
 the job's output and exits SCRATCH_EXIT.  A tmpfs must hide nothing the job and
 its init need: where the job's workdir or its directory on the storage (its
 output, its stamp, the init's working directory) lies under /tmp or /dev/shm,
@@ -36,6 +37,28 @@ is hidden from it.  criu (agent/criu.py) dumps the job's tmpfs with it and
 treats every mount inherited from the host as the host's own (``--external
 mnt[]``): a restore binds those again from the restoring node, whose own ``/``
 is the root (``--root /``).
+
+The job's user.  ``JobSpec.user`` names the Unix user the job runs as; the agent
+resolves it on its node (pwd/grp: uid, gid, supplementary groups), as nodes
+sharing a user database do (:func:`resolve_user`).  The scratch runs as root (it
+mounts); it ``exec``s ``setpriv`` (util-linux), which takes the user's uid, gid
+and groups, sets no_new_privs, clears the inheritable capabilities and keeps the
+parent-death signal (a change of credentials clears it), and ``exec``s the init:
+the init, its dead man's switch and the job run as the user.  The job's directory
+and its output belong to the user (mode 0700 and 0600; the init opens them by
+paths relative to its working directory, so the storage above need not be
+searchable by the user).  The stamp and the epochs stay root's.  A job with a
+mount namespace gets a /proc of its PID namespace's: criu's parasite, which runs
+with the job's credentials, refuses an unprivileged task whose /proc is not its
+own ("can't dump unprivileged task whose /proc doesn't belong to it") and cannot
+mount one at ``proc.crtools``; so a job that is not root's always gets a mount
+namespace, scratch or not.  criu runs as root and restores the job with the
+credentials it was dumped with; to read the rlimits of another user's task
+(prlimit) it needs CAP_SYS_RESOURCE, which a root agent normally has (see
+:func:`can_checkpoint_other_users`).  A user that resolves to uid 0 is refused
+unless the agent's config sets ``allow_root_jobs``; a spec with no user (a record
+from before jobs had users) is root's.  The job's environment gets the user's
+USER, LOGNAME and HOME.
 """
 
 from __future__ import annotations
@@ -43,9 +66,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pwd
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -121,6 +146,78 @@ def _within(path: str, mountpoint: str) -> bool:
     return path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
 
 
+@dataclass(frozen=True)
+class JobUser:
+    """Whom a job runs as, resolved on this node."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+    def env(self) -> dict[str, str]:
+        return {"USER": self.name, "LOGNAME": self.name, "HOME": self.home}
+
+
+def resolve_user(job: str, name: str, node: str, allow_root: bool) -> JobUser:
+    """The user ``name`` of ``job`` on ``node`` ("": root, for records from before jobs had
+    users); a user unknown here, or root where ``allow_root`` is false, is refused."""
+    name = name or "root"
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise LaunchError(f"job {job}'s user {name!r} is unknown on {node}") from None
+    if pw.pw_uid == 0 and not allow_root:
+        raise LaunchError(f"job {job} would run as root ({name!r} is uid 0 on {node}): set allow_root_jobs = true "
+                          f"in the agent's config to allow it", code="root_refused")
+    try:
+        groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
+    except OSError as exc:
+        raise LaunchError(f"job {job}: cannot list the groups of {name!r} on {node}: {exc}") from None
+    return JobUser(pw.pw_name, pw.pw_uid, pw.pw_gid, tuple(dict.fromkeys(groups)), pw.pw_dir or "/")
+
+
+def setpriv_argv(setpriv: str, user: JobUser) -> list[str]:
+    """Runs the rest of the command line as ``user``: its uid, gid and groups, no_new_privs,
+    no inheritable capabilities, and the parent-death signal kept across the change."""
+    return [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}",
+            f"--groups={','.join(map(str, user.groups))}" if user.groups else "--clear-groups",
+            "--no-new-privs", "--inh-caps=-all", "--pdeathsig=keep", "--"]
+
+
+_CAP_SYS_RESOURCE = 24
+
+
+def can_checkpoint_other_users() -> bool:
+    """Whether criu, run by this process, can dump a job of another user: it reads each task's
+    rlimits with prlimit(2), which needs CAP_SYS_RESOURCE for a task whose uids are not its own."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> _CAP_SYS_RESOURCE & 1)
+    return False
+
+
+def own_job_files(files: JobFiles, user: JobUser) -> None:
+    """The job's directory (0700) and output (0600) belong to ``user``; the output is never opened
+    through a symlink the user left there (replaced by an empty file instead; blocking I/O)."""
+    os.chown(files.dir, user.uid, user.gid, follow_symlinks=False)
+    os.chmod(files.dir, 0o700, follow_symlinks=False)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(files.output, flags, 0o600)
+    except OSError:  # a symlink (ELOOP), a fifo without reader (ENXIO), ...
+        replace_empty(files.output)
+        fd = os.open(files.output, flags, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LaunchError(f"job {files.job}: its output {files.output} is not a regular file")
+        os.fchown(fd, user.uid, user.gid)
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def scratch_plan(scratch: Mapping[str, str], needed: list[str]) -> tuple[dict[str, str], list[str]]:
     """The private tmpfs mounts a job gets out of ``scratch`` (mountpoint -> size), and why the others
     stay the host's: a tmpfs there would hide a ``needed`` path (by its path as given or resolved)."""
@@ -136,9 +233,10 @@ def scratch_plan(scratch: Mapping[str, str], needed: list[str]) -> tuple[dict[st
     return mounts, shared
 
 
-def scratch_script(mounts: Mapping[str, str], output: str) -> str:
-    """revenant-scratch: mounts the job's tmpfs (mountpoint -> size) and ``exec``s its arguments
-    (revenant-init); why it failed goes to the job's ``output``."""
+def scratch_script(mounts: Mapping[str, str], output: str, proc: bool = False) -> str:
+    """revenant-scratch: mounts the job's tmpfs (mountpoint -> size), with ``proc`` a /proc of its
+    PID namespace's, and ``exec``s its arguments (revenant-init); why it failed goes to the job's
+    ``output``."""
     q = shlex.quote
     lines = [f"exec 2>>{q(output)}", f"sys={_SYS_PATH}",
              'fail() { echo "revenant: cannot set up this job\'s private $1" >&2; exit %d; }' % SCRATCH_EXIT]
@@ -146,16 +244,20 @@ def scratch_script(mounts: Mapping[str, str], output: str) -> str:
         name = "revenant-" + (os.path.basename(mountpoint.rstrip("/")) or "root")
         lines.append(f"PATH=$sys mount -t tmpfs -o {q(f'size={size},mode=1777,nosuid,nodev')} {name} "
                      f"{q(mountpoint)} || fail {q(mountpoint)}")
+    if proc:
+        lines.append("PATH=$sys mount -t proc -o nosuid,nodev,noexec revenant-proc /proc || fail /proc")
     return "\n".join(lines + ['exec "$@"']) + "\n"
 
 
 def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str],
-              workdir: str | None = None, max_frozen_s: float = 600.0, scratch: str | None = None) -> list[str]:
+              workdir: str | None = None, max_frozen_s: float = 600.0, scratch: str | None = None,
+              become: list[str] | None = None) -> list[str]:
     """The command line that runs ``argv`` under revenant-init in a PID namespace of its own;
     with ``workdir``, the job runs there whatever directory the init is started in; with
-    ``scratch`` (:func:`scratch_script`), in a mount namespace of its own, set up by that script."""
+    ``scratch`` (:func:`scratch_script`), in a mount namespace of its own, set up by that script;
+    with ``become`` (:func:`setpriv_argv`), the init and the job run as the job's user."""
     job = ["/bin/sh", "-c", CD_SHIM, CD_NAME, workdir, *argv] if workdir is not None else argv
-    init = ["/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
+    init = [*(become or []), "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
             str(int(switch_timeout_s * 1000)), str(int(max_frozen_s * 1000)), *job]
     if scratch is None:
         return ["unshare", "--pid", "--fork", "--kill-child", "setsid", *init]
@@ -194,8 +296,10 @@ class Launched:
 class Launcher:
     def __init__(self, node: str, storage: Path, switch_timeout_s: float, *, start_timeout_s: float = 5.0,
                  max_frozen_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
-                 scratch: Mapping[str, str] | None = None) -> None:
+                 scratch: Mapping[str, str] | None = None, allow_root_jobs: bool = True) -> None:
         self.node = node
+        # The agent passes its config's allow_root_jobs (default false); a bare Launcher runs root's jobs.
+        self.allow_root_jobs = allow_root_jobs
         # Each job's private tmpfs mounts, mountpoint -> size; empty: the host's /tmp and /dev/shm.
         self.scratch = dict(DEFAULT_SCRATCH if scratch is None else scratch)
         self.storage = storage
@@ -204,32 +308,53 @@ class Launcher:
         self.start_timeout_s = start_timeout_s
         self.clock = clock
 
-    def check(self, spec: JobSpec) -> dict[str, str]:
+    def user(self, spec: JobSpec) -> JobUser:
+        """Whom ``spec`` runs as here (:func:`resolve_user`); refused: root unless allowed, or unknown."""
+        return resolve_user(spec.id, spec.user, self.node, self.allow_root_jobs)
+
+    def check(self, spec: JobSpec, user: JobUser | None = None) -> dict[str, str]:
         """Refuse a job that cannot start here; its environment if it can."""
         if not spec.argv:
             raise LaunchError("empty command")
         if not os.path.isdir(spec.workdir):
             raise LaunchError(f"workdir {spec.workdir} does not exist on {self.node}")
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **(user or self.user(spec)).env(), **spec.env}
         if shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
                 os.path.isfile(os.path.join(spec.workdir, spec.argv[0])) and "/" in spec.argv[0]):
             raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
         return env
 
-    async def prepare(self, job: str, fresh: bool) -> JobFiles:
-        """The job's files for a start: its output (emptied for a ``fresh`` rerun) and a new stamp."""
+    async def prepare(self, job: str, fresh: bool, user: JobUser | None = None) -> JobFiles:
+        """The job's files for a start: its output (emptied for a ``fresh`` rerun) and a new stamp;
+        with ``user``, its directory and output are the user's."""
         files = JobFiles(self.storage, job)
         files.dir.mkdir(parents=True, exist_ok=True)
         if fresh:
             await asyncio.to_thread(replace_empty, files.output)
-        files.output.touch()
+        if user is None:
+            files.output.touch()
+        else:
+            await asyncio.to_thread(own_job_files, files, user)
         await asyncio.to_thread(new_stamp, files)
         return files
 
-    async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str]) -> Launched:
+    async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str], user: JobUser | None = None) -> Launched:
+        """Start ``spec`` (as ``user``: see the module's docstring; None, as this process)."""
         workdir = os.path.abspath(spec.workdir)
-        argv = init_argv(files.output, files.stamp, self.switch_timeout_s, spec.argv, workdir, self.max_frozen_s,
-                         self._scratch(spec.id, [workdir, str(files.dir)], files.output))
+        become = None
+        if user is not None:
+            setpriv = shutil.which("setpriv", path=_SYS_PATH)
+            if setpriv is None:
+                raise LaunchError(f"setpriv (util-linux) is missing on {self.node}: jobs cannot run as their user")
+            become = setpriv_argv(setpriv, user)
+            if user.uid != 0 and not can_checkpoint_other_users():
+                log.warning("job %s runs as %s, but this agent lacks CAP_SYS_RESOURCE: criu cannot checkpoint "
+                            "it (it reads the job's rlimits with prlimit)", spec.id, user.name)
+        # The init opens its output and stamp as the user, by paths relative to its cwd (the job's
+        # directory, the user's): the storage above it need not be searchable by the user.
+        argv = init_argv(Path(files.output.name), Path(files.stamp.name), self.switch_timeout_s, spec.argv, workdir,
+                         self.max_frozen_s, self._scratch(spec.id, [workdir, str(files.dir)], files.output,
+                                                          user is not None and user.uid != 0), become)
         # The init's cwd is the job's own directory: criu's parasite mounts its proc there.
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               cwd=files.dir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
@@ -238,12 +363,14 @@ class Launcher:
             procs.WATCHED.discard(wrapper.pid)  # reaped by poll(): nobody waits for it
         return Launched(wrapper, pid)
 
-    def _scratch(self, job: str, needed: list[str], output: Path) -> str | None:
-        """The job's revenant-scratch script; None: no mount namespace, no scratch."""
+    def _scratch(self, job: str, needed: list[str], output: Path, unprivileged: bool) -> str | None:
+        """The job's revenant-scratch script; None: no mount namespace, no scratch.  A job with a
+        mount namespace gets a /proc of its own: criu's parasite, which runs with the job's
+        credentials, needs one (an unprivileged job cannot mount one at proc.crtools)."""
         mounts, shared = scratch_plan(self.scratch, needed)
         for why in shared:
             log.warning("job %s: %s", job, why)
-        return scratch_script(mounts, str(output)) if mounts else None
+        return scratch_script(mounts, str(output), proc=True) if mounts or unprivileged else None
 
     async def _namespace_init(self, wrapper: subprocess.Popen[bytes]) -> int | None:
         """The host pid of the namespace's init, or None if the whole job has already exited."""

@@ -35,7 +35,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from revenant.agent.lease import LeaseKeeper
-from revenant.common import bus
+from revenant.common import bus, security
 from revenant.common.config import AgentConfig
 from revenant.messages import (
     Capabilities,
@@ -147,7 +147,9 @@ class Liveness:
         self._nc = nc = await bus.connect(cfg.nats_url, f"revenant-agent-{self.node}-liveness",
                                           ping_interval_s=cfg.ping_interval_s,
                                           max_outstanding_pings=cfg.max_outstanding_pings,
-                                          reconnect_wait_s=cfg.reconnect_wait_s)
+                                          reconnect_wait_s=cfg.reconnect_wait_s,
+                                          **security.credentials(security.agent_identity(self.node),
+                                                                 cfg.nats_creds))
         self.lease = LeaseKeeper(nc.jetstream(), self.node, self.incarnation, ttl_s=cfg.lease_ttl_s,
                                  renew_s=cfg.lease_renew_s, fence_timeout_s=cfg.fence_timeout_s,
                                  on_fence=self._fence, on_renewed_after_fence=self._lease_back,

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import os
+import pwd
 import sys
 from datetime import datetime, timezone
 from typing import TypeVar
@@ -17,8 +18,8 @@ import msgspec
 import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from revenant.common import bus
-from revenant.common.cluster import resolve_nats_url
+from revenant.common import bus, security
+from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.errors import BusError, RevenantError
 from revenant.common.intervals import format_interval, parse_interval
 from revenant.common.limits import BadRequest, check_submit
@@ -47,8 +48,54 @@ from revenant.messages import (
 M = TypeVar("M", bound=Message)
 
 
+# The credential this command connects with (--creds, --dir's, $REVENANT_CREDS), set by _url.
+_creds = ""
+
+
 def _url(args: argparse.Namespace) -> str:
+    global _creds
+    _creds = resolve_creds(args.dir, getattr(args, "creds", None))
     return resolve_nats_url(args.dir, args.nats)
+
+
+def _auth() -> dict[str, str | None]:
+    """bus.connect's credential and inbox for this command (none on an open bus)."""
+    return security.client_credentials(_creds)
+
+
+# The identity whose credential makes a client admin (docs/security.md's identities).
+ADMIN_IDENTITY = "admin"
+
+
+def asking_user(creds: str | None = None) -> str | None:
+    """The Unix user this process asks the coordinator as, or None for admin.
+
+    With a credential (``creds``, by default the one this command resolved from --creds, --dir
+    or ``$REVENANT_CREDS``), its identity decides: ``admin`` asks as admin, ``user-<name>`` as
+    that user (the server lets only that identity publish on ``revenant.user.<name>.<verb>``).
+    Without one (an --insecure bus), root asks as admin and anyone else as their login name,
+    which nothing checks: the coordinator trusts it (docs/security.md)."""
+    creds = (_creds or os.environ.get("REVENANT_CREDS", "")) if creds is None else creds
+    if creds:
+        identity = security.identity_of(creds)
+        if identity == ADMIN_IDENTITY:
+            return None
+        if identity.startswith("user-"):
+            return subjects.check_name(identity[len("user-"):], "user name")
+        raise RevenantError(f"{creds} is {identity}'s credential: a client asks with admin's or a user's")
+    if os.geteuid() == 0:
+        return None
+    try:
+        name = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        raise RevenantError(f"uid {os.geteuid()} has no user name: the coordinator knows users by name") from None
+    return subjects.check_name(name, "user name")
+
+
+def request_subject(verb: str, creds: str | None = None) -> str:
+    """Where this process asks for ``verb``: admin's subject or its user's (:func:`asking_user`)."""
+    user = asking_user(creds)
+    return subjects.coordinator(verb) if user is None else subjects.user_request(user, verb)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -82,22 +129,21 @@ def render_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-async def request_nodes(nc, timeout_s: float) -> NodesReply:
+async def request_nodes(nc, timeout_s: float, subject: str = subjects.coordinator("nodes")) -> NodesReply:
     """The whole node table, page by page."""
-    reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(), NodesReply, timeout_s)
+    reply = await bus.request(nc, subject, NodesRequest(), NodesReply, timeout_s)
     nodes = list(reply.nodes)
     while reply.nodes and len(nodes) < reply.total:
-        reply = await bus.request(nc, subjects.coordinator("nodes"), NodesRequest(offset=len(nodes)),
-                                  NodesReply, timeout_s)
+        reply = await bus.request(nc, subject, NodesRequest(offset=len(nodes)), NodesReply, timeout_s)
         nodes += reply.nodes
     reply.nodes = nodes
     return reply
 
 
-async def fetch_nodes(url: str, timeout_s: float) -> NodesReply:
-    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, connect_timeout_s=timeout_s)
+async def fetch_nodes(url: str, timeout_s: float, subject: str = subjects.coordinator("nodes")) -> NodesReply:
+    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False, connect_timeout_s=timeout_s)
     try:
-        return await request_nodes(nc, timeout_s)
+        return await request_nodes(nc, timeout_s, subject)
     finally:
         await nc.close()
 
@@ -111,9 +157,12 @@ def nodes_table(reply: NodesReply) -> str:
 
 def nodes(args: argparse.Namespace) -> int:
     url = _url(args)
+    if args.dir and read_cluster(args.dir).insecure:
+        print("revenant: WARNING: INSECURE cluster (revenant up --insecure): its NATS asks no one for a "
+              "credential, so anyone who reaches it can command every node", file=sys.stderr)
     if args.watch:
         return asyncio.run(_watch_nodes(url, args))
-    reply = asyncio.run(fetch_nodes(url, args.timeout))
+    reply = asyncio.run(fetch_nodes(url, args.timeout, request_subject("nodes")))
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply.nodes), indent=2))
     else:
@@ -123,11 +172,11 @@ def nodes(args: argparse.Namespace) -> int:
 
 async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
     """Redraw the table in place (one connection for the whole watch)."""
-    nc = await bus.connect(url, "revenant-cli", endless_reconnect=True, connect_timeout_s=args.timeout)
+    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=True, connect_timeout_s=args.timeout)
     try:
         while True:
             try:
-                reply = await request_nodes(nc, args.timeout)
+                reply = await request_nodes(nc, args.timeout, request_subject("nodes"))
                 body = (json.dumps(msgspec.to_builtins(reply.nodes)) if args.json else nodes_table(reply))
             except RevenantError as exc:
                 body = f"revenant: {exc}"
@@ -185,7 +234,7 @@ def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
 
 
 async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float) -> None:
-    nc = await bus.connect(url, "revenant-cli", endless_reconnect=follow, connect_timeout_s=timeout_s)
+    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=follow, connect_timeout_s=timeout_s)
     js = nc.jetstream(timeout=timeout_s)
     try:
         try:
@@ -228,6 +277,7 @@ def job_view(rec: JobRecord) -> dict:
     return {
         "id": rec.spec.id,
         "name": rec.spec.name,
+        "user": rec.spec.user,
         "state": rec.state,
         "node": rec.node,
         "pid": rec.pid,
@@ -252,9 +302,10 @@ def job_view(rec: JobRecord) -> dict:
 
 
 async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
-    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, connect_timeout_s=min(timeout_s, 5.0))
+    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False,
+                           connect_timeout_s=min(timeout_s, 5.0))
     try:
-        return await bus.request(nc, subjects.coordinator(verb), msg, reply_type, timeout_s)
+        return await bus.request(nc, request_subject(verb), msg, reply_type, timeout_s)
     finally:
         await nc.close()
 
@@ -270,12 +321,16 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
     interval = parse_interval(args.checkpoint) if args.checkpoint else None
     if args.node:
         subjects.check_name(args.node)
+    user = getattr(args, "user", None) or ""
+    if user:
+        subjects.check_name(user, "user name")
     try:
         workdir = os.path.abspath(args.workdir or os.getcwd())
     except OSError as exc:
         raise BadRequest(f"cannot read the current directory ({exc.strerror}): give --workdir") from None
     req = SubmitRequest(argv=command, name=args.name or "", node=args.node or "", workdir=workdir,
-                        checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue)
+                        checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue,
+                        user=user)
     check_submit(req)
     return req
 
@@ -297,6 +352,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
     epochs = ", ".join(f"#{e.n} {_fmt_bytes(e.bytes)} at {_fmt_time(e.created_at)}" for e in rec.epochs) or "none"
     rows = [
         ("job", f"{v['id']} ({v['name']})"),
+        ("user", v["user"] or "-"),
         ("state", v["state"] + (f" ({v['reason']})" if v["reason"] else "")),
         ("node", v["node"] or "-"),
         ("pid", str(v["pid"] or "-")),
@@ -334,12 +390,13 @@ def show_job(args: argparse.Namespace) -> int:
     return 0
 
 
-async def request_jobs(nc, timeout_s: float) -> list[JobRecord]:
-    """The whole live job table, page by page (each page after the last id of the one before)."""
+async def request_jobs(nc, timeout_s: float, subject: str = subjects.coordinator("jobs")) -> list[JobRecord]:
+    """The whole live job table (a user's: their jobs), page by page (each page after the last
+    id of the one before)."""
     jobs: list[JobRecord] = []
     after = ""
     while True:
-        reply = await bus.request(nc, subjects.coordinator("jobs"), JobsRequest(after=after), JobsReply, timeout_s)
+        reply = await bus.request(nc, subject, JobsRequest(after=after), JobsReply, timeout_s)
         jobs += reply.jobs
         if not reply.more or not reply.jobs:
             return jobs
@@ -347,9 +404,10 @@ async def request_jobs(nc, timeout_s: float) -> list[JobRecord]:
 
 
 async def fetch_jobs(url: str, timeout_s: float) -> list[JobRecord]:
-    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, connect_timeout_s=min(timeout_s, 5.0))
+    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False,
+                           connect_timeout_s=min(timeout_s, 5.0))
     try:
-        return await request_jobs(nc, timeout_s)
+        return await request_jobs(nc, timeout_s, request_subject("jobs"))
     finally:
         await nc.close()
 
@@ -362,8 +420,8 @@ def list_jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
-    header = ["ID", "NAME", "STATE", "NODE", "PID", "GEN", "EPOCHS", "EXIT"]
-    rows = [[r.spec.id, r.spec.name, r.state, r.node or "-", str(r.pid or "-"), str(r.generation),
+    header = ["ID", "NAME", "STATE", "USER", "NODE", "PID", "GEN", "EPOCHS", "EXIT"]
+    rows = [[r.spec.id, r.spec.name, r.state, r.spec.user or "-", r.node or "-", str(r.pid or "-"), str(r.generation),
              str(len(r.epochs)), "-" if r.exit_code is None else str(r.exit_code)] for r in jobs]
     print(render_table(header, rows))
     return 0

@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 import psutil
 
 from revenant.cli.client import request_nodes
-from revenant.common import bus
+from revenant.common import bus, security
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
 from revenant.common.errors import ClusterNotFound, RevenantError
-from revenant.common.natsserver import pin_option, start_nats_server
+from revenant.common.natsserver import pin_option, start_nats_server, write_server_config
 from revenant.messages import NodesReply
 
 # The coordinator first: the agents' drains leave their evicted jobs in the event stream,
@@ -74,8 +74,8 @@ def _tail(path: str, lines: int = 5) -> str:
         return ""
 
 
-async def _nodes(url: str, timeout_s: float) -> NodesReply:
-    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False)
+async def _nodes(url: str, creds: str, timeout_s: float) -> NodesReply:
+    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, **security.client_credentials(creds))
     try:
         return await request_nodes(nc, timeout_s)
     finally:
@@ -83,7 +83,7 @@ async def _nodes(url: str, timeout_s: float) -> NodesReply:
 
 
 def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
-                timeout_s: float) -> NodesReply:
+                timeout_s: float, creds: str = "") -> NodesReply:
     deadline = time.monotonic() + timeout_s
     missing = set(names)
     while time.monotonic() < deadline:
@@ -93,7 +93,7 @@ def _wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[b
                 raise RevenantError(f"{what} exited with status {proc.returncode} at start; "
                                     f"log {info.log}:\n{_tail(info.log)}")
         try:
-            reply = asyncio.run(_nodes(url, 1.0))
+            reply = asyncio.run(_nodes(url, creds, 1.0))
             missing = set(names) - {n.name for n in reply.nodes if n.state == "alive"}
             if not missing:
                 return reply
@@ -126,12 +126,28 @@ def _supervisor_info(logs: Path) -> ProcessInfo:
                        log=str(logs / "supervisor.log"), argv=argv)
 
 
-def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None,
-                  timeout_s: float) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
+INSECURE_WARNING = ("INSECURE: this cluster's NATS asks no one for a credential: anyone who can reach "
+                    "its port can command every node and run anything as root on it (revenant up --insecure)")
+
+
+def generate_identities(root: Path, names: list[str]) -> security.Keyring:
+    """The cluster's identities (DIR/keys, mode 0700; seeds 0600; existing ones kept) and the
+    nats-server configuration that admits them alone, each with its permissions (DIR/nats.conf)."""
+    keyring = security.Keyring(root / "keys")
+    keyring.ensure_all(security.cluster_identities(names))
+    write_server_config(root / "nats.conf", security.render_authorization(keyring.public))
+    return keyring
+
+
+def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeout_s: float,
+                  insecure: bool = False) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
     """Start nats-server (unless ``external_nats``), the coordinator and the agents, as this
     process's children; wait until every node is alive; write cluster.json, naming this process
     their supervisor and pinning the ports each one chose into its argv, so that a restart with
-    that argv comes back on them.  Returns the file and the children by name.  A failure, a
+    that argv comes back on them.  Each process gets its own NATS identity (DIR/keys), and
+    cluster.json the admin's; with ``insecure`` none does, and the bus is open to anyone.
+    (With ``external_nats``, that server must admit DIR/keys' identities: see ``revenant keys``.)
+    Returns the file and the children by name.  A failure, a
     Ctrl-C, a SIGTERM or a SIGUSR1 (``revenant down``) on the way stops what started."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.default_int_handler)
@@ -139,11 +155,18 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None,
     storage = root / "storage"
     storage.mkdir(parents=True, exist_ok=True)
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
+    names = [f"node-{i}" for i in range(1, n_nodes + 1)]
+    keys = None if insecure else generate_identities(root, names)
+
+    def creds(identity: str) -> list[str]:
+        return [] if keys is None else ["--creds", str(keys.seed_path(identity))]
+
     try:
         if external_nats:
             url = external_nats
         else:
-            server = start_nats_server(root / "nats", log_file=logs / "nats-server.log", new_session=True)
+            server = start_nats_server(root / "nats", log_file=logs / "nats-server.log", new_session=True,
+                                       config_file=None if keys is None else root / "nats.conf")
             url = server.url
             started.append((server.process, ProcessInfo(
                 role="nats-server", name="nats-server", pid=server.pid, create_time=_create_time(server.pid),
@@ -151,16 +174,18 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None,
         py = [sys.executable, "-m", "revenant.cli"]
         # Every process serves its HTTP endpoints on a free port; cluster.json records which.
         started.append(_spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator",
-                                                                  "--http-port", "0"], logs / "coordinator.log"))
-        names = [f"node-{i}" for i in range(1, n_nodes + 1)]
+                                                                  "--http-port", "0", *creds(security.COORDINATOR)],
+                              logs / "coordinator.log"))
         for name in names:
             started.append(_spawn("agent", name, py + ["agent", "--node", name, "--nats", url, "--http-port", "0",
-                                                       "--storage", str(storage)], logs / f"{name}.log"))
+                                                       "--storage", str(storage),
+                                                       *creds(security.agent_identity(name))], logs / f"{name}.log"))
         infos = [info for _, info in started]
+        admin = "" if keys is None else str(keys.seed_path(security.ADMIN))
         cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(),
-                              processes=infos, supervisor=_supervisor_info(logs))
+                              processes=infos, supervisor=_supervisor_info(logs), creds=admin, insecure=insecure)
         write_cluster(root, cluster)
-        reply = _wait_alive(url, names, started, timeout_s)
+        reply = _wait_alive(url, names, started, timeout_s, admin)
         urls = {n.name: n.capabilities.metrics_url for n in reply.nodes}
         for info in infos:
             if info.role == "agent":
@@ -182,23 +207,29 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None,
     return cluster, {info.name: proc for proc, info in started}
 
 
-def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0) -> int:
+def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0,
+       insecure: bool = False) -> int:
     """Start a local cluster and supervise it: in this process, or with ``detach`` in a
-    detached ``revenant supervise`` that this one waits for (until every node is alive)."""
+    detached ``revenant supervise`` that this one waits for (until every node is alive).
+    Authenticated (each process its own NATS identity) unless ``insecure``."""
     if n_nodes < 1:
         raise RevenantError(f"--nodes must be at least 1, got {n_nodes}")
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     refuse_running(root)
+    if insecure:
+        print(f"revenant: WARNING: {INSECURE_WARNING}", file=sys.stderr)
     if detach:
-        url = _up_detached(root, n_nodes, external_nats, timeout_s)
+        url = _up_detached(root, n_nodes, external_nats, timeout_s, insecure)
     else:
         from revenant.cli.supervise import log_to
 
         log_to(root, echo=True)
-        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s)
+        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s,
+                                       insecure=insecure)
         url = cluster.nats_url
-    print(f"revenant: cluster up in {root}: {n_nodes} node(s) alive, NATS at {url}", file=sys.stderr)
+    mode = "INSECURE (no authentication)" if insecure else f"authenticated (keys in {root / 'keys'})"
+    print(f"revenant: cluster up in {root}: {n_nodes} node(s) alive, NATS at {url}, {mode}", file=sys.stderr)
     print(f"revenant: try 'revenant nodes --dir {root}'; stop with "
           f"{'revenant down --dir ' + str(root) if detach else 'Ctrl-C'}", file=sys.stderr)
     if detach:
@@ -208,7 +239,7 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
     return supervise_until_stopped(root, cluster, procs)
 
 
-def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s: float) -> str:
+def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s: float, insecure: bool) -> str:
     """Start ``revenant supervise`` in its own session and wait for its word on the start
     (through a pipe); returns the NATS URL.  Interrupted, it stops the supervisor, which stops
     what it started."""
@@ -218,6 +249,7 @@ def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s:
     argv = [sys.executable, "-m", "revenant.cli", "supervise", str(root), "--nodes", str(n_nodes),
             "--timeout", str(timeout_s), "--ready-fd", str(write_fd)]
     argv += ["--nats", external_nats] if external_nats else []
+    argv += ["--insecure"] if insecure else []
     try:
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,

@@ -48,6 +48,8 @@ class _Parser(argparse.ArgumentParser):
 def _add_cluster_args(p: argparse.ArgumentParser, timeout: float = 5.0) -> None:
     p.add_argument("--dir", help="cluster directory written by 'revenant up' (reads its cluster.json)")
     p.add_argument("--nats", help="NATS URL of the cluster (default: $REVENANT_NATS)")
+    p.add_argument("--creds", help="NATS credential file, named <identity>.nk (default: --dir's, then "
+                   "$REVENANT_CREDS)")
     p.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for a reply (default {timeout:g})")
 
 
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats", help="NATS URL(s), comma-separated")
     p.add_argument("--storage", help="storage directory shared by the nodes")
     p.add_argument("--config", help="TOML file with an [agent] table")
+    p.add_argument("--creds", help="NATS credential of this node's identity, agent-<node> (an NKey seed file)")
     p.add_argument("--criu", help="criu binary (default: $REVENANT_CRIU, then PATH)")
     p.add_argument("--heartbeat-interval", type=float, dest="heartbeat_interval_s", help="seconds between heartbeats")
     p.add_argument("--http-host", help="address for /metrics, /health, /ready, /live (default 127.0.0.1)")
@@ -70,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="run the coordinator")
     p.add_argument("--nats", help="NATS URL(s), comma-separated")
     p.add_argument("--config", help="TOML file with a [coordinator] table")
+    p.add_argument("--creds", help="NATS credential of the coordinator identity (an NKey seed file)")
     p.add_argument("--name", help="coordinator name (default: host-pid)")
     p.add_argument("--node-timeout", type=float, dest="node_timeout_s", help="seconds of silence before a node is dead")
     p.add_argument("--suspect-timeout", type=float, dest="suspect_timeout_s", help="seconds of silence before a node is suspect")
@@ -84,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="return once every node is alive")
     p.add_argument("--nats", help="use this external NATS server instead of starting one")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the nodes (default 30)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no authentication: anyone who reaches NATS may do anything (experiments only)")
     p.set_defaults(func=_cmd_up)
 
     # Hidden (no help): what 'revenant up --detach' leaves running to restart what dies.
@@ -93,7 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--ready-fd", type=int, help="a pipe to write the start's outcome to (JSON), then close")
+    p.add_argument("--insecure", action="store_true")
     p.set_defaults(func=_cmd_supervise)
+
+    p = sub.add_parser("keys", help="NATS identities (NKey seeds) and the server's authorization block")
+    p.add_argument("--out", help="directory for the seeds and authorization.conf (an existing NATS deployment)")
+    p.add_argument("--dir", help="a 'revenant up' cluster: add to its keys and reload its nats-server")
+    p.add_argument("--node", action="append", help="an agent identity for this node (repeat, or comma-separate)")
+    p.add_argument("--user", action="append", help="a user identity for this Unix user (repeat, or comma-separate)")
+    p.set_defaults(func=_cmd_keys)
 
     p = sub.add_parser("down", help="stop everything 'revenant up' started")
     p.add_argument("--dir", required=True)
@@ -117,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-epochs", type=int, default=1, help="checkpoints to keep (default 1)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
     p.add_argument("--workdir", help="working directory (default: the current one)")
+    p.add_argument("--user", help="admin (root) only: submit for this user, who owns the job and whom it runs as "
+                   "(default: the caller; root for admin)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
     p.set_defaults(func=_cmd_submit)
 
@@ -175,7 +191,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from revenant.common.config import AgentConfig, load_config
 
     cfg = load_config(AgentConfig, "agent", args.config, {
-        "node": args.node, "nats_url": args.nats, "storage": args.storage,
+        "node": args.node, "nats_url": args.nats, "nats_creds": args.creds, "storage": args.storage,
         "criu_path": args.criu, "heartbeat_interval_s": args.heartbeat_interval_s,
         "http_host": args.http_host, "http_port": args.http_port,
     })
@@ -191,7 +207,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from revenant.coordinator.coordinator import Coordinator
 
     cfg = load_config(CoordinatorConfig, "coordinator", args.config, {
-        "nats_url": args.nats, "name": args.name,
+        "nats_url": args.nats, "nats_creds": args.creds, "name": args.name,
         "node_timeout_s": args.node_timeout_s, "suspect_timeout_s": args.suspect_timeout_s,
         "http_host": args.http_host, "http_port": args.http_port,
     })
@@ -202,13 +218,21 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from revenant.cli.local import up
 
-    return up(args.dir, args.nodes, detach=args.detach, external_nats=args.nats, timeout_s=args.timeout)
+    return up(args.dir, args.nodes, detach=args.detach, external_nats=args.nats, timeout_s=args.timeout,
+              insecure=args.insecure)
 
 
 def _cmd_supervise(args: argparse.Namespace) -> int:
     from revenant.cli.supervise import supervise
 
-    return supervise(args.dir, args.nodes, external_nats=args.nats, timeout_s=args.timeout, ready_fd=args.ready_fd)
+    return supervise(args.dir, args.nodes, external_nats=args.nats, timeout_s=args.timeout, ready_fd=args.ready_fd,
+                     insecure=args.insecure)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from revenant.cli.keys import keys
+
+    return keys(args.out, args.dir, args.node, args.user)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:

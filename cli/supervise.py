@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from revenant.cli.client import fetch_nodes
-from revenant.cli.local import STOP_ORDER, _spawn, _stop_processes, describe_exit, refuse_running, start_cluster
+from revenant.cli.local import (INSECURE_WARNING, STOP_ORDER, _nodes, _spawn, _stop_processes, describe_exit,
+                                refuse_running, start_cluster)
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
 from revenant.common.errors import RevenantError
 from revenant.messages import MessageError
@@ -236,7 +236,7 @@ class Supervisor:
         if now - self._nodes_checked_at >= NODE_CHECK_EVERY_S:
             self._nodes_checked_at = now
             try:
-                reply = asyncio.run(fetch_nodes(self.cluster.nats_url, 1.0))
+                reply = asyncio.run(_nodes(self.cluster.nats_url, self.cluster.creds, 1.0))
                 self._node_states = {n.name: (n.state, now - n.state_since_age_s) for n in reply.nodes}
             except (RevenantError, MessageError, OSError):
                 self._node_states = {child.info.name: ("unknown", now) for child in self.children}
@@ -280,7 +280,7 @@ def supervise_until_stopped(root: Path, cluster: ClusterFile, procs: dict[str, s
 
 
 def supervise(directory: str, n_nodes: int, *, external_nats: str | None, timeout_s: float,
-              ready_fd: int | None) -> int:
+              ready_fd: int | None, insecure: bool = False) -> int:
     """``revenant supervise DIR`` (what ``up --detach`` leaves running): start the cluster,
     tell ``up`` through ``ready_fd`` how that went, then supervise it."""
     root = Path(directory).resolve()
@@ -289,7 +289,10 @@ def supervise(directory: str, n_nodes: int, *, external_nats: str | None, timeou
     report: dict[str, str] = {}
     try:
         refuse_running(root)
-        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s)
+        if insecure:
+            log.warning("%s", INSECURE_WARNING)
+        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s,
+                                       insecure=insecure)
         report = {"nats_url": cluster.nats_url}
     except RevenantError as exc:
         report = {"error": str(exc)}

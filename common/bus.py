@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 import nats
 import nats.errors
 import nats.js.errors
+import nkeys
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -29,6 +30,9 @@ M = TypeVar("M", bound=Message)
 
 EVENTS_MAX_AGE_S = 7 * 24 * 3600
 EVENTS_MAX_BYTES = 256 * 1024 * 1024
+# Events are a few hundred bytes: the server refuses a bigger one, so junk cannot push history out
+# a few big messages at a time.
+EVENTS_MAX_MSG_BYTES = 64 * 1024
 # The stream drops a message whose Nats-Msg-Id it stored within this window: every retry of
 # an event carries the id fixed when it was emitted, and the publisher sends no copy later
 # than its retry span (60 s) after the first (common/events.py refuses a longer span).
@@ -56,8 +60,14 @@ async def connect(
     connect_timeout_s: float = 3.0,
     endless_reconnect: bool = True,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    nkey_seed: str | None = None,
+    inbox_prefix: str | None = None,
 ) -> Client:
     """Connect with options suited to fast failure detection.
+
+    ``nkey_seed`` (a seed file, common/security.py, or a JWT .creds file) authenticates as that
+    identity; ``inbox_prefix`` (``_INBOX_<identity>``) is where its replies come, the only
+    inbox its permissions let it subscribe to.
 
     * a short ping interval, so a dead server is noticed in seconds;
     * endless reconnects: a node agent never gives up on the bus;
@@ -65,10 +75,14 @@ async def connect(
       being buffered, so no stale heartbeat is flushed after a reconnect.
     """
 
+    client: list[Client] = []
+
     async def on_error(exc: Exception) -> None:
         log.warning("nats (%s): %s", name, exc or type(exc).__name__)
-
-    client: list[Client] = []
+        if not client and "authorization violation" in str(exc).lower():
+            # Refused at the first connect: a wrong or unknown key stays wrong, so fail now
+            # rather than retry forever.  (Later, across a server restart, keep trying.)
+            raise _Refused(str(exc))
 
     async def on_disconnect() -> None:
         if client and not (client[0].is_closed or client[0].is_draining):
@@ -80,8 +94,9 @@ async def connect(
             await on_reconnect()
 
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    nc = Client()
     try:
-        nc = await nats.connect(
+        await nc.connect(
             servers=servers,
             name=name,
             ping_interval=ping_interval_s,
@@ -94,11 +109,36 @@ async def connect(
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnected,
+            **_auth_options(nkey_seed, inbox_prefix),
         )
-    except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+    except _Refused as exc:
+        await nc.close()
+        why = f"the key {nkey_seed} is not one it knows" if nkey_seed else "it wants a credential"
+        raise BusError(f"NATS at {url} refused the connection ({exc}): {why}") from None
+    except (OSError, asyncio.TimeoutError, nats.errors.Error, nkeys.NkeysError) as exc:
+        await nc.close()
         raise BusError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from None
     client.append(nc)
     return nc
+
+
+class _Refused(Exception):
+    pass
+
+
+def _auth_options(nkey_seed: str | None, inbox_prefix: str | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if nkey_seed:
+        try:
+            with open(nkey_seed, "rb") as f:
+                jwt = b"BEGIN NATS USER JWT" in f.read(4096)
+        except OSError as exc:
+            raise BusError(f"cannot read the NATS credential {nkey_seed}: {exc.strerror or exc}") from None
+        # A seed file (revenant up, revenant keys) or a JWT .creds file (operator mode, nsc).
+        options["user_credentials" if jwt else "nkeys_seed"] = nkey_seed
+    if inbox_prefix:
+        options["inbox_prefix"] = inbox_prefix
+    return options
 
 
 async def close(nc: Client | None, grace_s: float, what: str = "") -> None:
@@ -182,6 +222,7 @@ async def ensure_event_stream(js: JetStreamContext) -> None:
         storage=StorageType.FILE,
         max_age=EVENTS_MAX_AGE_S,
         max_bytes=EVENTS_MAX_BYTES,
+        max_msg_size=EVENTS_MAX_MSG_BYTES,
         discard=DiscardPolicy.OLD,
         duplicate_window=EVENTS_DUPLICATE_WINDOW_S,
     )

@@ -1,8 +1,10 @@
-"""Finding a cluster: ``--nats URL``, ``--dir DIR`` (its cluster.json) or ``$REVENANT_NATS``.
+"""Finding a cluster: ``--nats URL``, ``--dir DIR`` (its cluster.json) or ``$REVENANT_NATS``;
+and the credential to reach it with: ``--creds FILE``, ``$REVENANT_CREDS`` or cluster.json's.
 
 ``cluster.json`` is written by ``revenant up`` and is part of the CLI contract
 (docs/cli.md): the NATS URL, every process that ``up`` started (with the argv that
-restarts it on the same ports) and the supervisor that restarts them.
+restarts it on the same ports) and the supervisor that restarts them.  It names the
+admin credential, so it is written mode 0600.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     # The process that restarts them when they die (``revenant up`` itself, or with
     # --detach its ``revenant supervise``); ``revenant down`` stops it first.
     supervisor: ProcessInfo | None = None
+    # The client (admin) credential: an NKey seed file under DIR/keys (docs/security.md); ""
+    # with ``insecure``: the bus asks no one for a credential and lets everyone do anything.
+    creds: str = ""
+    insecure: bool = False
 
 
 def cluster_file(directory: str | os.PathLike[str]) -> Path:
@@ -63,7 +69,10 @@ def read_cluster(directory: str | os.PathLike[str]) -> ClusterFile:
 def write_cluster(directory: str | os.PathLike[str], cluster: ClusterFile) -> Path:
     path = cluster_file(directory)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_bytes(json.dumps(msgspec.to_builtins(cluster), indent=2).encode() + b"\n")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(msgspec.to_builtins(cluster), indent=2).encode() + b"\n")
     os.replace(tmp, path)
     return path
 
@@ -77,3 +86,15 @@ def resolve_nats_url(directory: str | None, nats_url: str | None, environ: dict[
     if env.get("REVENANT_NATS"):
         return env["REVENANT_NATS"]
     raise ClusterNotFound("no cluster given: pass --dir DIR or --nats URL, or set REVENANT_NATS")
+
+
+def resolve_creds(directory: str | None, creds: str | None, environ: dict[str, Any] | None = None) -> str:
+    """The credential file a client connects with, in the order of :func:`resolve_nats_url`:
+    ``--creds FILE``, else the ``--dir`` cluster's (none for an insecure one), else
+    ``$REVENANT_CREDS``; "" for none."""
+    if creds:
+        return creds
+    if directory:
+        return read_cluster(directory).creds
+    env = os.environ if environ is None else environ
+    return str(env.get("REVENANT_CREDS") or "")

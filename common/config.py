@@ -25,6 +25,9 @@ C = TypeVar("C", bound=msgspec.Struct)
 class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node: str = ""
     nats_url: str = "nats://127.0.0.1:4222"
+    # The NKey seed (or JWT .creds) file the agent authenticates with, as agent-<node>
+    # (docs/security.md); empty: none, for a bus that asks for none.
+    nats_creds: str = ""
     storage: str = "/var/lib/revenant"
     # Heartbeats: one every interval, +/- jitter (a fraction of the interval).
     heartbeat_interval_s: float = 1.0
@@ -100,6 +103,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     job_private_scratch: bool = True
     job_tmp_size: str | int = "1G"
     job_shm_size: str | int = "1G"
+    # A job whose user is root (uid 0 on this node; or no user: a record from before jobs had
+    # users) is refused unless this is true.
+    allow_root_jobs: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
@@ -153,6 +159,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_url: str = "nats://127.0.0.1:4222"
+    # The NKey seed (or JWT .creds) file of the coordinator identity (docs/security.md).
+    nats_creds: str = ""
     name: str = ""
     # Failure detection (Slurm's SlurmdTimeout -> node_timeout_s).  A node is
     # suspect after suspect_timeout_s of silence (or sooner, when phi-accrual

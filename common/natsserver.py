@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from revenant.common.errors import NatsServerError
+from revenant.common.security import write_private
 
 
 def find_nats_server() -> str:
@@ -72,9 +73,12 @@ def start_nats_server(
     log_file: str | os.PathLike[str] | None = None,
     new_session: bool = False,
     ready_timeout_s: float = 10.0,
+    config_file: str | os.PathLike[str] | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream, state under ``store_dir``; port -1 picks a free one
-    (``NatsServer.argv`` then names the port it picked, so a restart comes back on it)."""
+    (``NatsServer.argv`` then names the port it picked, so a restart comes back on it).
+    ``config_file`` (written by :func:`write_server_config`) adds its ``authorization`` block:
+    then only the identities it lists may connect, each with its own permissions."""
     store = Path(store_dir)
     ports_dir = store / "ports"
     ports_dir.mkdir(parents=True, exist_ok=True)
@@ -87,8 +91,13 @@ def start_nats_server(
         "--jetstream",
         "--store_dir", str(store),
         "--ports_file_dir", str(ports_dir),
-        "--server_name", f"revenant-{os.getpid()}-{int(time.time())}",
     ]
+    if config_file is not None:
+        # No --server_name then: a reload (SIGHUP, after ``revenant keys`` adds an identity)
+        # refuses a name the file does not carry; the server names itself.
+        cmd += ["--config", str(config_file)]
+    else:
+        cmd += ["--server_name", f"revenant-{os.getpid()}-{int(time.time())}"]
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--log", str(log_file)]
@@ -120,4 +129,14 @@ def pin_option(argv: list[str], option: str, value: str) -> list[str]:
         out[out.index(option) + 1] = value
     else:
         out += [option, value]
+    return out
+
+
+def write_server_config(path: str | os.PathLike[str], authorization: str) -> Path:
+    """Write the nats-server configuration file (mode 0600) that holds ``authorization``
+    (common/security.py renders it); listen address, port and JetStream stay on the command line."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_private(out, "# Written by revenant: the identities allowed on this bus and their permissions.\n"
+                  + authorization)
     return out

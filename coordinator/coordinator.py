@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from revenant.common import bus
+from revenant.common import bus, security
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError
 from revenant.common.events import EventPublisher
@@ -33,8 +33,9 @@ from revenant.coordinator.archive import Archiver
 from revenant.coordinator.job_events import JobEventConsumer
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.leader import Leadership, Term
-from revenant.coordinator.paging import JobPages, fitting, shown
+from revenant.coordinator.paging import fitting
 from revenant.coordinator.periodic import PeriodicCheckpoints
+from revenant.coordinator.requests import USER_VERBS, ClientRequests, check_admin, requester_of
 from revenant.coordinator.store import KvJobStore
 from revenant.coordinator.takeover import take_over
 from revenant.messages import (
@@ -42,11 +43,7 @@ from revenant.messages import (
     HealthSummary,
     FailoverRequest,
     Heartbeat,
-    JobReply,
-    JobRequest,
-    JobsRequest,
     Message,
-    SubmitRequest,
     MessageError,
     NodeEvent,
     NodesReply,
@@ -67,7 +64,8 @@ MAX_PROBES_IN_FLIGHT = 512
 HEARTBEAT_BACKLOG = 2_000
 # Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
 NODES_PAGE_MAX = 300
-# Requests the leader answers on revenant.coord.<verb>.
+# Requests the leader answers on revenant.coord.<verb> (admin's), and on revenant.user.*.<verb>
+# (users', coordinator/requests.py) all of them but reconcile, which is the agents'.
 REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile")
 
 
@@ -90,7 +88,7 @@ class Coordinator(Service):
         # that arrives while the service stops must still get its answer ("shutting down").
         self._requests: set[asyncio.Task[None]] = set()
         self.jobs: JobService | None = None
-        self._job_pages = JobPages()
+        self._client_requests: ClientRequests | None = None
         self.failover: Failover | None = None
         self.leadership: Leadership | None = None
         # The term it leads now (None while a standby), and how often it stepped down.
@@ -129,7 +127,8 @@ class Coordinator(Service):
             self._reconnected = True
 
         self._nc = await bus.connect(self.config.nats_url, f"revenant-coordinator-{self.name}",
-                                     on_reconnect=on_reconnect)
+                                     on_reconnect=on_reconnect,
+                                     **security.credentials(security.COORDINATOR, self.config.nats_creds))
         self._js = self._nc.jetstream()
         self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s,
                                       clock=self._clock)
@@ -141,6 +140,7 @@ class Coordinator(Service):
                                      on_elected=self._elected, on_deposed=self._deposed, clock=self._clock)
         self.jobs = JobService(KvJobStore(self._js), AgentClient(self._nc, self.leadership.fresh), self.config,
                                self._events, self._nodes, self.leadership, wall=self._wall)
+        self._client_requests = ClientRequests(self.jobs)
         self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
         self._periodic = PeriodicCheckpoints(self.jobs, self._nodes, min(1.0, self.config.tick_interval_s * 10),
                                              self._wall)
@@ -186,10 +186,11 @@ class Coordinator(Service):
             await failover.restore_hold()
             # What the previous leader left, before this one touches anything (see take_over).
             inherited = {job: (rec.state, rec.generation, rec.node) for job, rec in self.jobs.jobs.items()}
-            term.subscriptions.append(await self._nc.subscribe(subjects.coordinator("nodes"), cb=self._on_nodes))
-            for verb in REQUEST_VERBS:
-                term.subscriptions.append(
-                    await self._nc.subscribe(subjects.coordinator(verb), cb=self._on_job_request))
+            for subject in (subjects.coordinator("nodes"), subjects.user_requests("nodes")):
+                term.subscriptions.append(await self._nc.subscribe(subject, cb=self._on_nodes))
+            for subject in [subjects.coordinator(verb) for verb in REQUEST_VERBS] + \
+                    [subjects.user_requests(verb) for verb in USER_VERBS if verb != "nodes"]:
+                term.subscriptions.append(await self._nc.subscribe(subject, cb=self._on_job_request))
             await self._nc.flush(timeout=self.config.leader_lease_s)  # the server has them: ready means ready
             if term.over.is_set():
                 return  # deposed while taking office
@@ -285,18 +286,21 @@ class Coordinator(Service):
         await bus.answer(msg, reply, "nodes request")
 
     async def _on_job_request(self, msg: Msg) -> None:
-        bus.answer_in_task(self._requests, msg, self._job_request, "{verb} request")
+        subject = msg.subject  # who asks: admin or the user it names (coordinator/requests.py)
+        bus.answer_in_task(self._requests, msg, lambda verb, data: self._job_request(verb, data, subject),
+                           "{verb} request")
 
-    async def _job_request(self, verb: str, data: bytes) -> Message:
-        jobs = self.jobs
-        assert jobs is not None
-        if verb == "submit":
-            return JobReply(job=await jobs.submit(decode_as(data, SubmitRequest)))
+    async def _job_request(self, verb: str, data: bytes, subject: str) -> Message:
+        jobs, asker = self.jobs, requester_of(subject)
+        assert jobs is not None and self._client_requests is not None
         if verb == "failover":
             assert self.failover is not None
             req_f = decode_as(data, FailoverRequest)
+            if req_f.action != "status":
+                check_admin(asker, f"failover {req_f.action}")
             return await self.failover.operator(req_f.action, list(self.detector.nodes.values()))
         if verb == "reconcile":
+            check_admin(asker, "reconcile")
             # An agent kills what this answer names: only a leader whose lease is fresh may say.
             check_may_act(jobs.leader.fresh)
             req_r = decode_as(data, ReconcileRequest)
@@ -304,25 +308,7 @@ class Coordinator(Service):
                 for job in jobs.lost_on(req_r.node, req_r.jobs):
                     self._evicted(job, req_r.node, f"node {req_r.node}'s agent restarted without it")
             return await jobs.reconcile(req_r.node, req_r.jobs)
-        if verb == "jobs":
-            req_j = decode_as(data, JobsRequest)
-            return self._job_pages.page(jobs.jobs, req_j.after, req_j.limit)
-        req = decode_as(data, JobRequest)
-        subjects.check_name(req.job, "job id")
-        if verb == "job":
-            if req.job not in jobs.jobs and (archived := await jobs.store.load_archived(req.job)) is not None:
-                return JobReply(job=shown(archived), notes=["archived: finished more than job_retention_s ago, "
-                                                            "so `revenant jobs` no longer lists it"])
-            return JobReply(job=shown(jobs.get(req.job)))
-        if verb in ("checkpoint", "vacate"):
-            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate")
-        elif verb == "restart":
-            rec, notes = await jobs.restart(req.job, req.node)
-        elif verb == "purge":
-            rec, notes = await jobs.purge(req.job)
-        else:
-            raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
-        return JobReply(job=rec, notes=notes)
+        return await self._client_requests.answer(verb, data, asker)
 
     # ------------------------------------------------------------------ detection
 

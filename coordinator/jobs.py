@@ -164,7 +164,8 @@ class JobService:
 
     # ------------------------------------------------------------------ operations
 
-    async def submit(self, req: SubmitRequest) -> JobRecord:
+    async def submit(self, req: SubmitRequest, user: str = "") -> JobRecord:
+        """Start ``req`` as a job of ``user`` (who asked decided which: coordinator/requests.py)."""
         check_submit(req)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
@@ -172,7 +173,7 @@ class JobService:
         job_id = await self.store.next_id()
         spec = JobSpec(id=job_id, argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
-                       max_epochs=req.max_epochs, requeue=req.requeue)
+                       max_epochs=req.max_epochs, requeue=req.requeue, user=user)
         cmd = (await self.step(job_id, lc.Submit(spec, node))).commands[0]
         tried: set[str] = set()
         while True:

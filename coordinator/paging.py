@@ -8,7 +8,7 @@ request that succeeded can ever be too large to send.  Pure: no I/O, no clock.
 from __future__ import annotations
 
 import bisect
-from typing import Iterable, Mapping, TypeVar
+from typing import Callable, Iterable, Mapping, TypeVar
 
 import msgspec
 
@@ -70,6 +70,9 @@ class JobPages:
     The ids are sorted once per listing (at its first page), not once per page: a listing of
     100,000 jobs asks for about 250 pages.  A job added after a listing began may be missing
     from it; a job archived or purged meanwhile is skipped; no job is listed twice.
+
+    ``keep`` narrows a listing to the jobs it accepts (a user's own), and ``total`` counts
+    those; the sorted ids stay the whole table's, so listings of different users interleave.
     """
 
     def __init__(self) -> None:
@@ -77,7 +80,7 @@ class JobPages:
         self._ids: list[str] = []
 
     def page(self, jobs: Mapping[str, JobRecord], after: str = "", limit: int = JOBS_PAGE_MAX,
-             budget: int = PAGE_BYTES) -> JobsReply:
+             budget: int = PAGE_BYTES, keep: Callable[[JobRecord], bool] | None = None) -> JobsReply:
         if not after or not self._ids:
             self._ids = sorted(jobs, key=job_sort_key)
             self._keys = [job_sort_key(j) for j in self._ids]
@@ -88,8 +91,8 @@ class JobPages:
         more = False
         for i in range(start, len(self._ids)):
             rec = jobs.get(self._ids[i])
-            if rec is None:
-                continue  # archived or purged since the listing began
+            if rec is None or (keep is not None and not keep(rec)):
+                continue  # archived or purged since the listing began, or not the asker's
             if len(out) == limit:
                 more = True
                 break
@@ -99,4 +102,5 @@ class JobPages:
                 break
             out.append(rec)
             used += size + 1
-        return JobsReply(jobs=out, total=len(jobs), more=more)
+        total = len(jobs) if keep is None else sum(1 for rec in jobs.values() if keep(rec))
+        return JobsReply(jobs=out, total=total, more=more)

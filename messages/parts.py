@@ -139,6 +139,9 @@ class JobSpec(_Body):
     checkpoint_interval_s: float | None = None
     max_epochs: int = 1
     requeue: bool = False
+    # The Unix user the job belongs to (and runs as), set by the coordinator at submit from who
+    # asked; "" for a record stored before jobs had users.
+    user: str = ""
 
 
 class EpochFile(_Body):

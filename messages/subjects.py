@@ -9,12 +9,18 @@ subject                         transport                   payload
 revenant.hb.<node>              core NATS, fire and forget  Heartbeat
 revenant.node.<node>.probe      core request/reply          Probe -> ProbeReply
 revenant.node.<node>.cmd.<verb> core request/reply          command -> reply
-revenant.coord.<verb>           core request/reply          command -> reply
+revenant.coord.<verb>           core request/reply          command -> reply (admin)
+revenant.user.<user>.<verb>     core request/reply          command -> reply (user)
 revenant.evt.node.<node>.<kind> JetStream stream EVENTS     NodeEvent
 revenant.evt.job.<job>.<kind>   JetStream stream EVENTS     JobEvent
 revenant.evt.epoch.<job>.<kind> JetStream stream EVENTS     EpochEvent
 revenant.evt.cluster.<kind>     JetStream stream EVENTS     cluster-wide alerts
 ==============================  ==========================  =======================
+
+``revenant.coord.<verb>`` is how admin (root, operators) asks the coordinator, and how
+agents ask for ``reconcile``; ``revenant.user.<user>.<verb>`` is how the Unix user ``<user>``
+asks (see :func:`user_request`): the coordinator takes the subject's ``<user>`` token as
+who asks, and shows and acts on that user's jobs only.
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ EVENTS_ALL = f"{EVENTS_PREFIX}.>"
 EVENTS_STREAM = "REVENANT_EVENTS"
 
 COORDINATOR_PREFIX = f"{ROOT}.coord"
+USER_PREFIX = f"{ROOT}.user"
 
 # Names become subject tokens and directory names: keep them boring.
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+# \Z, not $: "$" would let a trailing newline through.  No ".", "/", NUL or empty name passes.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
 
 
 class InvalidName(MessageError):
@@ -79,6 +87,28 @@ def node_commands(node: str) -> str:
 
 def coordinator(verb: str) -> str:
     return f"{COORDINATOR_PREFIX}.{check_name(verb, 'verb')}"
+
+
+def user_request(user: str, verb: str) -> str:
+    """The subject on which the Unix user ``user`` asks the coordinator for ``verb``: one token
+    per user, so that a server can let identity ``user-<user>`` publish on its own only."""
+    return f"{USER_PREFIX}.{check_name(user, 'user name')}.{check_name(verb, 'verb')}"
+
+
+def user_requests(verb: str) -> str:
+    """Wildcard for every user's ``verb`` requests (the coordinator's subscription)."""
+    return f"{USER_PREFIX}.*.{check_name(verb, 'verb')}"
+
+
+def user_from_request(subject: str) -> str | None:
+    """The user token of a ``revenant.user.<user>.<verb>`` subject, or None if it is not one."""
+    prefix = USER_PREFIX + "."
+    if not subject.startswith(prefix):
+        return None
+    user, dot, verb = subject[len(prefix):].partition(".")
+    if not dot or not _NAME_RE.match(user) or not _NAME_RE.match(verb):
+        return None
+    return user
 
 
 def node_event(node: str, kind: str) -> str:

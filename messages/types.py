@@ -131,6 +131,8 @@ class SubmitRequest(Message, tag="submit.v1"):
     checkpoint_interval_s: float | None = None
     max_epochs: int = 1
     requeue: bool = False
+    # The user the job is for: admin may name anyone ("": root); a user only themself.
+    user: str = ""
 
 
 class JobRequest(Message, tag="job_request.v1"):

@@ -13,6 +13,9 @@ from revenant.common.natsserver import start_nats_server
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+# The suite submits as root, and its jobs run as root: the agents `revenant up` starts (and
+# restarts) inherit this.  tests/test_job_user.py runs jobs as an unprivileged user, and the refusal.
+os.environ.setdefault("REVENANT_AGENT_ALLOW_ROOT_JOBS", "true")
 
 
 @pytest.fixture
@@ -27,11 +30,13 @@ def nats_url(nats_server) -> str:
     return nats_server.url
 
 
-def revenant_cli(*args: str, timeout: float = 60, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the installed CLI as a subprocess, the way users and scripts do."""
+def revenant_cli(*args: str, timeout: float = 60, check: bool = False, env: dict | None = None,
+                 cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run the installed CLI as a subprocess, the way users and scripts do (from ``cwd``: a job
+    submitted without --workdir works there)."""
     full_env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", **(env or {})}
     proc = subprocess.run([str(VENV_BIN / "revenant"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
+                          timeout=timeout, env=full_env, stdin=subprocess.DEVNULL, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"revenant {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc
@@ -57,8 +62,12 @@ class Cluster:
         # Found through $REVENANT_NATS, so "-- CMD ARGS" can stay last.
         import json
 
-        url = json.loads((self.dir / "cluster.json").read_text())["nats_url"]
-        return revenant_cli(*args, check=check, timeout=timeout, env={"REVENANT_NATS": url})
+        doc = json.loads((self.dir / "cluster.json").read_text())
+        # And its admin credential through $REVENANT_CREDS ("" for an --insecure cluster: none).
+        env = {"REVENANT_NATS": doc["nats_url"], "REVENANT_CREDS": doc.get("creds", "")}
+        # From the cluster's own directory: a job submitted without --workdir works there, never in
+        # the repository (a restore tracks its workdir's changes).
+        return revenant_cli(*args, check=check, timeout=timeout, env=env, cwd=self.dir)
 
     def json(self, *args: str):
         import json
@@ -91,14 +100,46 @@ class Cluster:
 
 
 @pytest.fixture
+async def supervisors(tmp_path):
+    """The agent's job supervisor and checkpoint engine in-process, with real criu: ``make(node,
+    storage=None, events=None, **kw)`` gives one; several share one storage, as nodes would.
+    ``kw``: the Supervisor's (scratch, allow_root_jobs) or the Engine's (staging,
+    file_snapshot_max_bytes, ...).  No agent renews a lease: a long switch timeout keeps the dead
+    man's switch quiet.  Every job they started is killed at the end."""
+    from revenant.agent import procs
+    from revenant.agent.criu import locate_criu
+    from revenant.agent.engine import Engine
+    from revenant.agent.jobs import Supervisor
+
+    procs.become_subreaper()
+    made = []
+
+    def make(node: str = "n1", storage: Path | None = None, events: list | None = None, **kw):
+        storage = storage or tmp_path / "storage"
+        sink = events if events is not None else []
+        sup_kw = {k: kw.pop(k) for k in ("scratch", "allow_root_jobs") if k in kw}
+        engine = Engine(criu_path=locate_criu(), criu_version="4.1.1", node=node, storage=storage,
+                        work_roots=[storage.parent / f"work-{node}"], **kw)
+        sup = Supervisor(node, storage, engine, lambda subject, msg: sink.append(msg), switch_timeout_s=3600,
+                         **sup_kw)
+        made.append(sup)
+        return sup
+
+    yield make
+    for sup in made:
+        await sup.shutdown()
+
+
+@pytest.fixture
 def make_cluster(tmp_path):
     import psutil
 
     made: list[Cluster] = []
 
-    def make(nodes: int = 2, name: str = "cluster") -> Cluster:
+    def make(nodes: int = 2, name: str = "cluster", insecure: bool = False) -> Cluster:
         d = tmp_path / name
-        revenant_cli("up", "--nodes", str(nodes), "--dir", str(d), "--detach", check=True)
+        revenant_cli("up", "--nodes", str(nodes), "--dir", str(d), "--detach", *(["--insecure"] if insecure else []),
+                     check=True)
         c = Cluster(d)
         made.append(c)
         return c

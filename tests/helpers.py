@@ -25,6 +25,7 @@ async def running(service):
 
 
 def agent_config(nats_url, tmp_path, node="node-1", **kw):
+    kw.setdefault("allow_root_jobs", True)  # the suite's jobs run as root (tests/test_job_user.py: as a user)
     return AgentConfig(node=node, nats_url=nats_url, storage=str(tmp_path / "storage"),
                        heartbeat_interval_s=0.2, http_port=0, **kw)
 
@@ -37,6 +38,15 @@ async def wait_for(predicate, timeout=10.0, interval=0.05):
             return result
         await asyncio.sleep(interval)
     raise AssertionError("condition not met in time")
+
+
+async def until(predicate, timeout: float = 60.0) -> None:
+    """Wait for a plain (not awaitable) ``predicate``; fails the test past ``timeout`` (generous:
+    a bound on a protocol, never a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
 
 
 async def _states(nodes, want):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -66,10 +67,16 @@ def test_up_nodes_events_down(cluster):
     joined = {e["node"] for e in events(cluster) if e.get("kind") == "joined"}
     assert joined == {"node-1", "node-2", "node-3"}
 
-    # The same cluster is reachable by URL and by environment variable.
-    url = doc["nats_url"]
-    assert json.loads(revenant_cli("nodes", "--nats", url, "--json", check=True).stdout)
-    assert json.loads(revenant_cli("nodes", "--json", env={"REVENANT_NATS": url}, check=True).stdout)
+    # The same cluster is reachable by URL and by environment variable, with its admin credential
+    # (cluster.json names it, and is private); without one the server refuses the connection.
+    url, creds = doc["nats_url"], doc["creds"]
+    assert doc["insecure"] is False and creds == str(cluster / "keys" / "admin.nk")
+    assert stat.S_IMODE((cluster / "cluster.json").stat().st_mode) == 0o600
+    assert json.loads(revenant_cli("nodes", "--nats", url, "--creds", creds, "--json", check=True).stdout)
+    assert json.loads(revenant_cli("nodes", "--json", env={"REVENANT_NATS": url, "REVENANT_CREDS": creds},
+                                   check=True).stdout)
+    refused = revenant_cli("nodes", "--nats", url, env={"REVENANT_CREDS": ""})
+    assert refused.returncode == 1 and "refused the connection" in refused.stderr
 
     started = time.monotonic()
     revenant_cli("down", "--dir", str(cluster), check=True)
@@ -185,8 +192,9 @@ def test_user_errors_are_one_line(args, message):
 
 
 def test_nodes_watch_refreshes_in_place(cluster):
-    url = json.loads((cluster / "cluster.json").read_text())["nats_url"]
-    proc = subprocess.Popen([str(VENV_BIN / "revenant"), "nodes", "--watch", "--interval", "0.3", "--nats", url],
+    doc = json.loads((cluster / "cluster.json").read_text())
+    proc = subprocess.Popen([str(VENV_BIN / "revenant"), "nodes", "--watch", "--interval", "0.3",
+                             "--nats", doc["nats_url"], "--creds", doc["creds"]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(2.5)
     proc.send_signal(signal.SIGINT)

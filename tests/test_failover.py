@@ -203,7 +203,8 @@ def test_standby_coordinator_finishes_a_failover_when_the_leader_dies(make_clust
     url = json.loads((cluster.dir / "cluster.json").read_text())["nats_url"]
     log = open(cluster.dir / "logs" / "standby.log", "wb")
     standby = subprocess.Popen([str(VENV_BIN / "revenant"), "coordinator", "--nats", url, "--name", "standby",
-                                "--http-port", "0"], stdout=log, stderr=log)
+                                "--http-port", "0", "--creds", str(cluster.dir / "keys" / "coordinator.nk")],
+                               stdout=log, stderr=log)
     try:
         job = submit(cluster, "--checkpoint", "0:01")
         wait_for(cluster, job, lambda j: j["epochs"] and output(cluster, job).count(b"\n") > 30, 30, "a checkpoint")

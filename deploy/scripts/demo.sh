@@ -32,12 +32,18 @@ finish() {
 rm -rf "$dir"
 trap 'revenant down --dir "$dir" >/dev/null 2>&1 || true' EXIT
 
+# The demo's jobs run as root, which agents refuse unless allow_root_jobs is set (here through the
+# environment the agents inherit); production jobs run as their submitting user (docs/security.md).
+export REVENANT_AGENT_ALLOW_ROOT_JOBS=true
 step "revenant up --nodes 3 --dir $dir --detach"
 revenant up --nodes 3 --dir "$dir" --detach
+# Jobs work in a directory of their own: a restore moves aside what appeared there after its epoch.
+mkdir -p "$dir/work" && cd "$dir/work"
 revenant nodes --dir "$dir"
 
 step "revenant submit --node node-1 --max-epochs 2 -- python3 counter.py 120 0.05"
 export REVENANT_NATS=$(json_field "['nats_url']" < "$dir/cluster.json")
+export REVENANT_CREDS=$(json_field "['creds']" < "$dir/cluster.json")   # the admin's NKey (docs/security.md)
 job=$(revenant submit --node node-1 --max-epochs 2 -- python3 "$job_script" 120 0.05)
 echo "job $job"
 sleep 1.5

@@ -1,0 +1,147 @@
+"""Who asks the coordinator, and which jobs they may see and act on.
+
+Every client request arrives on one of two subjects (messages/subjects.py):
+
+- ``revenant.coord.<verb>``: admin (root, operators; and agents, for ``reconcile``), who
+  sees and acts on every job and may submit on any user's behalf;
+- ``revenant.user.<user>.<verb>``: the Unix user ``<user>``, who sees and acts on the jobs
+  whose ``spec.user`` is theirs, and submits as themself only.
+
+Who asks is read from the subject alone, never from a field of the request: in the
+authenticated mode the server lets identity ``user-<user>`` publish on its own subjects only,
+so the name is the server's word; in the insecure mode it is the client's own claim.
+
+Another user's job answers exactly like a job that does not exist (``unknown job N``), so
+that no one learns which ids are taken.  A record stored before jobs had users
+(``spec.user == ""``) is shown to admin only: the agent runs such a job as root, and root's
+jobs are admin's.
+
+:func:`requester_of`, :func:`may_see`, :func:`visible` and :func:`submit_user` are the rules,
+pure; :class:`ClientRequests` answers the job verbs with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from revenant.common.errors import RevenantError, UnknownJob
+from revenant.coordinator.jobs import JobService
+from revenant.coordinator.paging import JobPages, shown
+from revenant.messages import (
+    JobRecord,
+    JobReply,
+    JobRequest,
+    JobsRequest,
+    Message,
+    SubmitRequest,
+    decode_as,
+    subjects,
+)
+
+# The user an admin's job runs as when the submit names none.
+ROOT_USER = "root"
+# The verbs served to users on revenant.user.<user>.<verb> (``reconcile`` is the agents').
+USER_VERBS = ("nodes", "submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover")
+
+
+class Forbidden(RevenantError):
+    code = "forbidden"
+
+
+@dataclasses.dataclass(frozen=True)
+class Requester:
+    """Who asks: the Unix user ``user``, or admin (``user`` empty)."""
+
+    user: str = ""
+
+    @property
+    def admin(self) -> bool:
+        return not self.user
+
+    def __str__(self) -> str:
+        return "admin" if self.admin else f"user {self.user}"
+
+
+ADMIN = Requester()
+
+
+def requester_of(subject: str) -> Requester:
+    """Who asks on ``subject``: admin on ``revenant.coord.<verb>``, ``<user>`` on
+    ``revenant.user.<user>.<verb>``.  Root asks as admin only: a job recorded as root's
+    runs as root, so no user subject may ask for one."""
+    user = subjects.user_from_request(subject)
+    if user == ROOT_USER:
+        raise Forbidden(f"root asks as admin, on {subjects.COORDINATOR_PREFIX}.<verb>, not on {subject}")
+    if user is not None:
+        return Requester(user)
+    if subject.startswith(subjects.COORDINATOR_PREFIX + ".") and subject.count(".") == 2:
+        return ADMIN
+    raise Forbidden(f"{subject} is not a request subject")
+
+
+def may_see(asker: Requester, rec: JobRecord) -> bool:
+    """Admin sees every job; a user their own (never one from before jobs had users)."""
+    return asker.admin or (bool(rec.spec.user) and rec.spec.user == asker.user)
+
+
+def visible(asker: Requester, job: str, rec: JobRecord | None) -> JobRecord:
+    """``rec`` if ``asker`` may see it; else the very error a job that does not exist gives."""
+    if rec is None or not may_see(asker, rec):
+        raise UnknownJob(f"unknown job {job}")
+    return rec
+
+
+def submit_user(asker: Requester, req: SubmitRequest) -> str:
+    """The user a submit's job is recorded as (and runs as): the asking user; admin's choice
+    (``req.user``), root when admin names none.  A user naming someone else is refused."""
+    if asker.admin:
+        return subjects.check_name(req.user, "user name") if req.user else ROOT_USER
+    if req.user and req.user != asker.user:
+        raise Forbidden(f"user {asker.user} may not submit as {req.user}: only admin (root) submits "
+                        "on another user's behalf (revenant submit --user)")
+    return asker.user
+
+
+def check_admin(asker: Requester, what: str) -> None:
+    if not asker.admin:
+        raise Forbidden(f"{what} is for admin (root) only; {asker} asked")
+
+
+class ClientRequests:
+    """Answers clients' job verbs (submit, jobs, job, checkpoint, vacate, restart, purge) for
+    whoever asks, with the rules above.  The coordinator acting on its own (failover,
+    periodic checkpoints, archiving, drains) goes to the :class:`JobService` directly."""
+
+    VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge")
+
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+        self._pages = JobPages()
+
+    async def answer(self, verb: str, data: bytes, asker: Requester) -> Message:
+        jobs = self.jobs
+        if verb == "submit":
+            req_s = decode_as(data, SubmitRequest)
+            return JobReply(job=await jobs.submit(req_s, user=submit_user(asker, req_s)))
+        if verb == "jobs":
+            req_j = decode_as(data, JobsRequest)
+            keep = None if asker.admin else (lambda rec: may_see(asker, rec))
+            return self._pages.page(jobs.jobs, req_j.after, req_j.limit, keep=keep)
+        req = decode_as(data, JobRequest)
+        subjects.check_name(req.job, "job id")
+        if verb == "job":
+            rec = jobs.jobs.get(req.job)
+            archived = rec is None and (rec := await jobs.store.load_archived(req.job)) is not None
+            notes = ["archived: finished more than job_retention_s ago, so `revenant jobs` no longer lists it"]
+            return JobReply(job=shown(visible(asker, req.job, rec)), notes=notes if archived else [])
+        if verb not in ("checkpoint", "vacate", "restart", "purge"):
+            raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
+        if not asker.admin:  # the user never changes: checked once, before acting
+            visible(asker, req.job, jobs.jobs.get(req.job) or await jobs.store.load_archived(req.job))
+        if verb in ("checkpoint", "vacate"):
+            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate")
+        elif verb == "restart":
+            rec, notes = await jobs.restart(req.job, req.node)
+        else:
+            rec, notes = await jobs.purge(req.job)
+        return JobReply(job=rec, notes=notes)
