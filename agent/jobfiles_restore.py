@@ -214,10 +214,12 @@ def _inside(rel: str, dirs: set[str]) -> bool:
 
 def changed_since(listing: dict[str, list[int]], now: dict[str, list[int]],
                   holds: frozenset[str] = frozenset()) -> list[str]:
-    """Entries (relative paths) that appeared or changed after the listing was taken, outermost
-    only: a new or replaced directory moves whole, unless it ``holds`` one of the job's covered
-    files (those are put back where they were: it is entered instead).  Directories' own mtimes
-    are not changes."""
+    """Entries (relative paths) that appeared or changed after the listing was taken: new, replaced
+    (another inode: renamed into place), or, for a file, another size or mtime (written after the
+    dump; a file renamed into place can even get the old one's inode number back, which ext4
+    reuses at once).  Outermost only: a new or replaced directory moves whole, unless it ``holds``
+    one of the job's covered files (those are put back where they were: it is entered instead).
+    Directories' own mtimes are not changes."""
     moved: list[str] = []
     dirs: set[str] = set()
     for rel in sorted(now):

@@ -20,9 +20,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER
-from revenant.agent import procs
-from revenant.agent.criu import PARASITE_PROC_DIR, locate_criu
-from revenant.agent.engine import Engine
+from revenant.agent.criu import PARASITE_PROC_DIR
 from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
 from revenant.common.errors import CriuError
@@ -34,14 +32,11 @@ JOBS = 4
 
 
 @pytest.fixture
-async def sup(tmp_path):
-    procs.become_subreaper()
-    engine = Engine(criu_path=locate_criu(), criu_version="4.1.1", node="n1", storage=tmp_path / "storage",
-                    work_roots=[tmp_path / "work"], concurrency=JOBS)  # every dump of a round at once
-    # No agent renews a lease here: a long switch timeout keeps the dead man's switch quiet.
-    supervisor = Supervisor("n1", tmp_path / "storage", engine, lambda subject, msg: None, switch_timeout_s=3600)
-    yield supervisor
-    await supervisor.shutdown()
+def sup(supervisors):
+    """Jobs without a mount namespace of their own (no private scratch): they see the host's /proc,
+    the case where criu's parasite mounts a proc of its own at ``proc.crtools`` (a job with a mount
+    namespace gets a /proc of its own, agent/launcher.py)."""
+    return supervisors("n1", concurrency=JOBS, scratch={})  # every dump of a round at once
 
 
 async def start(sup: Supervisor, workdir: Path, n: int = JOBS) -> list[JobSpec]:

@@ -4,21 +4,17 @@ it left them, and exits 3 if not."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import sqlite3
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from helpers import until
 from conftest import REPO
-from revenant.agent import procs
-from revenant.agent.criu import locate_criu
-from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles, NoEpoch
 from revenant.agent.jobs import Supervisor
 from revenant.agent.procs import signal_tree
@@ -30,29 +26,10 @@ WRITER = REPO / "tests" / "jobs" / "filewriter.py"
 
 
 @pytest.fixture
-async def nodes(tmp_path):
+def nodes(supervisors):
     """Two supervisors ("n1", "n2") sharing one storage, as two nodes would."""
-    procs.become_subreaper()
-    made: list[Supervisor] = []
+    return supervisors
 
-    def make(node: str, **engine_kw) -> Supervisor:
-        engine = Engine(criu_path=locate_criu(), criu_version="4.1.1", node=node, storage=tmp_path / "storage",
-                        work_roots=[tmp_path / f"work-{node}"], **engine_kw)
-        # No agent renews a lease here: a long switch timeout keeps the dead man's switch quiet.
-        sup = Supervisor(node, tmp_path / "storage", engine, lambda subject, msg: None, switch_timeout_s=3600)
-        made.append(sup)
-        return sup
-
-    yield make
-    for sup in made:
-        await sup.shutdown()
-
-
-async def until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def steps_in(path: Path) -> int:

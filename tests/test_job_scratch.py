@@ -7,22 +7,20 @@ The criu tests keep their storage and workdirs under /var/tmp: a job whose stora
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from revenant.agent import procs
-from revenant.agent.criu import DUMP_MOUNTS, RESTORE_MOUNTS, dump_argv, locate_criu, restore_argv
-from revenant.agent.engine import Engine
+from helpers import until
+
+from revenant.agent.criu import DUMP_MOUNTS, RESTORE_MOUNTS, dump_argv, restore_argv
 from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
 from revenant.agent.launcher import (INIT_NAME, INIT_SCRIPT, SCRATCH_EXIT, SCRATCH_NAME, init_argv, scratch_plan,
@@ -151,33 +149,13 @@ def base():
 
 
 @pytest.fixture
-async def nodes(base):
+def nodes(supervisors, base):
     """Supervisors ("n1", "n2", ...) sharing one storage, as nodes would; their jobs get SIZES."""
-    procs.become_subreaper()
-    made: list[Supervisor] = []
-
     def make(node: str, storage: Path | None = None, scratch: dict[str, str] | None = None,
              events: list | None = None) -> Supervisor:
-        storage = storage or base / "storage"
-        sink = events if events is not None else []
-        engine = Engine(criu_path=locate_criu(), criu_version="4.1.1", node=node, storage=storage,
-                        work_roots=[base / f"work-{node}"])
-        # No agent renews a lease here: a long switch timeout keeps the dead man's switch quiet.
-        sup = Supervisor(node, storage, engine, lambda subject, msg: sink.append(msg), switch_timeout_s=3600,
-                         scratch=SIZES if scratch is None else scratch)
-        made.append(sup)
-        return sup
+        return supervisors(node, storage or base / "storage", events, scratch=SIZES if scratch is None else scratch)
+    return make
 
-    yield make
-    for sup in made:
-        await sup.shutdown()
-
-
-async def until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def mounts(pid: int) -> dict[str, tuple[str, str, str]]:

@@ -136,6 +136,7 @@ def test_changed_since_moves_new_replaced_and_changed_entries_outermost_only():
            "a-c": [10, 0, 11, 1], "a-c/x": [11, 1, 11, 0],  # sorts between "a" and "a/..."
            "keep": [3, 4, 10, 0], "ckpt": [12, 9, 12, 0],  # renamed into place: another inode
            "edited": [5, 2, 12, 0]}
+    # "edited" was written in place (same inode) though not open at the dump: changed, so moved too.
     assert changed_since(listing, now) == ["a-c", "a/new", "ckpt", "edited"]
 
 
@@ -168,15 +169,18 @@ def test_move_aside_names_the_epoch_and_keeps_what_it_moves(tmp_path):
     (wd / "ckpt.pt.tmp").write_text("new")
     os.rename(wd / "ckpt.pt.tmp", wd / "ckpt.pt")
     (wd / "sub" / "f").unlink()
+    with open(wd / "data.csv", "a") as f:
+        f.write("y")  # written in place after the dump, though not open at it: changed, moved too
     notes = move_aside(m, epoch, 100)
     aside = wd / "revenant-after-epoch-3"
     assert (aside / "ckpt.pt").read_text() == "new" and not (wd / "ckpt.pt").exists()
-    assert notes == [f"moved 1 entry of {wd} that appeared or changed after epoch 3 to {aside}: ckpt.pt",
+    assert (aside / "data.csv").read_text() == "xy" and not (wd / "data.csv").exists()
+    assert notes == [f"moved 2 entries of {wd} that appeared or changed after epoch 3 to {aside}: ckpt.pt, data.csv",
                      f"1 entry of {wd} at epoch 3 are gone since: sub/f"]
     (wd / "ckpt.pt").write_text("newer")
     assert move_aside(m, epoch, 100)[0].startswith(f"moved 1 entry of {wd} that appeared or changed after epoch 3 "
                                                    f"to {aside}-2: ")  # never over an earlier one
-    assert move_aside(m, epoch, 1)[0].endswith("it now has more than 1 entries (workdir_scan_max_entries)")
+    assert move_aside(m, epoch, 0)[0].endswith("it now has more than 0 entries (workdir_scan_max_entries)")
 
 
 def test_the_rendezvous_snapshots_while_the_script_waits_and_a_release_ends_it(tmp_path):
@@ -321,8 +325,11 @@ def test_move_aside_enters_a_new_directory_holding_a_covered_file_and_spares_ope
     os.rename(wd / "run.old" / "metrics.csv", covered)
     (wd / "run" / "new.txt").write_text("later")
     (wd / "busy.log").write_text("held")
+    (wd / ".cache").mkdir()  # hidden entries and __pycache__ are nobody's output: never moved
+    (wd / "__pycache__").mkdir()
     with open(wd / "busy.log"):
         notes = move_aside(m, epoch, 100)
+    assert (wd / ".cache").is_dir() and (wd / "__pycache__").is_dir()
     aside = wd / "revenant-after-epoch-3"
     # ...is entered, not moved: the covered file stays where the restore put it back.
     assert covered.exists() and (aside / "run" / "new.txt").exists() and (aside / "run.old").is_dir()
