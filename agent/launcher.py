@@ -218,6 +218,14 @@ def own_job_files(files: JobFiles, user: JobUser) -> None:
         os.close(fd)
 
 
+def given_paths(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """Host paths a job is given on its command line: its program (found on its PATH) and every
+    absolute path among its arguments that exists here.  A private /tmp must not hide them (a
+    program in a virtual environment under /tmp, an input file there)."""
+    program = shutil.which(argv[0], path=env.get("PATH")) if argv else None
+    return [p for p in [program or "", *argv[1:64]] if p.startswith("/") and os.path.exists(p)]
+
+
 def scratch_plan(scratch: Mapping[str, str], needed: list[str]) -> tuple[dict[str, str], list[str]]:
     """The private tmpfs mounts a job gets out of ``scratch`` (mountpoint -> size), and why the others
     stay the host's: a tmpfs there would hide a ``needed`` path (by its path as given or resolved)."""
@@ -353,8 +361,8 @@ class Launcher:
         # The init opens its output and stamp as the user, by paths relative to its cwd (the job's
         # directory, the user's): the storage above it need not be searchable by the user.
         argv = init_argv(Path(files.output.name), Path(files.stamp.name), self.switch_timeout_s, spec.argv, workdir,
-                         self.max_frozen_s, self._scratch(spec.id, [workdir, str(files.dir)], files.output,
-                                                          user is not None and user.uid != 0), become)
+                         self.max_frozen_s, self._scratch(spec.id, [workdir, str(files.dir), *given_paths(spec.argv, env)],
+                                                          files.output, user is not None and user.uid != 0), become)
         # The init's cwd is the job's own directory: criu's parasite mounts its proc there.
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               cwd=files.dir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)

@@ -114,8 +114,12 @@ async def test_vacate_then_restart_elsewhere_changes_nothing(tmp_path, nodes, st
     (wd / "metrics.csv").chmod(0o640)
     os.chown(wd / "train.log", 65534, 65534)
     vacated = await n1.checkpoint("1", 1, stop=True)
-    copies = JobFiles(n1.storage, "1").epoch_dir(vacated.epoch.n) / "files"
-    assert len(list(copies.iterdir())) == 3  # metrics.csv, state.bin, steps.db
+    m = JobFiles(n1.storage, "1").read_manifest(vacated.epoch.n)
+    copied = {Path(p).name for p, f in m.job_files.items() if f.copy}
+    # metrics.csv, state.bin, steps.db (and SQLite's journal if the dump caught a transaction)
+    assert copied - {"steps.db-journal"} == {"metrics.csv", "state.bin", "steps.db"}, copied
+    assert all((JobFiles(n1.storage, "1").epoch_dir(vacated.epoch.n) / f.copy).is_file()
+               for f in m.job_files.values() if f.copy)
     names = ("metrics.csv", "train.log", "state.bin", "steps.db")  # not SQLite's passing journal
     before = {n: ((st := (wd / n).stat()).st_ino, st.st_mode, st.st_uid) for n in names}
     restored = await n2.restore(spec, 2)

@@ -23,7 +23,7 @@ from helpers import until
 from revenant.agent.criu import DUMP_MOUNTS, RESTORE_MOUNTS, dump_argv, restore_argv
 from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
-from revenant.agent.launcher import (INIT_NAME, INIT_SCRIPT, SCRATCH_EXIT, SCRATCH_NAME, init_argv, scratch_plan,
+from revenant.agent.launcher import (INIT_NAME, INIT_SCRIPT, SCRATCH_EXIT, SCRATCH_NAME, given_paths, init_argv, scratch_plan,
                                      scratch_script)
 from revenant.agent.procs import signal_tree
 from revenant.common.config import AgentConfig, load_config
@@ -96,6 +96,12 @@ def test_a_tmpfs_that_would_hide_the_workdir_or_the_storage_stays_the_host_s():
                       "/tmp would hide"]
     assert scratch_plan(scratch, ["/tmp", "/dev/shm/../shm/x"])[0] == {}  # itself, or under it once resolved
     assert scratch_plan({}, ["/tmp/w"]) == ({}, [])
+    # The job's program and the absolute paths it is given that exist here count too (a virtual
+    # environment in a checkout under /tmp): a private /tmp would hide them.
+    program = os.path.realpath(sys.executable)
+    assert given_paths([sys.executable, "-c", "/not/there", program], {"PATH": os.environ["PATH"]}) == [
+        sys.executable, program]
+    assert given_paths(["sh", "-c", "true"], {"PATH": "/usr/bin:/bin"})[0] in ("/usr/bin/sh", "/bin/sh")
 
 
 @pytest.mark.unit
