@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import subprocess
 import threading
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from revenant.agent.epochs import FilesChanged, JobFile, JobFiles, Manifest
 from revenant.agent.jobfiles import (
     LISTING,
     Snapshot,
+    SnapshotResult,
     eligible_workdir,
     fingerprint,
     open_for_writing,
@@ -183,20 +183,12 @@ def test_move_aside_names_the_epoch_and_keeps_what_it_moves(tmp_path):
     assert move_aside(m, epoch, 0)[0].endswith("it now has more than 0 entries (workdir_scan_max_entries)")
 
 
-def test_the_rendezvous_snapshots_while_the_script_waits_and_a_release_ends_it(tmp_path):
-    scratch, epoch = tmp_path / "scratch", tmp_path / "epoch"
-    scratch.mkdir()
-    epoch.mkdir()
-    wd = tmp_path / "wd"
-    wd.mkdir()
-    held = open(wd / "metrics.csv", "w")
-    held.write("0,1\n")
-    held.flush()
-    snap = Snapshot(os.getpid(), epoch, scratch, workdir=str(wd), storage=tmp_path / "storage",
-                    max_bytes=1024, max_entries=100)
+def rendezvous(snap: Snapshot) -> tuple[bytes, SnapshotResult]:
+    """``snap.serve()`` while a thread plays criu's action script (its lines, in Python) and then
+    criu's exit; the answer the script read, and the result."""
     answer: list[bytes] = []
 
-    def script() -> None:  # what the action script's lines do, in Python
+    def script() -> None:
         with open(snap.fifo_in, "w") as f:
             f.write("frozen\n")
         with open(snap.fifo_out, "rb", buffering=0) as back:
@@ -210,8 +202,24 @@ def test_the_rendezvous_snapshots_while_the_script_waits_and_a_release_ends_it(t
     result = snap.serve()
     safety.cancel()
     t.join(5)
+    assert not t.is_alive() and len(answer) == 1
+    return answer[0], result
+
+
+def test_the_rendezvous_snapshots_while_the_script_waits_and_a_release_ends_it(tmp_path):
+    scratch, epoch = tmp_path / "scratch", tmp_path / "epoch"
+    scratch.mkdir()
+    epoch.mkdir()
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    held = open(wd / "metrics.csv", "w")
+    held.write("0,1\n")
+    held.flush()
+    snap = Snapshot(os.getpid(), epoch, scratch, workdir=str(wd), storage=tmp_path / "storage",
+                    max_bytes=1024, max_entries=100)
+    answer, result = rendezvous(snap)
     held.close()
-    assert not t.is_alive() and answer == [b"ok\n"] and not result.error
+    assert answer == b"ok\n" and not result.error
     e = result.files[str(wd / "metrics.csv")]
     # (pytest itself may hold other files open for writing: they are listed too, under other numbers)
     assert e.copy.startswith("files/") and (epoch / e.copy).read_text() == "0,1\n" and e.size == 4
@@ -257,24 +265,9 @@ def test_a_snapshot_that_fails_answers_error_at_once_naming_why(tmp_path):
     scratch.mkdir()
     snap = Snapshot(os.getpid(), tmp_path / "no-such-epoch", scratch, workdir="", storage=tmp_path,
                     max_bytes=1024, max_entries=10)
-    answer: list[bytes] = []
-
-    def script() -> None:
-        with open(snap.fifo_in, "w") as f:
-            f.write("frozen\n")
-        with open(snap.fifo_out, "rb", buffering=0) as back:
-            answer.append(back.read(16))
-        snap.release()  # then criu exits
-
     with open(tmp_path / "w.csv", "w") as held:  # a copy is due, into an epoch directory that is not there
-        t = threading.Thread(target=script)
-        t.start()
-        safety = threading.Timer(10, snap.release)  # should the script never get there
-        safety.start()
-        result = snap.serve()
-        safety.cancel()
-        t.join(5)
-    assert answer == [b"error\n"]
+        answer, result = rendezvous(snap)
+    assert answer == b"error\n"
     assert held.closed and result.ran and result.done
     assert result.error.startswith("cannot snapshot ") and "No such file or directory" in result.error
     assert snap.why_failed() == result.error
