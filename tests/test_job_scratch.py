@@ -146,6 +146,10 @@ def test_scratch_sizes_and_the_switch_are_agent_settings_with_one_line_errors():
 
 # ------------------------------------------------------------------ real jobs, real criu
 
+# The interpreter itself, not the virtual environment's link to it: a checkout (and its .venv) may
+# lie under /tmp, and a job given a program there keeps the host's /tmp (launcher.given_paths).
+PYTHON = os.path.realpath(sys.executable)
+
 @pytest.fixture
 def base():
     """Storage and workdirs outside /tmp (see above), removed afterwards."""
@@ -199,7 +203,7 @@ async def test_the_job_s_tmp_and_shm_are_its_own_and_come_back_intact_on_another
     token = uuid.uuid4().hex
     host_files = [Path(f"/tmp/revenant-scratch-{token}"), Path(f"/dev/shm/revenant-scratch-{token}")]
     (base / "wd").mkdir()
-    spec = await start(n1, base / "wd", [sys.executable, "-c", SCRATCH_JOB, token])
+    spec = await start(n1, base / "wd", [PYTHON, "-c", SCRATCH_JOB, token])
     await until(lambda: sum(ln.startswith("tick") for ln in lines_of(n1)) >= 5)
     assert lines_of(n1)[0] == "big write: No space left on device"  # job_tmp_size holds
     assert [p.exists() for p in host_files] == [False, False]  # the host never sees them
@@ -239,7 +243,7 @@ async def test_the_job_s_tmp_and_shm_are_its_own_and_come_back_intact_on_another
 async def test_multiprocessing_shared_memory_and_semaphores_survive_a_restore(base, nodes):
     n1, n2 = nodes("n1"), nodes("n2")
     name = f"revenant-test-{uuid.uuid4().hex[:12]}"
-    spec = await start(n1, Path("/"), [sys.executable, "-c", MP_JOB, name])
+    spec = await start(n1, Path("/"), [PYTHON, "-c", MP_JOB, name])
     await until(lambda: len(lines_of(n1)) >= 20)
     assert not Path("/dev/shm", name).exists()
     await n1.checkpoint("1", 1, stop=True)  # a vacate: dumped, then stopped
