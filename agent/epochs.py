@@ -39,6 +39,7 @@ from typing import Callable, Collection
 
 import msgspec
 
+from revenant.agent.fileio import copy_bytes, fsync_path
 from revenant.agent.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
 from revenant.common.errors import RevenantError
@@ -142,14 +143,6 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def checksum_file(path: Path, algo: str = "crc32") -> str:
     with open(path, "rb", buffering=0) as f:
         if algo == "crc32":
@@ -165,31 +158,14 @@ def checksum_file(path: Path, algo: str = "crc32") -> str:
     raise CorruptEpoch(f"{path}: unknown checksum algorithm {algo!r}")
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_dir(path: Path) -> None:
+    fsync_path(path, directory=True)
 
 
 def _copy_file(src: Path, dst: Path) -> None:
-    """Copy in the kernel: copy_file_range within a filesystem, sendfile across (tmpfs → ext4 is EXDEV)."""
+    """A private (0600) copy of ``src`` at ``dst``, in the kernel, fsynced."""
     with open(src, "rb") as fin, open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as fout:
-        size = os.fstat(fin.fileno()).st_size
-        copied = 0
-        try:
-            while copied < size:
-                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - copied)
-                if n == 0:
-                    break
-                copied += n
-        except OSError:
-            while copied < size:
-                n = os.sendfile(fout.fileno(), fin.fileno(), copied, size - copied)
-                if n == 0:
-                    break
-                copied += n
+        copy_bytes(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size)
         os.fsync(fout.fileno())
 
 
@@ -198,11 +174,15 @@ def _image_names(directory: Path) -> list[str]:
     return names + [n for n in ("stats-dump",) if (directory / n).is_file()]
 
 
+# The job's own files taken with an epoch (agent/jobfiles.py): copies, and the workdir's listing.
+FILES_DIR = "files"
+LISTING = "workdir.json"
+
+
 def _job_file_names(directory: Path) -> list[str]:
-    """The job's own files taken with the epoch (agent/jobfiles.py): copies and the workdir listing."""
-    copies = directory / "files"
-    names = sorted(f"files/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
-    return names + [n for n in ("workdir.json",) if (directory / n).is_file()]
+    copies = directory / FILES_DIR
+    names = sorted(f"{FILES_DIR}/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
+    return names + [n for n in (LISTING,) if (directory / n).is_file()]
 
 
 class JobFiles:
@@ -270,8 +250,8 @@ class JobFiles:
         started = clock()
         if staging is not None:
             staged = _image_names(staging) + _job_file_names(staging)
-            if (staging / "files").is_dir():
-                (tmp / "files").mkdir(mode=0o700, exist_ok=True)
+            if (staging / FILES_DIR).is_dir():
+                (tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
         make_private(tmp)  # whatever criu's and the copies' modes were
@@ -280,7 +260,7 @@ class JobFiles:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             # Checksum (CPU) and fsync (disk) of the same files overlap.
             sums = {n: pool.submit(checksum_file, tmp / n, manifest.checksum) for n in names + extra}
-            syncs = [pool.submit(_fsync_file, tmp / n) for n in (extra if staging is not None else names + extra)]
+            syncs = [pool.submit(fsync_path, tmp / n) for n in (extra if staging is not None else names + extra)]
             manifest.files = {n: FileEntry(size=(tmp / n).stat().st_size, checksum=f.result()) for n, f in sums.items()}
             for f in syncs:
                 f.result()
@@ -293,8 +273,8 @@ class JobFiles:
             f.write(msgspec.json.encode(manifest))
             f.flush()
             os.fsync(f.fileno())
-        if (tmp / "files").is_dir():
-            _fsync_dir(tmp / "files")
+        if (tmp / FILES_DIR).is_dir():
+            _fsync_dir(tmp / FILES_DIR)
         _fsync_dir(tmp)
         final = self.epoch_dir(n)
         os.rename(tmp, final)  # the commit point; a crash before it leaves only .tmp-*

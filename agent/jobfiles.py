@@ -27,8 +27,6 @@ stays frozen only as long as the scan and the copies take.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import pwd
 import select
@@ -41,12 +39,9 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent.epochs import JobFile
+from revenant.agent.epochs import FILES_DIR, LISTING, JobFile
+from revenant.agent.fileio import copy_bytes, reflink
 
-# ioctl(dst, FICLONE, src): a copy-on-write clone of a whole file (btrfs, XFS, bcachefs, ...).
-FICLONE = 0x40049409
-FILES_DIR = "files"
-LISTING = "workdir.json"
 ASIDE_PREFIX = "revenant-after-epoch-"
 # Workdirs whose changes are never moved aside: shared by everything on the node.
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
@@ -75,40 +70,6 @@ def fingerprint(fd: int, size: int) -> str:
     for offset, length in spans:
         crc = zlib.crc32(os.pread(fd, length, offset), crc)
     return f"{crc:08x}:{size}"
-
-
-def copy_bytes(src: int, dst: int, size: int) -> None:
-    """Copy ``size`` bytes in the kernel: copy_file_range, or sendfile across filesystems."""
-    copied = 0
-    try:
-        while copied < size:
-            n = os.copy_file_range(src, dst, size - copied, copied, copied)
-            if n == 0:
-                break
-            copied += n
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-        os.lseek(dst, copied, os.SEEK_SET)  # sendfile writes at dst's position
-        while copied < size:
-            n = os.sendfile(dst, src, copied, size - copied)
-            if n == 0:
-                break
-            copied += n
-    if copied < size:
-        raise OSError(errno.EIO, f"short copy: {copied} of {size} bytes")
-    os.ftruncate(dst, size)
-
-
-def reflink(src: int, dst: int) -> bool:
-    """Clone ``src`` into ``dst`` copy-on-write; False where the filesystem cannot."""
-    try:
-        fcntl.ioctl(dst, FICLONE, src)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM):
-            return False
-        raise
 
 
 # ------------------------------------------------------------------ the job's processes and descriptors

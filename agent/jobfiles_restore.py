@@ -31,7 +31,8 @@ from typing import Collection
 import msgspec
 
 from revenant.agent.epochs import EpochError, FilesChanged, JobFile, Manifest
-from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, copy_bytes, fingerprint, reflink, scan_workdir
+from revenant.agent.fileio import copy_bytes, fsync_path
+from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, fingerprint, scan_workdir
 
 # Notes name every file; past this many moved-aside entries, the rest are counted.
 MAX_NAMED = 50
@@ -177,11 +178,7 @@ def put_back(p: PutBack) -> None:
         os.close(src)
     if tmp != path:
         os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent, directory=True)
 
 
 def apply(plan: list[PutBack]) -> list[str]:
