@@ -225,21 +225,22 @@ class Engine:
         self.pending += 1
         try:
             async with self.slots:
-                manifest, notes = await asyncio.to_thread(files.newest_verified, self._check_restore)
+                checked: dict[str, object] = {}
+
+                def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first
+                    checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch))) for s in self.steps)
+
+                manifest, notes = await asyncio.to_thread(files.newest_verified, check)
                 workdir = self._new_dir(self.work_roots, f"restore-{job}")
                 ctx = RestoreContext(job=job, generation=generation, files=files,
                                      epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
-                                     manifest=manifest, notes=notes, leave_workdir=leave_workdir)
+                                     manifest=manifest, notes=notes, leave_workdir=leave_workdir, checked=checked)
                 try:
                     return await self._restore(ctx)
                 finally:
                     await asyncio.to_thread(_remove, workdir)
         finally:
             self.pending -= 1
-
-    def _check_restore(self, manifest: Manifest) -> None:
-        for step in self.steps:
-            step.check_restore(manifest, JobFiles(self.storage, manifest.job).epoch_dir(manifest.epoch))
 
     async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str]]:
         for step in self.steps:

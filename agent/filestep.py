@@ -88,12 +88,15 @@ class JobFilesStep(BaseStep):
         if self.name in ctx.state:
             await self._finish(ctx)
 
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
-        jobfiles_restore.plan(manifest, epoch_dir)
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> list[jobfiles_restore.PutBack]:
+        return jobfiles_restore.plan(manifest, epoch_dir)
 
     async def before_restore(self, ctx: RestoreContext) -> None:
+        planned = ctx.checked.get(self.name)  # what check_restore found for this epoch, moments ago
+
         def put_back() -> list[str]:
-            notes = jobfiles_restore.apply(jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir))
+            todo = planned if planned is not None else jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir)
+            notes = jobfiles_restore.apply(todo)
             return notes + jobfiles_restore.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries,
                                                        leave=ctx.leave_workdir)
         ctx.notes += await asyncio.to_thread(put_back)

@@ -49,6 +49,8 @@ class RestoreContext:
     notes: list[str] = field(default_factory=list)
     # Why the job's working directory must be left as it is (another job uses it), or "".
     leave_workdir: str = ""
+    # What each step's check_restore returned for this epoch, by step name (its plan, to carry out).
+    checked: dict[str, Any] = field(default_factory=dict)
 
 
 class Step(Protocol):
@@ -57,8 +59,9 @@ class Step(Protocol):
     async def before_dump(self, ctx: DumpContext) -> None: ...
     async def after_dump(self, ctx: DumpContext) -> None: ...
     async def on_dump_failed(self, ctx: DumpContext) -> None: ...
-    # Blocking, in a worker thread: raise EpochError to refuse the epoch (an older one is tried).
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None: ...
+    # Blocking, in a worker thread: raise EpochError to refuse the epoch (an older one is tried);
+    # what it returns for the epoch chosen reaches before_restore as ctx.checked[name].
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any: ...
     async def before_restore(self, ctx: RestoreContext) -> None: ...
     async def after_restore(self, ctx: RestoreContext) -> None: ...
 
@@ -75,8 +78,8 @@ class BaseStep:
     async def on_dump_failed(self, ctx: DumpContext) -> None:
         pass
 
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> None:
-        pass
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any:
+        return None
 
     async def before_restore(self, ctx: RestoreContext) -> None:
         pass
