@@ -37,7 +37,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from revenant.agent import procs
@@ -48,20 +47,10 @@ from revenant.agent.jobs import Supervisor
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
+from concurrent_dumps import BenchError, wait_for  # bench/: this script's own directory
+
 REPO = Path(__file__).resolve().parent.parent
 LOGGER = REPO / "bench" / "workloads" / "file_logger.py"
-
-
-class BenchError(Exception):
-    pass
-
-
-async def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
 
 
 async def run(args: argparse.Namespace) -> dict:

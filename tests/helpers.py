@@ -24,6 +24,19 @@ async def running(service):
         await asyncio.wait_for(task, 10)
 
 
+class HeldLease:
+    """A leader lease that is always fresh and held (a JobService driven in-process)."""
+
+    def fresh(self) -> bool:
+        return True
+
+    async def holds(self) -> bool:
+        return True
+
+    def step_down(self, why: str) -> None:
+        raise AssertionError(why)
+
+
 def agent_config(nats_url, tmp_path, node="node-1", **kw):
     kw.setdefault("allow_root_jobs", True)  # the suite's jobs run as root (tests/test_job_user.py: as a user)
     return AgentConfig(node=node, nats_url=nats_url, storage=str(tmp_path / "storage"),

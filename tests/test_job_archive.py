@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import revenant_cli
-from helpers import agent_config, running, wait_for
+from helpers import HeldLease, agent_config, running, wait_for
 from revenant.agent.agent import Agent
 from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
@@ -77,17 +77,6 @@ async def test_memory_store_archives_and_removes_with_compare_and_set():
 # ---------------------------------------------------------------------- the shell (memory store)
 
 
-class Lease:
-    def fresh(self) -> bool:
-        return True
-
-    async def holds(self) -> bool:
-        return True
-
-    def step_down(self, why: str) -> None:
-        raise AssertionError(why)
-
-
 class Agents:
     def __init__(self) -> None:
         self.purged: list[str] = []
@@ -107,7 +96,7 @@ class Events:
 
 def shell(store: MemoryJobStore, now: list[float]) -> JobService:
     alive = [NodeStatus(name="node-1", state="alive")]
-    return JobService(store, Agents(), CoordinatorConfig(), Events(), lambda: alive, Lease(), wall=lambda: now[0])
+    return JobService(store, Agents(), CoordinatorConfig(), Events(), lambda: alive, HeldLease(), wall=lambda: now[0])
 
 
 @pytest.mark.unit

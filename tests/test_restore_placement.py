@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import HeldLease
+
 from revenant.agent.health import HealthSample, evaluate
 from revenant.common.config import CoordinatorConfig
 from revenant.common.events import EventPublisher
@@ -116,17 +118,6 @@ def test_a_reason_without_a_code_is_never_ignored():
 # ------------------------------------------------------------------ the job service
 
 
-class Lease:
-    def fresh(self) -> bool:
-        return True
-
-    async def holds(self) -> bool:
-        return True
-
-    def step_down(self, why: str) -> None:
-        raise AssertionError(why)
-
-
 def cluster_on_low_shared_storage() -> JobService:
     """Two nodes whose heartbeats say RED for low shared storage only, as the detector sees them."""
     config = CoordinatorConfig()
@@ -136,7 +127,7 @@ def cluster_on_low_shared_storage() -> JobService:
         detector.heartbeat(Heartbeat(node=name, seq=1, sent_at=0.0, incarnation="i", capabilities=WORKING,
                                      health=health), 100.0)
     service = JobService(MemoryJobStore(), AgentClient(None, lambda: True), config, EventPublisher(None),
-                         lambda: detector.snapshot(100.0), Lease(), wall=lambda: 1000.0)
+                         lambda: detector.snapshot(100.0), HeldLease(), wall=lambda: 1000.0)
     sent: list[tuple[str, str]] = []
 
     async def agent(node_name: str, verb: str, msg, timeout_s: float) -> AgentJobReply:
