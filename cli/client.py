@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import json
 import os
-import pwd
 import sys
 from datetime import datetime, timezone
 from typing import TypeVar
@@ -18,6 +17,7 @@ import msgspec
 import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from revenant.cli import asking
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.errors import BusError, RevenantError
@@ -63,39 +63,18 @@ def _auth() -> dict[str, str | None]:
     return security.client_credentials(_creds)
 
 
-# The identity whose credential makes a client admin (docs/security.md's identities).
-ADMIN_IDENTITY = "admin"
+def _creds_in_use(creds: str | None) -> str:
+    return (_creds or os.environ.get("REVENANT_CREDS", "")) if creds is None else creds
 
 
 def asking_user(creds: str | None = None) -> str | None:
-    """The Unix user this process asks the coordinator as, or None for admin.
-
-    With a credential (``creds``, by default the one this command resolved from --creds, --dir
-    or ``$REVENANT_CREDS``), its identity decides: ``admin`` asks as admin, ``user-<name>`` as
-    that user (the server lets only that identity publish on ``revenant.user.<name>.<verb>``).
-    Without one (an --insecure bus), root asks as admin and anyone else as their login name,
-    which nothing checks: the coordinator trusts it (docs/security.md)."""
-    creds = (_creds or os.environ.get("REVENANT_CREDS", "")) if creds is None else creds
-    if creds:
-        identity = security.identity_of(creds)
-        if identity == ADMIN_IDENTITY:
-            return None
-        if identity.startswith("user-"):
-            return subjects.check_name(identity[len("user-"):], "user name")
-        raise RevenantError(f"{creds} is {identity}'s credential: a client asks with admin's or a user's")
-    if os.geteuid() == 0:
-        return None
-    try:
-        name = pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        raise RevenantError(f"uid {os.geteuid()} has no user name: the coordinator knows users by name") from None
-    return subjects.check_name(name, "user name")
+    """:func:`revenant.cli.asking.asking_user` with the credential this command resolved from
+    --creds, --dir or ``$REVENANT_CREDS`` (or ``creds``)."""
+    return asking.asking_user(_creds_in_use(creds))
 
 
 def request_subject(verb: str, creds: str | None = None) -> str:
-    """Where this process asks for ``verb``: admin's subject or its user's (:func:`asking_user`)."""
-    user = asking_user(creds)
-    return subjects.coordinator(verb) if user is None else subjects.user_request(user, verb)
+    return asking.request_subject(verb, _creds_in_use(creds))
 
 
 def _fmt_bytes(n: int) -> str:
