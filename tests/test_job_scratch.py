@@ -262,7 +262,10 @@ async def test_storage_under_tmp_keeps_the_host_s_tmp_and_the_switch_turns_it_al
     caplog.set_level(logging.WARNING, logger="revenant.agent.launcher")
     under_tmp = nodes("n1", storage=tmp_path / "storage")
     await start(under_tmp, Path("/"), ["sleep", "60"])
-    seen = mounts(under_tmp.jobs["1"].pid)
+    pid = under_tmp.jobs["1"].pid
+    # The namespace's pid 1 mounts its scratch before it execs the init: wait for it to be done.
+    await until(lambda: mounts(pid).get("/proc", ("",))[1:2] == ("revenant-proc",))
+    seen = mounts(pid)
     assert seen["/dev/shm"][1] == "revenant-shm" and seen.get("/tmp", ("",))[0] != "tmpfs"
     assert (f"job 1: /tmp stays the host's: the job needs {tmp_path / 'storage' / 'jobs' / '1'}, which a private "
             "/tmp would hide") in caplog.text
