@@ -29,6 +29,8 @@ from revenant.agent import procs
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
+from revenant.agent.guard import StorageGuard
+from revenant.agent.predump import PreDumpStep
 from revenant.agent.epochs import JobFiles
 from revenant.agent.gpu import GpuMonitor
 from revenant.agent.jobs import Supervisor
@@ -199,13 +201,28 @@ class Agent(Service):
         if not (criu.ok and criu.path and criu.version):
             return None
         cfg = self.config
-        return Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
+        engine = Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
                       work_roots=self._work_roots(), staging=Path(cfg.staging_dir) if cfg.staging_dir else None,
                       concurrency=cfg.checkpoint_concurrency, criu_timeout_s=cfg.criu_timeout_s,
                       file_snapshot_max_bytes=cfg.file_snapshot_max_bytes,
                       workdir_scan_max_entries=cfg.workdir_scan_max_entries,
                       file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
                       clock=self.clock, wall_clock=self.wall_clock)
+        # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
+        # the policy's pre-dump, then the job's own files (while criu holds it frozen).
+        engine.steps[:0] = [StorageGuard(self._gpu_bytes),
+                            PreDumpStep(criu.path, criu.features.get("mem_dirty_track", False), self._degraded,
+                                        cfg.criu_timeout_s)]
+        return engine
+
+    def _gpu_bytes(self, job: str) -> int:
+        """The GPU memory ``job``'s processes held at the latest reading (0 where unknown)."""
+        return sum(p.used_memory_bytes for g in self.health.gpus for p in g.processes if p.job == job)
+
+    def _degraded(self, job: str, generation: int, why: str) -> None:
+        log.warning("job %s: %s", job, why)
+        if self.supervisor is not None:
+            self.supervisor.policies.event(job, "degraded", generation, reason=why)
 
     def _clean_half_written_epochs(self) -> None:
         """Epochs this node was writing when an earlier agent died: never listed, now removed."""
@@ -280,6 +297,7 @@ class Agent(Service):
             await asyncio.sleep(self.config.heartbeat_interval_s)
             self.health = await self._sample_health()
             if self.supervisor is not None:
+                self.supervisor.policies.sampler.sample()  # the load a scheduled checkpoint is weighed against
                 self.supervisor.reap_orphans()
                 await self.supervisor.expire_frozen(self.config.max_frozen_s)
 
@@ -302,10 +320,10 @@ class Agent(Service):
             return await sup.start(cmd.spec, cmd.generation, fresh=cmd.fresh)
         if verb == "checkpoint":
             ck = decode_as(data, CheckpointJob)
-            return await sup.checkpoint(ck.job, ck.generation, ck.stop)
+            return await sup.checkpoint(ck.job, ck.generation, ck.stop, scheduled=ck.scheduled, force=ck.force)
         if verb == "restore":
             rs = decode_as(data, RestoreJob)
-            return await sup.restore(rs.spec, rs.generation, rs.leave_workdir)
+            return await sup.restore(rs.spec, rs.generation, rs.leave_workdir, rs.epoch)
         if verb == "kill":
             kj = decode_as(data, KillJob)
             return await sup.kill(kj.job, kj.generation, kj.reason)

@@ -30,6 +30,7 @@ _FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")
 # criu's logs, written into its work directory (-W).
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
+PREDUMP_LOG = "pre-dump.log"
 # A failed run's log is kept in <storage>/jobs/<job>/LOG_DIR/, the newest KEEP_LOGS of them.
 LOG_DIR = "criu-logs"
 KEEP_LOGS = 10
@@ -83,14 +84,34 @@ RESTORE_MOUNTS = ("--root", "/", "--external", "mnt[]")
 
 
 def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script: Path,
-              leave_running: bool) -> list[str]:
+              leave_running: bool, extra: list[str] | None = None) -> list[str]:
     """Dump the tree rooted at ``pid`` into ``images``; its log goes to ``workdir``/DUMP_LOG.
-    ``leave_running`` False: the tree is left stopped (a vacate kills it after the commit)."""
+    ``leave_running`` False: the tree is left stopped (a vacate kills it after the commit).
+    ``extra``: arguments a pipeline step adds (a pre-dump's ``incremental_args``)."""
     # -v2: errors and warnings only; a verbose log is written while the job is frozen.
     # --file-locks: the job's POSIX and flock locks (SQLite holds them) are dumped and taken again.
     return [criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", DUMP_LOG,
             "-v2", "--display-stats", "--action-script", str(action_script), "--file-locks",
-            *DUMP_MOUNTS, "--leave-running" if leave_running else "--leave-stopped"]
+            *DUMP_MOUNTS, *(extra or []), "--leave-running" if leave_running else "--leave-stopped"]
+
+
+# A pre-dump's images, inside the epoch they precede: criu links ``<images>/parent`` to the
+# directory named by --prev-images-dir, relative to the images directory, so the epoch stays
+# self-contained.
+PREDUMP_DIR = "predump"
+
+
+def predump_argv(criu: str, *, pid: int, images: Path, workdir: Path) -> list[str]:
+    """Copy the tree's memory into ``images`` while it runs (frozen only to start the dirty
+    tracking): the dump that follows writes only the pages dirtied since.  Needs the kernel's
+    soft-dirty tracking (feature mem_dirty_track)."""
+    return [criu, "pre-dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", PREDUMP_LOG,
+            "-v2", "--display-stats", "--track-mem", *DUMP_MOUNTS]
+
+
+def incremental_args(parent: str = PREDUMP_DIR) -> list[str]:
+    """What the dump after a pre-dump adds: keep tracking, and take unchanged pages from ``parent``."""
+    return ["--track-mem", "--prev-images-dir", parent]
 
 
 def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path) -> list[str]:

@@ -35,19 +35,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from revenant.agent import criu, procs
-from revenant.agent.epochs import EpochError, JobFiles, Manifest, cpu_flags
+from revenant.agent import criu, packs, procs
+from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
 from revenant.agent.filestep import JobFilesStep
 from revenant.agent.private import DUMP_UMASK, private_dir
 from revenant.agent.procs import signal_tree
 from revenant.agent.steps import DumpContext, RestoreContext, Step
 from revenant.common.errors import CriuError, RevenantError
+from revenant.messages import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
 
 class NoSpace(RevenantError):
     code = "no_space"
+
+
+def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None]) -> tuple[Manifest, list[str]]:
+    """The newest epoch that verifies and ``check`` accepts (notes on the newer ones refused),
+    or with ``epoch``, exactly that one (no fallback: an operator asked for it)."""
+    if not epoch:
+        return files.newest_verified(check)
+    if epoch not in files.committed():
+        kept = ", ".join(map(str, files.committed())) or "none"
+        raise NoEpoch(f"job {files.job} has no epoch {epoch} (it keeps: {kept})")
+    try:
+        m = files.verify(epoch)
+        check(m)
+    except (CorruptEpoch, FilesChanged) as exc:
+        raise NoEpoch(f"job {files.job}: epoch {epoch} cannot be restored: {exc}") from None
+    return m, []
 
 
 def _remove(*paths: Path | None) -> None:
@@ -106,8 +123,8 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoint
 
-    async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool,
-                         workdir: str = "", user: str = "") -> tuple[Manifest, list[str]]:
+    async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool, workdir: str = "",
+                         user: str = "", policy: CheckpointPolicy | None = None) -> tuple[Manifest, list[str]]:
         """Dump ``job`` (root ``pid``, working directory ``workdir``, owned by ``user``, which the
         manifest records) into a new committed epoch.
 
@@ -118,19 +135,19 @@ class Engine:
         self.pending += 1
         try:
             async with self.slots:
-                return await self._checkpoint(files, job, generation, pid, stop, workdir, user)
+                return await self._checkpoint(files, job, generation, pid, stop, workdir, user, policy)
         finally:
             self.pending -= 1
 
     async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool,
-                          job_workdir: str, user: str) -> tuple[Manifest, list[str]]:
+                          job_workdir: str, user: str, policy: CheckpointPolicy | None) -> tuple[Manifest, list[str]]:
         workdir = self._new_dir(self.work_roots, job)
         staging = self._new_dir([self.staging], job) if self.staging is not None else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
                             criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags(),
                             user=user)
         ctx = DumpContext(job=job, generation=generation, pid=pid, files=files, workdir=workdir, stop=stop,
-                          manifest=manifest, job_workdir=job_workdir)
+                          manifest=manifest, job_workdir=job_workdir, policy=policy)
         started = self.clock()
         undo = _Undo()
         committed = False
@@ -168,7 +185,7 @@ class Engine:
         script.chmod(0o755)
         await self._clear_stale_proc_dir(ctx)
         argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
-                              leave_running=not ctx.stop)
+                              leave_running=not ctx.stop, extra=ctx.dump_args)
         done = await procs.run(argv, self.criu_timeout_s, umask=DUMP_UMASK)  # images 0600 from the start
         undo.frozen = ctx.stop and done.returncode == 0
         if done.returncode != 0:
@@ -218,9 +235,12 @@ class Engine:
 
     # ------------------------------------------------------------------ restore
 
-    async def restore(self, job: str, generation: int, leave_workdir: str = "") -> tuple[int, Manifest, list[str]]:
-        """Restore ``job`` from its newest verified epoch as our child; returns (pid, manifest, notes).
-        ``leave_workdir``: why the job's working directory must be left as it is (it is shared)."""
+    async def restore(self, job: str, generation: int, leave_workdir: str = "",
+                      epoch: int = 0) -> tuple[int, Manifest, list[str]]:
+        """Restore ``job`` from its newest verified epoch (``epoch``: exactly that one) as our
+        child; returns (pid, manifest, notes).  ``leave_workdir``: why the job's working
+        directory must be left as it is (it is shared).  An epoch stored as a delta
+        (agent/packs.py) is rebuilt first, into a temporary directory next to the epochs."""
         files = JobFiles(self.storage, job)
         self.pending += 1
         try:
@@ -230,15 +250,20 @@ class Engine:
                 def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first
                     checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch))) for s in self.steps)
 
-                manifest, notes = await asyncio.to_thread(files.newest_verified, check)
+                manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check)
                 workdir = self._new_dir(self.work_roots, f"restore-{job}")
+                images = None
                 ctx = RestoreContext(job=job, generation=generation, files=files,
                                      epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
                                      manifest=manifest, notes=notes, leave_workdir=leave_workdir, checked=checked)
                 try:
+                    if packs.converted(manifest):
+                        images = files.new_tmp(self.node)
+                        await asyncio.to_thread(packs.materialize, files, manifest, images)
+                        ctx.images = images
                     return await self._restore(ctx)
                 finally:
-                    await asyncio.to_thread(_remove, workdir)
+                    await asyncio.to_thread(_remove, workdir, images)
         finally:
             self.pending -= 1
 
@@ -246,7 +271,7 @@ class Engine:
         for step in self.steps:
             await step.before_restore(ctx)
         pidfile = ctx.workdir / "pid"
-        argv = criu.restore_argv(self.criu, images=ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
+        argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
         done = await procs.run(argv, self.criu_timeout_s)
         if done.returncode != 0:
             text = criu.read_log(ctx.workdir / criu.RESTORE_LOG, done.output)

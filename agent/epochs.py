@@ -79,6 +79,10 @@ class FileEntry(msgspec.Struct):
     checksum: str
 
 
+class RecipeEntry(FileEntry, kw_only=True):
+    recipe: str  # an image stored in packs: its original size and checksum, its recipe (agent/chain.py)
+
+
 class JobFile(msgspec.Struct, kw_only=True):
     """A regular file the job held open for writing at the dump (agent/jobfiles.py)."""
 
@@ -125,10 +129,15 @@ class Manifest(msgspec.Struct, kw_only=True):
     dump_s: float = 0.0
     commit_s: float = 0.0
     total_s: float = 0.0
+    # A converted epoch (agent/packs.py): its images by recipe, the packs they read, their segment.
+    recipes: dict[str, RecipeEntry] = {}
+    packs: list[str] = []
+    segment: int = 0
 
     @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+    def total_bytes(self) -> int:  # what a restore reads: converted images at their original size
+        plain = (f.size for n, f in self.files.items() if n not in {r.recipe for r in self.recipes.values()})
+        return sum(plain) + sum(r.size for r in self.recipes.values())
 
 
 @functools.cache
@@ -196,6 +205,7 @@ class JobFiles:
         self.output = self.dir / "output.log"
         # The dead man's switch's stamp (see agent/launcher.py).
         self.stamp = self.dir / "alive"
+        self.packs_dir = self.dir / "packs"  # pages of converted epochs (agent/packs.py)
 
     def epoch_dir(self, n: int) -> Path:
         return self.epochs_dir / str(n)
@@ -312,6 +322,9 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
             if checksum_file(path, m.checksum) != entry.checksum:
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
+        if m.recipes:  # every page it needs, from the packs (chain.py builds on this module)
+            from revenant.agent.chain import verify_recipes
+            verify_recipes(self, m)
         return m
 
     def newest_verified(self, check: Callable[[Manifest], None] | None = None) -> tuple[Manifest, list[str]]:
@@ -372,17 +385,17 @@ class JobFiles:
         return removed
 
     def purge(self) -> int:
-        """Remove every checkpoint of the job; returns the bytes freed."""
+        """Remove every checkpoint of the job, epochs first, then their packs; returns the bytes freed."""
         freed = 0
-        if self.epochs_dir.exists():
-            for root, _, files in os.walk(self.epochs_dir):
+        for tree in (d for d in (self.epochs_dir, self.packs_dir) if d.exists()):
+            for root, _, files in os.walk(tree):
                 for f in files:
                     try:
                         freed += os.lstat(os.path.join(root, f)).st_size
                     except OSError:
                         pass
             trash = self.dir / f".purge-{secrets.token_hex(4)}"
-            os.rename(self.epochs_dir, trash)
+            os.rename(tree, trash)
             shutil.rmtree(trash, ignore_errors=True)
         return freed
 

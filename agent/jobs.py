@@ -28,6 +28,7 @@ from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
 from revenant.agent.exits import ExitClassifier, JobEnd
 from revenant.agent.launcher import Launcher, new_stamp, reset_stamp
+from revenant.agent.policy import PolicyRunner
 from revenant.agent.procs import freeze_tree, signal_tree
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.metrics import AgentMetrics
@@ -87,6 +88,7 @@ class Supervisor:
                                  scratch=scratch, allow_root_jobs=allow_root_jobs)
         self.exits = ExitClassifier(switch_timeout_s, clock)
         self.book = CheckpointBook(node, emit, metrics, wall_clock)
+        self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
         # Starts and restores in flight, one per job: a newer generation or a kill
         # arriving meanwhile supersedes it, and its process is killed on arrival.
@@ -196,6 +198,7 @@ class Supervisor:
         rt.exited.set()
         if self.jobs.get(rt.spec.id) is rt:
             del self.jobs[rt.spec.id]
+            self.policies.forget(rt.spec.id)
         if not rt.vacating:
             self._report_exit(rt)  # else the vacate reports it when it ends, however it ends
 
@@ -211,8 +214,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------ checkpoint
 
-    async def checkpoint(self, job: str, generation: int, stop: bool, evict_reason: str = "") -> AgentJobReply:
-        """``stop``: vacate.  ``evict_reason`` (with ``stop``): the node stops it, to be restored elsewhere."""
+    async def checkpoint(self, job: str, generation: int, stop: bool, evict_reason: str = "", *,
+                         scheduled: bool = False, force: bool = False) -> AgentJobReply:
+        """``stop``: vacate.  ``evict_reason`` (with ``stop``): the node stops it, to be restored elsewhere.
+        ``scheduled`` (periodic; may be skipped under load, agent/policy.py), ``force``: whatever the load."""
         rt = self._get(job, generation)
         if rt.frozen_at is not None:
             # Its image would hold stopped processes, and come back stopped wherever restored.
@@ -222,10 +227,11 @@ class Supervisor:
             raise CriuError(f"cannot checkpoint on {self.node}: {self.criu_error}")
         if rt.lock.locked():
             raise RevenantError(f"job {job} already has a checkpoint in progress", code="busy", retriable=True)
+        warnings = self.policies.admit(job, generation, rt.spec.policy, scheduled=scheduled, force=force)
         async with rt.lock:
             rt.vacating = stop
             try:
-                return await self._checkpoint(rt, stop, evict_reason)
+                return await self._checkpoint(rt, stop, evict_reason, warnings)
             finally:
                 # However the vacate ended (committed, failed, cancelled by a drain's deadline or a
                 # shutdown), an exit it held back is reported now, and a later one as it happens.
@@ -234,12 +240,12 @@ class Supervisor:
                     if rt.exited.is_set():
                         self._report_exit(rt)
 
-    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str) -> AgentJobReply:
+    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str, warnings: list[str]) -> AgentJobReply:
         job, generation = rt.spec.id, rt.generation
         assert self.engine is not None
         try:
             manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, workdir=rt.spec.workdir,
-                                                           user=rt.spec.user)
+                                                           user=rt.spec.user, policy=rt.spec.policy)
         except RevenantError as exc:
             self.book.failed(job, generation, exc)
             raise
@@ -247,23 +253,26 @@ class Supervisor:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
             rt.stopped_at_epoch = manifest.epoch
             rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
-        info, pruned = await self.book.committed(rt.files, generation, manifest, rt.spec.max_epochs)
+        info, pruned, kept, storage = await self.policies.committed(rt.files, generation, manifest,
+                                                                    rt.spec.max_epochs, rt.spec.policy)
         if stop:
             try:
                 await asyncio.wait_for(rt.exited.wait(), 10)
             except asyncio.TimeoutError:
                 log.error("job %s did not die after vacate; killing it", job)
                 signal_tree(rt.pid, signal.SIGKILL)
-        return self._reply(rt, epoch=info, notes=notes, pruned=pruned)
+        return self._reply(rt, epoch=info, notes=warnings + notes, pruned=pruned, epochs=kept, storage_bytes=storage)
 
     # ------------------------------------------------------------------ restore
 
-    async def restore(self, spec: JobSpec, generation: int, leave_workdir: str = "") -> AgentJobReply:
+    async def restore(self, spec: JobSpec, generation: int, leave_workdir: str = "", epoch: int = 0) -> AgentJobReply:
+        """From the newest restorable epoch, or (``epoch``) exactly that one."""
         subjects.check_name(spec.id, "job id")
         async with self._launch(spec.id, generation) as launch:
-            return await self._restore(spec, generation, launch, leave_workdir)
+            return await self._restore(spec, generation, launch, leave_workdir, epoch)
 
-    async def _restore(self, spec: JobSpec, generation: int, launch: Launch, leave_workdir: str) -> AgentJobReply:
+    async def _restore(self, spec: JobSpec, generation: int, launch: Launch, leave_workdir: str,
+                       epoch: int) -> AgentJobReply:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         self.launcher.user(spec)  # criu restores the credentials it dumped: root's only where allowed
@@ -271,7 +280,8 @@ class Supervisor:
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
-        pid, manifest, notes = await self.engine.restore(spec.id, generation, leave_workdir)
+        async with self.policies.lock(spec.id):  # never while its older epochs are being converted
+            pid, manifest, notes = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)

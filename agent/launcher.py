@@ -1,10 +1,13 @@
 """Launching a job: its namespaces, its init (revenant-init, the dead man's switch), its files.
 
 A job runs in its own PID namespace, so it can be restored on any node without
-PID collisions, and in its own mount namespace, with a private tmpfs at /tmp
-and at /dev/shm (its *scratch*)::
+PID collisions, in its own IPC namespace, so the System V shared memory,
+semaphores and message queues it makes are its own (criu dumps and restores
+them with it, and refuses a job whose segments live in the host's namespace),
+and in its own mount namespace, with a private tmpfs at /tmp and at /dev/shm
+(its *scratch*)::
 
-    agent ─ unshare --mount --pid --fork --kill-child ─ sh (pid 1: revenant-scratch, root,
+    agent ─ unshare --mount --ipc --pid --fork --kill-child ─ sh (pid 1: revenant-scratch, root,
             which execs setpriv, which execs revenant-init as the job's user) ─ the job
 
 * ``unshare`` dies with the agent (PR_SET_PDEATHSIG), and ``--kill-child`` makes
@@ -260,7 +263,7 @@ def scratch_script(mounts: Mapping[str, str], output: str, proc: bool = False) -
 def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str],
               workdir: str | None = None, max_frozen_s: float = 600.0, scratch: str | None = None,
               become: list[str] | None = None) -> list[str]:
-    """The command line that runs ``argv`` under revenant-init in a PID namespace of its own;
+    """The command line that runs ``argv`` under revenant-init in a PID and an IPC namespace of its own;
     with ``workdir``, the job runs there whatever directory the init is started in; with
     ``scratch`` (:func:`scratch_script`), in a mount namespace of its own, set up by that script;
     with ``become`` (:func:`setpriv_argv`), the init and the job run as the job's user."""
@@ -268,8 +271,8 @@ def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str
     init = [*(become or []), "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
             str(int(switch_timeout_s * 1000)), str(int(max_frozen_s * 1000)), *job]
     if scratch is None:
-        return ["unshare", "--pid", "--fork", "--kill-child", "setsid", *init]
-    return ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "setsid",
+        return ["unshare", "--ipc", "--pid", "--fork", "--kill-child", "setsid", *init]
+    return ["unshare", "--mount", "--propagation", "private", "--ipc", "--pid", "--fork", "--kill-child", "setsid",
             "/bin/sh", "-c", scratch, SCRATCH_NAME, *init]
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from revenant.agent.epochs import JobFiles, Manifest
+
+if TYPE_CHECKING:
+    from revenant.messages import CheckpointPolicy
 
 
 @dataclass
@@ -35,6 +38,10 @@ class DumpContext:
     state: dict[str, Any] = field(default_factory=dict)
     # Asked when criu fails: a step's own reason for the failure (its action script's, say), or "".
     why_failed: list[Callable[[], str]] = field(default_factory=list)
+    # The job's checkpoint policy (JobSpec.policy; None: the defaults), and arguments a step adds
+    # to criu's dump command line (a pre-dump's --prev-images-dir).
+    policy: CheckpointPolicy | None = None
+    dump_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +58,8 @@ class RestoreContext:
     leave_workdir: str = ""
     # What each step's check_restore returned for this epoch, by step name (its plan, to carry out).
     checked: dict[str, Any] = field(default_factory=dict)
+    # Where criu restores from when not epoch_dir: an epoch stored as a delta, rebuilt (agent/packs.py).
+    images: Path | None = None
 
 
 class Step(Protocol):

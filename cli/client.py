@@ -25,6 +25,8 @@ from revenant.common.intervals import format_interval, parse_interval
 from revenant.common.limits import BadRequest, check_submit
 from revenant.messages import (
     AnomalyEvent,
+    CheckpointPolicy,
+    EpochInfo,
     EpochEvent,
     FailoverReply,
     FailoverRequest,
@@ -202,6 +204,10 @@ def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
                       f"{event.freeze_s * 1000:.0f} ms, {event.duration_s:.2f} s in all")
         elif event.kind == "failed":
             detail = f"on {event.node}: {event.error}"
+        elif event.kind in ("skipped", "degraded", "forced"):
+            detail = f"on {event.node}: {event.reason}"
+        elif event.kind == "converted":
+            detail = f"epoch {event.n} on {event.node}: now a delta of {_fmt_bytes(event.bytes)}"
         else:
             detail = f"epoch {event.n}"
         line = f"{_fmt_time(event.at)} job {event.job} checkpoint {event.kind} {detail}"
@@ -266,7 +272,9 @@ def job_view(rec: JobRecord) -> dict:
                     "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
                               for f in e.files],
                     "files_total": e.files_total, "files_copied": e.files_copied,
-                    "workdir_note": e.workdir_note} for e in rec.epochs],
+                    "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental}
+                   for e in rec.epochs],
+        "storage_bytes": rec.storage_bytes,
         "output": rec.output,
         "exit_code": rec.exit_code,
         "reason": rec.reason,
@@ -274,6 +282,7 @@ def job_view(rec: JobRecord) -> dict:
         "workdir": rec.spec.workdir,
         "checkpoint_interval_s": rec.spec.checkpoint_interval_s,
         "max_epochs": rec.spec.max_epochs,
+        "policy": msgspec.to_builtins(rec.spec.policy),
         "requeue": rec.spec.requeue,
         "created_at": rec.created_at,
         "updated_at": rec.updated_at,
@@ -309,7 +318,8 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
         raise BadRequest(f"cannot read the current directory ({exc.strerror}): give --workdir") from None
     req = SubmitRequest(argv=command, name=args.name or "", node=args.node or "", workdir=workdir,
                         checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue,
-                        user=user)
+                        user=user, incremental=args.incremental, full_every=args.full_every,
+                        pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware)
     check_submit(req)
     return req
 
@@ -328,7 +338,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
     v = job_view(rec)
     every = (f"every {format_interval(rec.spec.checkpoint_interval_s)}" if rec.spec.checkpoint_interval_s
              else "manual")
-    epochs = ", ".join(f"#{e.n} {_fmt_bytes(e.bytes)} at {_fmt_time(e.created_at)}" for e in rec.epochs) or "none"
+    epochs = ", ".join(_epoch_cell(e) for e in rec.epochs) or "none"
     rows = [
         ("job", f"{v['id']} ({v['name']})"),
         ("user", v["user"] or "-"),
@@ -337,6 +347,8 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("pid", str(v["pid"] or "-")),
         ("generation", str(v["generation"])),
         ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
+        ("policy", policy_line(rec.spec.policy)),
+        ("storage", _storage_cell(rec)),
         ("epochs", epochs),
         *_epoch_files(rec),
         ("output", v["output"] or "-"),
@@ -344,6 +356,29 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("command", " ".join(rec.spec.argv)),
     ]
     print("\n".join(f"{k:<12} {val}" for k, val in rows))
+
+
+def policy_line(p: CheckpointPolicy) -> str:
+    """A job's checkpoint policy on one line (``show job``)."""
+    parts = [f"incremental, full every {p.full_every}" if p.incremental else "full epochs",
+             f"pre-dump {p.pre_dump_delay_s:g} s before" if p.pre_dump else "no pre-dump",
+             (f"load-aware (cpu {p.load_threshold_cpu:g}, io {p.load_threshold_io:g}, "
+              f"memory {p.load_threshold_memory:g})") if p.load_aware else "not load-aware"]
+    return ", ".join(parts)
+
+
+def _epoch_cell(e: EpochInfo) -> str:
+    """``#3 1.0 GiB at T``; with its own bytes when reported (a delta's are a fraction of its size)."""
+    own = ""
+    if e.own_bytes or e.incremental:
+        own = f" ({_fmt_bytes(e.own_bytes)} own{', incremental' if e.incremental else ''})"
+    return f"#{e.n} {_fmt_bytes(e.bytes)}{own} at {_fmt_time(e.created_at)}"
+
+
+def _storage_cell(rec: JobRecord) -> str:
+    if rec.storage_bytes:
+        return f"{_fmt_bytes(rec.storage_bytes)} on disk (data shared between epochs counted once)"
+    return "none" if not rec.epochs else "not reported"
 
 
 def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
@@ -421,7 +456,7 @@ def failover(args: argparse.Namespace) -> int:
 
 def job_action(args: argparse.Namespace, verb: str) -> int:
     """checkpoint create (verb 'checkpoint'), vacate, restart, purge."""
-    req = JobRequest(job=args.job, node=getattr(args, "node", None) or "")
+    req = JobRequest(job=args.job, node=getattr(args, "node", None) or "", epoch=getattr(args, "epoch", None) or 0)
     reply = asyncio.run(_coord(_url(args), verb, req, JobReply, args.timeout))
     rec = reply.job
     for note in reply.notes:

@@ -19,6 +19,7 @@ NUMBER_RANGES = {
     "interval": ("--interval", 0.01, 86400.0),
     "nodes": ("--nodes", 1, 1000),
     "max_epochs": ("--max-epochs", 1, MAX_EPOCHS),
+    "epoch": ("--epoch", 1, 2**63 - 1),
     "ready_fd": ("--ready-fd", 0, 1 << 20),
 }
 # A service's flags go into its config, which checks their ranges; here, only that they are finite.
@@ -128,7 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", help="run on this node (default: the healthiest with the fewest jobs)")
     p.add_argument("--checkpoint", metavar="INTERVAL",
                    help="checkpoint periodically: minutes, m:s, h:m:s, d-h, d-h:m or d-h:m:s")
-    p.add_argument("--max-epochs", type=int, default=1, help="checkpoints to keep (default 1)")
+    p.add_argument("--max-epochs", type=int, help="checkpoints to keep (default: the cluster's [checkpoint] "
+                   "max_epochs, 1 unless set)")
+    # The job's checkpoint policy; each left out takes the cluster's [checkpoint] default.
+    p.add_argument("--incremental", action=argparse.BooleanOptionalAction,
+                   help="store older epochs as deltas against the job's other epochs (default: the cluster's)")
+    p.add_argument("--full-every", type=int, metavar="N",
+                   help="with --incremental, every N-th epoch starts a new chain (1-1000; default: the cluster's)")
+    p.add_argument("--pre-dump", action=argparse.BooleanOptionalAction,
+                   help="pre-dump memory before the final dump, for a shorter freeze (default: the cluster's)")
+    p.add_argument("--pre-dump-delay", type=float, metavar="S", dest="pre_dump_delay_s",
+                   help="seconds between the pre-dump and the final dump (0-3600; default: the cluster's)")
+    p.add_argument("--load-aware", action=argparse.BooleanOptionalAction,
+                   help="skip a periodic checkpoint while the node is over a load threshold (default: the cluster's)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
     p.add_argument("--workdir", help="working directory (default: the current one)")
     p.add_argument("--user", help="admin (root) only: submit for this user, who owns the job and whom it runs as "
@@ -147,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--json", action="store_true")
         if action == "restart":
             q.add_argument("--node", help="restore on this node (default: the coordinator chooses)")
+            q.add_argument("--epoch", type=int, metavar="N",
+                           help="restore exactly this kept epoch (default: the newest that can be restored)")
         q.set_defaults(func=_cmd_job_action, verb=verb)
 
     p = sub.add_parser("show", help="show an object")

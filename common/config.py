@@ -3,7 +3,9 @@
 Each section is a msgspec Struct.  Unknown keys are errors, names carry their
 units, and environment overrides are ``REVENANT_<SECTION>_<FIELD>``, for
 example ``REVENANT_COORDINATOR_NODE_TIMEOUT_S=5``.  docs/configuration.md lists
-every key; tests/test_config.py checks that the two agree.
+every key; tests/test_config.py checks that the two agree.  A section may hold
+another as a field (``SECTIONS``): that one is read from its own ``[table]`` of
+the same file, never from the holder's.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
 from revenant.common.errors import ConfigError
+from revenant.common.limits import POLICY_RANGES, policy_problem
 from revenant.common.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
+from revenant.messages import CheckpointPolicy, SubmitRequest
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -157,7 +161,56 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                min_samples=self.anomaly_min_samples, cooldown_s=self.anomaly_cooldown_s)
 
 
+class CheckpointConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[checkpoint]``: the cluster's defaults for every job's checkpoints, which a submit may
+    override per job.  The scheduler guide's spellings (``CRIU_Incremental = YES``) are read as
+    well (:data:`GUIDE_NAMES`)."""
+
+    max_epochs: int = 1
+    incremental: bool = False
+    full_every: int = 10
+    pre_dump: bool = False
+    pre_dump_delay_s: float = 5.0
+    load_aware: bool = False
+    load_threshold_cpu: float = 0.95
+    load_threshold_io: float = 0.50
+    load_threshold_memory: float = 0.85
+
+    def __post_init__(self) -> None:
+        for name in POLICY_RANGES:
+            problem = policy_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(problem)
+
+    def policy(self, req: SubmitRequest | None = None) -> CheckpointPolicy:
+        """A job's effective policy: these defaults, with what ``req`` overrides (None: the default)."""
+        values = {name: getattr(self, name) for name in CheckpointPolicy.__struct_fields__}
+        for name in values:
+            given = getattr(req, name, None)
+            if given is not None:
+                values[name] = given
+        return CheckpointPolicy(**values)
+
+    def max_epochs_for(self, req: SubmitRequest) -> int:
+        return self.max_epochs if req.max_epochs is None else req.max_epochs
+
+
+# The scheduler guide's spelling of each [checkpoint] option (matched without regard to case).
+GUIDE_NAMES = {
+    "CRIU_MaxEpochs": "max_epochs", "CRIU_Incremental": "incremental", "CRIU_FullEvery": "full_every",
+    "CRIU_PreDump": "pre_dump", "CRIU_PreDumpDelay": "pre_dump_delay_s", "CRIU_LoadAware": "load_aware",
+    "CRIU_LoadThresholdCPU": "load_threshold_cpu", "CRIU_LoadThresholdIO": "load_threshold_io",
+    "CRIU_LoadThresholdMemory": "load_threshold_memory",
+}
+_GUIDE_KEYS = {k.lower(): v for k, v in GUIDE_NAMES.items()}
+# The guide writes its switches YES and NO, bare; TOML would refuse them unquoted.
+_BARE_YES_NO = re.compile(r"^(\s*CRIU_\w+\s*=\s*)(yes|no)(\s*(?:#.*)?)$", re.I | re.M)
+
+
 class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Sections of their own that this one holds: read from their own [table].
+    SECTIONS: ClassVar[dict[str, type[msgspec.Struct]]] = {"checkpoint": CheckpointConfig}
+
     nats_url: str = "nats://127.0.0.1:4222"
     # The NKey seed (or JWT .creds) file of the coordinator identity (docs/security.md).
     nats_creds: str = ""
@@ -203,6 +256,8 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # A finished job's record leaves the live table (to the archive, where `show job` still
     # finds it) once it has not changed for this long.
     job_retention_s: float = 7 * 24 * 3600.0
+    # The [checkpoint] section: every job's defaults, filled in at submit.
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_margin_s", "requeue_timeout_s", "restore_rate_per_s",
@@ -258,6 +313,62 @@ def _env_overrides(section: str, cls: type[msgspec.Struct], environ: dict[str, s
     return out
 
 
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    try:
+        return tomllib.loads(_BARE_YES_NO.sub(r'\1"\2"\3', text))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def _guide_spellings(section: str, values: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """[checkpoint]'s values with the guide's spellings read as revenant's keys; an option given
+    both ways is an error, and so is a guide option outside the section."""
+    stray = [k for k in doc if k.lower() in _GUIDE_KEYS]
+    if stray:
+        raise ConfigError(f"{stray[0]} must be in the [{section}] section (put a [{section}] line above it)")
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in values.items():
+        name = _GUIDE_KEYS.get(key.lower(), key)
+        if name in given:
+            raise ConfigError(f"[{section}] {name} is given twice, as {given[name]} and as {key}: keep one")
+        given[name] = key
+        out[name] = value
+    return out
+
+
+def _yes_no(cls: type[msgspec.Struct], values: dict[str, Any]) -> dict[str, Any]:
+    """[checkpoint]'s switches may be written YES or NO (as the guide does), in the file or the environment."""
+    switches = {f.name for f in msgspec.structs.fields(cls) if f.type is bool}
+    return {k: (v.strip().lower() == "yes") if k in switches and isinstance(v, str)
+            and v.strip().lower() in ("yes", "no") else v for k, v in values.items()}
+
+
+def _build(cls: type[C], section: str, doc: dict[str, Any], path: Any, overrides: dict[str, Any] | None,
+           environ: dict[str, str]) -> C:
+    values: dict[str, Any] = {}
+    section_values = doc.get(section, {})
+    if not isinstance(section_values, dict):
+        raise ConfigError(f"config file {path}: [{section}] must be a table")
+    values.update(_guide_spellings(section, section_values, doc) if cls is CheckpointConfig else section_values)
+    values.update(_env_overrides(section, cls, environ))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for name, sub in getattr(cls, "SECTIONS", {}).items():
+        if name in values:
+            raise ConfigError(f"[{section}] {name}: these settings go in a [{name}] section of their own")
+        values[name] = _build(sub, name, doc, path, None, environ)
+    try:
+        return msgspec.convert(_yes_no(cls, values) if cls is CheckpointConfig else values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"[{section}] {exc}") from None
+
+
 def load_config(
     cls: type[C],
     section: str,
@@ -265,22 +376,7 @@ def load_config(
     overrides: dict[str, Any] | None = None,
     environ: dict[str, str] | None = None,
 ) -> C:
-    """Build a config from the ``[section]`` of a TOML file, the environment and overrides."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            doc = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"config file {path}: {exc}") from None
-        section_values = doc.get(section, {})
-        if not isinstance(section_values, dict):
-            raise ConfigError(f"config file {path}: [{section}] must be a table")
-        values.update(section_values)
-    values.update(_env_overrides(section, cls, dict(os.environ if environ is None else environ)))
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    try:
-        return msgspec.convert(values, cls, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"[{section}] {exc}") from None
+    """Build a config from the ``[section]`` of a TOML file, the environment and overrides (and
+    the sections it holds, from their own tables and environment variables)."""
+    doc = _read(path) if path is not None else {}
+    return _build(cls, section, doc, path, overrides, dict(os.environ if environ is None else environ))

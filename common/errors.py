@@ -67,3 +67,12 @@ class StaleGeneration(RevenantError):
     """A command for a generation of a job that is not (or no longer) the one running."""
 
     code = "stale_generation"
+
+
+class CheckpointSkipped(RevenantError):
+    """A scheduled checkpoint the agent did not take: its node was over a load threshold (the
+    message names the metric, its value and the threshold).  Not a failure of the job: the
+    next one is tried on schedule."""
+
+    code = "checkpoint_skipped"
+    retriable = True

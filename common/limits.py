@@ -16,7 +16,7 @@ import math
 import msgspec
 
 from revenant.common.errors import RevenantError
-from revenant.messages import MAX_MESSAGE_BYTES, JobSpec, SubmitRequest
+from revenant.messages import MAX_MESSAGE_BYTES, CheckpointPolicy, JobSpec, SubmitRequest
 
 # The job's spec (command line, environment, name, working directory) as stored, encoded.
 MAX_SPEC_BYTES = 128 * 1024
@@ -25,6 +25,21 @@ MAX_EPOCHS = 100
 # --checkpoint: at least a second, at most a year (longer is "never": leave --checkpoint out).
 MIN_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 365 * 86400.0
+# --full-every: a segment of at most this many epochs; --pre-dump-delay: at most an hour.
+MAX_FULL_EVERY = 1000
+MAX_PRE_DUMP_DELAY_S = 3600.0
+# A job's checkpoint options: name -> (lowest, highest, whole number).  The same bounds hold for
+# the cluster's [checkpoint] section at start-up and for a submit's overrides.
+POLICY_RANGES: dict[str, tuple[float, float, bool]] = {
+    "max_epochs": (1, MAX_EPOCHS, True),
+    "full_every": (1, MAX_FULL_EVERY, True),
+    "pre_dump_delay_s": (0.0, MAX_PRE_DUMP_DELAY_S, False),
+    "load_threshold_cpu": (0.0, 1.0, False),
+    "load_threshold_io": (0.0, 1.0, False),
+    "load_threshold_memory": (0.0, 1.0, False),
+}
+# The submit's flag for each option it may override (the thresholds are the cluster's).
+POLICY_FLAGS = {"full_every": "--full-every", "pre_dump_delay_s": "--pre-dump-delay"}
 # The longest job id the spec is measured with (ids are decimal counters).
 _ID_ROOM = "9" * 20
 
@@ -46,8 +61,8 @@ def default_name(argv: list[str]) -> str:
 def spec_bytes(req: SubmitRequest) -> int:
     """The size of the spec the coordinator would store for ``req``."""
     spec = JobSpec(id=_ID_ROOM, argv=req.argv, name=req.name or default_name(req.argv), workdir=req.workdir,
-                   env=req.env, checkpoint_interval_s=req.checkpoint_interval_s, max_epochs=req.max_epochs,
-                   requeue=req.requeue)
+                   env=req.env, checkpoint_interval_s=req.checkpoint_interval_s, max_epochs=MAX_EPOCHS,
+                   requeue=req.requeue, policy=CheckpointPolicy())
     try:
         return len(_encoder.encode(spec))
     except (OverflowError, TypeError, ValueError) as exc:  # an integer past 64 bits, a bad value
@@ -64,14 +79,30 @@ def check_range(flag: str, value: float, lowest: float, highest: float) -> None:
         raise BadRequest(f"{flag} must be at most {highest:g}, got {value}")
 
 
+def policy_problem(name: str, value: object, shown: str | None = None) -> str | None:
+    """One line naming the option (as ``shown``) and its accepted range, unless ``value`` is in
+    the range :data:`POLICY_RANGES` gives ``name``."""
+    lowest, highest, whole = POLICY_RANGES[name]
+    kind = "a whole number" if whole else "a number"
+    ok_type = isinstance(value, int) if whole else isinstance(value, (int, float))
+    if not ok_type or isinstance(value, bool) or not lowest <= value <= highest:  # type: ignore[operator]
+        return f"{shown or name} must be {kind} from {lowest:g} to {highest:g}, got {value!r}"
+    return None
+
+
 def check_submit(req: SubmitRequest) -> None:
     """Raise :class:`BadRequest` (one line, naming the limit) unless ``req`` can become a job
     whose record can be stored and replied to."""
     if not req.argv:
         raise BadRequest("nothing to run: give a command after --")
-    if not isinstance(req.max_epochs, int) or isinstance(req.max_epochs, bool):
-        raise BadRequest(f"--max-epochs must be a whole number, got {req.max_epochs!r}")
-    check_range("--max-epochs", req.max_epochs, 1, MAX_EPOCHS)
+    if req.max_epochs is not None:  # None: the cluster's default
+        if not isinstance(req.max_epochs, int) or isinstance(req.max_epochs, bool):
+            raise BadRequest(f"--max-epochs must be a whole number, got {req.max_epochs!r}")
+        check_range("--max-epochs", req.max_epochs, 1, MAX_EPOCHS)
+    for name, flag in POLICY_FLAGS.items():
+        value = getattr(req, name)
+        if value is not None and (problem := policy_problem(name, value, flag)):
+            raise BadRequest(problem)
     every = req.checkpoint_interval_s
     if every is not None and not (math.isfinite(every) and MIN_INTERVAL_S <= every <= MAX_INTERVAL_S):
         raise BadRequest(f"the checkpoint interval must be from {MIN_INTERVAL_S:g} s to "

@@ -67,10 +67,12 @@ class AgentClient:
                                                                fresh=cmd.fresh), timeout_s)
         if isinstance(cmd, lc.Restore):
             return await self.send(cmd.node, "restore", RestoreJob(spec=cmd.spec, generation=cmd.generation,
-                                                                   leave_workdir=cmd.leave_workdir), timeout_s)
+                                                                   leave_workdir=cmd.leave_workdir, epoch=cmd.epoch),
+                                   timeout_s)
         if isinstance(cmd, lc.Checkpoint):
             return await self.send(cmd.node, "checkpoint", CheckpointJob(job=cmd.job, generation=cmd.generation,
-                                                                         stop=cmd.stop), timeout_s)
+                                                                         stop=cmd.stop, scheduled=cmd.scheduled,
+                                                                         force=cmd.force), timeout_s)
         return await self.send(cmd.node, "kill", KillJob(job=cmd.job, generation=cmd.generation,
                                                          reason=cmd.reason), timeout_s)
 

@@ -54,6 +54,8 @@ class Restore:
     # Why the job's working directory must be left as it is (the shell fills it in: another job
     # works there), or "".
     leave_workdir: str = ""
+    # 0: the newest epoch that can be restored; N: exactly epoch N (an operator's restart --epoch).
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class Checkpoint:
     job: str
     generation: int
     stop: bool
+    # A periodic checkpoint (its node may skip it under load); force: take it whatever the load.
+    scheduled: bool = False
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ class LaunchFailed:
 @dataclass(frozen=True)
 class CheckpointAsked:
     stop: bool
+    scheduled: bool = False
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,10 @@ class Checkpointed:
     epoch: EpochInfo | None
     # What the agent's retention deleted (corrupt epochs first): dropped from the listing.
     pruned: tuple[int, ...] = ()
+    # Every epoch the job keeps, as the agent now describes them: when given, they replace the
+    # listing (through the retention rule).  storage_bytes: the job's storage (0: not reported).
+    epochs: tuple[EpochInfo, ...] = ()
+    storage_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,8 @@ class CheckpointFailed:
 @dataclass(frozen=True)
 class RestartAsked:
     target: str
+    # 0: the newest restorable epoch; N: exactly this kept epoch.
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import time
 from typing import Awaitable, Callable, Protocol
 
 from revenant.common.config import CoordinatorConfig
-from revenant.common.errors import BusError, RevenantError, UnknownJob
+from revenant.common.errors import BusError, CheckpointSkipped, RevenantError, UnknownJob
 from revenant.common.events import EventPublisher
 from revenant.common.limits import check_submit
 from revenant.coordinator import lifecycle as lc
@@ -171,9 +171,11 @@ class JobService:
             subjects.check_name(req.node)
         node = place(self.nodes(), self.jobs_per_node(), req.node)
         job_id = await self.store.next_id()
+        defaults = self.config.checkpoint  # the cluster's [checkpoint] section; the submit overrides it
         spec = JobSpec(id=job_id, argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
-                       max_epochs=req.max_epochs, requeue=req.requeue, user=user)
+                       max_epochs=defaults.max_epochs_for(req), requeue=req.requeue, user=user,
+                       policy=defaults.policy(req))
         cmd = (await self.step(job_id, lc.Submit(spec, node))).commands[0]
         tried: set[str] = set()
         while True:
@@ -203,14 +205,21 @@ class JobService:
         except NoNodeAvailable:
             return None
 
-    async def checkpoint(self, job: str, *, stop: bool) -> tuple[JobRecord, list[str]]:
-        cmd = (await self.step(job, lc.CheckpointAsked(stop))).commands[0]
+    async def checkpoint(self, job: str, *, stop: bool, scheduled: bool = False,
+                         force: bool = False) -> tuple[JobRecord, list[str]]:
+        """Checkpoint (``stop``: vacate) the job.  ``scheduled``: a periodic one, which its node may
+        skip under load (:class:`CheckpointSkipped`: the job runs on, nothing failed); ``force``:
+        take it whatever the load."""
+        cmd = (await self.step(job, lc.CheckpointAsked(stop, scheduled, force))).commands[0]
         try:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
-        except RevenantError:
+        except RevenantError as exc:
             await self.step(job, lc.CheckpointFailed(cmd.generation))
+            if exc.code == CheckpointSkipped.code and not isinstance(exc, CheckpointSkipped):
+                raise CheckpointSkipped(str(exc)) from None
             raise
-        await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned)))
+        await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned),
+                                             tuple(reply.epochs), reply.storage_bytes))
         return self.get(job), reply.notes
 
     async def checkpoint_abandoned(self, job: str, generation: int) -> None:
@@ -218,17 +227,18 @@ class JobService:
         on (a vacate that did stop it reports "vacated" through the event stream)."""
         await self.step(job, lc.CheckpointFailed(generation))
 
-    async def restart(self, job: str, node: str = "") -> tuple[JobRecord, list[str]]:
+    async def restart(self, job: str, node: str = "", epoch: int = 0) -> tuple[JobRecord, list[str]]:
+        """Restore a vacated or failed job: from ``epoch`` exactly, or (0) its newest restorable one."""
         before: list[JobRecord] = []
         waived: list[str] = []
 
         def ask(rec: JobRecord) -> lc.Input:
-            lc.check_restart(rec)  # before placement: a refusal names the job's state, not a node
+            lc.check_restart(rec, epoch)  # before placement: a refusal names the job's state, not a node
             before.append(rec)
             nodes = self.nodes()
             target = place(nodes, self.jobs_per_node(), node, restore=True)
             waived[:] = _waived(job, nodes, target)
-            return lc.RestartAsked(target)
+            return lc.RestartAsked(target, epoch)
 
         cmd = self._workdir_rule((await self.step(job, ask)).commands[0])
         try:

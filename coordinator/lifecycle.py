@@ -111,15 +111,23 @@ def _checkpoint_asked(rec: JobRecord, inp: CheckpointAsked, now: float) -> Decis
     if rec.state != State.RUNNING:
         raise JobNotRunning(f"job {rec.spec.id} is {rec.state}, not running")
     return Decision(_copy(rec, state=State.CHECKPOINTING),
-                    [Checkpoint(rec.node, rec.spec.id, rec.generation, inp.stop)])
+                    [Checkpoint(rec.node, rec.spec.id, rec.generation, inp.stop, inp.scheduled, inp.force)])
 
 
 def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
     new = _copy(rec)
-    if inp.epoch is not None:
+    if inp.epochs:  # the agent's own listing, fresh (own bytes change as epochs become deltas)
+        fresh = {e.n: e for e in inp.epochs}
+        if inp.epoch is not None:
+            fresh.setdefault(inp.epoch.n, inp.epoch)
+        new.epochs = keep_epochs(sorted(fresh.values(), key=lambda e: e.n), rec.spec.max_epochs)
+    elif inp.epoch is not None:
         listed = [e for e in rec.epochs if e.n != inp.epoch.n and e.n not in inp.pruned]
         new.epochs = keep_epochs(listed + [inp.epoch], rec.spec.max_epochs)
+    if inp.epoch is not None:
         new.last_checkpoint_at = now
+    if inp.storage_bytes:
+        new.storage_bytes = inp.storage_bytes
     if rec.generation == inp.generation and rec.state == State.CHECKPOINTING:
         if inp.stop:
             new.state, new.node, new.pid = State.VACATED, "", 0
@@ -134,20 +142,24 @@ def _checkpoint_failed(rec: JobRecord, inp: CheckpointFailed, now: float) -> Dec
     return Decision()
 
 
-def check_restart(rec: JobRecord) -> None:
-    """Refuse a restart the job's state does not allow (before a node is chosen for it)."""
+def check_restart(rec: JobRecord, epoch: int = 0) -> None:
+    """Refuse a restart the job's state does not allow (before a node is chosen for it), or one
+    from an ``epoch`` (0: the newest restorable) the job does not keep."""
     if rec.state not in (State.VACATED, State.FAILED):
         raise BadState(f"job {rec.spec.id} is {rec.state}; only a vacated or failed job can be restarted")
     if not rec.epochs:
         raise NoEpoch(f"job {rec.spec.id} has no checkpoint to restart from")
+    if epoch and all(e.n != epoch for e in rec.epochs):
+        kept = ", ".join(str(e.n) for e in rec.epochs)
+        raise NoEpoch(f"job {rec.spec.id} has no epoch {epoch}; it keeps epoch{'s' * (len(rec.epochs) > 1)} {kept}")
 
 
 def _restart_asked(rec: JobRecord, inp: RestartAsked, now: float) -> Decision:
-    check_restart(rec)
+    check_restart(rec, inp.epoch)
     generation = rec.generation + 1
     new = _copy(rec, generation=generation, state=State.RESTORING, node=inp.target, pid=0, reason="",
                 exit_code=None)
-    return Decision(new, [Restore(inp.target, rec.spec, generation)])
+    return Decision(new, [Restore(inp.target, rec.spec, generation, epoch=inp.epoch)])
 
 
 def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:

@@ -141,7 +141,7 @@ class ClientRequests:
         if verb in ("checkpoint", "vacate"):
             rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate")
         elif verb == "restart":
-            rec, notes = await jobs.restart(req.job, req.node)
+            rec, notes = await jobs.restart(req.job, req.node, req.epoch)
         else:
             rec, notes = await jobs.purge(req.job)
         return JobReply(job=rec, notes=notes)

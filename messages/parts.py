@@ -11,7 +11,10 @@ HealthState = Literal["GREEN", "YELLOW", "RED"]
 JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
                        "requeued", "failed", "evicted"]
-EpochEventKind = Literal["created", "failed", "pruned"]
+# skipped: a scheduled checkpoint not taken (the node over a load threshold); degraded: a
+# pre-dump that could not run (once per job); forced: a scheduled one taken despite the load;
+# converted: an older epoch turned into a delta against the job's packs.
+EpochEventKind = Literal["created", "failed", "pruned", "skipped", "degraded", "forced", "converted"]
 NodeState = Literal["alive", "suspect", "dead", "left"]
 NodeEventKind = Literal["joined", "suspect", "dead", "recovered", "left", "fenced"]
 
@@ -127,6 +130,24 @@ class NodeStatus(_Body):
     gpus: list[GpuHealth] = []
 
 
+class CheckpointPolicy(_Body):
+    """How a job's checkpoints are taken and stored: the cluster's ``[checkpoint]`` defaults with
+    the submit's overrides, fixed at submit (docs/configuration.md gives the ranges)."""
+
+    # Epochs stored as deltas against the job's packs (reverse incremental: the newest stays plain).
+    incremental: bool = False
+    # Every full_every-th epoch starts a segment: an epoch references only its segment's packs.
+    full_every: int = 10
+    # A criu pre-dump pre_dump_delay_s before the final dump (needs dirty-memory tracking).
+    pre_dump: bool = False
+    pre_dump_delay_s: float = 5.0
+    # Skip a scheduled checkpoint while the node is over a threshold (fractions, 0 to 1).
+    load_aware: bool = False
+    load_threshold_cpu: float = 0.95
+    load_threshold_io: float = 0.50
+    load_threshold_memory: float = 0.85
+
+
 class JobSpec(_Body):
     """What to run; fixed at submit time."""
 
@@ -142,6 +163,8 @@ class JobSpec(_Body):
     # The Unix user the job belongs to (and runs as), set by the coordinator at submit from who
     # asked; "" for a record stored before jobs had users.
     user: str = ""
+    # The job's effective checkpoint policy (the defaults for a record from before policies).
+    policy: CheckpointPolicy = msgspec.field(default_factory=CheckpointPolicy)
 
 
 class EpochFile(_Body):
@@ -172,6 +195,10 @@ class EpochInfo(_Body):
     files_copied: int = 0
     # Why the working directory's later changes are not moved aside on restore ("" if they are).
     workdir_note: str = ""
+    # Bytes on disk only this epoch holds (0: not reported); ``bytes`` is its images' full size.
+    own_bytes: int = 0
+    # Stored as a delta against the job's packs (it is rebuilt from them to be restored).
+    incremental: bool = False
 
 
 class JobRecord(_Body):
@@ -189,6 +216,9 @@ class JobRecord(_Body):
     created_at: float = 0.0
     updated_at: float = 0.0
     last_checkpoint_at: float = 0.0
+    # The job's whole checkpoint storage on disk, data shared between epochs counted once
+    # (0: not reported yet).
+    storage_bytes: int = 0
     # Bumped each time the leader lets a frozen copy of the job thaw (its node's lease had
     # lapsed): a failover decided before that is void.
     fence_token: int = 0

@@ -19,6 +19,7 @@ import msgspec
 
 from revenant.messages.parts import (  # noqa: F401  (part of this module's names: see __all__)
     Capabilities,
+    CheckpointPolicy,
     CriuInfo,
     EpochEventKind,
     EpochFile,
@@ -129,10 +130,17 @@ class SubmitRequest(Message, tag="submit.v1"):
     workdir: str = "/"
     env: dict[str, str] = {}
     checkpoint_interval_s: float | None = None
-    max_epochs: int = 1
+    # Checkpoints kept; None: the cluster's default ([checkpoint] max_epochs).
+    max_epochs: int | None = None
     requeue: bool = False
     # The user the job is for: admin may name anyone ("": root); a user only themself.
     user: str = ""
+    # Overrides of the cluster's [checkpoint] defaults for this job; None: the default.
+    incremental: bool | None = None
+    full_every: int | None = None
+    pre_dump: bool | None = None
+    pre_dump_delay_s: float | None = None
+    load_aware: bool | None = None
 
 
 class JobRequest(Message, tag="job_request.v1"):
@@ -140,6 +148,8 @@ class JobRequest(Message, tag="job_request.v1"):
 
     job: str
     node: str = ""
+    # restart only: restore exactly this kept epoch (0: the newest that can be restored).
+    epoch: int = 0
 
 
 class JobsRequest(Message, tag="jobs_request.v1"):
@@ -198,6 +208,10 @@ class CheckpointJob(Message, tag="checkpoint_job.v1"):
     generation: int
     # Vacate: stop the job once the checkpoint has committed.
     stop: bool = False
+    # A periodic checkpoint: only these may be skipped while the node is over a load threshold.
+    scheduled: bool = False
+    # Take it even over a load threshold.
+    force: bool = False
 
 
 class RestoreJob(Message, tag="restore_job.v1"):
@@ -205,6 +219,8 @@ class RestoreJob(Message, tag="restore_job.v1"):
     generation: int
     # Why the job's working directory must be left as it is (other jobs work in it), or "".
     leave_workdir: str = ""
+    # 0: the newest epoch that can be restored; N: exactly epoch N, with no fallback.
+    epoch: int = 0
 
 
 class KillJob(Message, tag="kill_job.v1"):
@@ -229,6 +245,11 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     # Epochs retention deleted after this checkpoint (corrupt ones go first, so not always the
     # oldest): the job table drops them from its listing.
     pruned: list[int] = []
+    # The job's whole checkpoint storage on disk, shared data counted once (0: not reported).
+    storage_bytes: int = 0
+    # Fresh infos of every epoch the job keeps, oldest first: when not empty, the job table's
+    # listing is replaced by them (own bytes change as older epochs become deltas).
+    epochs: list[EpochInfo] = []
 
 
 # -- events (JetStream, revenant.evt.job.<job>.<kind> / revenant.evt.epoch.<job>.<kind>)
@@ -262,6 +283,9 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     duration_s: float = 0.0
     # For "failed": criu's own error line (or the step that failed).
     error: str = ""
+    # Why: for "skipped" and "forced" the metric, its value and its threshold; for "degraded"
+    # why the pre-dump could not run.
+    reason: str = ""
 
 
 class ClusterEvent(Message, tag="cluster_event.v1"):
@@ -339,6 +363,7 @@ __all__ = [
     "AgentJobReply",
     "AnomalyEvent",
     "CheckpointJob",
+    "CheckpointPolicy",
     "EpochEvent",
     "EpochEventKind",
     "EpochFile",

@@ -115,10 +115,10 @@ def test_the_scratch_script_mounts_each_tmpfs_then_becomes_the_init(tmp_path):
         in lines
     files = JobFiles(tmp_path, "1")
     argv = init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"], "/w", 600, script)
-    assert argv[:8] == ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
-                        "setsid"]
-    assert argv[8:16] == ["/bin/sh", "-c", script, SCRATCH_NAME, "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME]
-    assert argv[16:] == init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"], "/w", 600)[9:]
+    assert argv[:9] == ["unshare", "--mount", "--propagation", "private", "--ipc", "--pid", "--fork",
+                        "--kill-child", "setsid"]
+    assert argv[9:17] == ["/bin/sh", "-c", script, SCRATCH_NAME, "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME]
+    assert argv[17:] == init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"], "/w", 600)[10:]
     # criu: the host's mounts are external, bound again from the restoring node, its / the root.
     dump = dump_argv("criu", pid=7, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                      leave_running=True)

@@ -150,10 +150,15 @@ maybe_epoch = st.one_of(st.none(), st.integers(min_value=1, max_value=9).map(lam
 inputs = st.one_of(
     st.builds(lc.Launched, generations, st.integers(1, 100)),
     st.builds(lc.LaunchFailed, generations, st.just("refused"), st.one_of(st.none(), nodes)),
-    st.builds(lc.CheckpointAsked, st.booleans()),
+    st.builds(lc.CheckpointAsked, st.booleans(), st.booleans(), st.booleans()),
     st.builds(lc.Checkpointed, generations, st.booleans(), maybe_epoch),
+    # An agent's full listing, which replaces the table's (through retention).
+    st.builds(lambda g, stop, epoch, listed, size: lc.Checkpointed(g, stop, epoch, (), tuple(
+        EpochInfo(n=n, own_bytes=n) for n in sorted(listed)), size), generations, st.booleans(), maybe_epoch,
+        st.sets(st.integers(1, 9), max_size=4), st.integers(0, 100)),
     st.builds(lc.CheckpointFailed, generations),
     st.builds(lc.RestartAsked, nodes),
+    st.builds(lc.RestartAsked, nodes, st.integers(0, 9)),
     st.builds(lc.Restored, generations, st.integers(1, 100), maybe_epoch),
     st.builds(lc.RestartFailed, generations, st.just("no"), st.sampled_from(["vacated", "failed"]),
               st.sampled_from(["", *NODES])),

@@ -13,6 +13,7 @@ from revenant.messages import (
     AgentJobReply,
     AnomalyEvent,
     CheckpointJob,
+    CheckpointPolicy,
     ClusterEvent,
     LocalJob,
     ReconcileReply,
@@ -71,9 +72,14 @@ HEALTH = HealthSummary(state="YELLOW", reasons=["memory 90% >= 85%"], loop_lag_s
                        memory_percent=90.0, storage_free_bytes=123)
 
 SPEC = JobSpec(id="17", argv=["python3", "job.py"], name="job", workdir="/w", env={"A": "1"},
-               checkpoint_interval_s=30.0, max_epochs=2, requeue=True)
+               checkpoint_interval_s=30.0, max_epochs=2, requeue=True,
+               policy=CheckpointPolicy(incremental=True, full_every=5, pre_dump=True, pre_dump_delay_s=2.5,
+                                       load_aware=True, load_threshold_cpu=0.9, load_threshold_io=0.6,
+                                       load_threshold_memory=0.8))
 JOB = JobRecord(spec=SPEC, state="running", node="node-1", pid=42, generation=2,
-                epochs=[EpochInfo(n=1, bytes=4096, created_at=1.0)], output="/s/jobs/17/output.log")
+                epochs=[EpochInfo(n=1, bytes=4096, created_at=1.0, own_bytes=512, incremental=True),
+                        EpochInfo(n=2, bytes=4096, created_at=2.0, own_bytes=4096)],
+                output="/s/jobs/17/output.log", storage_bytes=4608)
 
 SAMPLES = [
     Heartbeat(node="node-1", seq=7, sent_at=1.5, incarnation="abc", pid=42, capabilities=CAPS, health=HEALTH),
@@ -82,8 +88,9 @@ SAMPLES = [
     NodeEvent(node="node-1", kind="dead", at=3.0, incarnation="abc", silence_s=2.5, reason="silent"),
     NodesReply(nodes=[NodeStatus(name="node-1", state="alive", capabilities=CAPS)], coordinator="c"),
     ErrorReply(code="unknown_job", message="no job 'x'", retriable=False),
-    SubmitRequest(argv=["python3", "x.py"], name="x", node="node-1", checkpoint_interval_s=1800.0, max_epochs=3),
-    JobRequest(job="17", node="node-2"),
+    SubmitRequest(argv=["python3", "x.py"], name="x", node="node-1", checkpoint_interval_s=1800.0, max_epochs=3,
+                  incremental=True, full_every=4, pre_dump=False, pre_dump_delay_s=1.5, load_aware=True),
+    JobRequest(job="17", node="node-2", epoch=3),
     JobsRequest(),
     FailoverRequest(action="resume"),
     FailoverReply(paused=True, held=False, storm_acknowledged=False, silent=4, total=10, recovering=2,
@@ -91,14 +98,16 @@ SAMPLES = [
     JobReply(job=JOB, notes=["epoch 2 failed verification"]),
     JobsReply(jobs=[JOB]),
     StartJob(spec=SPEC, generation=1),
-    CheckpointJob(job="17", generation=2, stop=True),
-    RestoreJob(spec=SPEC, generation=3),
+    CheckpointJob(job="17", generation=2, stop=True, scheduled=True, force=True),
+    RestoreJob(spec=SPEC, generation=3, epoch=2),
     KillJob(job="17", generation=2),
     PurgeJob(job="17"),
     AgentJobReply(job="17", generation=2, node="node-1", pid=99, output="/s/jobs/17/output.log",
-                  epoch=EpochInfo(n=4, bytes=10), notes=["rolled back"]),
+                  epoch=EpochInfo(n=4, bytes=10), notes=["rolled back"], storage_bytes=14,
+                  epochs=[EpochInfo(n=3, bytes=10, own_bytes=4, incremental=True), EpochInfo(n=4, bytes=10)]),
     JobEvent(job="17", kind="restored", at=5.0, node="node-2", generation=3, pid=7, epoch=4),
     EpochEvent(job="17", kind="failed", at=6.0, node="node-1", error="Error (criu/cr-dump.c:1): x"),
+    EpochEvent(job="17", kind="skipped", at=6.5, node="node-1", reason="cpu 0.97 over its threshold 0.95"),
     AnomalyEvent(node="node-1", metric="memory_percent", value=99.0, mean=40.0, std=2.0, at=7.0),
     NodesRequest(),
     ClusterEvent(kind="failover_paused", at=8.0, silent=4, total=10, reason="4 of 10 nodes silent"),
@@ -128,6 +137,33 @@ def test_message_written_by_plain_msgpack_decodes():
     data = msgpack.packb({"type": "heartbeat.v1", "node": "n", "seq": 1, "sent_at": 0.5, "incarnation": "i"})
     hb = decode_as(data, Heartbeat)
     assert hb.node == "n" and hb.health.state == "GREEN" and hb.capabilities.gpu == "none"
+
+
+def test_records_and_messages_from_before_checkpoint_policies_still_decode():
+    """A job record stored, or a message sent, before policies and the new fields: every new
+    field takes its default."""
+    old_spec = {"id": "5", "argv": ["true"], "max_epochs": 2}
+    old_epoch = {"n": 1, "bytes": 10}
+    rec = msgspec.msgpack.decode(msgpack.packb({"spec": old_spec, "state": "vacated", "epochs": [old_epoch]}),
+                                 type=JobRecord)
+    assert rec.spec.policy == CheckpointPolicy() and rec.storage_bytes == 0
+    assert (rec.epochs[0].own_bytes, rec.epochs[0].incremental) == (0, False)
+    reply = decode(msgpack.packb({"type": "agent_job_reply.v1", "job": "5", "generation": 1, "node": "n",
+                                  "epoch": old_epoch}))
+    assert isinstance(reply, AgentJobReply) and (reply.epochs, reply.storage_bytes) == ([], 0)
+    assert decode(msgpack.packb({"type": "checkpoint_job.v1", "job": "5", "generation": 1})) == \
+        CheckpointJob(job="5", generation=1, stop=False, scheduled=False, force=False)
+    assert decode(msgpack.packb({"type": "restore_job.v1", "spec": old_spec, "generation": 2})).epoch == 0
+    assert decode(msgpack.packb({"type": "job_request.v1", "job": "5"})).epoch == 0
+    old_submit = decode(msgpack.packb({"type": "submit.v1", "argv": ["true"], "max_epochs": 1}))
+    assert old_submit.max_epochs == 1 and old_submit.incremental is None and old_submit.full_every is None
+    assert decode(msgpack.packb({"type": "epoch_event.v1", "job": "5", "kind": "created", "at": 1.0})).reason == ""
+
+
+@pytest.mark.parametrize("kind", ["created", "failed", "pruned", "skipped", "degraded", "forced", "converted"])
+def test_every_epoch_event_kind_round_trips(kind):
+    ev = EpochEvent(job="5", kind=kind, at=1.0, n=2, bytes=7, reason="why")
+    assert decode(encode(ev)) == ev
 
 
 def test_unknown_fields_from_a_newer_sender_are_ignored():

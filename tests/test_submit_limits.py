@@ -93,12 +93,16 @@ async def test_numbers_out_of_range_are_one_line_at_the_cli_and_at_the_coordinat
     assert "checkpoint interval must be from 1 s to 365 days" in err
     err = one_line_error(await _cli("jobs", "--timeout", "1e999", url=nats_url))
     assert "--timeout must be a finite number" in err
+    err = one_line_error(await _cli("submit", "--incremental", "--full-every", "0", "--", "true", url=nats_url))
+    assert "--full-every must be a whole number from 1 to 1000, got 0" in err
     for request, message in (
         (SubmitRequest(argv=["true"], max_epochs=2**63 - 1), "--max-epochs must be at most 100"),
         (SubmitRequest(argv=["true"], max_epochs=0), "--max-epochs must be at least 1"),
         (SubmitRequest(argv=["true"], checkpoint_interval_s=float("nan")), "checkpoint interval must be"),
         (SubmitRequest(argv=["true"], checkpoint_interval_s=1e300), "checkpoint interval must be"),
         (SubmitRequest(argv=[]), "nothing to run"),
+        (SubmitRequest(argv=["true"], full_every=0), "--full-every must be a whole number from 1 to 1000, got 0"),
+        (SubmitRequest(argv=["true"], pre_dump_delay_s=-1.0), "--pre-dump-delay must be a number from 0 to 3600"),
     ):
         with pytest.raises(RemoteError, match=message) as refused:
             await bus.request(nc, subjects.coordinator("submit"), request, JobReply, 10)

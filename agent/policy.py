@@ -1,0 +1,128 @@
+"""A job's checkpoint policy (JobSpec.policy) around the engine, on the agent.
+
+Before a checkpoint: the load gate (agent/load.py).  A scheduled checkpoint of a
+``load_aware`` job is refused while the node is over a threshold (a ``skipped``
+epoch event, and CheckpointSkipped to the coordinator, which tries again on
+schedule); after more than three in a row one is taken anyway (a ``forced``
+event); a manual one always goes ahead, with a warning in its reply's notes.
+
+After a checkpoint committed: retention, then, for an ``incremental`` job, the
+epochs the new one superseded become deltas (agent/packs.py), in a task of their
+own once the checkpoint has replied: never while the job is frozen, never on
+the reply's path.  Retention, conversions, pack collection and restores of one
+job are serialised by the job's lock here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from revenant.agent import packs
+from revenant.agent.checkpoints import CheckpointBook
+from revenant.agent.epochs import CorruptEpoch, JobFiles, Manifest
+from revenant.agent.load import LoadGate, LoadSampler
+from revenant.common.errors import CheckpointSkipped
+from revenant.messages import CheckpointPolicy, EpochEvent, EpochInfo, Message, subjects
+
+log = logging.getLogger(__name__)
+
+# Packs no epoch lists yet may belong to a conversion still under way on another node (the
+# job's previous one, after a move): only this old are they collected.
+ORPHAN_AGE_S = 600.0
+
+
+class PolicyRunner:
+    def __init__(self, node: str, book: CheckpointBook, emit: Callable[[str, Message], None],
+                 sampler: LoadSampler | None = None, gate: LoadGate | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.node = node
+        self.book = book
+        self.emit = emit
+        self.sampler = sampler or LoadSampler()
+        self.gate = gate or LoadGate()
+        self.wall_clock = wall_clock
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def lock(self, job: str) -> asyncio.Lock:
+        return self._locks.setdefault(job, asyncio.Lock())
+
+    def event(self, job: str, kind: str, generation: int, **kw) -> None:
+        self.emit(subjects.epoch_event(job, kind),
+                  EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
+
+    def forget(self, job: str) -> None:
+        self.gate.forget(job)
+
+    # ------------------------------------------------------------------ before
+
+    def admit(self, job: str, generation: int, policy: CheckpointPolicy, *, scheduled: bool,
+              force: bool) -> list[str]:
+        """Whether the checkpoint goes ahead under the node's load: raises CheckpointSkipped, or
+        returns the warnings its reply carries."""
+        decision = self.gate.decide(job, scheduled=scheduled, force=force, averages=self.sampler.averages(),
+                                    policy=policy)
+        if decision.skip:
+            self.event(job, "skipped", generation, reason=decision.reason)
+            raise CheckpointSkipped(f"scheduled checkpoint of job {job} skipped: node {self.node} is over a "
+                                    f"load threshold ({decision.reason}); the next is tried on schedule")
+        if decision.forced:
+            log.warning("job %s: %s", job, decision.reason)
+            self.event(job, "forced", generation, reason=decision.reason)
+        return [f"warning: {decision.reason}"] if decision.reason else []
+
+    # ------------------------------------------------------------------ after
+
+    async def committed(self, files: JobFiles, generation: int, manifest: Manifest, max_epochs: int,
+                        policy: CheckpointPolicy) -> tuple[EpochInfo, list[int], list[EpochInfo], int]:
+        """Record the epoch and apply retention (under the job's lock); start the conversion of
+        the epochs it superseded.  The epoch's info, the numbers pruned, every kept epoch's info
+        and the job's storage bytes."""
+        async with self.lock(files.job):
+            info, pruned = await self.book.committed(files, generation, manifest, max_epochs)
+            kept, storage = await asyncio.to_thread(self.listing, files)
+        if policy.incremental:
+            task = asyncio.create_task(self._convert(files, generation, policy.full_every),
+                                       name=f"convert-{files.job}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return info, pruned, kept, storage
+
+    def listing(self, files: JobFiles) -> tuple[list[EpochInfo], int]:
+        """Every kept epoch's info with its own bytes, and the job's storage (shared pages once)."""
+        storage, own = packs.usage(files)
+        out = []
+        for n in files.committed():
+            try:
+                m = files.read_manifest(n)
+            except CorruptEpoch:
+                continue
+            info = files.info(m)
+            info.own_bytes = own.get(n, info.bytes)
+            info.incremental = packs.converted(m)
+            out.append(info)
+        return out, storage
+
+    async def _convert(self, files: JobFiles, generation: int, full_every: int) -> None:
+        async with self.lock(files.job):
+            try:
+                for n in files.committed()[:-1]:  # the newest stays plain: failover restores it at full speed
+                    done = await asyncio.to_thread(packs.convert, files, n, full_every)
+                    if done.converted:
+                        log.info("job %s: epoch %d is a delta now (%d of %d pages new, %d bytes, %.2f s)",
+                                 files.job, n, done.new_pages, done.pages, done.own_bytes, done.seconds)
+                        self.event(files.job, "converted", generation, n=n, bytes=done.own_bytes,
+                                   duration_s=done.seconds)
+                    elif done.note and done.note != "already converted":
+                        log.warning("job %s: epoch %d not converted: %s", files.job, n, done.note)
+                await asyncio.to_thread(packs.gc, files, ORPHAN_AGE_S)
+            except OSError as exc:
+                log.warning("job %s: converting its older epochs failed (they stay as they are): %s", files.job, exc)
+
+    async def idle(self) -> None:
+        """Wait for the conversions under way (a drain lets them finish: they are short)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
