@@ -275,6 +275,7 @@ def job_view(rec: JobRecord) -> dict:
                     "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental}
                    for e in rec.epochs],
         "storage_bytes": rec.storage_bytes,
+        "last_checkpoint_error": rec.last_checkpoint_error,
         "output": rec.output,
         "exit_code": rec.exit_code,
         "reason": rec.reason,
@@ -349,6 +350,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
         ("policy", policy_line(rec.spec.policy)),
         ("storage", _storage_cell(rec)),
+        *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),
         ("epochs", epochs),
         *_epoch_files(rec),
         ("output", v["output"] or "-"),

@@ -129,6 +129,8 @@ class Checkpointed:
 class CheckpointFailed:
     """The checkpoint failed, or its reply went to a leader that is gone: the job runs on."""
     generation: int
+    # Why (the agent's error: criu's own line and where its log is kept); "" if nothing failed.
+    error: str = ""
 
 
 @dataclass(frozen=True)

@@ -214,8 +214,9 @@ class JobService:
         try:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
         except RevenantError as exc:
-            await self.step(job, lc.CheckpointFailed(cmd.generation))
-            if exc.code == CheckpointSkipped.code and not isinstance(exc, CheckpointSkipped):
+            skipped = exc.code == CheckpointSkipped.code
+            await self.step(job, lc.CheckpointFailed(cmd.generation, "" if skipped else str(exc)))
+            if skipped and not isinstance(exc, CheckpointSkipped):
                 raise CheckpointSkipped(str(exc)) from None
             raise
         await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned),

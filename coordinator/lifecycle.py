@@ -125,7 +125,7 @@ def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
         listed = [e for e in rec.epochs if e.n != inp.epoch.n and e.n not in inp.pruned]
         new.epochs = keep_epochs(listed + [inp.epoch], rec.spec.max_epochs)
     if inp.epoch is not None:
-        new.last_checkpoint_at = now
+        new.last_checkpoint_at, new.last_checkpoint_error = now, ""
     if inp.storage_bytes:
         new.storage_bytes = inp.storage_bytes
     if rec.generation == inp.generation and rec.state == State.CHECKPOINTING:
@@ -137,9 +137,10 @@ def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
 
 
 def _checkpoint_failed(rec: JobRecord, inp: CheckpointFailed, now: float) -> Decision:
+    error = inp.error or rec.last_checkpoint_error
     if rec.state == State.CHECKPOINTING and rec.generation == inp.generation:
-        return Decision(_copy(rec, state=State.RUNNING))
-    return Decision()
+        return Decision(_copy(rec, state=State.RUNNING, last_checkpoint_error=error))
+    return Decision(_copy(rec, last_checkpoint_error=error) if error != rec.last_checkpoint_error else None)
 
 
 def check_restart(rec: JobRecord, epoch: int = 0) -> None:

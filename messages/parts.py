@@ -216,6 +216,9 @@ class JobRecord(_Body):
     created_at: float = 0.0
     updated_at: float = 0.0
     last_checkpoint_at: float = 0.0
+    # Why the job's latest checkpoint failed (criu's own error line, and where its log is kept
+    # under the job's directory); "" once one commits.
+    last_checkpoint_error: str = ""
     # The job's whole checkpoint storage on disk, data shared between epochs counted once
     # (0: not reported yet).
     storage_bytes: int = 0

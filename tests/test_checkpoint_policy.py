@@ -253,3 +253,17 @@ def test_the_new_epoch_events_print_on_one_line_with_their_reason():
     converted = EpochEvent(job="7", kind="converted", at=0.0, node="node-1", n=4, bytes=2048)
     line, _ = format_event("revenant.evt.epoch.7.converted", 4, encode(converted))
     assert line.endswith("job 7 checkpoint converted epoch 4 on node-1: now a delta of 2.0 KiB")
+
+
+@pytest.mark.unit
+def test_the_job_record_keeps_the_latest_checkpoint_failure_until_one_commits(capsys):
+    rec = JobRecord(spec=JobSpec(id="5", argv=["true"]), state="checkpointing", node="node-1", generation=2)
+    why = "criu dump failed: Error (criu/sk-inet.c:1): Unsupported socket option (criu log: /s/jobs/5/criu-logs/x.log)"
+    failed = lc.transition(rec, lc.CheckpointFailed(2, why), 1.0).record
+    assert failed is not None and failed.state == "running" and failed.last_checkpoint_error == why
+    _print_job(failed, as_json=False)
+    assert "criu-logs/x.log" in capsys.readouterr().out  # show job points to the kept log
+    # A skip (no error) leaves the last failure as it was; a committed epoch clears it.
+    assert lc.transition(failed, lc.CheckpointFailed(2), 2.0).record is None
+    ok = lc.transition(failed, lc.Checkpointed(2, False, EpochInfo(n=1)), 3.0).record
+    assert ok is not None and ok.last_checkpoint_error == ""
