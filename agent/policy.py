@@ -109,18 +109,23 @@ class PolicyRunner:
     async def _convert(self, files: JobFiles, generation: int, full_every: int) -> None:
         async with self.lock(files.job):
             try:
+                done = []
                 for n in files.committed()[:-1]:  # the newest stays plain: failover restores it at full speed
-                    done = await asyncio.to_thread(packs.convert, files, n, full_every)
-                    if done.converted:
-                        log.info("job %s: epoch %d is a delta now (%d of %d pages new, %d bytes, %.2f s)",
-                                 files.job, n, done.new_pages, done.pages, done.own_bytes, done.seconds)
-                        self.event(files.job, "converted", generation, n=n, bytes=done.own_bytes,
-                                   duration_s=done.seconds)
-                    elif done.note and done.note != "already converted":
-                        log.warning("job %s: epoch %d not converted: %s", files.job, n, done.note)
+                    result = await asyncio.to_thread(packs.convert, files, n, full_every)
+                    if result.converted:
+                        log.info("job %s: epoch %d is a delta now (%d of %d pages new, %.2f s)",
+                                 files.job, n, result.new_pages, result.pages, result.seconds)
+                        done.append(result)
+                    elif result.note and result.note != "already converted":
+                        log.warning("job %s: epoch %d not converted: %s", files.job, n, result.note)
                 await asyncio.to_thread(packs.gc, files, ORPHAN_AGE_S)
+                storage, own = await asyncio.to_thread(packs.usage, files)
             except OSError as exc:
                 log.warning("job %s: converting its older epochs failed (they stay as they are): %s", files.job, exc)
+                return
+        for result in done:  # the coordinator's listing follows these (own bytes, the job's storage)
+            self.event(files.job, "converted", generation, n=result.epoch, bytes=own.get(result.epoch, 0),
+                       duration_s=result.seconds, storage_bytes=storage)
 
     async def idle(self) -> None:
         """Wait for the conversions under way (a drain lets them finish: they are short)."""

@@ -37,6 +37,7 @@ USER_PREFIX = "user-"
 # The coordinator's durable consumer on the event stream (coordinator/job_events.py): no one
 # else may create, change, read or delete it.
 COORDINATOR_CONSUMER = "revenant-coordinator-jobs"
+COORDINATOR_EPOCHS_CONSUMER = "revenant-coordinator-epochs"
 ARCHIVE_BUCKET = "revenant_jobs_archive"
 SEED_SUFFIX = ".nk"
 
@@ -119,12 +120,12 @@ def _event_reader() -> tuple[str, ...]:
 
 
 # Nobody but the coordinator touches its durable consumer (acks included).
-_COORDINATOR_CONSUMER_DENY = (
-    f"{_JS}.CONSUMER.*.{_EVENTS}.{COORDINATOR_CONSUMER}",
-    f"{_JS}.CONSUMER.*.{_EVENTS}.{COORDINATOR_CONSUMER}.>",
-    f"{_JS}.CONSUMER.MSG.NEXT.{_EVENTS}.{COORDINATOR_CONSUMER}",
-    f"$JS.ACK.{_EVENTS}.{COORDINATOR_CONSUMER}.>",
-)
+_COORDINATOR_CONSUMER_DENY = tuple(deny for name in (COORDINATOR_CONSUMER, COORDINATOR_EPOCHS_CONSUMER) for deny in (
+    f"{_JS}.CONSUMER.*.{_EVENTS}.{name}",
+    f"{_JS}.CONSUMER.*.{_EVENTS}.{name}.>",
+    f"{_JS}.CONSUMER.MSG.NEXT.{_EVENTS}.{name}",
+    f"$JS.ACK.{_EVENTS}.{name}.>",
+))
 
 
 def permissions_for(identity: str) -> Permissions:

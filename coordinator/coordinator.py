@@ -30,7 +30,7 @@ from revenant.coordinator.failover import Failover
 from revenant.common.service import Service
 from revenant.coordinator.agents import AgentClient, check_may_act
 from revenant.coordinator.archive import Archiver
-from revenant.coordinator.job_events import JobEventConsumer
+from revenant.coordinator.job_events import EPOCHS_CONSUMER, JobEventConsumer
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.leader import Leadership, Term
 from revenant.coordinator.paging import fitting
@@ -142,6 +142,8 @@ class Coordinator(Service):
                                self._events, self._nodes, self.leadership, wall=self._wall)
         self._client_requests = ClientRequests(self.jobs)
         self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
+        self._conversions = JobEventConsumer(self._js, self.jobs, self._evicted, subjects.EPOCHS_CONVERTED,
+                                             EPOCHS_CONSUMER)
         self._periodic = PeriodicCheckpoints(self.jobs, self._nodes, min(1.0, self.config.tick_interval_s * 10),
                                              self._wall)
         self._events.start()
@@ -195,6 +197,7 @@ class Coordinator(Service):
             if term.over.is_set():
                 return  # deposed while taking office
             term.add(self.spawn(_supervised(self._job_events.run), "job-events"))
+            term.add(self.spawn(_supervised(self._conversions.run), "epoch-conversions"))
             term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
             term.add(self.spawn(_supervised(Archiver(self.jobs, self.config.job_retention_s, wall=self._wall).run),
                                 "job-archive"))

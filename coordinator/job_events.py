@@ -1,6 +1,7 @@
-"""Agents' job events (exits, vacates, evictions), applied to the job table by the leader.
+"""Agents' job events (exits, vacates, evictions), applied to the job table by the leader;
+and their epoch conversions (an older epoch became a delta: its own bytes in the listing).
 
-A durable JetStream consumer, so none is lost across coordinator restarts.  A
+Durable JetStream consumers, so none is lost across coordinator restarts.  A
 leader whose lease is not fresh (its loop stalled) neither applies nor acks: the
 events are redelivered, to it or to its successor.
 """
@@ -17,11 +18,12 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.common.errors import RevenantError
 from revenant.coordinator.jobs import JobService
-from revenant.messages import JobEvent, MessageError, decode, subjects
+from revenant.messages import EpochEvent, JobEvent, MessageError, decode, subjects
 
 log = logging.getLogger(__name__)
 
 CONSUMER = "revenant-coordinator-jobs"
+EPOCHS_CONSUMER = "revenant-coordinator-epochs"
 
 
 async def _nak(msg, delay_s: float = 1.0) -> None:
@@ -33,15 +35,19 @@ async def _nak(msg, delay_s: float = 1.0) -> None:
 
 class JobEventConsumer:
     def __init__(self, js: JetStreamContext, jobs: JobService,
-                 on_evicted: Callable[[str, str, str], None]) -> None:
-        """``on_evicted(job, node, why)``: a job its node stopped (drained, fenced), to recover."""
+                 on_evicted: Callable[[str, str, str], None], subject: str = subjects.JOB_EVENTS_ALL,
+                 durable: str = CONSUMER) -> None:
+        """``on_evicted(job, node, why)``: a job its node stopped (drained, fenced), to recover.
+        ``subject``, ``durable``: what this consumer reads (job events, or epochs converted)."""
         self.js = js
         self.jobs = jobs
         self.on_evicted = on_evicted
+        self.subject = subject
+        self.durable = durable
 
     async def run(self) -> None:
         sub = await self.js.pull_subscribe(
-            subjects.JOB_EVENTS_ALL, durable=CONSUMER,
+            self.subject, durable=self.durable,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_wait=30, max_ack_pending=1000))
         try:
             await self._consume(sub)
@@ -78,6 +84,8 @@ class JobEventConsumer:
             event = decode(msg.data)
             if isinstance(event, JobEvent) and await self.jobs.apply_event(event):
                 self.on_evicted(event.job, event.node, event.reason or "evicted")
+            elif isinstance(event, EpochEvent) and event.kind == "converted":
+                await self.jobs.apply_converted(event)
         except MessageError as exc:
             log.warning("bad job event on %s: %s", msg.subject, exc)
         except RevenantError as exc:

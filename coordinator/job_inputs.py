@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from revenant.messages import EpochInfo, JobEvent, JobRecord, JobSpec
+from revenant.messages import EpochEvent, EpochInfo, JobEvent, JobRecord, JobSpec
 
 __all__ = [
     "AgentReport",
+    "EpochConverted",
     "Checkpoint",
     "CheckpointAsked",
     "CheckpointFailed",
@@ -165,6 +166,12 @@ class AgentReport:
 
 
 @dataclass(frozen=True)
+class EpochConverted:
+    """An agent turned one of the job's older epochs into a delta, after the checkpoint's reply."""
+    event: EpochEvent
+
+
+@dataclass(frozen=True)
 class Recover:
     """The job's node is gone (``dead``; "" when a new leader takes over a half-done launch or
     restore) or stopped it (``evicted``: its reason); ``target`` is where placement puts it.
@@ -200,8 +207,8 @@ class Purged:
 
 
 Input = (Submit | Launched | LaunchFailed | CheckpointAsked | Checkpointed | CheckpointFailed | RestartAsked
-         | Restored | RestartFailed | AgentReport | Recover | ThawAsked | RecoveryAttemptFailed | RecoveryFailed
-         | Purged)
+         | Restored | RestartFailed | AgentReport | EpochConverted | Recover | ThawAsked | RecoveryAttemptFailed
+         | RecoveryFailed | Purged)
 
 
 @dataclass(frozen=True)

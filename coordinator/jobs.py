@@ -26,6 +26,7 @@ from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
 from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, workdir_shared
 from revenant.coordinator.store import JobStore, WriteConflict
 from revenant.messages import (
+    EpochEvent,
     JobEvent,
     JobRecord,
     JobSpec,
@@ -346,6 +347,11 @@ class JobService:
         if ev.job not in self.jobs:
             return False  # a job this coordinator does not know
         return (await self.step(ev.job, lc.AgentReport(ev))).outcome == "evicted"
+
+    async def apply_converted(self, ev: EpochEvent) -> None:
+        """An older epoch became a delta: its own bytes and the job's storage in the listing."""
+        if ev.job in self.jobs:
+            await self.step(ev.job, lc.EpochConverted(ev))
 
     def lost_on(self, node: str, local: list[LocalJob]) -> list[str]:
         """Jobs the table has running on ``node`` that its freshly started agent does not run:

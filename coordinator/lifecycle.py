@@ -28,9 +28,9 @@ import msgspec
 from revenant.common import retention
 from revenant.common.errors import JobNotRunning, RevenantError
 from revenant.coordinator.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
-    AgentReport, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, Kill, Launched,
-    LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed, Restore,
-    Restored, Start, Checkpoint, Submit, ThawAsked, Input,
+    AgentReport, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted, Kill,
+    Launched, LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed,
+    Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input,
 )
 from revenant.messages import EpochInfo, JobEvent, JobRecord, LocalJob, StaleJob
 
@@ -272,6 +272,15 @@ def _recovery_failed(rec: JobRecord, inp: RecoveryFailed, now: float) -> Decisio
     return Decision(_copy(rec, state=State.FAILED, node="", pid=0, reason=inp.reason))
 
 
+def _epoch_converted(rec: JobRecord, inp: EpochConverted, now: float) -> Decision:
+    ev = inp.event  # own bytes in ev.bytes; a job restored since keeps the listing its restore gave
+    epochs = [msgspec.structs.replace(e, own_bytes=ev.bytes, incremental=True) if e.n == ev.n else e
+              for e in rec.epochs]
+    if epochs == rec.epochs and ev.storage_bytes in (0, rec.storage_bytes):
+        return Decision()
+    return Decision(_copy(rec, epochs=epochs, storage_bytes=ev.storage_bytes or rec.storage_bytes))
+
+
 def _purged(rec: JobRecord, inp: Purged, now: float) -> Decision:
     if rec.state not in ENDED:
         return Decision()
@@ -282,7 +291,7 @@ _HANDLERS: dict[type, Any] = {
     Launched: _launched, LaunchFailed: _launch_failed, CheckpointAsked: _checkpoint_asked,
     Checkpointed: _checkpointed, CheckpointFailed: _checkpoint_failed, RestartAsked: _restart_asked,
     Restored: _restored, RestartFailed: _restart_failed, AgentReport: _agent_report, Recover: _recover,
-    ThawAsked: _thaw_asked,
+    ThawAsked: _thaw_asked, EpochConverted: _epoch_converted,
     RecoveryAttemptFailed: _recovery_attempt_failed, RecoveryFailed: _recovery_failed, Purged: _purged,
 }
 

@@ -124,6 +124,8 @@ def epoch_event(job: str, kind: str) -> str:
 
 
 JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
+# Older epochs an agent turned into deltas (the coordinator's listing follows them).
+EPOCHS_CONVERTED = f"{EVENTS_PREFIX}.epoch.*.converted"
 JOBS_BUCKET = "revenant_jobs"
 LEASES_BUCKET = "revenant_leases"
 LEADER_BUCKET = "revenant_leader"

@@ -286,6 +286,8 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     # Why: for "skipped" and "forced" the metric, its value and its threshold; for "degraded"
     # why the pre-dump could not run.
     reason: str = ""
+    # For "converted": the job's whole checkpoint storage afterwards (shared data once).
+    storage_bytes: int = 0
 
 
 class ClusterEvent(Message, tag="cluster_event.v1"):

@@ -267,3 +267,20 @@ def test_the_job_record_keeps_the_latest_checkpoint_failure_until_one_commits(ca
     assert lc.transition(failed, lc.CheckpointFailed(2), 2.0).record is None
     ok = lc.transition(failed, lc.Checkpointed(2, False, EpochInfo(n=1)), 3.0).record
     assert ok is not None and ok.last_checkpoint_error == ""
+
+
+@pytest.mark.unit
+def test_a_converted_epoch_updates_the_listing_after_the_checkpoint_replied():
+    from revenant.messages import EpochEvent
+
+    rec = JobRecord(spec=JobSpec(id="6", argv=["true"], max_epochs=3), state="running", node="node-1",
+                    generation=1, storage_bytes=300, epochs=[EpochInfo(n=1, bytes=100, own_bytes=100),
+                                                             EpochInfo(n=2, bytes=100, own_bytes=100)])
+    ev = EpochEvent(job="6", kind="converted", at=1.0, n=1, bytes=3, storage_bytes=203)
+    new = lc.transition(rec, lc.EpochConverted(ev), 2.0).record
+    assert new is not None and new.storage_bytes == 203
+    assert [(e.n, e.own_bytes, e.incremental) for e in new.epochs] == [(1, 3, True), (2, 100, False)]
+    # Told twice (a redelivery), or about an epoch the listing no longer has: nothing changes.
+    assert lc.transition(new, lc.EpochConverted(ev), 3.0).record is None
+    gone = EpochEvent(job="6", kind="converted", at=1.0, n=9, bytes=3)
+    assert lc.transition(new, lc.EpochConverted(gone), 3.0).record is None

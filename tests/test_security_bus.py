@@ -142,6 +142,7 @@ def test_names_the_permissions_use_are_the_coordinators():
     from revenant.coordinator import job_events, store
 
     assert security.COORDINATOR_CONSUMER == job_events.CONSUMER
+    assert security.COORDINATOR_EPOCHS_CONSUMER == job_events.EPOCHS_CONSUMER
     assert security.ARCHIVE_BUCKET == store.ARCHIVE_BUCKET
 
 
