@@ -167,6 +167,7 @@ class Agent(Service):
                  criu.version if criu.ok else "unusable")
         self.spawn(self.loop_monitor.run(), "loop-monitor")
         self.spawn(self._health_loop(), "health")
+        self.spawn(self._load_loop(), "load")
         # A leader that never saw this node's previous agent die learns it here (its jobs died with it).
         self._in_task(lambda: self.reconcile(started=True))
 
@@ -189,6 +190,7 @@ class Agent(Service):
             reason = f"node {self.node} is shutting down"
             await self.supervisor.drain(self.config.drain_timeout_s, reason)
             await self.supervisor.shutdown(reason)
+            await self.supervisor.policies.idle(self.config.shutdown_grace_s)  # their events go out below
         if self._events is not None:
             await self._events.stop()
         await self.liveness.stop()  # the last heartbeat says "leaving"
@@ -297,9 +299,16 @@ class Agent(Service):
             await asyncio.sleep(self.config.heartbeat_interval_s)
             self.health = await self._sample_health()
             if self.supervisor is not None:
-                self.supervisor.policies.sampler.sample()  # the load a scheduled checkpoint is weighed against
                 self.supervisor.reap_orphans()
                 await self.supervisor.expire_frozen(self.config.max_frozen_s)
+
+    async def _load_loop(self) -> None:
+        """The node's load each second, whatever the heartbeat interval: a scheduled checkpoint of a
+        load-aware job is weighed against its average over the last few seconds (agent/load.py)."""
+        while True:
+            if self.supervisor is not None:
+                self.supervisor.policies.sampler.sample()
+            await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ commands
 

@@ -15,9 +15,11 @@ that have none, SHA-256 is twice as fast (cut to 128 bits it is as strong as bla
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import secrets
 import struct
 import zlib
 from pathlib import Path
@@ -75,7 +77,7 @@ def read_idx(files: JobFiles, ref: str) -> bytes:
         with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise CorruptEpoch(f"index of pack {ref} is unreadable: {exc}") from None
+        raise _unreadable(exc, f"index of pack {ref} is unreadable") from None
     digests, tail = data[:-_CRC.size], data[-_CRC.size:]
     if len(data) < _CRC.size or len(digests) % DIGEST or _CRC.pack(zlib.crc32(digests)) != tail:
         raise CorruptEpoch(f"index of pack {ref} fails its checksum")
@@ -88,7 +90,7 @@ def read_recipe(files: JobFiles, m: Manifest, name: str) -> Recipe:
     try:
         recipe = msgspec.msgpack.decode((files.epoch_dir(m.epoch) / entry.recipe).read_bytes(), type=Recipe)
     except (OSError, msgspec.DecodeError) as exc:
-        raise CorruptEpoch(f"epoch {m.epoch}: recipe of {name} is unreadable: {exc}") from None
+        raise _unreadable(exc, f"epoch {m.epoch}: recipe of {name} is unreadable") from None
     runs = recipe.runs
     pages = sum(runs[2::3])
     if (len(runs) % 3 or not set(recipe.packs) <= set(m.packs) or pages != -(-entry.size // PAGE)
@@ -109,7 +111,7 @@ def _open_pack(files: JobFiles, ref: str, fds: dict[str, int]) -> int:
         try:
             fds[ref] = os.open(pack_path(files, ref), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
-            raise CorruptEpoch(f"pack {ref} is unreadable: {exc}") from None
+            raise _unreadable(exc, f"pack {ref} is unreadable") from None
     return fds[ref]
 
 
@@ -190,4 +192,18 @@ def converted(m: Manifest) -> bool:
 
 
 def manifest_tmp(directory: Path) -> Path:
-    return directory / f".{MANIFEST}.tmp"
+    """A new manifest's temporary name: unique, so that no two writers ever share one."""
+    return directory / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"
+
+
+def is_manifest_tmp(name: str) -> bool:
+    return name.startswith(f".{MANIFEST}.") and name.endswith(".tmp")
+
+
+def _unreadable(exc: Exception, what: str) -> Exception:
+    """A file that is missing, a link or undecodable makes the epoch corrupt; any other error
+    (EIO, ESTALE, EMFILE) proves nothing about it and is raised as it is (retention then deletes
+    nothing on its account)."""
+    if isinstance(exc, OSError) and exc.errno not in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR):
+        return exc
+    return CorruptEpoch(f"{what}: {exc}")

@@ -280,7 +280,7 @@ class Supervisor:
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
-        async with self.policies.lock(spec.id):  # never while its older epochs are being converted
+        async with self.policies.lock(files):  # never while its older epochs are being converted
             pid, manifest, notes = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
@@ -361,7 +361,8 @@ class Supervisor:
             raise RevenantError(f"job {job} is still running on {self.node}; only finished jobs can be purged",
                                 code="running")
         files = JobFiles(self.storage, job)
-        freed = await asyncio.to_thread(files.purge)
+        async with self.policies.lock(files):
+            freed = await asyncio.to_thread(files.purge)
         return AgentJobReply(job=job, generation=0, node=self.node, output=str(files.output), freed_bytes=freed)
 
     async def drain(self, budget_s: float, reason: str) -> None:

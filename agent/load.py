@@ -150,7 +150,10 @@ class LoadGate:
 
     def decide(self, job: str, *, scheduled: bool, force: bool, averages: Load | None,
                policy: CheckpointPolicy) -> Decision:
-        over = exceeded(averages, policy) if policy.load_aware and averages is not None else []
+        # A manual checkpoint (or a forced one) warns over a threshold whatever the policy; only a
+        # load-aware job's scheduled checkpoints are ever skipped.
+        weighed = policy.load_aware or not scheduled or force
+        over = exceeded(averages, policy) if weighed and averages is not None else []
         why = ", ".join(map(str, over))
         if not over:
             self._skipped.pop(job, None)

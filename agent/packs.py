@@ -37,7 +37,7 @@ from typing import BinaryIO, Callable
 import msgspec
 
 from revenant.agent.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Recipe, check_trusted, converted,
-                                  idx_bytes, manifest_tmp, pack_path, page_hash, read_idx, read_recipe, rebuild,
+                                  idx_bytes, is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, read_recipe, rebuild,
                                   runs_of, write_private)
 from revenant.agent.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry
 from revenant.agent.fileio import fsync_path
@@ -140,8 +140,9 @@ def _cut(path: Path, index: dict[bytes, int], new_no: int, digests: bytearray,
 
 
 def _new_manifest(m: Manifest, seg: int, table: list[str], cut: dict[str, tuple[list[int], int, int]],
-                  ) -> tuple[Manifest, dict[str, Recipe]]:
-    """The converted manifest (its recipe files not yet in ``files``) and each image's recipe."""
+                  token: str) -> tuple[Manifest, dict[str, Recipe]]:
+    """The converted manifest (its recipe files, named with ``token`` so no two conversions share
+    one, not yet in ``files``) and each image's recipe."""
     recipes: dict[str, Recipe] = {}
     entries: dict[str, RecipeEntry] = {}
     for name, (runs, size, crc) in cut.items():
@@ -149,7 +150,8 @@ def _new_manifest(m: Manifest, seg: int, table: list[str], cut: dict[str, tuple[
         renumber = {p: i for i, p in enumerate(used)}
         runs[0::3] = [renumber[p] for p in runs[0::3]]
         recipes[name] = Recipe(packs=[table[p] for p in used], runs=runs)
-        entries[name] = RecipeEntry(size=size, checksum=f"{crc:08x}", recipe=Path(name).stem + RECIPE_SUFFIX)
+        entries[name] = RecipeEntry(size=size, checksum=f"{crc:08x}",
+                                    recipe=f"{Path(name).stem}-{token}{RECIPE_SUFFIX}")
     packs = sorted({ref for r in recipes.values() for ref in r.packs})
     files = {k: v for k, v in m.files.items() if k not in cut}
     return msgspec.structs.replace(m, files=files, recipes=entries, packs=packs, segment=seg), recipes
@@ -206,7 +208,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     finally:
         for leftover in (tmp_pack, tmp_idx):
             leftover.unlink(missing_ok=True)
-    new, recipes = _new_manifest(m, seg, table + [ref], cut)
+    new, recipes = _new_manifest(m, seg, table + [ref], cut, stem.rsplit("-", 1)[1])
     try:
         check_trusted(files, new)
         for name, recipe in recipes.items():
@@ -324,7 +326,8 @@ def gc(files: JobFiles, min_age_s: float = 0.0) -> int:
         d = files.epoch_dir(n)
         with os.scandir(d) as entries:
             doomed = [e.name for e in entries if e.name not in m.files and e.is_file(follow_symlinks=False) and (
-                e.name.endswith(RECIPE_SUFFIX) or _PAGES_RE.match(e.name) or d / e.name == manifest_tmp(d))]
+                _PAGES_RE.match(e.name) or (e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name))
+                and _older(d / e.name, young))]
         freed += sum(_unlink(d / name) for name in doomed)
     referenced = {ref for m in manifests.values() for ref in m.packs}
     if not files.packs_dir.is_dir():

@@ -9,21 +9,30 @@ event); a manual one always goes ahead, with a warning in its reply's notes.
 After a checkpoint committed: retention, then, for an ``incremental`` job, the
 epochs the new one superseded become deltas (agent/packs.py), in a task of their
 own once the checkpoint has replied: never while the job is frozen, never on
-the reply's path.  Retention, conversions, pack collection and restores of one
-job are serialised by the job's lock here.
+the reply's path.
+
+Retention, each conversion, pack collection, restores and a purge of one job are
+serialised by the job's lock: an asyncio lock within the agent, and an flock on
+``epochs/.lock`` across nodes (the job's previous node may still be converting
+when it has moved).  The lock is taken per epoch converted, so a checkpoint's
+retention or a restore waits for one epoch's conversion at most.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import os
 import time
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 from revenant.agent import packs
 from revenant.agent.checkpoints import CheckpointBook
 from revenant.agent.epochs import CorruptEpoch, JobFiles, Manifest
 from revenant.agent.load import LoadGate, LoadSampler
+from revenant.agent.private import PRIVATE_FILE
 from revenant.common.errors import CheckpointSkipped
 from revenant.messages import CheckpointPolicy, EpochEvent, EpochInfo, Message, subjects
 
@@ -32,6 +41,23 @@ log = logging.getLogger(__name__)
 # Packs no epoch lists yet may belong to a conversion still under way on another node (the
 # job's previous one, after a move): only this old are they collected.
 ORPHAN_AGE_S = 600.0
+LOCK_FILE = ".lock"
+_LOCK_POLL_S = 0.05
+
+
+def try_storage_lock(files: JobFiles) -> int | None:
+    """The job's lock on shared storage (flock on ``epochs/.lock``), without waiting: its
+    descriptor, None while another holds it, -1 for a job with no epochs (nothing to guard)."""
+    try:
+        fd = os.open(files.epochs_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    except FileNotFoundError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
 
 
 class PolicyRunner:
@@ -47,8 +73,17 @@ class PolicyRunner:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def lock(self, job: str) -> asyncio.Lock:
-        return self._locks.setdefault(job, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def lock(self, files: JobFiles) -> AsyncIterator[None]:
+        """The job's lock: this agent's first, then the storage's (polled: cancellable)."""
+        async with self._locks.setdefault(files.job, asyncio.Lock()):
+            while (fd := try_storage_lock(files)) is None:
+                await asyncio.sleep(_LOCK_POLL_S)
+            try:
+                yield
+            finally:
+                if fd >= 0:
+                    os.close(fd)
 
     def event(self, job: str, kind: str, generation: int, **kw) -> None:
         self.emit(subjects.epoch_event(job, kind),
@@ -56,6 +91,9 @@ class PolicyRunner:
 
     def forget(self, job: str) -> None:
         self.gate.forget(job)
+        lock = self._locks.get(job)
+        if lock is not None and not lock.locked():
+            del self._locks[job]
 
     # ------------------------------------------------------------------ before
 
@@ -79,9 +117,10 @@ class PolicyRunner:
     async def committed(self, files: JobFiles, generation: int, manifest: Manifest, max_epochs: int,
                         policy: CheckpointPolicy) -> tuple[EpochInfo, list[int], list[EpochInfo], int]:
         """Record the epoch and apply retention (under the job's lock); start the conversion of
-        the epochs it superseded.  The epoch's info, the numbers pruned, every kept epoch's info
-        and the job's storage bytes."""
-        async with self.lock(files.job):
+        the epochs it superseded (after a vacate too: the job's next node waits on the lock for
+        at most one epoch's conversion).  The epoch's info, the numbers pruned, every kept
+        epoch's info and the job's storage bytes."""
+        async with self.lock(files):
             info, pruned = await self.book.committed(files, generation, manifest, max_epochs)
             kept, storage = await asyncio.to_thread(self.listing, files)
         if policy.incremental:
@@ -107,27 +146,31 @@ class PolicyRunner:
         return out, storage
 
     async def _convert(self, files: JobFiles, generation: int, full_every: int) -> None:
-        async with self.lock(files.job):
-            try:
-                done = []
-                for n in files.committed()[:-1]:  # the newest stays plain: failover restores it at full speed
+        done = []
+        try:
+            for n in files.committed()[:-1]:  # the newest stays plain: failover restores it at full speed
+                async with self.lock(files):  # one epoch at a time: a commit or a restore gets in between
+                    if n == files.committed()[-1]:
+                        break  # pruned meanwhile, down to this one: it is the newest now
                     result = await asyncio.to_thread(packs.convert, files, n, full_every)
-                    if result.converted:
-                        log.info("job %s: epoch %d is a delta now (%d of %d pages new, %.2f s)",
-                                 files.job, n, result.new_pages, result.pages, result.seconds)
-                        done.append(result)
-                    elif result.note and result.note != "already converted":
-                        log.warning("job %s: epoch %d not converted: %s", files.job, n, result.note)
+                if result.converted:
+                    log.info("job %s: epoch %d is a delta now (%d of %d pages new, %.2f s)",
+                             files.job, n, result.new_pages, result.pages, result.seconds)
+                    done.append(result)
+                elif result.note and result.note != "already converted":
+                    log.warning("job %s: epoch %d not converted: %s", files.job, n, result.note)
+            async with self.lock(files):
                 await asyncio.to_thread(packs.gc, files, ORPHAN_AGE_S)
                 storage, own = await asyncio.to_thread(packs.usage, files)
-            except OSError as exc:
-                log.warning("job %s: converting its older epochs failed (they stay as they are): %s", files.job, exc)
-                return
+        except (OSError, IndexError) as exc:
+            log.warning("job %s: converting its older epochs failed (they stay as they are): %s", files.job, exc)
+            return
         for result in done:  # the coordinator's listing follows these (own bytes, the job's storage)
             self.event(files.job, "converted", generation, n=result.epoch, bytes=own.get(result.epoch, 0),
                        duration_s=result.seconds, storage_bytes=storage)
 
-    async def idle(self) -> None:
-        """Wait for the conversions under way (a drain lets them finish: they are short)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    async def idle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the conversions under way (an agent stopping lets them
+        finish, so their events go out; one cut short is harmless, see agent/packs.py)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)

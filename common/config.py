@@ -205,6 +205,10 @@ GUIDE_NAMES = {
 _GUIDE_KEYS = {k.lower(): v for k, v in GUIDE_NAMES.items()}
 # The guide writes its switches YES and NO, bare; TOML would refuse them unquoted.
 _BARE_YES_NO = re.compile(r"^(\s*CRIU_\w+\s*=\s*)(yes|no)(\s*(?:#.*)?)$", re.I | re.M)
+# Its examples start with the plug-in's name, bare too: revenant is that plug-in, so the line is
+# read and, naming criu, has nothing more to say.
+_CHECKPOINT_TYPE = "checkpointtype"
+_BARE_TYPE = re.compile(r"^(\s*CheckpointType\s*=\s*)([\w/.-]+)(\s*(?:#.*)?)$", re.I | re.M)
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -321,7 +325,7 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     try:
-        return tomllib.loads(_BARE_YES_NO.sub(r'\1"\2"\3', text))
+        return tomllib.loads(_BARE_TYPE.sub(r'\1"\2"\3', _BARE_YES_NO.sub(r'\1"\2"\3', text)))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
 
@@ -329,12 +333,17 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _guide_spellings(section: str, values: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     """[checkpoint]'s values with the guide's spellings read as revenant's keys; an option given
     both ways is an error, and so is a guide option outside the section."""
-    stray = [k for k in doc if k.lower() in _GUIDE_KEYS]
+    stray = [k for k in doc if k.lower() in _GUIDE_KEYS or k.lower() == _CHECKPOINT_TYPE]
     if stray:
         raise ConfigError(f"{stray[0]} must be in the [{section}] section (put a [{section}] line above it)")
     out: dict[str, Any] = {}
     given: dict[str, str] = {}
     for key, value in values.items():
+        if key.lower() == _CHECKPOINT_TYPE:
+            if value != "checkpoint/criu":
+                raise ConfigError(f"[{section}] {key} = {value!r}: revenant checkpoints with criu only "
+                                  "(checkpoint/criu)")
+            continue
         name = _GUIDE_KEYS.get(key.lower(), key)
         if name in given:
             raise ConfigError(f"[{section}] {name} is given twice, as {given[name]} and as {key}: keep one")

@@ -273,10 +273,10 @@ def _recovery_failed(rec: JobRecord, inp: RecoveryFailed, now: float) -> Decisio
 
 
 def _epoch_converted(rec: JobRecord, inp: EpochConverted, now: float) -> Decision:
-    ev = inp.event  # own bytes in ev.bytes; a job restored since keeps the listing its restore gave
+    ev = inp.event  # own bytes in ev.bytes; a listing a later checkpoint replaced is fresher
     epochs = [msgspec.structs.replace(e, own_bytes=ev.bytes, incremental=True) if e.n == ev.n else e
               for e in rec.epochs]
-    if epochs == rec.epochs and ev.storage_bytes in (0, rec.storage_bytes):
+    if ev.at < rec.last_checkpoint_at or (epochs == rec.epochs and ev.storage_bytes in (0, rec.storage_bytes)):
         return Decision()
     return Decision(_copy(rec, epochs=epochs, storage_bytes=ev.storage_bytes or rec.storage_bytes))
 

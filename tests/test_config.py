@@ -112,7 +112,8 @@ def test_the_checkpoint_section_takes_revenants_keys(tmp_path):
 
 def test_the_guides_lines_work_when_pasted_in_as_they_are(tmp_path):
     # The guide's own examples, verbatim: bare YES/NO, its spellings, a comment.
-    cfg = _checkpoint(tmp_path, "[checkpoint]\nCRIU_Incremental = YES\nCRIU_FullEvery = 5\nCRIU_MaxEpochs = 2\n"
+    cfg = _checkpoint(tmp_path, "[checkpoint]\nCheckpointType = checkpoint/criu\n"
+                                "CRIU_Incremental = YES\nCRIU_FullEvery = 5\nCRIU_MaxEpochs = 2\n"
                                 "CRIU_LoadAware = YES  # skip under load\nCRIU_LoadThresholdCPU = 0.90\n"
                                 "CRIU_LoadThresholdIO = 0.60\nCRIU_LoadThresholdMemory = 0.80\n"
                                 "CRIU_PreDump = NO\nCRIU_PreDumpDelay = 7\n")
@@ -122,6 +123,10 @@ def test_the_guides_lines_work_when_pasted_in_as_they_are(tmp_path):
     # Any case of the name and of YES/NO; a quoted "yes" too.
     assert _checkpoint(tmp_path, "[checkpoint]\ncriu_predump = yes\nCRIU_LOADAWARE = 'Yes'\n").pre_dump
     assert _checkpoint(tmp_path, "[checkpoint]\ncriu_predump = yes\nCRIU_LOADAWARE = 'Yes'\n").load_aware
+    # The plug-in line names criu, which revenant is; another plug-in is refused, naming it.
+    with pytest.raises(ConfigError, match=r"^\[checkpoint\] CheckpointType = 'checkpoint/blcr': revenant "
+                                          r"checkpoints with criu only"):
+        _checkpoint(tmp_path, "[checkpoint]\nCheckpointType = checkpoint/blcr\n")
 
 
 def test_the_environment_overrides_the_checkpoint_section(tmp_path):
