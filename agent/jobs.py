@@ -288,7 +288,7 @@ class Supervisor:
         # The coordinator publishes "restored": it alone knows whether this is a restart or a failover.
         log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
         await self._check_superseded(rt, launch)
-        return self._reply(rt, epoch=files.info(manifest), notes=notes)
+        return self._reply(rt, epoch=await self.policies.described(files, manifest), notes=notes)
 
     # ------------------------------------------------------------------ kill, purge, shutdown
 

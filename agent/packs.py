@@ -298,13 +298,6 @@ def _manifests(files: JobFiles) -> tuple[dict[int, Manifest], bool]:
     return out, complete
 
 
-def _older(path: Path, than: float) -> bool:
-    try:
-        return os.lstat(path).st_mtime <= than
-    except FileNotFoundError:
-        return False
-
-
 def _unlink(path: Path) -> int:
     try:
         size = os.lstat(path).st_size
@@ -314,20 +307,18 @@ def _unlink(path: Path) -> int:
         return 0
 
 
-def gc(files: JobFiles, min_age_s: float = 0.0) -> int:
+def gc(files: JobFiles) -> int:
     """Delete the packs no committed epoch's manifest lists (none at all while a manifest is
     unreadable), recipes and plain images an epoch's manifest does not list, and what an
-    interrupted conversion left; returns the bytes freed.  ``min_age_s``: unlisted packs younger
-    than this are left (a conversion on another node may be about to list them)."""
-    young = time.time() - min_age_s
+    interrupted conversion left; returns the bytes freed.  Callers hold the job's lock (no
+    conversion is under way, on any node: agent/policy.py)."""
     manifests, complete = _manifests(files)
     freed = 0
     for n, m in manifests.items():
         d = files.epoch_dir(n)
         with os.scandir(d) as entries:
             doomed = [e.name for e in entries if e.name not in m.files and e.is_file(follow_symlinks=False) and (
-                _PAGES_RE.match(e.name) or (e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name))
-                and _older(d / e.name, young))]
+                _PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name))]
         freed += sum(_unlink(d / name) for name in doomed)
     referenced = {ref for m in manifests.values() for ref in m.packs}
     if not files.packs_dir.is_dir():
@@ -340,7 +331,7 @@ def gc(files: JobFiles, min_age_s: float = 0.0) -> int:
         for name in names:
             stem, _, suffix = name.rpartition(".")
             if (name.startswith(".tmp-") or (complete and suffix in ("pack", "idx")
-                                              and f"{seg.name}/{stem}" not in referenced)) and _older(seg / name, young):
+                                              and f"{seg.name}/{stem}" not in referenced)):
                 freed += _unlink(seg / name)
         try:
             os.rmdir(seg)  # only if empty

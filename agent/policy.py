@@ -38,16 +38,15 @@ from revenant.messages import CheckpointPolicy, EpochEvent, EpochInfo, Message, 
 
 log = logging.getLogger(__name__)
 
-# Packs no epoch lists yet may belong to a conversion still under way on another node (the
-# job's previous one, after a move): only this old are they collected.
-ORPHAN_AGE_S = 600.0
 LOCK_FILE = ".lock"
 _LOCK_POLL_S = 0.05
 
 
 def try_storage_lock(files: JobFiles) -> int | None:
     """The job's lock on shared storage (flock on ``epochs/.lock``), without waiting: its
-    descriptor, None while another holds it, -1 for a job with no epochs (nothing to guard)."""
+    descriptor, None while another holds it, -1 for a job with no epochs (nothing to guard) or
+    on storage that cannot lock (ENOLCK: an NFS mount without its lock manager; then only this
+    agent's own lock serialises, and docs/configuration.md says to give the storage locks)."""
     try:
         fd = os.open(files.epochs_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
     except FileNotFoundError:
@@ -58,6 +57,11 @@ def try_storage_lock(files: JobFiles) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError as exc:
+        os.close(fd)
+        log.warning("job %s: %s cannot be locked (%s); going on without the storage's lock", files.job,
+                    files.epochs_dir / LOCK_FILE, exc)
+        return -1
 
 
 class PolicyRunner:
@@ -145,6 +149,14 @@ class PolicyRunner:
             out.append(info)
         return out, storage
 
+    async def described(self, files: JobFiles, m: Manifest) -> EpochInfo:
+        """Epoch ``m``'s info with its own bytes, as a listing has it (a restore's reply)."""
+        try:
+            kept, _ = await asyncio.to_thread(self.listing, files)
+        except OSError:
+            kept = []
+        return next((e for e in kept if e.n == m.epoch), files.info(m))
+
     async def _convert(self, files: JobFiles, generation: int, full_every: int) -> None:
         done = []
         try:
@@ -160,7 +172,7 @@ class PolicyRunner:
                 elif result.note and result.note != "already converted":
                     log.warning("job %s: epoch %d not converted: %s", files.job, n, result.note)
             async with self.lock(files):
-                await asyncio.to_thread(packs.gc, files, ORPHAN_AGE_S)
+                await asyncio.to_thread(packs.gc, files)
                 storage, own = await asyncio.to_thread(packs.usage, files)
         except (OSError, IndexError) as exc:
             log.warning("job %s: converting its older epochs failed (they stay as they are): %s", files.job, exc)
