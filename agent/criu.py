@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from revenant.agent import procs
+from revenant.agent import epochs, procs
 from revenant.common.errors import CriuError
 from revenant.messages import CriuInfo
 
@@ -97,8 +97,8 @@ def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script
 
 # A pre-dump's images, inside the epoch they precede: criu links ``<images>/parent`` to the
 # directory named by --prev-images-dir, relative to the images directory, so the epoch stays
-# self-contained.
-PREDUMP_DIR = "predump"
+# self-contained (its images are checksummed with the others: agent/epochs.py).
+PREDUMP_DIR = epochs.PREDUMP_DIR
 
 
 def predump_argv(criu: str, *, pid: int, images: Path, workdir: Path) -> list[str]:

@@ -15,10 +15,15 @@ say) always gets to undo it.
 By default criu dumps straight into the epoch's temporary directory on the
 shared storage: through the page cache that freezes the job no longer than a
 raw ``criu dump`` (measured: dumping to tmpfs first froze it *longer* on these
-machines, and doubled the writes).  For storage whose writes are slow while the
-job is frozen (network filesystems), ``staging_dir`` makes criu dump to a
+machines, and doubled the writes).  For storage whose writes are slow while
+the job is frozen (network filesystems), ``staging_dir`` makes criu dump to a
 node-local directory and the images move to shared storage after the job has
 resumed.  Either way the epoch is committed only once it is complete there.
+
+While criu writes, a follower (agent/imagesum.py) starts the images' writeback
+to the disk and, where the CPUs allow, takes their CRC-32s; the commit reads
+only what it has left, and makes the whole epoch durable with one syncfs
+(agent/fileio.py ``Durable``; bench/commit_path.py measures it all).
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from typing import Callable
 
 from revenant.agent import criu, packs, procs
 from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
+from revenant.agent.fileio import Durable
 from revenant.agent.filestep import JobFilesStep
-from revenant.agent.private import DUMP_UMASK, private_dir
+from revenant.agent.imagesum import Follower
+from revenant.agent.private import DUMP_UMASK, private_dir, trusted
 from revenant.agent.procs import signal_tree
 from revenant.agent.steps import DumpContext, RestoreContext, Step
 from revenant.common.errors import CriuError, RevenantError
@@ -56,6 +63,8 @@ def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None]) -> t
     or with ``epoch``, exactly that one (no fallback: an operator asked for it)."""
     if not epoch:
         return files.newest_verified(check)
+    if not trusted(files.epochs_dir):
+        raise EpochError(f"job {files.job}: {files.epochs_dir} is not the agent's own directory; never restored from")
     if epoch not in files.committed():
         kept = ", ".join(map(str, files.committed())) or "none"
         raise NoEpoch(f"job {files.job} has no epoch {epoch} (it keeps: {kept})")
@@ -79,6 +88,7 @@ class _Undo:
 
     frozen: bool = False  # stopped by --leave-stopped: resume it
     tmp: Path | None = None  # the epoch being written: discard it
+    follower: Follower | None = None  # reading the images criu writes: stop it first
 
 
 class Engine:
@@ -151,19 +161,27 @@ class Engine:
         started = self.clock()
         undo = _Undo()
         committed = False
+        durable = None
         try:
             undo.tmp = files.new_tmp(self.node)
             ctx.epoch_tmp = staging if staging is not None else undo.tmp
+            durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)
+            undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None)
+            await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)
             for step in self.steps:
                 await step.before_dump(ctx)
-            output = await self._dump(ctx, staging if staging is not None else undo.tmp, undo)
+            output = await self._dump(ctx, ctx.epoch_tmp, undo)
             manifest.freeze_s = criu.frozen_time_s(output)
             manifest.dump_s = self.clock() - started
             for step in self.steps:
                 await step.after_dump(ctx)
-            manifest = await asyncio.to_thread(files.commit, undo.tmp, manifest, staging, self.clock)
+            manifest = await asyncio.to_thread(files.commit, undo.tmp, manifest, staging, self.clock, undo.follower,
+                                               durable)
             undo.tmp = None
             committed = True
+            log.info("checkpoint of %s: epoch %d, %.1f MiB, criu %.3f s (frozen %.3f s), commit %.3f s",
+                     job, manifest.epoch, manifest.total_bytes / 2**20, manifest.dump_s, manifest.freeze_s,
+                     manifest.commit_s)
             if stop:
                 signal_tree(pid, signal.SIGKILL)
                 undo.frozen = False
@@ -174,7 +192,9 @@ class Engine:
             raise EpochError(f"checkpoint of {job} failed: {exc}") from None
         finally:
             if not committed:
-                await asyncio.shield(self._undo_dump(ctx, undo.frozen, undo.tmp))
+                await asyncio.shield(self._undo_dump(ctx, undo))
+            if durable is not None:
+                durable.close()
             # Deleting GiBs of staging takes a while: not on the event loop.
             await asyncio.to_thread(_remove, workdir, staging)
 
@@ -183,10 +203,14 @@ class Engine:
         script = ctx.workdir / "action.sh"
         script.write_text(criu.action_script(ctx.post_dump_script))
         script.chmod(0o755)
-        await self._clear_stale_proc_dir(ctx)
         argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
                               leave_running=not ctx.stop, extra=ctx.dump_args)
-        done = await procs.run(argv, self.criu_timeout_s, umask=DUMP_UMASK)  # images 0600 from the start
+        follower = undo.follower.start() if undo.follower is not None else None
+        try:
+            done = await procs.run(argv, self.criu_timeout_s, umask=DUMP_UMASK)  # images 0600 from the start
+        finally:
+            if follower is not None:
+                follower.criu_exited()
         undo.frozen = ctx.stop and done.returncode == 0
         if done.returncode != 0:
             text = criu.read_log(ctx.workdir / criu.DUMP_LOG, done.output)
@@ -222,16 +246,18 @@ class Engine:
             return ""
         return f" (criu log: {path})"
 
-    async def _undo_dump(self, ctx: DumpContext, frozen: bool, tmp: Path | None) -> None:
-        if frozen:
+    async def _undo_dump(self, ctx: DumpContext, undo: _Undo) -> None:
+        if undo.frozen:
             signal_tree(ctx.pid, signal.SIGCONT)
+        if undo.follower is not None:  # before the discard: it reads the images
+            await asyncio.to_thread(undo.follower.abandon)
         for step in self.steps:  # before the discard: a step may still be writing into the epoch
             try:
                 await step.on_dump_failed(ctx)
             except Exception as exc:  # keep undoing the others
                 log.error("step %s could not undo a failed dump of %s: %s", step.name, ctx.job, exc)
-        if tmp is not None:
-            await asyncio.to_thread(ctx.files.discard, tmp)
+        if undo.tmp is not None:
+            await asyncio.to_thread(ctx.files.discard, undo.tmp)
 
     # ------------------------------------------------------------------ restore
 

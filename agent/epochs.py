@@ -5,8 +5,9 @@ Layout, per job, under ``<storage>/jobs/<job>/``::
     output.log                the job's stdout and stderr (append mode)
     epochs/<N>/               a committed epoch: criu images, files/ (copies of the job's own
                               files, agent/jobfiles.py), workdir.json, manifest.json
-    epochs/.tmp-<node>-<rnd>/ an epoch being written; never listed, never used
+    epochs/.tmp-<node>-<rnd>/ an epoch being written (or a delta rebuilt); never listed
     epochs/.trash-<N>-<rnd>/  an epoch being deleted; never listed
+    epochs/.lock, packs/      the job's storage lock; pages of older epochs (agent/policy.py, packs.py)
 
 An epoch is committed by writing its files into a temporary directory, then
 ``manifest.json`` (size and CRC-32 of every file, the criu version, kernel, CPU
@@ -25,6 +26,7 @@ Everything here is blocking file I/O, run in a worker thread by the engine.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import logging
@@ -39,7 +41,8 @@ from typing import Callable, Collection
 
 import msgspec
 
-from revenant.agent.fileio import copy_bytes, fsync_path
+from revenant.agent import imagesum
+from revenant.agent.fileio import Durable, copy_bytes, fsync_path
 from revenant.agent.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
 from revenant.common.errors import RevenantError
@@ -172,15 +175,26 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _copy_file(src: Path, dst: Path) -> None:
-    """A private (0600) copy of ``src`` at ``dst``, in the kernel, fsynced."""
+    """A private (0600) copy of ``src`` at ``dst``, in the kernel (made durable by the commit)."""
     with open(src, "rb") as fin, open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as fout:
         copy_bytes(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size)
-        os.fsync(fout.fileno())
+
+
+# A pre-dump's images inside the epoch (agent/predump.py), and criu's link to them.
+PREDUMP_DIR, PARENT_LINK = "predump", "parent"
 
 
 def _image_names(directory: Path) -> list[str]:
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.suffix == ".img")
+    pre = directory / PREDUMP_DIR
+    names += sorted(f"{PREDUMP_DIR}/{p.name}" for p in pre.iterdir() if p.suffix == ".img") if pre.is_dir() else []
     return names + [n for n in ("stats-dump",) if (directory / n).is_file()]
+
+
+def link_predump(directory: Path, names: Collection[str]) -> None:
+    """criu's ``parent`` link to the pre-dump, made again (always to PREDUMP_DIR, never elsewhere)."""
+    if any(n.startswith(f"{PREDUMP_DIR}/") for n in names) and not os.path.lexists(directory / PARENT_LINK):
+        os.symlink(PREDUMP_DIR, directory / PARENT_LINK)
 
 
 # The job's own files taken with an epoch (agent/jobfiles.py): copies, and the workdir's listing.
@@ -254,26 +268,26 @@ class JobFiles:
         return private_dir(self.epochs_dir / f".tmp-{check_name(node)}-{secrets.token_hex(4)}")
 
     def commit(self, tmp: Path, manifest: Manifest, staging: Path | None = None,
-               clock: Callable[[], float] = time.monotonic) -> Manifest:
-        """Make the images in ``tmp`` (copied there from ``staging`` first, if given) an epoch:
-        checksums, fsync, the manifest last, then the rename to the next N."""
+               clock: Callable[[], float] = time.monotonic, follower: imagesum.Follower | None = None,
+               durable: Durable | None = None) -> Manifest:
+        """Make the images in ``tmp`` (copied there from ``staging`` first, if given) an epoch: a
+        CRC-32 of every file (the ``follower``'s, taken as criu wrote them, where it has them), all
+        of them durable at once (``durable``, opened before they were written: agent/imagesum.py),
+        the manifest, fsynced, last, then the rename to the next N."""
         started = clock()
         if staging is not None:
             staged = _image_names(staging) + _job_file_names(staging)
-            if (staging / FILES_DIR).is_dir():
-                (tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
+            for sub in (FILES_DIR, PREDUMP_DIR):
+                if (staging / sub).is_dir():
+                    (tmp / sub).mkdir(mode=0o700, exist_ok=True)
+            link_predump(tmp, staged)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
         make_private(tmp)  # whatever criu's and the copies' modes were
-        names = _image_names(tmp)
-        extra = _job_file_names(tmp)  # written there while the job was frozen, never fsynced
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            # Checksum (CPU) and fsync (disk) of the same files overlap.
-            sums = {n: pool.submit(checksum_file, tmp / n, manifest.checksum) for n in names + extra}
-            syncs = [pool.submit(fsync_path, tmp / n) for n in (extra if staging is not None else names + extra)]
-            manifest.files = {n: FileEntry(size=(tmp / n).stat().st_size, checksum=f.result()) for n, f in sums.items()}
-            for f in syncs:
-                f.result()
+        with Durable(tmp) if durable is None else contextlib.nullcontext(durable) as sync:
+            sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower)
+        manifest.checksum = "crc32"
+        manifest.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in sums.items()}
         manifest.commit_s = clock() - started
         manifest.total_s = manifest.dump_s + manifest.commit_s
         n = self.next_number()
@@ -301,7 +315,8 @@ class JobFiles:
         except FileNotFoundError:
             return
         for name in names:
-            if name.startswith(f".tmp-{node}-") or name.startswith(".trash-"):
+            # Exactly new_tmp's names for this node: node "n1" never takes node "n1-b"'s.
+            if re.fullmatch(rf"\.tmp-{re.escape(node)}-[0-9a-f]{{8}}", name) or name.startswith(".trash-"):
                 shutil.rmtree(self.epochs_dir / name, ignore_errors=True)
 
     # ------------------------------------------------------------------ verify, prune
@@ -398,15 +413,3 @@ class JobFiles:
             os.rename(tree, trash)
             shutil.rmtree(trash, ignore_errors=True)
         return freed
-
-
-def replace_empty(path: Path | str) -> None:
-    """Replace ``path`` by a new, empty file: a new inode, not a truncate.  A stale copy of the job
-    still running somewhere keeps its descriptor to the old inode, so its writes never land in the
-    new file (the fence at the resource)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    with open(tmp, "wb") as out:
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)

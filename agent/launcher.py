@@ -83,7 +83,8 @@ from typing import Callable, Mapping
 import psutil
 
 from revenant.agent import procs
-from revenant.agent.epochs import JobFiles, replace_empty
+from revenant.agent.epochs import JobFiles
+from revenant.agent.fileio import replace_empty
 from revenant.agent.exits import SWITCH_EXIT
 from revenant.common.config import AgentConfig
 from revenant.common.errors import RevenantError

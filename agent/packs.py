@@ -39,7 +39,7 @@ import msgspec
 from revenant.agent.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Recipe, check_trusted, converted,
                                   idx_bytes, is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, read_recipe, rebuild,
                                   runs_of, write_private)
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry
+from revenant.agent.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
 from revenant.agent.fileio import fsync_path
 from revenant.agent.private import PRIVATE_FILE, private_dir
 
@@ -277,6 +277,7 @@ def materialize(files: JobFiles, m: Manifest, dest: Path) -> None:
         except OSError:  # another filesystem, or no hardlinks there: a copy
             shutil.copyfile(src / name, target)
             os.chmod(target, PRIVATE_FILE)
+    link_predump(dest, m.files)  # a pre-dumped epoch's pages in parent/ (agent/predump.py)
     for name in m.recipes:
         fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, PRIVATE_FILE)
         with open(fd, "wb", buffering=BATCH * PAGE) as out:

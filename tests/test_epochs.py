@@ -84,3 +84,10 @@ def test_rollback_cuts_output_back_and_refuses_lost_data(tmp_path):
     m.outputs[str(out)] = 100
     with pytest.raises(EpochError, match="shorter than at the dump"):
         plan(m, tmp_path)
+
+
+def test_a_node_cleans_only_its_own_half_written_epochs(tmp_path):
+    files = JobFiles(tmp_path, "1")
+    mine, other = files.new_tmp("n1"), files.new_tmp("n1-b")
+    files.clean_stale_tmp("n1")
+    assert not mine.exists() and other.exists()  # "n1-b" is another node, not one of n1's

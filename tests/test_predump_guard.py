@@ -119,3 +119,46 @@ async def test_the_storage_guard_lets_a_dump_through_with_room_to_spare(tmp_path
     await guard.StorageGuard().before_dump(_ctx(tmp_path, None))
     assert guard.resident_bytes(os.getpid()) > 0
     assert guard.needed_bytes(0) == guard.MIN_MARGIN_BYTES
+
+
+def test_a_predumped_epoch_keeps_its_predump_images_checksummed_staged_and_rebuilt(tmp_path: Path) -> None:
+    """criu's images after a pre-dump: pages in predump/, linked as parent.  The commit checksums
+    them with the others (directly and through staging), and a rebuilt delta links them again."""
+    from revenant.agent import packs
+
+    files = JobFiles(tmp_path / "storage", "j1")
+
+    def images(d: Path, fill: int) -> None:
+        (d / "predump").mkdir()
+        (d / "predump" / "pages-1.img").write_bytes(bytes([fill]) * 8192)
+        (d / "predump" / "pagemap-1.img").write_bytes(b"pm")
+        os.symlink("predump", d / "parent")
+        (d / "pages-1.img").write_bytes(bytes([fill + 1]) * 4096)
+        (d / "core-1.img").write_bytes(b"core")
+
+    def manifest() -> Manifest:
+        return Manifest(job="j1", epoch=0, generation=1, node="n1", created_at=0.0, criu_version="4.1.1", kernel="k")
+
+    direct = files.new_tmp("n1")
+    images(direct, 1)
+    m1 = files.commit(direct, manifest())
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    images(staging, 3)
+    m2 = files.commit(files.new_tmp("n1"), manifest(), staging)
+    for m in (m1, m2):
+        assert "predump/pages-1.img" in m.files and "predump/pagemap-1.img" in m.files
+        d = files.epoch_dir(m.epoch)
+        assert os.readlink(d / "parent") == "predump" and (d / "predump" / "pages-1.img").stat().st_size == 8192
+        files.verify(m.epoch)
+    (files.epoch_dir(m1.epoch) / "predump" / "pages-1.img").write_bytes(b"\0" * 8192)
+    with pytest.raises(Exception, match="predump/pages-1.img fails its checksum"):
+        files.verify(m1.epoch)
+    # Epoch 2 as a delta: rebuilt with its pre-dump linked again.
+    files.commit(files.new_tmp("n1"), manifest(), staging)
+    assert packs.convert(files, 2, 10).converted
+    dest = files.new_tmp("n1")
+    packs.materialize(files, files.verify(2), dest)
+    assert os.readlink(dest / "parent") == "predump"
+    assert (dest / "predump" / "pages-1.img").read_bytes() == bytes([3]) * 8192
+    assert (dest / "pages-1.img").read_bytes() == bytes([4]) * 4096
