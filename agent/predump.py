@@ -6,6 +6,11 @@ dirtied since (``--track-mem --prev-images-dir predump``), so the job is frozen
 for less.  The pre-dump's images live inside the epoch (``<epoch>/predump/``,
 linked from ``<epoch>/parent``): the epoch stays self-contained.
 
+Where the kernel has that tracking, an ``incremental`` job gets the same pre-dump
+without asking: criu's own incremental dump, within the epoch.  (A chain of criu
+images across epochs, ``--prev-images-dir`` to the previous epoch, is never made:
+the newest epoch would then need the older ones, and failover restores the newest.)
+
 Both need the kernel's soft-dirty tracking (criu's feature ``mem_dirty_track``).
 Where it is missing, the checkpoint goes ahead as a full dump, and the job's
 first such checkpoint says why in a ``degraded`` epoch event (once per job, never a
@@ -48,7 +53,7 @@ class PreDumpStep(BaseStep):
 
     async def before_dump(self, ctx: DumpContext) -> None:
         policy = ctx.policy
-        if policy is None or not policy.pre_dump:
+        if policy is None or not (policy.pre_dump or (policy.incremental and self.dirty_tracking)):
             return
         if not self.dirty_tracking:
             if ctx.job not in self._told:

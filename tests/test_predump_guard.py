@@ -86,6 +86,16 @@ async def test_with_dirty_tracking_the_predump_runs_then_waits_then_the_dump_is_
     assert (ctx.epoch_tmp / "predump").is_dir()
     assert slept == [2.5]
     assert ctx.dump_args == criu.incremental_args()
+    # An incremental job gets criu's own incremental dump where the kernel tracks dirty pages...
+    ran.clear()
+    inc = _ctx(tmp_path, CheckpointPolicy(incremental=True))
+    await step.before_dump(inc)
+    assert ran and ran[0][1] == "pre-dump" and inc.dump_args == criu.incremental_args()
+    # ... and, where it does not, a plain full dump without a word (it did not ask for a pre-dump).
+    quiet = predump.PreDumpStep("criu", dirty_tracking=False, degraded=lambda *a: pytest.fail("degraded"))
+    plain = _ctx(tmp_path, CheckpointPolicy(incremental=True))
+    await quiet.before_dump(plain)
+    assert plain.dump_args == []
 
 
 async def test_a_failed_predump_names_criu_s_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
