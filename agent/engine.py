@@ -45,7 +45,7 @@ from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFil
 from revenant.agent.fileio import Durable
 from revenant.agent.filestep import JobFilesStep
 from revenant.agent.imagesum import Follower
-from revenant.agent.private import DUMP_UMASK, private_dir, trusted
+from revenant.agent.private import DUMP_UMASK, private_dir
 from revenant.agent.procs import signal_tree
 from revenant.agent.steps import DumpContext, RestoreContext, Step
 from revenant.common.errors import CriuError, RevenantError
@@ -63,8 +63,7 @@ def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None]) -> t
     or with ``epoch``, exactly that one (no fallback: an operator asked for it)."""
     if not epoch:
         return files.newest_verified(check)
-    if not trusted(files.epochs_dir):
-        raise EpochError(f"job {files.job}: {files.epochs_dir} is not the agent's own directory; never restored from")
+    files.check_trusted()
     if epoch not in files.committed():
         kept = ", ".join(map(str, files.committed())) or "none"
         raise NoEpoch(f"job {files.job} has no epoch {epoch} (it keeps: {kept})")

@@ -342,11 +342,15 @@ class JobFiles:
             verify_recipes(self, m)
         return m
 
+    def check_trusted(self) -> None:
+        """Refuse to restore from an ``epochs/`` that is not the agent's own (agent/private.py)."""
+        if not trusted(self.epochs_dir):
+            raise EpochError(f"job {self.job}: {self.epochs_dir} is not the agent's own directory; never restored from")
+
     def newest_verified(self, check: Callable[[Manifest], None] | None = None) -> tuple[Manifest, list[str]]:
         """The newest epoch that verifies (and that ``check`` does not refuse with FilesChanged),
         and a note for each newer one that did not."""
-        if not trusted(self.epochs_dir):
-            raise EpochError(f"job {self.job}: {self.epochs_dir} is not the agent's own directory; never restored from")
+        self.check_trusted()
         notes: list[str] = []
         refused = False
         for n in reversed(self.committed()):

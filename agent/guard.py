@@ -71,9 +71,7 @@ class StorageGuard(BaseStep):
         memory = self.resident(ctx.pid)
         gpu = self.gpu_bytes(ctx.job) if self.gpu_bytes is not None else 0
         need = needed_bytes(memory + gpu)
-        places = {ctx.epoch_tmp}
-        places.add(ctx.files.epochs_dir)
-        for place in sorted(places):
+        for place in sorted({ctx.epoch_tmp, ctx.files.epochs_dir}):  # staging, and the storage
             try:
                 free = self.free(place)
             except OSError:

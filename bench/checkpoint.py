@@ -649,17 +649,20 @@ class Bench:
                 print(f"cluster logs kept in {self.cluster / 'logs'}", file=sys.stderr)
 
     def _sweep(self) -> None:
-        """Kill anything of ours that is still alive: the workload by path, in our directory."""
-        for p in psutil.process_iter(["cmdline", "cwd"]):
-            try:
-                cmd = " ".join(p.info["cmdline"] or [])
-                mine = (str(WORKLOAD) in cmd and p.info["cwd"] == str(self.base)) or \
-                       (INIT_NAME in cmd and str(self.base) in cmd)
-                if mine and p.pid != os.getpid():
-                    print(f"warning: killing leftover {p.pid}: {cmd[:120]}", file=sys.stderr)
-                    p.kill()
-            except psutil.Error:
-                continue
+        sweep(self.base, WORKLOAD)
+
+
+def sweep(base: Path, workload: Path) -> None:
+    """Kill anything of a bench's still alive: ``workload`` by path, in ``base``, or an init naming ``base``."""
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            mine = (str(workload) in cmd and p.info["cwd"] == str(base)) or (INIT_NAME in cmd and str(base) in cmd)
+            if mine and p.pid != os.getpid():
+                print(f"warning: killing leftover {p.pid}: {cmd[:120]}", file=sys.stderr)
+                p.kill()
+        except psutil.Error:
+            continue
 
 
 def _last_error(logfile: Path, output: str) -> str:

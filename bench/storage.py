@@ -72,7 +72,7 @@ import psutil
 
 from revenant.agent.launcher import INIT_NAME
 
-from checkpoint import _fs, _table, foreign_criu  # bench/: this script's own directory
+from checkpoint import _fs, _table, foreign_criu, sweep  # bench/: this script's own directory
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "tests" / "jobs" / "memdirty.py"
@@ -504,17 +504,7 @@ class Bench:
                 print(f"cluster logs kept in {self.cluster / 'logs'}", file=sys.stderr)
 
     def _sweep(self) -> None:
-        """Kill anything of ours still alive: the workload in our directory, or an init naming our storage."""
-        for p in psutil.process_iter(["cmdline", "cwd"]):
-            try:
-                cmd = " ".join(p.info["cmdline"] or [])
-                mine = (str(WORKLOAD) in cmd and p.info["cwd"] == str(self.base)) or \
-                       (INIT_NAME in cmd and str(self.base) in cmd)
-                if mine and p.pid != os.getpid():
-                    print(f"warning: killing leftover {p.pid}: {cmd[:120]}", file=sys.stderr)
-                    p.kill()
-            except psutil.Error:
-                continue
+        sweep(self.base, WORKLOAD)
 
 
 # ---------------------------------------------------------------------- summary and report

@@ -161,20 +161,12 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                min_samples=self.anomaly_min_samples, cooldown_s=self.anomaly_cooldown_s)
 
 
-class CheckpointConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[checkpoint]``: the cluster's defaults for every job's checkpoints, which a submit may
-    override per job.  The scheduler guide's spellings (``CRIU_Incremental = YES``) are read as
-    well (:data:`GUIDE_NAMES`)."""
+class CheckpointConfig(CheckpointPolicy, kw_only=True, forbid_unknown_fields=True):
+    """``[checkpoint]``: the cluster's defaults for every job's checkpoints (a job's policy, whose
+    fields and defaults it takes, and ``max_epochs``), which a submit may override per job.  The
+    scheduler guide's spellings (``CRIU_Incremental = YES``) are read as well (:data:`GUIDE_NAMES`)."""
 
     max_epochs: int = 1
-    incremental: bool = False
-    full_every: int = 10
-    pre_dump: bool = False
-    pre_dump_delay_s: float = 5.0
-    load_aware: bool = False
-    load_threshold_cpu: float = 0.95
-    load_threshold_io: float = 0.50
-    load_threshold_memory: float = 0.85
 
     def __post_init__(self) -> None:
         for name in POLICY_RANGES:

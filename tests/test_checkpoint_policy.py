@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import HeldLease
 
 from revenant.cli.client import _print_job, job_view, policy_line
 from revenant.common.config import CheckpointConfig, CoordinatorConfig
@@ -29,17 +30,6 @@ from revenant.messages import (
 )
 
 pytestmark = pytest.mark.unit
-
-
-class Lease:
-    def fresh(self) -> bool:
-        return True
-
-    async def holds(self) -> bool:
-        return True
-
-    def step_down(self, why: str) -> None:
-        raise AssertionError(why)
 
 
 class Agents:
@@ -75,7 +65,7 @@ def service(section: CheckpointConfig | None = None) -> tuple[JobService, Agents
     working = Capabilities(criu=CriuInfo(path="/usr/sbin/criu", version="4.1.1", ok=True))
     nodes = [NodeStatus(name=n, state="alive", capabilities=working) for n in ("node-1", "node-2")]
     config = CoordinatorConfig(checkpoint=section or CheckpointConfig())
-    return JobService(MemoryJobStore(), agents, config, Events(), lambda: nodes, Lease(), wall=lambda: 50.0), agents
+    return JobService(MemoryJobStore(), agents, config, Events(), lambda: nodes, HeldLease(), wall=lambda: 50.0), agents
 
 
 # ---------------------------------------------------------------------- the effective policy
