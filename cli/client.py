@@ -10,7 +10,7 @@ import asyncio
 import json
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TypeVar
 
 import msgspec
@@ -18,15 +18,14 @@ import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.cli import asking
+from revenant.cli.jobview import _fmt_bytes, _fmt_time, _print_job, job_view
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.errors import BusError, RevenantError
-from revenant.common.intervals import format_interval, parse_interval
+from revenant.common.intervals import parse_interval
 from revenant.common.limits import BadRequest, check_submit
 from revenant.messages import (
     AnomalyEvent,
-    CheckpointPolicy,
-    EpochInfo,
     EpochEvent,
     FailoverReply,
     FailoverRequest,
@@ -77,14 +76,6 @@ def asking_user(creds: str | None = None) -> str | None:
 
 def request_subject(verb: str, creds: str | None = None) -> str:
     return asking.request_subject(verb, _creds_in_use(creds))
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _node_row(n: NodeStatus) -> list[str]:
@@ -167,10 +158,6 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
             await asyncio.sleep(args.interval)
     finally:
         await nc.close()
-
-
-def _fmt_time(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
@@ -257,39 +244,6 @@ def events(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- jobs
 
-def job_view(rec: JobRecord) -> dict:
-    """The documented JSON shape of a job (docs/cli.md)."""
-    return {
-        "id": rec.spec.id,
-        "name": rec.spec.name,
-        "user": rec.spec.user,
-        "state": rec.state,
-        "node": rec.node,
-        "pid": rec.pid,
-        "generation": rec.generation,
-        "epochs": [{"n": e.n, "bytes": e.bytes, "created_at": e.created_at, "node": e.node,
-                    "freeze_s": e.freeze_s, "duration_s": e.duration_s,
-                    "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
-                              for f in e.files],
-                    "files_total": e.files_total, "files_copied": e.files_copied,
-                    "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental}
-                   for e in rec.epochs],
-        "storage_bytes": rec.storage_bytes,
-        "last_checkpoint_error": rec.last_checkpoint_error,
-        "output": rec.output,
-        "exit_code": rec.exit_code,
-        "reason": rec.reason,
-        "argv": rec.spec.argv,
-        "workdir": rec.spec.workdir,
-        "checkpoint_interval_s": rec.spec.checkpoint_interval_s,
-        "max_epochs": rec.spec.max_epochs,
-        "policy": msgspec.to_builtins(rec.spec.policy),
-        "requeue": rec.spec.requeue,
-        "created_at": rec.created_at,
-        "updated_at": rec.updated_at,
-    }
-
-
 async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
     nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False,
                            connect_timeout_s=min(timeout_s, 5.0))
@@ -330,72 +284,6 @@ def submit(args: argparse.Namespace) -> int:
     reply = asyncio.run(_coord(_url(args), "submit", req, JobReply, args.timeout))
     print(reply.job.spec.id)
     return 0
-
-
-def _print_job(rec: JobRecord, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(job_view(rec), indent=2))
-        return
-    v = job_view(rec)
-    every = (f"every {format_interval(rec.spec.checkpoint_interval_s)}" if rec.spec.checkpoint_interval_s
-             else "manual")
-    epochs = ", ".join(_epoch_cell(e) for e in rec.epochs) or "none"
-    rows = [
-        ("job", f"{v['id']} ({v['name']})"),
-        ("user", v["user"] or "-"),
-        ("state", v["state"] + (f" ({v['reason']})" if v["reason"] else "")),
-        ("node", v["node"] or "-"),
-        ("pid", str(v["pid"] or "-")),
-        ("generation", str(v["generation"])),
-        ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
-        ("policy", policy_line(rec.spec.policy)),
-        ("storage", _storage_cell(rec)),
-        *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),
-        ("epochs", epochs),
-        *_epoch_files(rec),
-        ("output", v["output"] or "-"),
-        ("exit_code", "-" if v["exit_code"] is None else str(v["exit_code"])),
-        ("command", " ".join(rec.spec.argv)),
-    ]
-    print("\n".join(f"{k:<12} {val}" for k, val in rows))
-
-
-def policy_line(p: CheckpointPolicy) -> str:
-    """A job's checkpoint policy on one line (``show job``)."""
-    parts = [f"incremental, full every {p.full_every}" if p.incremental else "full epochs",
-             f"pre-dump {p.pre_dump_delay_s:g} s before" if p.pre_dump else "no pre-dump",
-             (f"load-aware (cpu {p.load_threshold_cpu:g}, io {p.load_threshold_io:g}, "
-              f"memory {p.load_threshold_memory:g})") if p.load_aware else "not load-aware"]
-    return ", ".join(parts)
-
-
-def _epoch_cell(e: EpochInfo) -> str:
-    """``#3 1.0 GiB at T``; with its own bytes when reported (a delta's are a fraction of its size)."""
-    own = ""
-    if e.own_bytes or e.incremental:
-        own = f" ({_fmt_bytes(e.own_bytes)} own{', incremental' if e.incremental else ''})"
-    return f"#{e.n} {_fmt_bytes(e.bytes)}{own} at {_fmt_time(e.created_at)}"
-
-
-def _storage_cell(rec: JobRecord) -> str:
-    if rec.storage_bytes:
-        return f"{_fmt_bytes(rec.storage_bytes)} on disk (data shared between epochs counted once)"
-    return "none" if not rec.epochs else "not reported"
-
-
-def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
-    """The newest epoch's own files: how many, how each comes back, and those it could not copy."""
-    if not rec.epochs:
-        return []
-    e = rec.epochs[-1]
-    rows = [("files", f"epoch #{e.n} covers {e.files_total} open for writing: {e.files_copied} copied, "
-                      f"{e.files_total - e.files_copied} cut back on restore"
-                      + (f" ({e.files_total - len(e.files)} more not listed)" if e.files_total > len(e.files) else ""))]
-    rows += [("", f"{f.path} ({_fmt_bytes(f.size)}): not copied, {f.not_copied}") for f in e.files
-             if not f.copied and not f.not_copied.startswith("append-only")]
-    if e.workdir_note:
-        rows.append(("", f"workdir not tracked: {e.workdir_note}"))
-    return rows
 
 
 def show_job(args: argparse.Namespace) -> int:

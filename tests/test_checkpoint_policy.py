@@ -10,7 +10,7 @@ import json
 import pytest
 from helpers import HeldLease
 
-from revenant.cli.client import _print_job, job_view, policy_line
+from revenant.cli.jobview import _print_job, job_view, policy_line
 from revenant.common.config import CheckpointConfig, CoordinatorConfig
 from revenant.common.errors import CheckpointSkipped, RemoteError, RevenantError
 from revenant.common.limits import BadRequest, check_submit

@@ -243,7 +243,7 @@ def test_an_epoch_lists_its_files_those_not_copied_first(tmp_path):
 
 
 def test_show_job_lists_the_newest_epoch_s_files_and_those_it_could_not_copy(capsys):
-    from revenant.cli.client import _print_job, job_view
+    from revenant.cli.jobview import _print_job, job_view
     from revenant.messages import EpochFile, EpochInfo, JobRecord, JobSpec
 
     files = [EpochFile(path="/wd/big.bin", size=2 << 20, not_copied="2097152 bytes, over file_snapshot_max_bytes"),

@@ -1,0 +1,123 @@
+"""How a job looks to a user: the documented JSON shape (docs/cli.md) and ``show job``'s text,
+with the byte and time formats the other client commands share."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import msgspec
+
+from revenant.common.intervals import format_interval
+from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def job_view(rec: JobRecord) -> dict:
+    """The documented JSON shape of a job (docs/cli.md)."""
+    return {
+        "id": rec.spec.id,
+        "name": rec.spec.name,
+        "user": rec.spec.user,
+        "state": rec.state,
+        "node": rec.node,
+        "pid": rec.pid,
+        "generation": rec.generation,
+        "epochs": [{"n": e.n, "bytes": e.bytes, "created_at": e.created_at, "node": e.node,
+                    "freeze_s": e.freeze_s, "duration_s": e.duration_s,
+                    "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
+                              for f in e.files],
+                    "files_total": e.files_total, "files_copied": e.files_copied,
+                    "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental}
+                   for e in rec.epochs],
+        "storage_bytes": rec.storage_bytes,
+        "last_checkpoint_error": rec.last_checkpoint_error,
+        "output": rec.output,
+        "exit_code": rec.exit_code,
+        "reason": rec.reason,
+        "argv": rec.spec.argv,
+        "workdir": rec.spec.workdir,
+        "checkpoint_interval_s": rec.spec.checkpoint_interval_s,
+        "max_epochs": rec.spec.max_epochs,
+        "policy": msgspec.to_builtins(rec.spec.policy),
+        "requeue": rec.spec.requeue,
+        "created_at": rec.created_at,
+        "updated_at": rec.updated_at,
+    }
+
+
+def _print_job(rec: JobRecord, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(job_view(rec), indent=2))
+        return
+    v = job_view(rec)
+    every = (f"every {format_interval(rec.spec.checkpoint_interval_s)}" if rec.spec.checkpoint_interval_s
+             else "manual")
+    epochs = ", ".join(_epoch_cell(e) for e in rec.epochs) or "none"
+    rows = [
+        ("job", f"{v['id']} ({v['name']})"),
+        ("user", v["user"] or "-"),
+        ("state", v["state"] + (f" ({v['reason']})" if v["reason"] else "")),
+        ("node", v["node"] or "-"),
+        ("pid", str(v["pid"] or "-")),
+        ("generation", str(v["generation"])),
+        ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
+        ("policy", policy_line(rec.spec.policy)),
+        ("storage", _storage_cell(rec)),
+        *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),
+        ("epochs", epochs),
+        *_epoch_files(rec),
+        ("output", v["output"] or "-"),
+        ("exit_code", "-" if v["exit_code"] is None else str(v["exit_code"])),
+        ("command", " ".join(rec.spec.argv)),
+    ]
+    print("\n".join(f"{k:<12} {val}" for k, val in rows))
+
+
+def policy_line(p: CheckpointPolicy) -> str:
+    """A job's checkpoint policy on one line (``show job``)."""
+    parts = [f"incremental, full every {p.full_every}" if p.incremental else "full epochs",
+             f"pre-dump {p.pre_dump_delay_s:g} s before" if p.pre_dump else "no pre-dump",
+             (f"load-aware (cpu {p.load_threshold_cpu:g}, io {p.load_threshold_io:g}, "
+              f"memory {p.load_threshold_memory:g})") if p.load_aware else "not load-aware"]
+    return ", ".join(parts)
+
+
+def _epoch_cell(e: EpochInfo) -> str:
+    """``#3 1.0 GiB at T``; with its own bytes when reported (a delta's are a fraction of its size)."""
+    own = ""
+    if e.own_bytes or e.incremental:
+        own = f" ({_fmt_bytes(e.own_bytes)} own{', incremental' if e.incremental else ''})"
+    return f"#{e.n} {_fmt_bytes(e.bytes)}{own} at {_fmt_time(e.created_at)}"
+
+
+def _storage_cell(rec: JobRecord) -> str:
+    if rec.storage_bytes:
+        return f"{_fmt_bytes(rec.storage_bytes)} on disk (data shared between epochs counted once)"
+    return "none" if not rec.epochs else "not reported"
+
+
+def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
+    """The newest epoch's own files: how many, how each comes back, and those it could not copy."""
+    if not rec.epochs:
+        return []
+    e = rec.epochs[-1]
+    rows = [("files", f"epoch #{e.n} covers {e.files_total} open for writing: {e.files_copied} copied, "
+                      f"{e.files_total - e.files_copied} cut back on restore"
+                      + (f" ({e.files_total - len(e.files)} more not listed)" if e.files_total > len(e.files) else ""))]
+    rows += [("", f"{f.path} ({_fmt_bytes(f.size)}): not copied, {f.not_copied}") for f in e.files
+             if not f.copied and not f.not_copied.startswith("append-only")]
+    if e.workdir_note:
+        rows.append(("", f"workdir not tracked: {e.workdir_note}"))
+    return rows
