@@ -25,14 +25,16 @@ import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from revenant.agent import procs
+from revenant.agent import cuda, procs
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.guard import StorageGuard
 from revenant.agent.predump import PreDumpStep
 from revenant.agent.epochs import JobFiles
+from revenant.agent.cuda import Mechanism
 from revenant.agent.gpu import GpuMonitor
+from revenant.agent.gpustep import GpuStep
 from revenant.agent.jobs import Supervisor
 from revenant.agent.liveness import Liveness
 from revenant.agent import reconcile
@@ -101,6 +103,9 @@ class Agent(Service):
                                "jobs": sorted(self.supervisor.jobs) if self.supervisor else []},
             ), config.http_host, config.http_port)
         self.capabilities = Capabilities()
+        # How this node suspends CUDA state (agent/cuda.py), or None and why not.
+        self.cuda: Mechanism | None = None
+        self.cuda_why = ""
         self.health = HealthSummary()
         self.liveness = Liveness(
             config, self.node, self.incarnation,
@@ -211,8 +216,11 @@ class Agent(Service):
                       file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
                       clock=self.clock, wall_clock=self.wall_clock)
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
-        # the policy's pre-dump, then the job's own files (while criu holds it frozen).
-        engine.steps[:0] = [StorageGuard(self._gpu_bytes),
+        # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
+        # The GPU's state is suspended before a pre-dump or the dump read the job's memory.
+        gpu = GpuStep(self.cuda, self.cuda_why, self.gpu_monitor.scan, lambda: self.capabilities,
+                      cfg.gpu_lock_timeout_s)
+        engine.steps[:0] = [StorageGuard(self._gpu_bytes), gpu,
                             PreDumpStep(criu.path, criu.features.get("mem_dirty_track", False), self._degraded,
                                         cfg.criu_timeout_s)]
         return engine
@@ -251,8 +259,14 @@ class Agent(Service):
     # ------------------------------------------------------------------ capabilities and health
 
     async def _inspect(self) -> Capabilities:
-        criu: CriuInfo = await inspect_criu(self.config.criu_path, self.config.criu_check_timeout_s)
+        cfg = self.config
+        criu: CriuInfo = await inspect_criu(cfg.criu_path, cfg.criu_check_timeout_s)
         await asyncio.to_thread(self.gpu_monitor.start)
+        self.cuda, self.cuda_why = await asyncio.to_thread(cuda.detect, cfg.gpu_checkpoint, cfg.gpu_libcuda,
+                                                           cfg.gpu_cuda_checkpoint)
+        if self.gpu_monitor.gpus:
+            log.info("GPU checkpoints: %s%s", self.cuda.name if self.cuda else "none",
+                     f" ({self.cuda_why})" if self.cuda_why else "")
         return Capabilities(
             hostname=socket.gethostname(),
             kernel=platform.release(),
@@ -263,6 +277,10 @@ class Agent(Service):
             metrics_url=self.http.url if self.http is not None else "",
             gpu=self.gpu_monitor.kind,
             gpus=list(self.gpu_monitor.gpus),
+            gpu_checkpoint=self.cuda.name if self.cuda else "none",
+            gpu_checkpoint_why=self.cuda_why,
+            cuda_version=getattr(self.cuda, "version", 0),
+            gpu_remap=bool(self.cuda and self.cuda.remap),
         )
 
     def _job_of_pid(self, pid: int) -> str | None:

@@ -47,7 +47,8 @@ class CheckpointBook:
             self.metrics.observe_checkpoint(ok=True, duration_s=manifest.dump_s, freeze_s=manifest.freeze_s,
                                             size_bytes=info.bytes)
         self._epoch_event(files.job, "created", generation, n=manifest.epoch, bytes=info.bytes,
-                          freeze_s=manifest.freeze_s, duration_s=manifest.dump_s)
+                          freeze_s=manifest.freeze_s, duration_s=manifest.dump_s, gpus=manifest.gpus,
+                          gpu_driver=manifest.gpu_driver)
         # The new epoch's checksums were taken as it was written: it is not read again.
         pruned = await asyncio.to_thread(files.prune, max(1, max_epochs), {manifest.epoch})
         for n in pruned:

@@ -3,14 +3,14 @@
     checkpoint:  step.before_dump ... criu dump ... step.after_dump ... commit epoch ... prune
     restore:     pick newest verified epoch ... step.before_restore ... criu restore ... step.after_restore
 
-Steps plug in before and after criu without touching the engine: the job's
-own files (output included: agent/jobfiles.py, agent/jobfiles_restore.py) are
-a step today; GPU suspend/resume (cuda-checkpoint), pre-dump and deduplicated
-storage are steps of the same shape.  A step may refuse an epoch before
-anything is changed (``check_restore``): the restore then falls back to the
-next older epoch, as it does for one that fails verification.  ``on_dump_failed`` runs
-shielded from cancellation, so a step that changed the job (suspended its GPU,
-say) always gets to undo it.
+Steps plug in before and after criu without touching the engine: the storage
+guard, pre-dump, GPU suspend/resume (agent/gpustep.py) and the job's own files
+(output included: agent/jobfiles.py, agent/jobfiles_restore.py).  A step may
+refuse an epoch before anything is changed (``check_restore``): the restore then
+falls back to the next older epoch, as it does for one that fails verification.
+``on_dump_failed`` runs shielded from cancellation, so a step that changed the
+job (suspended its GPU, say) always gets to undo it; a step that fails after
+criu restored the job kills what criu restored, so it never runs on half-restored.
 
 By default criu dumps straight into the epoch's temporary directory on the
 shared storage: through the page cache that freezes the job no longer than a
@@ -303,8 +303,12 @@ class Engine:
             kept = await self._keep_log(ctx.files, "restore", ctx.generation, text)
             raise CriuError(f"criu restore failed: {criu.error_line(text)}{kept}")
         ctx.pid = int(pidfile.read_text().strip())
-        for step in self.steps:
-            await step.after_restore(ctx)
+        try:
+            for step in self.steps:
+                await step.after_restore(ctx)
+        except BaseException:  # half restored (its GPU not resumed, say): it must not run on as the job
+            signal_tree(ctx.pid, signal.SIGKILL)
+            raise
         return ctx.pid, ctx.manifest, ctx.notes
 
     # ------------------------------------------------------------------ helpers

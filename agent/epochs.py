@@ -9,15 +9,12 @@ Layout, per job, under ``<storage>/jobs/<job>/``::
     epochs/.trash-<N>-<rnd>/  an epoch being deleted; never listed
     epochs/.lock, packs/      the job's storage lock; pages of older epochs (agent/policy.py, packs.py)
 
-An epoch is committed by writing its files into a temporary directory, then
-``manifest.json`` (size and CRC-32 of every file, the criu version, kernel, CPU
-flags, the job's own files at the dump), fsyncing, and renaming the directory
-to ``<N>``.  A directory named by a number always holds a complete epoch.
+An epoch is committed by writing its files into a temporary directory, then ``manifest.json``
+(size and CRC-32 of every file, the criu version, kernel, CPU flags, the job's own files at the
+dump), fsyncing, and renaming it to ``<N>``: a directory named by a number is a complete epoch.
 
-The checksums guard against corruption (a torn write, a bad disk, a truncated
-copy), not against an attacker with write access to the storage, so they are
-CRC-32 (zlib, several GB/s) rather than SHA-256 (about 1.6 GB/s here): at
-2 GiB the difference is a second on every checkpoint and every restore.
+The checksums guard against corruption (a torn write, a bad disk, a truncated copy), not an
+attacker who can write the storage: CRC-32 (zlib, several GB/s), not SHA-256 (1.6 GB/s here).
 
 Epochs are private: root's, directories 0700 and files 0600 (agent/private.py).
 Everything here is blocking file I/O, run in a worker thread by the engine.
@@ -46,7 +43,7 @@ from revenant.agent.fileio import Durable, copy_bytes, fsync_path
 from revenant.agent.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
 from revenant.common.errors import RevenantError
-from revenant.messages import EpochFile, EpochInfo
+from revenant.messages import EpochFile, EpochInfo, JobGpu
 from revenant.messages.parts import MAX_EPOCH_FILES
 from revenant.messages.subjects import check_name
 
@@ -136,6 +133,10 @@ class Manifest(msgspec.Struct, kw_only=True):
     recipes: dict[str, RecipeEntry] = {}
     packs: list[str] = []
     segment: int = 0
+    # A GPU job (agent/gpustep.py): its GPUs, the driver, its CUDA processes' pids in the job's namespace.
+    gpus: list[JobGpu] = []
+    gpu_driver: str = ""
+    cuda_pids: list[int] = []
 
     @property
     def total_bytes(self) -> int:  # what a restore reads: converted images at their original size
@@ -258,7 +259,7 @@ class JobFiles:
                          files=[EpochFile(path=path, size=f.size, copied=bool(f.copy), not_copied=f.no_copy)
                                 for path, f in files[:MAX_EPOCH_FILES]],
                          files_total=len(m.job_files), files_copied=sum(1 for f in m.job_files.values() if f.copy),
-                         workdir_note=m.workdir_note)
+                         workdir_note=m.workdir_note, gpus=m.gpus, gpu_driver=m.gpu_driver)
 
     # ------------------------------------------------------------------ commit
 

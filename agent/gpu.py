@@ -17,6 +17,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
@@ -35,6 +36,27 @@ _NOT_SUPPORTED, _NO_PERMISSION, _TIMEOUT, _FUNCTION_NOT_FOUND, _VERSION_MISMATCH
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 
 Finding = tuple[HealthState, str]
+
+
+@dataclass(frozen=True)
+class CudaProcess:
+    """One process using a GPU, as NVML lists it (``pid`` as the agent sees it)."""
+
+    pid: int
+    gpu_index: int
+    gpu_uuid: str
+    gpu_name: str
+    used_bytes: int = 0
+
+
+@dataclass
+class GpuScan:
+    """The node's CUDA processes now, its GPUs in MIG mode and the MPS clients (agent/gpustep.py)."""
+
+    processes: list[CudaProcess] = field(default_factory=list)
+    mig: set[int] = field(default_factory=set)
+    mps_pids: set[int] = field(default_factory=set)
+    driver: str = ""
 
 
 def classify_xid(xid: int) -> HealthState:
@@ -347,6 +369,30 @@ class GpuMonitor:
             ("NVML_ERROR_NOT_SUPPORTED", _NOT_SUPPORTED), ("NVML_ERROR_NO_PERMISSION", _NO_PERMISSION),
             ("NVML_ERROR_FUNCTION_NOT_FOUND", _FUNCTION_NOT_FOUND),
             ("NVML_ERROR_ARGUMENT_VERSION_MISMATCH", _VERSION_MISMATCH))}
+
+    def scan(self) -> GpuScan:
+        """Read NVML now (blocking): which processes use which GPU, MIG modes, MPS clients."""
+        out = GpuScan(driver=self.gpus[0].driver_version if self.gpus else "")
+        if self._stopped or not self._handles:
+            return out
+        nvml = self._nvml
+        for info, handle in zip(self.gpus, self._handles):
+            try:
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except Exception as exc:  # a lost GPU: criu will name a job still mapping it
+                log.warning("GPU %d: cannot list its processes: %s", info.index, exc)
+                procs = []
+            out.processes += [CudaProcess(int(p.pid), info.index, info.uuid, info.name, int(p.usedGpuMemory or 0))
+                              for p in procs]
+            try:
+                if self._optional(info.index, "mig", lambda: nvml.nvmlDeviceGetMigMode(handle)[0], 0):
+                    out.mig.add(info.index)
+                mps = self._optional(info.index, "mps", lambda: nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle),
+                                     [])
+                out.mps_pids.update(int(p.pid) for p in mps)
+            except Exception as exc:
+                log.warning("GPU %d: cannot read its MIG mode or MPS clients: %s", info.index, exc)
+        return out
 
     def _process(self, proc: Any) -> GpuProcess:
         pid = int(proc.pid)

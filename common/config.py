@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -76,6 +76,13 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_temperature_red_c: float = 90.0
     gpu_ecc_uncorrected_red: int = 1
     gpu_xid_hold_s: float = 300.0
+    # CUDA checkpoints (agent/cuda.py): auto (the driver API where libcuda has it, else the
+    # cuda-checkpoint binary), driver_api, binary or off; where each is found; how long a lock
+    # waits for work already submitted to the GPU before the checkpoint fails.
+    gpu_checkpoint: Literal["auto", "driver_api", "binary", "off"] = "auto"
+    gpu_libcuda: str = "libcuda.so.1"
+    gpu_cuda_checkpoint: str = "cuda-checkpoint"
+    gpu_lock_timeout_s: float = 10.0
     # 3-sigma anomaly events over a sliding window of heartbeat readings.
     anomaly_window: int = 60
     anomaly_sigmas: float = 3.0
@@ -121,7 +128,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
                   "criu_timeout_s", "workdir_scan_max_entries", "file_snapshot_timeout_s",
-                  "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s")
+                  "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s", "gpu_lock_timeout_s")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be 0 or more")
         if self.file_snapshot_max_bytes < 0:

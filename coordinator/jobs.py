@@ -238,7 +238,8 @@ class JobService:
             lc.check_restart(rec, epoch)  # before placement: a refusal names the job's state, not a node
             before.append(rec)
             nodes = self.nodes()
-            target = place(nodes, self.jobs_per_node(), node, restore=True)
+            gpus, driver = lc.gpus_of(rec, epoch)
+            target = place(nodes, self.jobs_per_node(), node, restore=True, gpus=gpus, gpu_driver=driver)
             waived[:] = _waived(job, nodes, target)
             return lc.RestartAsked(target, epoch)
 
@@ -295,13 +296,16 @@ class JobService:
             if not lc.needs_recovery(rec, dead):
                 return None
             nodes, restore = self.nodes(), bool(rec.epochs)  # a requeue is a new start: no waiver
+            # A restore needs a node that can take the GPUs the job held at its newest epoch.
+            gpus, driver = (rec.gpus, rec.gpu_driver) if restore else ([], "")
             try:
-                target = place(nodes, self.jobs_per_node(), exclude={dead} if dead else set(), restore=restore)
+                target = place(nodes, self.jobs_per_node(), exclude={dead} if dead else set(), restore=restore,
+                               gpus=gpus, gpu_driver=driver)
             except NoNodeAvailable:
                 if not evicted:
                     raise
                 # Its own node, if that is all there is.
-                target = place(nodes, self.jobs_per_node(), restore=restore)
+                target = place(nodes, self.jobs_per_node(), restore=restore, gpus=gpus, gpu_driver=driver)
             waived[:] = _waived(job, nodes, target) if restore else []
             return lc.Recover(dead, target, evicted, fence_token)
 

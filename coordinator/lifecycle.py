@@ -27,12 +27,13 @@ import msgspec
 
 from revenant.common import retention
 from revenant.common.errors import JobNotRunning, RevenantError
+from revenant.coordinator.epoch_rules import epoch_converted
 from revenant.coordinator.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
     AgentReport, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted, Kill,
     Launched, LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed,
     Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input,
 )
-from revenant.messages import EpochInfo, JobEvent, JobRecord, LocalJob, StaleJob
+from revenant.messages import EpochInfo, JobEvent, JobGpu, JobRecord, LocalJob, StaleJob
 
 
 class State(enum.StrEnum):
@@ -126,6 +127,8 @@ def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
         new.epochs = keep_epochs(listed + [inp.epoch], rec.spec.max_epochs)
     if inp.epoch is not None:
         new.last_checkpoint_at, new.last_checkpoint_error = now, ""
+        if all(e.n <= inp.epoch.n for e in new.epochs):  # the newest: its GPUs (none: it let go of them)
+            new.gpus, new.gpu_driver = list(inp.epoch.gpus), inp.epoch.gpu_driver if inp.epoch.gpus else ""
     if inp.storage_bytes:
         new.storage_bytes = inp.storage_bytes
     if rec.generation == inp.generation and rec.state == State.CHECKPOINTING:
@@ -153,6 +156,12 @@ def check_restart(rec: JobRecord, epoch: int = 0) -> None:
     if epoch and all(e.n != epoch for e in rec.epochs):
         kept = ", ".join(str(e.n) for e in rec.epochs)
         raise NoEpoch(f"job {rec.spec.id} has no epoch {epoch}; it keeps epoch{'s' * (len(rec.epochs) > 1)} {kept}")
+
+
+def gpus_of(rec: JobRecord, epoch: int = 0) -> tuple[list[JobGpu], str]:
+    """The GPUs (and driver) a restore of ``rec`` from ``epoch`` (0: the newest) needs."""
+    chosen = next((e for e in rec.epochs if e.n == epoch), None) if epoch else None
+    return (list(chosen.gpus), chosen.gpu_driver) if chosen is not None else (list(rec.gpus), rec.gpu_driver)
 
 
 def _restart_asked(rec: JobRecord, inp: RestartAsked, now: float) -> Decision:
@@ -272,15 +281,6 @@ def _recovery_failed(rec: JobRecord, inp: RecoveryFailed, now: float) -> Decisio
     return Decision(_copy(rec, state=State.FAILED, node="", pid=0, reason=inp.reason))
 
 
-def _epoch_converted(rec: JobRecord, inp: EpochConverted, now: float) -> Decision:
-    ev = inp.event  # own bytes in ev.bytes; a listing a later checkpoint replaced is fresher
-    epochs = [msgspec.structs.replace(e, own_bytes=ev.bytes, incremental=True) if e.n == ev.n else e
-              for e in rec.epochs]
-    if ev.at < rec.last_checkpoint_at or (epochs == rec.epochs and ev.storage_bytes in (0, rec.storage_bytes)):
-        return Decision()
-    return Decision(_copy(rec, epochs=epochs, storage_bytes=ev.storage_bytes or rec.storage_bytes))
-
-
 def _purged(rec: JobRecord, inp: Purged, now: float) -> Decision:
     if rec.state not in ENDED:
         return Decision()
@@ -291,7 +291,7 @@ _HANDLERS: dict[type, Any] = {
     Launched: _launched, LaunchFailed: _launch_failed, CheckpointAsked: _checkpoint_asked,
     Checkpointed: _checkpointed, CheckpointFailed: _checkpoint_failed, RestartAsked: _restart_asked,
     Restored: _restored, RestartFailed: _restart_failed, AgentReport: _agent_report, Recover: _recover,
-    ThawAsked: _thaw_asked, EpochConverted: _epoch_converted,
+    ThawAsked: _thaw_asked, EpochConverted: epoch_converted,
     RecoveryAttemptFailed: _recovery_attempt_failed, RecoveryFailed: _recovery_failed, Purged: _purged,
 }
 

@@ -3,15 +3,17 @@
 A restore is placed by a looser rule than a new job: RED reasons that a restore
 does not make worse (low space on the shared storage: every node shares it, so
 every node goes RED at once) do not keep it off a node, and the caller says
-which it ignored (:func:`restore_waivers`).
+which it ignored (:func:`restore_waivers`).  A restore of a job that held GPUs at its
+newest epoch goes only to a node that can take them (:func:`revenant.common.gpufit.gpu_fit`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from revenant.common.errors import RevenantError
-from revenant.messages import JobRecord, JobSpec, NodeStatus
+from revenant.common.gpufit import describe, gpu_fit
+from revenant.messages import JobGpu, JobRecord, JobSpec, NodeStatus
 
 _HEALTH_RANK = {"GREEN": 0, "YELLOW": 1}
 
@@ -68,26 +70,34 @@ def usable(node: NodeStatus, restore: bool = False) -> str | None:
 
 
 def place(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested: str = "",
-          exclude: set[str] | frozenset[str] = frozenset(), *, restore: bool = False) -> str:
+          exclude: set[str] | frozenset[str] = frozenset(), *, restore: bool = False,
+          gpus: Sequence[JobGpu] = (), gpu_driver: str = "") -> str:
     """The node for a job: ``requested`` if usable; else the healthiest node with the fewest jobs.
 
     RED nodes never get work; YELLOW ones only when no GREEN node is usable.  A ``restore``
     may also go to a node RED only for reasons it does not worsen (:func:`restore_waivers`),
-    last of all.
+    last of all.  ``gpus``, ``gpu_driver``: the GPUs a restored job held at its epoch, and
+    the driver it ran under: only a node :func:`gpu_fit` finds fit for them takes it.
     """
+    need = list(gpus)
+
+    def why_not(node: NodeStatus) -> str | None:
+        return usable(node, restore) or gpu_fit(need, gpu_driver, node.capabilities, node=node.name)[0]
+
     if requested:
         node = next((n for n in nodes if n.name == requested), None)
         if node is None:
             raise NoNodeAvailable(f"unknown node {requested}")
-        why = usable(node, restore)
+        why = why_not(node)
         if why:
             raise NoNodeAvailable(why)
         return requested
-    candidates = [n for n in nodes if n.name not in exclude and usable(n, restore) is None]
+    candidates = [n for n in nodes if n.name not in exclude and why_not(n) is None]
     if not candidates:
-        reasons = [usable(n, restore) for n in nodes if n.name not in exclude]
+        reasons = [why_not(n) for n in nodes if n.name not in exclude]
         detail = "; ".join(r for r in reasons if r) or "no node has joined"
-        raise NoNodeAvailable(f"no node can take the job: {detail}")
+        held = f" (it held {describe(need, gpu_driver)} at its checkpoint)" if need else ""
+        raise NoNodeAvailable(f"no node can take the job{held}: {detail}")
     best = min(candidates, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name))
     return best.name
 

@@ -55,6 +55,15 @@ class Capabilities(_Body):
     # "none" when NVML has no driver or no device; that is normal, not an error.
     gpu: str = "none"
     gpus: list[GpuInfo] = []
+    # How the agent checkpoints a job's GPU state: "driver_api" (libcuda's checkpoint calls),
+    # "binary" (the cuda-checkpoint program) or "none" (a job holding a GPU cannot be checkpointed).
+    gpu_checkpoint: str = "none"
+    # Why "none" (no driver, too old a driver, turned off), or a note on the mechanism found.
+    gpu_checkpoint_why: str = ""
+    # The CUDA driver API version (cuDriverGetVersion: 12080 for CUDA 12.8); 0: unknown.
+    cuda_version: int = 0
+    # A restore here can move a job to other GPUs (by UUID) than it was checkpointed on.
+    gpu_remap: bool = False
 
 
 class GpuProcess(_Body):
@@ -182,6 +191,16 @@ class EpochFile(_Body):
 MAX_EPOCH_FILES = 32
 
 
+class JobGpu(_Body):
+    """A GPU a job held when its epoch was checkpointed (a restore needs one of the same model)."""
+
+    index: int
+    uuid: str
+    name: str
+    # Device memory the job held on it at the checkpoint.
+    memory_bytes: int = 0
+
+
 class EpochInfo(_Body):
     n: int
     bytes: int = 0
@@ -199,6 +218,9 @@ class EpochInfo(_Body):
     own_bytes: int = 0
     # Stored as a delta against the job's packs (it is rebuilt from them to be restored).
     incremental: bool = False
+    # A GPU job's GPUs at this epoch and the driver it ran under (a restore needs fitting GPUs).
+    gpus: list[JobGpu] = []
+    gpu_driver: str = ""
 
 
 class JobRecord(_Body):
@@ -225,6 +247,10 @@ class JobRecord(_Body):
     # Bumped each time the leader lets a frozen copy of the job thaw (its node's lease had
     # lapsed): a failover decided before that is void.
     fence_token: int = 0
+    # The GPUs the job held at its newest committed epoch, and the driver version it ran under
+    # ([] and "": it holds none); a restore goes only to a node that can take them (common/gpufit.py).
+    gpus: list[JobGpu] = []
+    gpu_driver: str = ""
 
 
 class LeaseValue(_Body):

@@ -31,6 +31,7 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     HealthState,
     HealthSummary,
     JobEventKind,
+    JobGpu,
     JobRecord,
     JobSpec,
     JobState,
@@ -288,6 +289,9 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     reason: str = ""
     # For "converted": the job's whole checkpoint storage afterwards (shared data once).
     storage_bytes: int = 0
+    # For "created": the GPUs the job held at this epoch ([]: none), and the node's driver version.
+    gpus: list[JobGpu] = []
+    gpu_driver: str = ""
 
 
 class ClusterEvent(Message, tag="cluster_event.v1"):
@@ -374,6 +378,7 @@ __all__ = [
     "FailoverRequest",
     "JobEvent",
     "JobEventKind",
+    "JobGpu",
     "JobRecord",
     "JobReply",
     "JobRequest",

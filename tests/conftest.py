@@ -136,10 +136,11 @@ def make_cluster(tmp_path):
 
     made: list[Cluster] = []
 
-    def make(nodes: int = 2, name: str = "cluster", insecure: bool = False) -> Cluster:
+    def make(nodes: int = 2, name: str = "cluster", insecure: bool = False, env: dict | None = None) -> Cluster:
+        """``env``: more environment for `revenant up`, which its agents and coordinator inherit."""
         d = tmp_path / name
         revenant_cli("up", "--nodes", str(nodes), "--dir", str(d), "--detach", *(["--insecure"] if insecure else []),
-                     check=True)
+                     check=True, env=env)
         c = Cluster(d)
         made.append(c)
         return c

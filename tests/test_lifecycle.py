@@ -19,8 +19,10 @@ from revenant.messages import (
     AgentJobReply,
     Capabilities,
     CriuInfo,
+    EpochEvent,
     EpochInfo,
     JobEvent,
+    JobGpu,
     JobRecord,
     JobSpec,
     LocalJob,
@@ -418,3 +420,28 @@ async def test_a_freshly_started_agent_loses_the_running_jobs_it_does_not_list()
     assert jobs.lost_on("node-1", []) == on_1
     assert jobs.lost_on("node-1", [LocalJob(job=j, generation=1) for j in on_1]) == []
     assert jobs.lost_on("node-3", []) == []
+
+
+H200 = JobGpu(index=0, uuid="GPU-a", name="NVIDIA H200", memory_bytes=1 << 30)
+
+
+def committed(n: int, gpus=(), driver: str = "", listed=(), stop: bool = False) -> lc.Checkpointed:
+    return lc.Checkpointed(1, stop, EpochInfo(n=n, gpus=list(gpus), gpu_driver=driver),
+                           epochs=tuple(EpochInfo(n=m) for m in listed))
+
+
+def test_the_job_holds_the_gpus_of_its_newest_checkpoint():
+    rec = record("checkpointing", epochs=[1])
+    d = lc.transition(rec, committed(2, [H200], "570.86.10"), 9.0)
+    assert (d.record.gpus, d.record.gpu_driver) == ([H200], "570.86.10")
+    assert rec.gpus == [] and lc.gpus_of(d.record) == ([H200], "570.86.10")
+    # An epoch taken once the job let go of its GPU: it holds none.
+    cleared = lc.transition(d.record, committed(3, [], "570.86.10"), 9.0).record
+    assert (cleared.gpus, cleared.gpu_driver) == ([], "")
+
+
+def test_a_restart_from_an_older_epoch_needs_that_epochs_gpus():
+    rec = record("vacated", epochs=[])
+    rec.epochs = [EpochInfo(n=1, gpus=[H200], gpu_driver="570.86.10"), EpochInfo(n=2)]
+    assert lc.gpus_of(rec, 1) == ([H200], "570.86.10")
+    assert lc.gpus_of(rec, 2) == ([], "")

@@ -22,6 +22,7 @@ from revenant.messages import (
     EpochEvent,
     EpochInfo,
     JobEvent,
+    JobGpu,
     JobRecord,
     JobReply,
     JobRequest,
@@ -67,7 +68,10 @@ CAPS = Capabilities(
     hostname="h", kernel="6.18", cpus=2, memory_total_bytes=1 << 34, revenant_version="0.1.0",
     criu=CriuInfo(path="/usr/sbin/criu", version="4.1.1", ok=True, features={"mem_dirty_track": False}),
     gpu="nvml", gpus=[GpuInfo(index=0, name="H200", uuid="GPU-1", memory_total_bytes=1 << 37, driver_version="580")],
+    gpu_checkpoint="driver_api", gpu_checkpoint_why="cuCheckpointProcess* in libcuda.so.1", cuda_version=13000,
+    gpu_remap=True,
 )
+GPUS = [JobGpu(index=0, uuid="GPU-1", name="H200", memory_bytes=1 << 33)]
 HEALTH = HealthSummary(state="YELLOW", reasons=["memory 90% >= 85%"], loop_lag_s=0.01, loop_stalls=3,
                        memory_percent=90.0, storage_free_bytes=123)
 
@@ -79,7 +83,7 @@ SPEC = JobSpec(id="17", argv=["python3", "job.py"], name="job", workdir="/w", en
 JOB = JobRecord(spec=SPEC, state="running", node="node-1", pid=42, generation=2,
                 epochs=[EpochInfo(n=1, bytes=4096, created_at=1.0, own_bytes=512, incremental=True),
                         EpochInfo(n=2, bytes=4096, created_at=2.0, own_bytes=4096)],
-                output="/s/jobs/17/output.log", storage_bytes=4608)
+                output="/s/jobs/17/output.log", storage_bytes=4608, gpus=GPUS, gpu_driver="580.65.06")
 
 SAMPLES = [
     Heartbeat(node="node-1", seq=7, sent_at=1.5, incarnation="abc", pid=42, capabilities=CAPS, health=HEALTH),
@@ -107,6 +111,7 @@ SAMPLES = [
                   epochs=[EpochInfo(n=3, bytes=10, own_bytes=4, incremental=True), EpochInfo(n=4, bytes=10)]),
     JobEvent(job="17", kind="restored", at=5.0, node="node-2", generation=3, pid=7, epoch=4),
     EpochEvent(job="17", kind="failed", at=6.0, node="node-1", error="Error (criu/cr-dump.c:1): x"),
+    EpochEvent(job="17", kind="created", at=6.2, n=3, node="node-1", gpus=GPUS, gpu_driver="580.65.06"),
     EpochEvent(job="17", kind="skipped", at=6.5, node="node-1", reason="cpu 0.97 over its threshold 0.95"),
     AnomalyEvent(node="node-1", metric="memory_percent", value=99.0, mean=40.0, std=2.0, at=7.0),
     NodesRequest(),
@@ -158,6 +163,23 @@ def test_records_and_messages_from_before_checkpoint_policies_still_decode():
     old_submit = decode(msgpack.packb({"type": "submit.v1", "argv": ["true"], "max_epochs": 1}))
     assert old_submit.max_epochs == 1 and old_submit.incremental is None and old_submit.full_every is None
     assert decode(msgpack.packb({"type": "epoch_event.v1", "job": "5", "kind": "created", "at": 1.0})).reason == ""
+
+
+def test_records_and_messages_from_before_gpu_checkpoints_still_decode():
+    """No GPU fields: a job that holds no GPU, a node that cannot checkpoint one."""
+    rec = msgspec.msgpack.decode(msgpack.packb({"spec": {"id": "5", "argv": ["true"]}}), type=JobRecord)
+    assert (rec.gpus, rec.gpu_driver) == ([], "")
+    ev = decode(msgpack.packb({"type": "epoch_event.v1", "job": "5", "kind": "created", "at": 1.0, "n": 2}))
+    assert (ev.gpus, ev.gpu_driver) == ([], "")
+    hb = decode(msgpack.packb({"type": "heartbeat.v1", "node": "n", "seq": 1, "sent_at": 0.5, "incarnation": "i",
+                               "capabilities": {"gpu": "nvml", "gpus": [{"index": 0, "uuid": "GPU-1"}]}}))
+    caps = hb.capabilities
+    assert (caps.gpu_checkpoint, caps.gpu_checkpoint_why, caps.cuda_version, caps.gpu_remap) == ("none", "", 0, False)
+    # A JobGpu's memory is optional; its model and UUID are not.
+    assert msgspec.msgpack.decode(msgpack.packb({"index": 1, "uuid": "GPU-2", "name": "H200"}),
+                                  type=JobGpu).memory_bytes == 0
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgpack.packb({"index": 1}), type=JobGpu)
 
 
 @pytest.mark.parametrize("kind", ["created", "failed", "pruned", "skipped", "degraded", "forced", "converted"])

@@ -25,9 +25,11 @@ from revenant.messages import (
     Capabilities,
     CriuInfo,
     EpochInfo,
+    GpuInfo,
     HealthFinding,
     HealthSummary,
     Heartbeat,
+    JobGpu,
     JobRecord,
     JobSpec,
     NodeStatus,
@@ -178,3 +180,70 @@ def test_a_restore_leaves_a_working_directory_other_live_jobs_share():
     jobs += [rec("4", "/proj/run1/sub"), rec("5", "/proj", "completed"), rec("12", "/proj")]
     assert workdir_shared(mine, jobs) == "jobs 4, 12 also work in it"  # nested either way; ended jobs do not count
     assert workdir_shared(mine, [rec("7", "/proj/run1/", "vacated")]) == "job 7 also works in it"
+
+
+# ------------------------------------------------------------------ a job that held a GPU
+
+
+def gpu_caps(uuid: str, model: str = "NVIDIA H200", driver: str = "570.86.10") -> Capabilities:
+    return Capabilities(criu=WORKING.criu, gpu="nvml", gpu_checkpoint="driver_api", gpu_remap=True,
+                        cuda_version=12080, gpus=[GpuInfo(index=0, uuid=uuid, name=model, driver_version=driver)])
+
+
+def gpu_cluster(caps: dict[str, Capabilities]) -> JobService:
+    """Healthy nodes with the given capabilities, as the detector sees them."""
+    config = CoordinatorConfig()
+    detector = FailureDetector(config)
+    for name, c in caps.items():
+        detector.heartbeat(Heartbeat(node=name, seq=1, sent_at=0.0, incarnation="i", capabilities=c), 100.0)
+    service = JobService(MemoryJobStore(), AgentClient(None, lambda: True), config, EventPublisher(None),
+                         lambda: detector.snapshot(100.0), HeldLease(), wall=lambda: 1000.0)
+    sent: list[tuple[str, str]] = []
+
+    async def agent(node_name: str, verb: str, msg, timeout_s: float) -> AgentJobReply:
+        sent.append((node_name, verb))
+        return AgentJobReply(job=msg.spec.id, generation=msg.generation, node=node_name, pid=4242,
+                             output="/out", epoch=EpochInfo(n=1))
+
+    service.agents.send = agent
+    service.sent = sent
+    return service
+
+
+GPU_JOB = [JobGpu(index=0, uuid="GPU-gone", name="NVIDIA H200", memory_bytes=1 << 30)]
+
+
+def gpu_record(job: str, state: str, node: str = "", gpus=GPU_JOB) -> JobRecord:
+    return JobRecord(spec=JobSpec(id=job, argv=["train"]), state=state, node=node, generation=1,
+                     epochs=[EpochInfo(n=1)], gpus=list(gpus), gpu_driver="570.86.10")
+
+
+async def test_a_restart_and_a_failover_of_a_gpu_job_go_only_to_a_node_that_takes_its_gpus():
+    service = gpu_cluster({"a-cpu": WORKING, "b-a100": gpu_caps("GPU-x", "NVIDIA A100"),
+                           "c-h200": gpu_caps("GPU-h"), "d-h200": gpu_caps("GPU-i")})
+    await service.save(gpu_record("1", "vacated"))
+    with pytest.raises(NoNodeAvailable, match="node b-a100 has no NVIDIA H200 GPU"):
+        await service.restart("1", node="b-a100")
+    assert service.sent == [] and service.get("1").state == "vacated"
+    rec, _ = await service.restart("1")
+    assert rec.node == "c-h200"  # a-cpu and b-a100 have fewer jobs, but cannot take the GPU
+    await service.save(gpu_record("2", "running", node="c-h200"))
+    kind, rec, _, _ = await service.recover("2", "c-h200")
+    assert (kind, rec.node) == ("restored", "d-h200")
+    # A job without GPUs still goes to the node with the fewest jobs.
+    await service.save(gpu_record("3", "vacated", gpus=[]))
+    assert (await service.restart("3"))[0].node == "a-cpu"
+
+
+async def test_no_node_for_a_gpu_jobs_failover_or_drain_names_the_gpu_reasons():
+    service = gpu_cluster({"a-cpu": WORKING, "b-h200": gpu_caps("GPU-h", driver="580.65.06"),
+                           "c-h200": gpu_caps("GPU-gone")})
+    await service.save(gpu_record("1", "running", node="c-h200"))
+    with pytest.raises(NoNodeAvailable) as info:
+        await service.recover("1", "c-h200")
+    assert "node a-cpu cannot checkpoint or restore GPU state" in str(info.value)
+    assert "node b-h200 has GPU driver 580.65.06" in str(info.value)
+    # A drained job may go back to its own node, where its GPU still is.
+    await service.save(gpu_record("1", "restoring", node="c-h200"))
+    kind, rec, _, _ = await service.recover("1", "c-h200", evicted="draining")
+    assert (kind, rec.node) == ("restored", "c-h200")

