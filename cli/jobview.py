@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 
 import msgspec
 
+from revenant.common.gpufit import describe
 from revenant.common.intervals import format_interval
 from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord
 
@@ -39,8 +40,11 @@ def job_view(rec: JobRecord) -> dict:
                     "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
                               for f in e.files],
                     "files_total": e.files_total, "files_copied": e.files_copied,
-                    "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental}
+                    "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental,
+                    "gpus": msgspec.to_builtins(e.gpus), "gpu_driver": e.gpu_driver}
                    for e in rec.epochs],
+        "gpus": msgspec.to_builtins(rec.gpus),
+        "gpu_driver": rec.gpu_driver,
         "storage_bytes": rec.storage_bytes,
         "last_checkpoint_error": rec.last_checkpoint_error,
         "output": rec.output,
@@ -74,6 +78,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("generation", str(v["generation"])),
         ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
         ("policy", policy_line(rec.spec.policy)),
+        *([("gpus", describe(rec.gpus, rec.gpu_driver) + ": a restore needs the same")] if rec.gpus else []),
         ("storage", _storage_cell(rec)),
         *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),
         ("epochs", epochs),
