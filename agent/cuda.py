@@ -119,6 +119,9 @@ class DriverApi:
         if version.value < CHECKPOINT_API_VERSION or not hasattr(lib, "cuCheckpointProcessLock"):
             raise CudaError(f"the driver's CUDA version {_cuda_text(version.value)} has no checkpoint API "
                             "(needs 12.8, driver 570 or later)")
+        rc = lib.cuInit(0)  # a restore needs the driver initialised in the caller (or persistence mode)
+        if rc != CUDA_SUCCESS:
+            raise CudaError(f"cuInit failed: {_error_text(lib, rc)}")
         return cls(lib, version.value)
 
     def _call(self, what: str, pid: int, fn: str, args: object) -> None:
@@ -171,7 +174,7 @@ class Binary:
         if found is None:
             raise CudaError(f"{path} not found")
         try:
-            done = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=30)
+            done = subprocess.run([found, "--help"], capture_output=True, text=True, errors="replace", timeout=30)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise CudaError(f"{found} --help failed: {exc}") from None
         text = done.stdout + done.stderr
@@ -182,7 +185,7 @@ class Binary:
     def _run(self, what: str, pid: int, *args: str) -> str:
         argv = [self.path, *args, "--pid", str(pid)]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s)
+            done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             raise CudaError(f"CUDA {what} of pid {pid}: cuda-checkpoint did not answer in {self.timeout_s:g} s")
         except OSError as exc:

@@ -6,8 +6,9 @@
 Steps plug in before and after criu without touching the engine: the storage
 guard, pre-dump, GPU suspend/resume (agent/gpustep.py) and the job's own files
 (output included: agent/jobfiles.py, agent/jobfiles_restore.py).  A step may
-refuse an epoch before anything is changed (``check_restore``): the restore then
-falls back to the next older epoch, as it does for one that fails verification.
+refuse an epoch before anything is changed (``check_restore``): for files that
+changed (FilesChanged) the restore falls back to the next older epoch, as it does
+for one that fails verification; any other refusal (GPUs this node lacks) fails it.
 ``on_dump_failed`` runs shielded from cancellation, so a step that changed the
 job (suspended its GPU, say) always gets to undo it; a step that fails after
 criu restored the job kills what criu restored, so it never runs on half-restored.

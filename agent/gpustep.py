@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from typing import Any, Callable
 from revenant.agent.cuda import CHECKPOINTED, LOCKED, RUNNING, CudaError, Mechanism
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.gpu import CudaProcess, GpuScan
-from revenant.agent.procs import tree_pids
+from revenant.agent.procs import signal_tree, tree_pids
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 from revenant.common.gpufit import gpu_fit
 from revenant.messages import Capabilities, JobGpu
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 # no sign outside the process that tells them apart: the driver refuses those at the checkpoint, and
 # its error is passed on with this hint.
 _NCCL = "libnccl"
+_INFLIGHT = "gpu-inflight"
 UNSUPPORTED_HINT = ("CUDA checkpoints do not support unified (managed/UVM) memory, CUDA IPC memory, MPS, MIG "
                     "or multi-process NCCL jobs")
 
@@ -88,7 +90,8 @@ class GpuStep(BaseStep):
     def __init__(self, mechanism: Mechanism | None, why_none: str, scan: Callable[[], GpuScan],
                  capabilities: Callable[[], Capabilities], lock_timeout_s: float = 10.0,
                  maps: Callable[[int], str] = read_maps, to_ns_pid: Callable[[int], int] = ns_pid,
-                 tree: Callable[[int], list[int]] = tree_pids, clock: Callable[[], float] = time.monotonic) -> None:
+                 tree: Callable[[int], list[int]] = tree_pids, clock: Callable[[], float] = time.monotonic,
+                 kill: Callable[[int], None] = lambda root: signal_tree(root, signal.SIGKILL)) -> None:
         self.mechanism = mechanism
         self.why_none = why_none
         self.scan = scan  # blocking (NVML): called in a worker thread
@@ -98,6 +101,7 @@ class GpuStep(BaseStep):
         self.ns_pid = to_ns_pid
         self.tree = tree
         self.clock = clock
+        self.kill = kill
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -118,9 +122,9 @@ class GpuStep(BaseStep):
         pids = sorted({p.pid for p in procs})
         ctx.state[self.name] = pids  # from here on, a failure brings each of them back
         started = self.clock()
-        await self._each(pids, self._lock)  # every process locked before any is checkpointed
+        await self._each(pids, self._lock, ctx)  # every process locked before any is checkpointed
         locked = self.clock()
-        await self._each(pids, self._checkpoint)
+        await self._each(pids, self._checkpoint, ctx)
         done = self.clock()
         ctx.manifest.gpus = _job_gpus(procs)
         ctx.manifest.gpu_driver = scan.driver
@@ -133,21 +137,27 @@ class GpuStep(BaseStep):
     async def after_dump(self, ctx: DumpContext) -> None:
         pids = ctx.state.get(self.name)
         if pids and not ctx.stop:  # the job goes on: back onto its GPUs now
-            await self._each(pids, lambda pid: self._restore(pid, None))
-            await self._each(pids, self._unlock)
+            await self._each(pids, lambda pid: self._restore(pid, None), ctx)
+            await self._each(pids, self._unlock, ctx)
 
     async def on_dump_failed(self, ctx: DumpContext) -> None:
         pids = ctx.state.get(self.name)
         if not pids:
             return
+        inflight = ctx.state.get(_INFLIGHT)
+        if inflight is not None:  # a call cancelled in our task still runs in its thread: let it end
+            await asyncio.wait([inflight])
         errors = []
         for pid in pids:  # every one, whatever the others do
             try:
                 await asyncio.to_thread(self.recover, pid)
-            except CudaError as exc:
-                errors.append(str(exc))
+            except Exception as exc:
+                errors.append(str(exc) or type(exc).__name__)
         if errors:
-            raise CudaError("; ".join(errors))
+            # Its CUDA calls would block for ever: a wedged job is worse than one restored from its epoch.
+            await asyncio.to_thread(self.kill, ctx.pid)
+            raise CudaError(f"job {ctx.job} was killed, its CUDA state could not be resumed ({'; '.join(errors)}); "
+                            "restart it from its newest epoch")
 
     def recover(self, pid: int) -> None:
         """Bring ``pid``'s CUDA back to running from whatever state the driver reports (blocking)."""
@@ -170,13 +180,14 @@ class GpuStep(BaseStep):
         if not manifest.gpus:
             return {}
         caps = self.capabilities()
-        why, remap = gpu_fit(manifest.gpus, manifest.gpu_driver, caps)
+        why, moved = gpu_fit(manifest.gpus, manifest.gpu_driver, caps)
         if why:
             raise EpochError(f"epoch {manifest.epoch} of {manifest.job}: {why}")
         if self.mechanism is None:
             raise EpochError(f"epoch {manifest.epoch} of {manifest.job} holds CUDA state but this node cannot "
                              f"restore it: {self.why_none or 'no mechanism'}")
-        return remap
+        # A remapping names every checkpointed GPU (NVIDIA's rule for the pairs), those that stay too.
+        return {g.uuid: moved.get(g.uuid, g.uuid) for g in manifest.gpus} if moved else {}
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         m = ctx.manifest
@@ -187,7 +198,8 @@ class GpuStep(BaseStep):
         started = self.clock()
         await self._each(pids, lambda pid: self._restore(pid, remap))
         await self._each(pids, self._unlock)
-        moved = f", GPUs remapped ({', '.join(f'{o} -> {n}' for o, n in sorted(remap.items()))})" if remap else ""
+        moved = f", GPUs remapped ({', '.join(f'{o} -> {n}' for o, n in sorted(remap.items()) if o != n)})" \
+            if remap else ""
         ctx.notes.append(f"CUDA resumed in {len(pids)} process(es) in {self.clock() - started:.2f} s{moved}")
 
     def _restored_pids(self, root: int, wanted: list[int]) -> list[int]:
@@ -200,9 +212,12 @@ class GpuStep(BaseStep):
 
     # ------------------------------------------------------------------ transitions, each checked
 
-    async def _each(self, pids: list[int], fn: Callable[[int], None]) -> None:
+    async def _each(self, pids: list[int], fn: Callable[[int], None], ctx: DumpContext | None = None) -> None:
         for pid in pids:
-            await asyncio.to_thread(fn, pid)
+            call = asyncio.ensure_future(asyncio.to_thread(fn, pid))
+            if ctx is not None:
+                ctx.state[_INFLIGHT] = call
+            await asyncio.shield(call)  # cancelled, the call still ends before on_dump_failed acts
 
     def _checked(self, pid: int, want: str, what: str) -> None:
         assert self.mechanism is not None

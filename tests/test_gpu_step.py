@@ -77,7 +77,10 @@ def _step(driver: Driver | None, scan: GpuScan, *, tree: list[int], maps: dict[i
           caps: Capabilities | None = None) -> GpuStep:
     return GpuStep(driver, "no libcuda here", lambda: scan, lambda: caps or _caps(U0), lock_timeout_s=10,
                    maps=lambda pid: (maps or {}).get(pid, ""), to_ns_pid=lambda pid: pid - 1000,
-                   tree=lambda root: tree)
+                   tree=lambda root: tree, kill=KILLED.append)
+
+
+KILLED: list[int] = []
 
 
 def _scan(*pids: int, mig: set[int] | None = None, mps: set[int] | None = None) -> GpuScan:
@@ -191,8 +194,10 @@ async def test_a_process_in_the_failed_state_is_reported_not_looped_on(tmp_path:
     ctx = _ctx(tmp_path)
     await step.before_dump(ctx)
     driver.states[1002] = FAILED
-    with pytest.raises(CudaError, match="state is failed"):
+    KILLED.clear()
+    with pytest.raises(CudaError, match="was killed, its CUDA state could not be resumed .*state is failed"):
         await step.on_dump_failed(ctx)
+    assert KILLED == [ctx.pid]  # wedged for ever otherwise: restored from its newest epoch instead
 
 
 async def test_a_transition_the_driver_does_not_confirm_is_an_error(tmp_path: Path) -> None:
@@ -268,3 +273,37 @@ async def test_a_restore_without_the_process_or_onto_an_unfit_node_is_refused(tm
         none.check_restore(manifest, tmp_path)
     assert step.check_restore(Manifest(job="j1", epoch=1, generation=1, node="n1", created_at=0.0,
                                        criu_version="4.1.1", kernel="k"), tmp_path) == {}
+
+
+def test_a_remapping_names_every_checkpointed_gpu_those_that_stay_too(tmp_path: Path) -> None:
+    u2 = "GPU-22222222-2222-2222-2222-222222222222"
+    step = GpuStep(Driver([]), "", lambda: GpuScan(), lambda: _caps(U1, u2))
+    m = Manifest(job="j1", epoch=3, generation=2, node="n1", created_at=0.0, criu_version="4.1.1", kernel="k",
+                 gpus=[JobGpu(index=0, uuid=U0, name=H200), JobGpu(index=1, uuid=U1, name=H200)],
+                 gpu_driver="570.86.10")
+    assert step.check_restore(m, tmp_path) == {U0: u2, U1: U1}
+
+
+async def test_a_suspend_cancelled_mid_lock_is_undone_after_the_lock_ends(tmp_path: Path) -> None:
+    import asyncio
+    import threading
+    import time
+
+    started = threading.Event()
+
+    class Slow(Driver):
+        def lock(self, pid: int, timeout_ms: int) -> None:
+            started.set()
+            time.sleep(0.3)  # a lock waiting for submitted work, in its worker thread
+            super().lock(pid, timeout_ms)
+
+    driver = Slow([1002])
+    step = _step(driver, _scan(1002), tree=[1001, 1002])
+    ctx = _ctx(tmp_path)
+    task = asyncio.create_task(step.before_dump(ctx))
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()  # a drain's deadline, say
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await step.on_dump_failed(ctx)  # waits for the lock still running, then unlocks
+    assert driver.calls == [("lock", 1002), ("unlock", 1002)] and driver.states == {1002: RUNNING}

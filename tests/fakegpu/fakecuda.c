@@ -131,6 +131,11 @@ static int config_value(const char *key, char *out, size_t len) {
     return found;
 }
 
+CUresult cuInit(unsigned int flags) {
+    (void)flags;
+    return config_value("no_device", (char[8]){0}, 8) == 0 ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS;
+}
+
 CUresult cuDriverGetVersion(int *version) {
     char v[64];
     if (!version) return CUDA_ERROR_INVALID_VALUE;

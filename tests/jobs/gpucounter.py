@@ -189,6 +189,8 @@ class FakeDriver:
         return SUCCESS
 
     def _restore(self, remap: dict[str, str]) -> int:
+        if remap and self.uuid not in remap:
+            return INVALID_VALUE  # as NVIDIA documents it: the pairs must name every checkpointed GPU
         target = remap.get(self.uuid, self.uuid)
         if target not in configured_gpus(self.dir):
             return NO_DEVICE  # the GPU it was on is not here, and no remap names one that is
