@@ -32,7 +32,7 @@ from revenant.agent.policy import PolicyRunner
 from revenant.agent.procs import freeze_tree, signal_tree
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.metrics import AgentMetrics
-from revenant.messages import AgentJobReply, JobEvent, JobSpec, Message, subjects
+from revenant.messages import AgentJobReply, JobEvent, JobGpu, JobSpec, Message, subjects
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ class JobRuntime:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A vacate is under way: the job's exit is reported when it ends (see _report_exit).
     vacating: bool = False
-    # The vacate (or drain) committed this epoch and then stopped the job.
+    # The vacate (or drain) committed this epoch, holding these GPUs under this driver, then stopped the job.
     stopped_at_epoch: int | None = None
+    stopped_gpus: tuple[list[JobGpu], str] = ([], "")
     killing: bool = False
     kill_reason: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -210,7 +211,9 @@ class Supervisor:
         else:
             log.info("job %s %s with status %d%s", rt.spec.id, verdict.kind, verdict.exit_code,
                      f" ({verdict.reason})" if verdict.reason else "")
-        self._event(rt, verdict.kind, exit_code=verdict.exit_code, epoch=verdict.epoch, reason=verdict.reason)
+        gpus, driver = rt.stopped_gpus if verdict.epoch is not None else ([], "")
+        self._event(rt, verdict.kind, exit_code=verdict.exit_code, epoch=verdict.epoch, reason=verdict.reason,
+                    gpus=gpus, gpu_driver=driver)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -251,7 +254,7 @@ class Supervisor:
             raise
         if stop:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
-            rt.stopped_at_epoch = manifest.epoch
+            rt.stopped_at_epoch, rt.stopped_gpus = manifest.epoch, (manifest.gpus, manifest.gpu_driver)
             rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
         info, pruned, kept, storage = await self.policies.committed(rt.files, generation, manifest,
                                                                     rt.spec.max_epochs, rt.spec.policy)

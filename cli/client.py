@@ -88,6 +88,8 @@ def _node_row(n: NodeStatus) -> list[str]:
         gpu = " ".join(f"{g.temperature_c:.0f}C" for g in n.gpus)
     else:
         gpu = f"{len(n.capabilities.gpus)} gpu"
+    if n.capabilities.gpus:  # how its GPU jobs are checkpointed: driver_api, binary or none
+        gpu += f" ({n.capabilities.gpu_checkpoint})"
     return [
         n.name, n.state, n.health if live else "-", str(n.pid), age,
         criu.version if criu.ok else "unusable", gpu,

@@ -27,13 +27,13 @@ import msgspec
 
 from revenant.common import retention
 from revenant.common.errors import JobNotRunning, RevenantError
-from revenant.coordinator.epoch_rules import epoch_converted
+from revenant.coordinator.epoch_rules import epoch_converted, with_reported_epoch
 from revenant.coordinator.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
     AgentReport, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted, Kill,
     Launched, LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed,
     Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input,
 )
-from revenant.messages import EpochInfo, JobEvent, JobGpu, JobRecord, LocalJob, StaleJob
+from revenant.messages import EpochInfo, JobGpu, JobRecord, LocalJob, StaleJob
 
 
 class State(enum.StrEnum):
@@ -201,13 +201,13 @@ def _agent_report(rec: JobRecord, inp: AgentReport, now: float) -> Decision:
         # Normally the vacate's reply says so first; this covers a lost reply (or leader).
         if rec.state not in (State.RUNNING, State.CHECKPOINTING):
             return Decision()
-        return Decision(_copy(_with_reported_epoch(rec, ev), state=State.VACATED, node="", pid=0))
+        return Decision(_copy(with_reported_epoch(rec, ev), state=State.VACATED, node="", pid=0))
     if ev.kind == "evicted":
         # Its node stopped it (a drain, a fence): it goes on elsewhere, from its newest epoch.
         # Saved as restoring: should this leader die first, its successor redoes it.
         if rec.state not in ACTIVE:
             return Decision()
-        return Decision(_copy(_with_reported_epoch(rec, ev), state=State.RESTORING, pid=0, reason=ev.reason),
+        return Decision(_copy(with_reported_epoch(rec, ev), state=State.RESTORING, pid=0, reason=ev.reason),
                         outcome="evicted")
     if rec.state not in ACTIVE:
         return Decision()
@@ -219,13 +219,6 @@ def _agent_report(rec: JobRecord, inp: AgentReport, now: float) -> Decision:
     if not ok:
         new.reason = ev.reason or ("killed" if ev.kind == "killed" else f"exited with status {code}")
     return Decision(new)
-
-
-def _with_reported_epoch(rec: JobRecord, ev: JobEvent) -> JobRecord:
-    if ev.epoch is None or any(e.n == ev.epoch for e in rec.epochs):
-        return rec
-    epoch = EpochInfo(n=ev.epoch, created_at=ev.at, node=ev.node, generation=ev.generation)
-    return _copy(rec, epochs=keep_epochs(rec.epochs + [epoch], rec.spec.max_epochs))
 
 
 def _recover(rec: JobRecord, inp: Recover, now: float) -> Decision:

@@ -7,8 +7,7 @@ Rules (see docs/protocol.md):
 * A new field always gets a default, so an older sender stays readable.
 * Unknown fields are ignored, so a newer sender stays readable.
 * A breaking change is a new tag (``heartbeat.v2``), never an edit of v1.
-* Times are float seconds: ``*_at`` fields are Unix wall-clock times, ``*_s``
-  fields are durations.  Sizes are ``*_bytes``.
+* Times are float seconds: ``*_at`` Unix wall-clock times, ``*_s`` durations.  Sizes: ``*_bytes``.
 """
 
 from __future__ import annotations
@@ -266,10 +265,12 @@ class JobEvent(Message, tag="job_event.v1"):
     exit_code: int | None = None
     epoch: int | None = None
     reason: str = ""
-    # Failover: seconds from the dead node's last heartbeat to this event.
+    # Failover: seconds from the dead node's last heartbeat to this event; the node the job was lost with.
     since_last_heartbeat_s: float | None = None
-    # Failover: the node the job was lost with.
     from_node: str = ""
+    # vacated / evicted: the GPUs the job held at ``epoch`` and their driver (EpochInfo's).
+    gpus: list[JobGpu] = []
+    gpu_driver: str = ""
 
 
 class EpochEvent(Message, tag="epoch_event.v1"):

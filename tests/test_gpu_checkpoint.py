@@ -15,7 +15,7 @@ from revenant.agent.epochs import JobFiles
 from revenant.agent.gpu import CudaProcess, GpuScan
 from revenant.agent.gpustep import GpuStep
 from revenant.common.errors import RevenantError
-from revenant.messages import Capabilities, EpochEvent, GpuInfo, JobSpec
+from revenant.messages import Capabilities, EpochEvent, GpuInfo, JobEvent, JobSpec
 
 pytestmark = pytest.mark.criu
 
@@ -97,6 +97,8 @@ async def test_checkpoint_vacate_and_restore_keep_the_gpu_counter(tmp_path, supe
     assert j.cuda_pids() == [] and j.job not in j.sup.jobs
     manifest = JobFiles(j.sup.storage, j.job).verify(2)
     assert manifest.gpus and manifest.cuda_pids
+    (vacated,) = [e for e in events if isinstance(e, JobEvent) and e.kind == "vacated"]
+    assert (vacated.epoch, vacated.gpus, vacated.gpu_driver) == (2, manifest.gpus, manifest.gpu_driver)
     await j.sup.restore(j.spec, 2)
     assert fake.state(j.cuda_pids()[0]) == "running"
     assert j.ask() == "103"

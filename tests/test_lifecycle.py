@@ -445,3 +445,12 @@ def test_a_restart_from_an_older_epoch_needs_that_epochs_gpus():
     rec.epochs = [EpochInfo(n=1, gpus=[H200], gpu_driver="570.86.10"), EpochInfo(n=2)]
     assert lc.gpus_of(rec, 1) == ([H200], "570.86.10")
     assert lc.gpus_of(rec, 2) == ([], "")
+
+
+def test_a_drains_epoch_known_only_from_its_event_brings_its_gpus():
+    rec = record("running", epochs=[1])
+    ev = report("evicted", 1, "node-1", epoch=2, reason="drained", gpus=[H200], gpu_driver="570.86.10")
+    new = lc.transition(rec, ev, 9.0).record
+    assert (new.gpus, new.gpu_driver) == ([H200], "570.86.10") and new.epochs[-1].gpus == [H200]
+    older = lc.transition(record("running", epochs=[3]), report("vacated", 1, "node-1", epoch=2, gpus=[H200]), 9.0)
+    assert older.record is None or older.record.gpus == []  # not the newest: the job's GPUs stay
