@@ -86,7 +86,17 @@ class LeaseKeeper:
         while until is None or not until.is_set():
             await self.check()
             if await self._renew():
-                self.fence.renewed(self.clock())
+                now = self.clock()
+                late = self.fence.stale_for(now)
+                self.fence.renewed(now)
+                if not self.fenced and late > self.fence.fence_timeout_s:
+                    # Renewed, but only past the fence deadline (a slow bus, a stalled thread): the jobs'
+                    # dead man's switches froze them meanwhile.  Fence now, so that they thaw the one
+                    # way a frozen job thaws: on the leader's word (else nothing would ever thaw them).
+                    self.fenced = True
+                    log.error("lease renewed only after %.1f s (fence %.1f s): treated as a self-fence",
+                              late, self.fence.fence_timeout_s)
+                    await self._on_fence(late)
                 if self._on_renewed is not None and not self.fenced:
                     self._on_renewed()
                 if self.fenced:

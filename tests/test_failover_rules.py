@@ -101,3 +101,35 @@ def test_an_operator_can_hold_failover_and_let_a_real_storm_through():
     # Once the silence ends the guard re-arms: the next storm pauses failover again.
     assert guard.update(calm, set()) is None and not guard.acknowledged
     assert guard.update(rack, set()) == "paused"
+
+
+async def test_a_renewal_that_comes_back_past_the_fence_deadline_is_a_fence():
+    """The jobs' dead man's switches froze them while the renewal hung: the agent fences, so the
+    leader's word thaws them (else a job stays stopped for ever with its node healthy)."""
+    import asyncio
+
+    from revenant.agent.lease import LeaseKeeper
+
+    now = [100.0]
+    said: list = []
+    done = asyncio.Event()
+
+    async def on_fence(stale):
+        said.append(("fence", round(stale, 1)))
+
+    async def after_fence():
+        said.append(("back",))
+        done.set()
+
+    keeper = LeaseKeeper(None, "n1", "i", ttl_s=1.7, renew_s=0.001, fence_timeout_s=1.2, on_fence=on_fence,
+                         on_renewed_after_fence=after_fence, on_renewed=lambda: said.append(("renewed",)),
+                         clock=lambda: now[0])
+    delays = iter([0.3, 1.5, 0.3])
+
+    async def renew():
+        now[0] += next(delays, 0.3)
+        return True
+
+    keeper._renew = renew
+    await asyncio.wait_for(keeper.run(until=done), 5)
+    assert said == [("renewed",), ("fence", 1.5), ("back",)]
