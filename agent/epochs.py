@@ -133,10 +133,10 @@ class Manifest(msgspec.Struct, kw_only=True):
     recipes: dict[str, RecipeEntry] = {}
     packs: list[str] = []
     segment: int = 0
-    # A GPU job (agent/gpustep.py): its GPUs, the driver, its CUDA processes' pids in the job's namespace.
+    # A GPU job (agent/gpustep.py): its GPUs, the driver, each CUDA process's GPUs by its pid in the job's namespace.
     gpus: list[JobGpu] = []
     gpu_driver: str = ""
-    cuda_pids: list[int] = []
+    cuda_pids: dict[int, list[str]] = {}
 
     @property
     def total_bytes(self) -> int:  # what a restore reads: converted images at their original size

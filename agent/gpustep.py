@@ -128,7 +128,8 @@ class GpuStep(BaseStep):
         done = self.clock()
         ctx.manifest.gpus = _job_gpus(procs)
         ctx.manifest.gpu_driver = scan.driver
-        ctx.manifest.cuda_pids = sorted({await asyncio.to_thread(self.ns_pid, p) for p in pids})
+        inside = {p: await asyncio.to_thread(self.ns_pid, p) for p in pids}
+        ctx.manifest.cuda_pids = {inside[p]: sorted({q.gpu_uuid for q in procs if q.pid == p}) for p in pids}
         held = sum(g.memory_bytes for g in ctx.manifest.gpus)
         ctx.notes.append(f"CUDA suspended in {len(pids)} process(es) through {self.mechanism.name}: lock "
                          f"{locked - started:.2f} s, device memory {held / 2**30:.2f} GiB copied out in "
@@ -194,9 +195,13 @@ class GpuStep(BaseStep):
         if not m.gpus:
             return
         remap: dict[str, str] = ctx.checked.get(self.name) or {}
-        pids = await asyncio.to_thread(self._restored_pids, ctx.pid, m.cuda_pids)
+        wanted = sorted(m.cuda_pids)
+        pids = await asyncio.to_thread(self._restored_pids, ctx.pid, wanted)
+        # Each process's own GPUs in its pairs (all of them when one moves: NVIDIA's rule), none if none move.
+        own = {pid: {u: remap.get(u, u) for u in m.cuda_pids[n]} for pid, n in zip(pids, wanted)}
+        pairs = {pid: mine if any(o != n for o, n in mine.items()) else {} for pid, mine in own.items()}
         started = self.clock()
-        await self._each(pids, lambda pid: self._restore(pid, remap))
+        await self._each(pids, lambda pid: self._restore(pid, pairs[pid]))
         await self._each(pids, self._unlock)
         moved = f", GPUs remapped ({', '.join(f'{o} -> {n}' for o, n in sorted(remap.items()) if o != n)})" \
             if remap else ""

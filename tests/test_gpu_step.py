@@ -110,7 +110,7 @@ async def test_every_process_is_locked_before_any_is_checkpointed_and_resumed_af
     assert driver.calls == [("lock", 1002), ("lock", 1003), ("checkpoint", 1002), ("checkpoint", 1003)]
     assert driver.states == {1002: CHECKPOINTED, 1003: CHECKPOINTED}
     assert ctx.manifest.gpus == [JobGpu(index=0, uuid=U0, name=H200, memory_bytes=2 * 2**30)]
-    assert ctx.manifest.gpu_driver == "570.86.10" and ctx.manifest.cuda_pids == [2, 3]
+    assert ctx.manifest.gpu_driver == "570.86.10" and ctx.manifest.cuda_pids == {2: [U0], 3: [U0]}
     assert any("CUDA suspended in 2 process(es)" in n for n in ctx.notes)
     await step.after_dump(ctx)  # leave running: back on the GPU at once, same GPUs
     assert driver.states == {1002: RUNNING, 1003: RUNNING} and driver.remaps == [None, None]
@@ -240,7 +240,7 @@ def _restored(tmp_path: Path, pid: int, remap: dict[str, str]) -> RestoreContext
     files = JobFiles(tmp_path / "storage", "j1")
     m = Manifest(job="j1", epoch=3, generation=2, node="n1", created_at=0.0, criu_version="4.1.1", kernel="k",
                  gpus=[JobGpu(index=0, uuid=U0, name=H200, memory_bytes=2**30)], gpu_driver="570.86.10",
-                 cuda_pids=[2])
+                 cuda_pids={2: [U0]})
     return RestoreContext(job="j1", generation=2, files=files, epoch_dir=tmp_path, workdir=tmp_path, manifest=m,
                           pid=pid, checked={"gpu": remap})
 
@@ -307,3 +307,18 @@ async def test_a_suspend_cancelled_mid_lock_is_undone_after_the_lock_ends(tmp_pa
         await task
     await step.on_dump_failed(ctx)  # waits for the lock still running, then unlocks
     assert driver.calls == [("lock", 1002), ("unlock", 1002)] and driver.states == {1002: RUNNING}
+
+
+async def test_each_restored_process_gets_the_pairs_of_its_own_gpus(tmp_path: Path) -> None:
+    u2 = "GPU-22222222-2222-2222-2222-222222222222"
+    driver = Driver([5002, 5003])
+    driver.states = {5002: CHECKPOINTED, 5003: CHECKPOINTED}
+    step = GpuStep(driver, "", lambda: GpuScan(), lambda: _caps(U1, u2),
+                   to_ns_pid=lambda pid: {5001: 1, 5002: 2, 5003: 3}[pid], tree=lambda root: [5001, 5002, 5003])
+    ctx = _restored(tmp_path, 5001, {})
+    ctx.manifest.gpus = [JobGpu(index=0, uuid=U0, name=H200), JobGpu(index=1, uuid=U1, name=H200)]
+    ctx.manifest.cuda_pids = {2: [U0], 3: [U1]}
+    ctx.checked["gpu"] = step.check_restore(ctx.manifest, tmp_path)
+    await step.after_restore(ctx)
+    assert driver.remaps == [{U0: u2}, None]  # the second process's GPU stays: no pairs for it
+    assert set(driver.states.values()) == {RUNNING}
