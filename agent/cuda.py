@@ -85,6 +85,7 @@ class Mechanism(Protocol):
     def checkpoint(self, pid: int) -> None: ...
     def restore(self, pid: int, remap: dict[str, str] | None = None) -> None: ...
     def unlock(self, pid: int) -> None: ...
+    def restore_tid(self, pid: int) -> int: ...
 
 
 class DriverApi:
@@ -97,7 +98,7 @@ class DriverApi:
         self.version = version
         self.remap = version >= REMAP_API_VERSION
         for fn in ("cuCheckpointProcessGetState", "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-                   "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"):
+                   "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetRestoreThreadId"):
             getattr(lib, fn).restype = ctypes.c_int
             getattr(lib, fn).argtypes = [ctypes.c_int, ctypes.c_void_p]
 
@@ -155,6 +156,12 @@ class DriverApi:
 
     def unlock(self, pid: int) -> None:
         self._call("unlock", pid, "cuCheckpointProcessUnlock", _Reserved())
+
+    def restore_tid(self, pid: int) -> int:
+        """The thread of ``pid`` the driver restores CUDA through (it must be running for a restore)."""
+        tid = ctypes.c_int(0)
+        self._call("restore thread query", pid, "cuCheckpointProcessGetRestoreThreadId", tid)
+        return tid.value
 
 
 class Binary:
@@ -218,6 +225,13 @@ class Binary:
     def unlock(self, pid: int) -> None:
         if not self.toggle:
             self._run("unlock", pid, "--action", "unlock")
+
+    def restore_tid(self, pid: int) -> int:
+        out = self._run("restore thread query", pid, "--get-restore-tid").strip()
+        try:
+            return int(out.split()[-1])
+        except (ValueError, IndexError):
+            raise CudaError(f"cuda-checkpoint --get-restore-tid for pid {pid} said {out!r}") from None
 
 
 def detect(choice: str, libcuda: str, binary: str) -> tuple[Mechanism | None, str]:

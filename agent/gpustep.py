@@ -120,6 +120,8 @@ class GpuStep(BaseStep):
         if why:
             raise CudaError(why)
         pids = sorted({p.pid for p in procs})
+        for pid in pids:  # the driver knows each as a CUDA process it can checkpoint (its error, if not)
+            await asyncio.to_thread(self.mechanism.restore_tid, pid)
         ctx.state[self.name] = pids  # from here on, a failure brings each of them back
         started = self.clock()
         await self._each(pids, self._lock, ctx)  # every process locked before any is checkpointed

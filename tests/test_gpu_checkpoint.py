@@ -134,6 +134,7 @@ async def _fails_and_runs_on(j: Job, events: list, stop: bool, words: str) -> No
 @pytest.mark.parametrize("kind", ["driver_api", "binary"])
 @pytest.mark.parametrize("stop", [False, True])
 @pytest.mark.parametrize("call, leave, words", [
+    ("get_restore_tid", None, "CUDA_ERROR_UNKNOWN"),  # refused before anything is locked
     ("lock", None, "CUDA_ERROR_UNKNOWN"),
     ("checkpoint", None, "CUDA_ERROR_UNKNOWN"),
     ("checkpoint", "checkpointed", "CUDA_ERROR_UNKNOWN"),  # the driver half-did it

@@ -66,6 +66,11 @@ class Driver:
     def unlock(self, pid: int) -> None:
         self._do("unlock", pid)
 
+    def restore_tid(self, pid: int) -> int:
+        if ("restore_tid", pid) in self.fail:
+            raise CudaError(f"CUDA restore thread query of pid {pid} failed: CUDA_ERROR_INVALID_VALUE")
+        return pid
+
 
 def _caps(*uuids: str, remap: bool = True, mechanism: str = "driver_api") -> Capabilities:
     return Capabilities(hostname="n2", gpu_checkpoint=mechanism, gpu_remap=remap,
@@ -322,3 +327,12 @@ async def test_each_restored_process_gets_the_pairs_of_its_own_gpus(tmp_path: Pa
     await step.after_restore(ctx)
     assert driver.remaps == [{U0: u2}, None]  # the second process's GPU stays: no pairs for it
     assert set(driver.states.values()) == {RUNNING}
+
+
+async def test_a_process_the_driver_does_not_know_is_refused_before_anything_is_locked(tmp_path: Path) -> None:
+    driver = Driver([1002, 1003])
+    driver.fail[("restore_tid", 1003)] = None
+    step = _step(driver, _scan(1002, 1003), tree=[1001, 1002, 1003])
+    with pytest.raises(CudaError, match="restore thread query of pid 1003 failed"):
+        await step.before_dump(_ctx(tmp_path))
+    assert driver.calls == []

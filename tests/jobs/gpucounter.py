@@ -112,10 +112,11 @@ class FakeDriver:
     # ------------------------------------------------------------ the driver's side
 
     def _serve(self) -> None:
-        try:  # the name the fake libcuda looks for (cuCheckpointProcessGetRestoreThreadId)
-            with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
-                f.write("cuda-restore")
-        except OSError:
+        try:  # the name the fake libcuda looks for (cuCheckpointProcessGetRestoreThreadId); prctl, as
+            # /proc/self/task/<tid> does not exist where /proc is not this PID namespace's
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(b"cuda-restore"), 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
             pass
         while True:
             try:
