@@ -214,7 +214,7 @@ class Agent(Service):
                       file_snapshot_max_bytes=cfg.file_snapshot_max_bytes,
                       workdir_scan_max_entries=cfg.workdir_scan_max_entries,
                       file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
-                      clock=self.clock, wall_clock=self.wall_clock)
+                      clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore)
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
         # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
         # The GPU's state is suspended before a pre-dump or the dump read the job's memory.
@@ -281,7 +281,16 @@ class Agent(Service):
             gpu_checkpoint_why=self.cuda_why,
             cuda_version=getattr(self.cuda, "version", 0),
             gpu_remap=bool(self.cuda and self.cuda.remap),
+            lazy_restore=self._lazy_restore(criu),
         )
+
+    def _lazy_restore(self, criu: CriuInfo) -> bool:
+        """restore_mode: lazy where criu can (userfaultfd: its uffd features), as auto does."""
+        mode, able = self.config.restore_mode, criu.ok and all(criu.features.get(f) for f in ("uffd", "uffd-noncoop"))
+        if mode == "lazy" and not able:
+            log.error("restore_mode = lazy, but criu here has no userfaultfd (criu check --feature uffd-noncoop "
+                      "fails): restores are eager")
+        return mode != "eager" and able
 
     def _job_of_pid(self, pid: int) -> str | None:
         """The job a (GPU-using) process belongs to: its namespace's init is a job's root."""

@@ -22,7 +22,7 @@ from revenant.messages import CriuInfo
 MIN_VERSION = (4, 1)
 # Features revenant decides on: soft-dirty tracking gates incremental dumps and
 # pre-dump; the rest are reported so operators see what the kernel offers.
-FEATURES = ("mem_dirty_track", "uffd-noncoop", "pidfd_store", "clone3_set_tid", "timens")
+FEATURES = ("mem_dirty_track", "uffd", "uffd-noncoop", "pidfd_store", "clone3_set_tid", "timens")
 
 _VERSION_RE = re.compile(r"^Version:\s*(\S+)", re.M)
 _FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import platform
@@ -39,9 +40,9 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
-from revenant.agent import criu, packs, procs
+from revenant.agent import criu, lazy, packs, procs
 from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
 from revenant.agent.fileio import Durable
 from revenant.agent.filestep import JobFilesStep
@@ -59,21 +60,57 @@ class NoSpace(RevenantError):
     code = "no_space"
 
 
-def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None]) -> tuple[Manifest, list[str]]:
+def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
+            skip: Callable[[str], bool] | None = None) -> tuple[Manifest, list[str]]:
     """The newest epoch that verifies and ``check`` accepts (notes on the newer ones refused),
-    or with ``epoch``, exactly that one (no fallback: an operator asked for it)."""
+    or with ``epoch``, exactly that one (no fallback: an operator asked for it).  ``skip``: the
+    files a lazy restore checks as it serves them."""
     if not epoch:
-        return files.newest_verified(check)
+        return files.newest_verified(check, skip)
     files.check_trusted()
     if epoch not in files.committed():
         kept = ", ".join(map(str, files.committed())) or "none"
         raise NoEpoch(f"job {files.job} has no epoch {epoch} (it keeps: {kept})")
     try:
-        m = files.verify(epoch)
+        m = files.verify(epoch, skip)
         check(m)
     except (CorruptEpoch, FilesChanged) as exc:
         raise NoEpoch(f"job {files.job}: epoch {epoch} cannot be restored: {exc}") from None
     return m, []
+
+
+def _page_data(name: str) -> bool:
+    """criu's page data (``pages-<id>.img``, a pre-dump's too): what a lazy restore serves, and checks
+    as it does."""
+    base = name.rsplit("/", 1)[-1]
+    return base.startswith("pages-") and base.endswith(".img")
+
+
+@dataclass
+class LazyFetch:
+    """The rest of a lazy restore: its page server, until the last page is in (or it fails)."""
+
+    pages: lazy.LazyPages
+    manifest: Manifest
+    images: Path
+    workdir: Path
+    keep_log: Callable[[str], Awaitable[str]]  # the daemon's log kept beside criu's: a pointer to it
+
+    async def wait(self) -> lazy.LazyResult:
+        """Every page fetched and the page data verified, or why not (the caller then kills the job)."""
+        try:
+            result = await self.pages.finished(self.manifest, self.images)
+            if not result.ok:
+                await self.pages.abort()
+                text = await asyncio.to_thread(criu.read_log, self.pages.log_path, "")
+                result.error += (await self.keep_log(text)).replace("criu log", "lazy-pages log")
+            return result
+        finally:
+            await asyncio.to_thread(_remove, self.workdir)
+
+    async def abort(self) -> None:
+        await self.pages.abort()
+        await asyncio.to_thread(_remove, self.workdir)
 
 
 def _remove(*paths: Path | None) -> None:
@@ -96,8 +133,10 @@ class Engine:
                  staging: Path | None = None, steps: list[Step] | None = None, concurrency: int = 2,
                  criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
                  workdir_scan_max_entries: int = 20_000, file_snapshot_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False) -> None:
         self.criu = criu_path
+        # Restore lazily (criu lazy-pages; the agent's restore_mode and criu's uffd features).
+        self.lazy = lazy_restore
         self.criu_version = criu_version
         self.node = node
         self.storage = storage
@@ -262,11 +301,15 @@ class Engine:
     # ------------------------------------------------------------------ restore
 
     async def restore(self, job: str, generation: int, leave_workdir: str = "",
-                      epoch: int = 0) -> tuple[int, Manifest, list[str]]:
+                      epoch: int = 0) -> tuple[int, Manifest, list[str], LazyFetch | None]:
         """Restore ``job`` from its newest verified epoch (``epoch``: exactly that one) as our
-        child; returns (pid, manifest, notes).  ``leave_workdir``: why the job's working
+        child; returns (pid, manifest, notes, fetch).  ``leave_workdir``: why the job's working
         directory must be left as it is (it is shared).  An epoch stored as a delta
-        (agent/packs.py) is rebuilt first, into a temporary directory next to the epochs."""
+        (agent/packs.py) is rebuilt first, into a temporary directory next to the epochs.
+
+        With ``self.lazy`` a plain epoch is restored lazily: its page data is not read before
+        criu starts the job; ``fetch`` (else None) is the rest of the restore, to be awaited:
+        every page fetched and its page data verified (agent/lazy.py)."""
         files = JobFiles(self.storage, job)
         self.pending += 1
         try:
@@ -276,28 +319,44 @@ class Engine:
                 def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first
                     checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch))) for s in self.steps)
 
-                manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check)
-                workdir = self._new_dir(self.work_roots, f"restore-{job}")
-                images = None
-                ctx = RestoreContext(job=job, generation=generation, files=files,
-                                     epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
-                                     manifest=manifest, notes=notes, leave_workdir=leave_workdir, checked=checked)
-                try:
-                    if packs.converted(manifest):
-                        images = files.new_tmp(self.node)
-                        await asyncio.to_thread(packs.materialize, files, manifest, images)
-                        ctx.images = images
-                    return await self._restore(ctx)
-                finally:
-                    await asyncio.to_thread(_remove, workdir, images)
+                manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check,
+                                                          _page_data if self.lazy else None)
+                return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked)
         finally:
             self.pending -= 1
+
+    async def _restore_chosen(self, files: JobFiles, manifest: Manifest, notes: list[str], generation: int,
+                              leave_workdir: str, checked: dict[str, object]) -> tuple[int, Manifest, list[str],
+                                                                                         LazyFetch | None]:
+        workdir: Path | None = self._new_dir(self.work_roots, f"restore-{files.job}")
+        assert workdir is not None
+        images = fetch = None
+        ctx = RestoreContext(job=files.job, generation=generation, files=files,
+                             epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
+                             manifest=manifest, notes=notes, leave_workdir=leave_workdir, checked=checked)
+        try:
+            if packs.converted(manifest):  # restored eagerly (its pages were checked through the packs)
+                images = files.new_tmp(self.node)
+                await asyncio.to_thread(packs.materialize, files, manifest, images)
+                ctx.images = images
+            elif self.lazy:
+                ctx.lazy = await lazy.LazyPages.start(self.criu, ctx.epoch_dir, workdir)
+            pid, manifest, notes = await self._restore(ctx)
+            if ctx.lazy is not None:  # the page server and its work directory live on until the last page
+                keep = functools.partial(self._keep_log, files, "lazy-pages", generation)
+                fetch, workdir = LazyFetch(ctx.lazy, manifest, ctx.epoch_dir, workdir, keep), None
+            return pid, manifest, notes, fetch
+        finally:
+            if ctx.lazy is not None and fetch is None:
+                await ctx.lazy.abort()
+            await asyncio.to_thread(_remove, workdir, images)
 
     async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str]]:
         for step in self.steps:
             await step.before_restore(ctx)
         pidfile = ctx.workdir / "pid"
         argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
+        argv += ctx.lazy.restore_args if ctx.lazy is not None else []
         done = await procs.run(argv, self.criu_timeout_s)
         if done.returncode != 0:
             text = criu.read_log(ctx.workdir / criu.RESTORE_LOG, done.output)

@@ -148,12 +148,10 @@ class Manifest(msgspec.Struct, kw_only=True):
 def cpu_flags() -> list[str]:
     """The host's CPU flags (read once: they do not change while the agent runs)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return sorted(line.split(":", 1)[1].split())
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        pass
-    return []
+        return []
+    return sorted(flags.split(":", 1)[1].split()) if flags else []
 
 
 def checksum_file(path: Path, algo: str = "crc32") -> str:
@@ -218,8 +216,7 @@ class JobFiles:
         self.job = job
         self.epochs_dir = self.dir / "epochs"
         self.output = self.dir / "output.log"
-        # The dead man's switch's stamp (see agent/launcher.py).
-        self.stamp = self.dir / "alive"
+        self.stamp = self.dir / "alive"  # the dead man's switch's stamp (agent/launcher.py)
         self.packs_dir = self.dir / "packs"  # pages of converted epochs (agent/packs.py)
 
     def epoch_dir(self, n: int) -> Path:
@@ -322,8 +319,9 @@ class JobFiles:
 
     # ------------------------------------------------------------------ verify, prune
 
-    def verify(self, n: int) -> Manifest:
-        """The manifest of epoch ``n`` if every file matches its size and checksum."""
+    def verify(self, n: int, skip: Callable[[str], bool] | None = None) -> Manifest:
+        """Epoch ``n``'s manifest if every file matches its size and checksum (``skip``: files whose
+        checksum the caller checks: a lazy restore checks page data as it is served)."""
         m = self.read_manifest(n)
         if m.job != self.job:  # an epoch moved here from another job's directory
             raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
@@ -336,7 +334,7 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} is missing") from None
             if size != entry.size:
                 raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
-            if checksum_file(path, m.checksum) != entry.checksum:
+            if (skip is None or not skip(name)) and checksum_file(path, m.checksum) != entry.checksum:
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
         if m.recipes:  # every page it needs, from the packs (chain.py builds on this module)
             from revenant.agent.chain import verify_recipes
@@ -348,7 +346,8 @@ class JobFiles:
         if not trusted(self.epochs_dir):
             raise EpochError(f"job {self.job}: {self.epochs_dir} is not the agent's own directory; never restored from")
 
-    def newest_verified(self, check: Callable[[Manifest], None] | None = None) -> tuple[Manifest, list[str]]:
+    def newest_verified(self, check: Callable[[Manifest], None] | None = None,
+                        skip: Callable[[str], bool] | None = None) -> tuple[Manifest, list[str]]:
         """The newest epoch that verifies (and that ``check`` does not refuse with FilesChanged),
         and a note for each newer one that did not."""
         self.check_trusted()
@@ -356,7 +355,7 @@ class JobFiles:
         refused = False
         for n in reversed(self.committed()):
             try:
-                m = self.verify(n)
+                m = self.verify(n, skip)
                 if check is not None:
                     check(m)
                 return m, notes

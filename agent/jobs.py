@@ -5,9 +5,9 @@ the PID namespace, revenant-init, the job's files), the engine (``agent/engine.p
 checkpoint and restore), the checkpoint bookkeeping (``agent/checkpoints.py``) and
 the exit classifier (``agent/exits.py``: which event a job's end becomes).
 
-A restored job (``criu restore --restore-sibling``) becomes the agent's direct
-child; the agent is a child subreaper, so anything orphaned below it is its to
-reap too.  Either way the agent records the exit status.
+A restored job (``criu restore --restore-sibling``) becomes the agent's direct child; the
+agent is a child subreaper, so anything orphaned below it is its to reap too.  A lazily
+restored job's pages arrive while it runs (``agent/fetches.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from revenant.agent.checkpoints import CheckpointBook
 from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
 from revenant.agent.exits import ExitClassifier, JobEnd
+from revenant.agent.fetches import FETCH_WAIT_S, PageFetches
 from revenant.agent.launcher import Launcher, new_stamp, reset_stamp
 from revenant.agent.policy import PolicyRunner
 from revenant.agent.procs import freeze_tree, signal_tree
@@ -91,11 +92,11 @@ class Supervisor:
         self.book = CheckpointBook(node, emit, metrics, wall_clock)
         self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
-        # Starts and restores in flight, one per job: a newer generation or a kill
-        # arriving meanwhile supersedes it, and its process is killed on arrival.
+        # Starts and restores in flight, one per job: a newer generation or a kill arriving
+        # meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
-        # The jobs' pid watchers.  Not the agent's background tasks: a drain needs them
-        # after the agent has stopped its loops, so shutdown() ends them, last.
+        self.fetches = PageFetches(self)  # lazily restored jobs whose pages are still arriving
+        # The jobs' pid watchers: a drain needs them after the agent's loops stopped (shutdown ends them).
         self._watchers: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ queries
@@ -143,8 +144,7 @@ class Supervisor:
         self.jobs[spec.id] = rt
         log.info("job %s (generation %d) started, pid %d", spec.id, generation, rt.pid)
         self._event(rt, "started")
-        if started.pid is None:
-            # Finished before we could even see it (`true`): report its exit all the same.
+        if started.pid is None:  # finished before we could even see it (`true`): report its exit all the same
             asyncio.get_running_loop().call_soon(self._exited, rt, started.exit_code)
         else:
             self._watch(rt, started.wrapper.pid, started.wrapper)
@@ -153,9 +153,8 @@ class Supervisor:
 
     @contextlib.asynccontextmanager
     async def _launch(self, job: str, generation: int):
-        """Claim ``job`` for starting ``generation``: never two starts or restores of one job at
-        once, and never an older generation over a newer one.  An older copy, running or still
-        starting, is killed first."""
+        """Claim ``job`` for starting ``generation``: never two starts or restores of one job at once,
+        never an older generation over a newer one (an older copy, running or starting, is killed first)."""
         while (current := self.launching.get(job)) is not None:
             if current.generation >= generation:
                 raise RevenantError(f"job {job} generation {current.generation} is already starting on {self.node}",
@@ -219,8 +218,8 @@ class Supervisor:
 
     async def checkpoint(self, job: str, generation: int, stop: bool, evict_reason: str = "", *,
                          scheduled: bool = False, force: bool = False) -> AgentJobReply:
-        """``stop``: vacate.  ``evict_reason`` (with ``stop``): the node stops it, to be restored elsewhere.
-        ``scheduled`` (periodic; may be skipped under load, agent/policy.py), ``force``: whatever the load."""
+        """``stop``: vacate (``evict_reason``: the node stops it, to be restored elsewhere); ``scheduled``:
+        periodic (skipped under load, agent/policy.py), ``force``: whatever the load."""
         rt = self._get(job, generation)
         if rt.frozen_at is not None:
             # Its image would hold stopped processes, and come back stopped wherever restored.
@@ -232,6 +231,7 @@ class Supervisor:
             raise RevenantError(f"job {job} already has a checkpoint in progress", code="busy", retriable=True)
         warnings = self.policies.admit(job, generation, rt.spec.policy, scheduled=scheduled, force=force)
         async with rt.lock:
+            await self.fetches.wait(job, FETCH_WAIT_S)  # never a dump of a job whose pages are still arriving
             rt.vacating = stop
             try:
                 return await self._checkpoint(rt, stop, evict_reason, warnings)
@@ -284,10 +284,11 @@ class Supervisor:
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
         async with self.policies.lock(files):  # never while its older epochs are being converted
-            pid, manifest, notes = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
+            pid, manifest, notes, fetch = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)
+        self.fetches.start(rt, fetch)
         # The coordinator publishes "restored": it alone knows whether this is a restart or a failover.
         log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
         await self._check_superseded(rt, launch)
@@ -390,18 +391,17 @@ class Supervisor:
         await asyncio.gather(*(one(rt) for rt in jobs))
 
     async def shutdown(self, reason: str = "the agent is shutting down") -> None:
-        """Kill every job left (they would die with the agent anyway), each reported "evicted"
-        so that the coordinator restores it from its last epoch, and stop watching."""
+        """Kill every job left (each reported "evicted": the coordinator restores it), stop watching."""
         self._supersede_launches(reason)
         doomed = list(self.jobs.values())
         for rt in doomed:
             rt.evicted = True
         await asyncio.gather(*(self._kill(rt, reason) for rt in doomed))
+        await self.fetches.stop()
         for task in list(self._watchers):
             task.cancel()
 
-    def _supersede_launches(self, reason: str) -> None:
-        """Every start or restore in flight: what it brings up is killed on arrival (thread-safe)."""
+    def _supersede_launches(self, reason: str) -> None:  # what starts and restores bring up is killed (thread-safe)
         for launch in list(self.launching.values()):
             launch.superseded = reason
 

@@ -60,6 +60,8 @@ class RestoreContext:
     checked: dict[str, Any] = field(default_factory=dict)
     # Where criu restores from when not epoch_dir: an epoch stored as a delta, rebuilt (agent/packs.py).
     images: Path | None = None
+    # A lazy restore's page server (agent/lazy.py LazyPages), or None: criu restores every page first.
+    lazy: Any = None
 
 
 class Step(Protocol):

@@ -83,6 +83,10 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_libcuda: str = "libcuda.so.1"
     gpu_cuda_checkpoint: str = "cuda-checkpoint"
     gpu_lock_timeout_s: float = 10.0
+    # Restores (failover, drain, restart): lazy starts the job before its memory is back and
+    # fetches the pages on demand and in the background (criu lazy-pages, userfaultfd); eager
+    # copies every page first; auto is lazy where criu has the uffd features.
+    restore_mode: Literal["auto", "eager", "lazy"] = "auto"
     # 3-sigma anomaly events over a sliding window of heartbeat readings.
     anomaly_window: int = 60
     anomaly_sigmas: float = 3.0

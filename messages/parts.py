@@ -9,8 +9,9 @@ import msgspec
 
 HealthState = Literal["GREEN", "YELLOW", "RED"]
 JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
+# restore_completed: every page of a lazily restored job is in (agent/lazy.py).
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
-                       "requeued", "failed", "evicted"]
+                       "requeued", "failed", "evicted", "restore_completed"]
 # skipped: a scheduled checkpoint not taken (the node over a load threshold); degraded: a
 # pre-dump that could not run (once per job); forced: a scheduled one taken despite the load;
 # converted: an older epoch turned into a delta against the job's packs.
@@ -64,6 +65,8 @@ class Capabilities(_Body):
     cuda_version: int = 0
     # A restore here can move a job to other GPUs (by UUID) than it was checkpointed on.
     gpu_remap: bool = False
+    # Restores here start the job before its pages are back (criu lazy-pages; config restore_mode).
+    lazy_restore: bool = False
 
 
 class GpuProcess(_Body):

@@ -155,16 +155,14 @@ class JobRequest(Message, tag="job_request.v1"):
 class JobsRequest(Message, tag="jobs_request.v1"):
     """A page of the live job table in id order (a whole table would not fit one message)."""
 
-    # The page starts after this job id ("": at the start).  A cursor rather than an offset,
-    # so that jobs archived or purged between two pages shift nothing.
+    # The page starts after this job id ("": at the start): a cursor, so that archives and purges shift nothing.
     after: str = ""
     limit: int = 1000
 
 
 class JobReply(Message, tag="job_reply.v1"):
     job: JobRecord
-    # Human-readable notes, e.g. "epoch 3 failed verification; restored from epoch 2".
-    notes: list[str] = []
+    notes: list[str] = []  # for people, e.g. "epoch 3 failed verification; restored from epoch 2"
 
 
 class JobsReply(Message, tag="jobs_reply.v1"):
@@ -271,6 +269,9 @@ class JobEvent(Message, tag="job_event.v1"):
     # vacated / evicted: the GPUs the job held at ``epoch`` and their driver (EpochInfo's).
     gpus: list[JobGpu] = []
     gpu_driver: str = ""
+    # restore_completed (a lazy restore's last page is in): seconds from the restore's start, page bytes fetched.
+    duration_s: float = 0.0
+    bytes: int = 0
 
 
 class EpochEvent(Message, tag="epoch_event.v1"):
@@ -285,8 +286,7 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     duration_s: float = 0.0
     # For "failed": criu's own error line (or the step that failed).
     error: str = ""
-    # Why: for "skipped" and "forced" the metric, its value and its threshold; for "degraded"
-    # why the pre-dump could not run.
+    # Why: for "skipped" and "forced" the metric, its value and its threshold; "degraded": why no pre-dump.
     reason: str = ""
     # For "converted": the job's whole checkpoint storage afterwards (shared data once).
     storage_bytes: int = 0

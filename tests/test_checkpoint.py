@@ -100,8 +100,12 @@ def test_create_vacate_restart_cycles_keep_output_byte_exact(make_cluster, tmp_p
     assert f"unknown job {job}" in cluster.cli("show", "job", job, check=False).stderr
 
 
-def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_path):
-    cluster = make_cluster(2)
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_path, mode):
+    """Eager: the corrupt epoch is refused before criu runs.  Lazy: the job runs before its page
+    data is read, so the corruption is found as the pages are checked alongside; the restored copy
+    is killed at once (evicted), the epoch set aside, and the coordinator restores epoch 1."""
+    cluster = make_cluster(2, env={"REVENANT_AGENT_RESTORE_MODE": mode})
     job = submit_counter(cluster, "--max-epochs", "2", count=100)
     wait_lines(cluster, job, 10)
     cluster.cli("checkpoint", "create", job)
@@ -114,7 +118,12 @@ def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_pat
         f.seek(100)
         f.write(b"\xde\xad\xbe\xef")
     out = cluster.cli("checkpoint", "restart", job, "--node", "node-2")
-    assert "epoch 2" in out.stderr and "checksum" in out.stderr
+    if mode == "eager":
+        assert "epoch 2" in out.stderr and "checksum" in out.stderr
+    else:
+        evicted = wait_until(lambda: [e for e in cluster.events() if e.get("kind") == "evicted"], timeout=60)
+        assert "lazy restore of epoch 2 failed" in evicted[0]["reason"] and "checksum" in evicted[0]["reason"]
+        wait_until(lambda: [e for e in cluster.events() if e.get("kind") == "restored"][-1]["epoch"] == 1, 60)
     restored = [e for e in cluster.events() if e.get("kind") == "restored"]
     assert restored[-1]["epoch"] == 1
     wait_state(cluster, job, "completed")
