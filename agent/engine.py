@@ -97,19 +97,21 @@ class LazyFetch:
     keep_log: Callable[[str], Awaitable[str]]  # the daemon's log kept beside criu's: a pointer to it
 
     async def wait(self) -> lazy.LazyResult:
-        """Every page fetched and the page data verified, or why not (the caller then kills the job)."""
-        try:
-            result = await self.pages.finished(self.manifest, self.images)
-            if not result.ok:
-                await self.pages.abort()
-                text = await asyncio.to_thread(criu.read_log, self.pages.log_path, "")
-                result.error += (await self.keep_log(text)).replace("criu log", "lazy-pages log")
-            return result
-        finally:
-            await asyncio.to_thread(_remove, self.workdir)
+        """Every page fetched and the page data verified, or why not: the caller kills the job at
+        once, then calls :meth:`failed`."""
+        return await self.pages.finished(self.manifest, self.images)
+
+    async def failed(self) -> str:
+        """The daemon stopped and its log kept beside criu's: a pointer to the log."""
+        await self.pages.abort()
+        text = await asyncio.to_thread(criu.read_log, self.pages.log_path, "")
+        return (await self.keep_log(text)).replace("criu log", "lazy-pages log")
 
     async def abort(self) -> None:
         await self.pages.abort()
+        await self.close()
+
+    async def close(self) -> None:
         await asyncio.to_thread(_remove, self.workdir)
 
 
@@ -319,15 +321,17 @@ class Engine:
                 def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first
                     checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch))) for s in self.steps)
 
+                lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
                 manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check,
-                                                          _page_data if self.lazy else None)
-                return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked)
+                                                          _page_data if lazy_here else None)
+                return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked,
+                                                  lazy_here)
         finally:
             self.pending -= 1
 
     async def _restore_chosen(self, files: JobFiles, manifest: Manifest, notes: list[str], generation: int,
-                              leave_workdir: str, checked: dict[str, object]) -> tuple[int, Manifest, list[str],
-                                                                                         LazyFetch | None]:
+                              leave_workdir: str, checked: dict[str, object],
+                              lazy_here: bool) -> tuple[int, Manifest, list[str], LazyFetch | None]:
         workdir: Path | None = self._new_dir(self.work_roots, f"restore-{files.job}")
         assert workdir is not None
         images = fetch = None
@@ -339,7 +343,7 @@ class Engine:
                 images = files.new_tmp(self.node)
                 await asyncio.to_thread(packs.materialize, files, manifest, images)
                 ctx.images = images
-            elif self.lazy:
+            elif lazy_here:
                 ctx.lazy = await lazy.LazyPages.start(self.criu, ctx.epoch_dir, workdir)
             pid, manifest, notes = await self._restore(ctx)
             if ctx.lazy is not None:  # the page server and its work directory live on until the last page
@@ -349,7 +353,8 @@ class Engine:
         finally:
             if ctx.lazy is not None and fetch is None:
                 await ctx.lazy.abort()
-            await asyncio.to_thread(_remove, workdir, images)
+            if workdir is not None or images is not None:  # (no await once the fetch is handed over)
+                await asyncio.to_thread(_remove, workdir, images)
 
     async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str]]:
         for step in self.steps:

@@ -5,12 +5,16 @@ on demand and in the background, and the page data is checked against the epoch'
 alongside (agent/lazy.py).  Here, per job:
 
 * all pages in and verified: a ``restore_completed`` job event (seconds, bytes);
-* the fetch failed (the daemon died or ended short: the missing pages would read as zeros) or the
-  page data is corrupt: the job is killed at once and reported ``evicted``, so the coordinator
-  restores it again.  A corrupt epoch is moved out of the way first (as retention deletes a
-  corrupt epoch), so that restore falls back to the next older epoch that verifies; a failed
-  fetch retries the same epoch.  A job never goes on running on memory it does not have;
-* a checkpoint waits for the fetch (a dump of a half-fetched job would hold zero pages).
+* the page data fails its checksum, or the daemon died or ended short (its missing pages would
+  read as zeros): the job is SIGKILLed as soon as that is known, then reported ``evicted``, so
+  the coordinator restores it again.  A corrupt epoch is deleted first (retention's rule for a
+  corrupt epoch, with its ``pruned`` event), so that restore falls back to the next older one;
+  after any other failure the job's next restore is eager.  The check reads whole files: a page
+  read before its file's check ends was served unchecked, and the restore that follows rolls
+  back whatever the job wrote meanwhile;
+* the job's exit is held back until then (one on zero pages is the fetch's failure), and a
+  checkpoint waits for the fetch (a dump of a half-fetched job would hold zero pages);
+* the job's storage lock is held, so no conversion or purge touches the epoch being served.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from revenant.common.errors import RevenantError
+from revenant.agent import lazy
+from revenant.agent.procs import signal_tree
+from revenant.common.errors import JobNotRunning, RevenantError
 
 if TYPE_CHECKING:
     from revenant.agent.engine import LazyFetch
@@ -33,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # How long a checkpoint waits for a lazily restored job's last page (a GiB takes about a second).
 FETCH_WAIT_S = 300.0
+# A job that exits while its pages arrive: how long its exit waits for the fetch's verdict (an
+# exit on zero pages is the fetch's failure, and the daemon's death is seen within this).
+EXIT_GRACE_S = 1.0
 
 
 @dataclass
@@ -43,7 +53,7 @@ class _Fetch:
 
 
 def set_aside(files: JobFiles, n: int) -> bool:
-    """Move epoch ``n`` out of the listing (then delete it): its page data is corrupt."""
+    """Delete epoch ``n`` (out of the listing first): its page data is corrupt."""
     trash = files.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
     try:
         os.rename(files.epoch_dir(n), trash)
@@ -54,43 +64,54 @@ def set_aside(files: JobFiles, n: int) -> bool:
 
 
 class PageFetches:
-    """``sup``: the job supervisor (agent/jobs.py): its ``jobs``, ``_event`` and ``_kill``."""
+    """``sup``: the job supervisor (agent/jobs.py): its ``jobs``, ``policies``, ``book``,
+    ``_event``, ``_kill`` and ``_report_exit``."""
 
     def __init__(self, sup: Any) -> None:
         self.sup = sup
         self._fetches: dict[str, _Fetch] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, rt: Any, fetch: LazyFetch | None) -> None:
         if fetch is None:
             return
-        # The job's exit is held back until the fetch has ended: one on zero pages is the fetch's failure.
-        rt.vacating = True
-        self._fetches[rt.spec.id] = f = _Fetch(rt.generation, asyncio.create_task(self._run(rt, fetch)))
-        f.task.add_done_callback(lambda _: f.done.set())
+        rt.vacating = True  # its exit is held back until the fetch has ended
+        task = asyncio.create_task(self._run(rt, fetch))
+        self._fetches[rt.spec.id] = f = _Fetch(rt.generation, task)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: (f.done.set(), self._tasks.discard(t)))
 
-    async def wait(self, job: str, timeout_s: float) -> None:
-        """Return once ``job``'s pages are all in (at once if it was not restored lazily)."""
-        f = self._fetches.get(job)
+    async def wait(self, rt: Any, timeout_s: float) -> None:
+        """Return once ``rt``'s pages are all in (at once if it was not restored lazily); raise if
+        the job did not come out of it running as it was."""
+        f = self._fetches.get(rt.spec.id)
         if f is None or f.done.is_set():
             return
         try:
             await asyncio.wait_for(f.done.wait(), timeout_s)
         except asyncio.TimeoutError:
-            raise RevenantError(f"job {job} is still fetching its pages after a lazy restore ({timeout_s:g} s); "
-                                "its checkpoint is not taken before they are all in", code="busy",
+            raise RevenantError(f"job {rt.spec.id} is still fetching its pages after a lazy restore "
+                                f"({timeout_s:g} s); no checkpoint before they are all in", code="busy",
                                 retriable=True) from None
+        if self.sup.jobs.get(rt.spec.id) is not rt or rt.exited.is_set():
+            raise JobNotRunning(f"job {rt.spec.id} ended while its pages arrived")
+        if rt.frozen_at is not None:
+            raise RevenantError(f"job {rt.spec.id} is frozen (node {self.sup.node}'s lease lapsed); it can be "
+                                "checkpointed once the leader lets it thaw", code="frozen", retriable=True)
 
     async def stop(self) -> None:
         """Cancel every fetch (the agent stops: its jobs die with it)."""
-        tasks = [f.task for f in self._fetches.values()]
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, rt: Any, fetch: LazyFetch) -> None:
         try:
-            await self._finish(rt, fetch)
+            async with self.sup.policies.lock(rt.files):
+                await self._finish(rt, fetch)
         finally:
+            await asyncio.shield(fetch.close())
             f = self._fetches.get(rt.spec.id)
             if f is not None and f.generation == rt.generation:
                 del self._fetches[rt.spec.id]
@@ -103,26 +124,54 @@ class PageFetches:
             if rt.exited.is_set():
                 self.sup._report_exit(rt)
 
+    async def _verdict(self, rt: Any, fetch: LazyFetch) -> lazy.LazyResult | None:
+        """The fetch's outcome, or None when the job ended first and the fetch had nothing
+        against it within EXIT_GRACE_S (its exit is then its own)."""
+        result = asyncio.ensure_future(fetch.wait())
+        ended = asyncio.ensure_future(rt.exited.wait())
+        try:
+            await asyncio.wait({result, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                await asyncio.wait({result}, timeout=EXIT_GRACE_S)
+            if result.done():
+                return result.result()
+            return None
+        finally:
+            ended.cancel()
+            if not result.done():
+                result.cancel()
+                await asyncio.shield(fetch.abort())
+
     async def _finish(self, rt: Any, fetch: LazyFetch) -> None:
         job, n = rt.spec.id, fetch.manifest.epoch
         try:
-            result = await fetch.wait()
+            result = await self._verdict(rt, fetch)
         except BaseException:
             await asyncio.shield(fetch.abort())
             raise
-        if result.ok:
-            if not rt.exited.is_set():
-                log.info("job %s: all pages of epoch %d in, %.1f MiB in %.3f s", job, n, result.bytes / 2**20,
-                         result.seconds)
-                self.sup._event(rt, "restore_completed", epoch=n, duration_s=result.seconds, bytes=result.bytes)
+        if result is None or (result.ok and rt.exited.is_set()):
             return
-        if rt.killing:
-            return  # killed on purpose (a kill, a newer generation) while its pages came: that is its end
-        why = f"lazy restore of epoch {n} failed: {result.error}"
+        if result.ok:
+            log.info("job %s: all pages of epoch %d in, %.1f MiB in %.3f s", job, n, result.bytes / 2**20,
+                     result.seconds)
+            self.sup._event(rt, "restore_completed", epoch=n, duration_s=result.seconds, bytes=result.bytes)
+            return
+        on_purpose = rt.killing  # killed (a kill, a newer generation) while its pages came: that is its end
+        if not on_purpose:
+            rt.evicted = True  # however it ends now, the coordinator restores it again
+            if not rt.exited.is_set():
+                signal_tree(rt.pid, signal.SIGKILL)  # first of all: it must not run on without its pages
+        pointer = await fetch.failed()
+        if on_purpose:
+            return
+        why = f"lazy restore of epoch {n} failed: {result.error}{pointer}"
         if result.corrupt and await asyncio.to_thread(set_aside, rt.files, n):
-            why += f"; epoch {n} set aside, the next restore falls back to an older one"
-        log.error("job %s: %s; killing it", job, why)
-        rt.evicted = True  # however it ends now, the coordinator restores it again
+            why += f"; epoch {n} deleted, the next restore falls back to an older one"
+            self.sup.book._epoch_event(job, "pruned", rt.generation, n=n)
+        elif not result.corrupt:
+            await asyncio.to_thread(lazy.mark_eager_next, rt.files)
+            why += "; its next restore is eager"
+        log.error("job %s: %s; killed", job, why)
         rt.kill_reason = rt.kill_reason or why
         if not rt.exited.is_set():
             self._release(rt)

@@ -231,7 +231,7 @@ class Supervisor:
             raise RevenantError(f"job {job} already has a checkpoint in progress", code="busy", retriable=True)
         warnings = self.policies.admit(job, generation, rt.spec.policy, scheduled=scheduled, force=force)
         async with rt.lock:
-            await self.fetches.wait(job, FETCH_WAIT_S)  # never a dump of a job whose pages are still arriving
+            await self.fetches.wait(rt, FETCH_WAIT_S)  # never a dump of a job whose pages are still arriving
             rt.vacating = stop
             try:
                 return await self._checkpoint(rt, stop, evict_reason, warnings)

@@ -22,14 +22,16 @@ import subprocess
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from revenant.agent import criu, procs
-from revenant.agent.epochs import PREDUMP_DIR, EpochError, Manifest, checksum_file
+from revenant.agent.epochs import PREDUMP_DIR, EpochError, JobFiles, Manifest, checksum_file
 from revenant.common.errors import CriuError
 
 LAZY_LOG = "lazy-pages.log"
+_CHUNK = 8 * 1024 * 1024
 SOCKET = "lazy-pages.socket"  # criu's own name for it, relative to -W
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -38,6 +40,24 @@ _PAGES_RE = re.compile(rf"^(?:{PREDUMP_DIR}/)?pages-[0-9]+\.img$")
 _RECEIVED_RE = re.compile(r"uffd: Received PID: (\d+),")
 _SUMMARY_RE = re.compile(r"uffd: (\d+)--?\d+: UFFD transferred pages: \((\d+)/(\d+)\)")
 _EXIT_RE = re.compile(r"uffd: (\d+)--?\d+: EXIT$", re.M)
+
+
+# In the job's directory: its last lazy restore failed for a reason other than its data (the daemon
+# died, a read failed); the next restore, on whichever node, is eager, so a failure does not repeat.
+EAGER_NEXT = "restore-eagerly"
+
+
+def eager_next(files: JobFiles) -> bool:
+    """Whether this restore of the job must be eager (and so the mark is used up)."""
+    try:
+        (files.dir / EAGER_NEXT).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def mark_eager_next(files: JobFiles) -> None:
+    (files.dir / EAGER_NEXT).touch(mode=0o600)
 
 
 @dataclass
@@ -64,30 +84,48 @@ def pages_images(images: Path, manifest: Manifest) -> list[str]:
     return sorted(names)
 
 
-def check_pages(images: Path, manifest: Manifest, stop: threading.Event | None = None) -> str:
-    """The first pages image not matching the manifest, as one line ("" if all match);
-    blocking I/O.  ``stop``: give up (returning "") between files once set."""
+class _Stopped(Exception):
+    pass
+
+
+def _crc32(path: Path, stop: threading.Event | None) -> str:
+    """checksum_file's CRC-32, stopping within a file once ``stop`` is set (GiBs take seconds)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def check_pages(images: Path, manifest: Manifest, stop: threading.Event | None = None) -> tuple[str, bool]:
+    """(the first pages image not matching the manifest, as one line, "" if all match; whether
+    that proves the epoch corrupt); blocking I/O.  A read that failed proves nothing about the
+    epoch (as retention holds).  ``stop``: give up (returning "") once set."""
     epoch = manifest.epoch
-    for name in pages_images(images, manifest):
-        if stop is not None and stop.is_set():
-            return ""
-        entry = manifest.files.get(name)
-        if entry is None:
-            return f"epoch {epoch}: {name} is not in its manifest"
-        path = images / name
-        try:
-            size = path.stat().st_size
-            if size != entry.size:
-                return f"epoch {epoch}: {name} is {size} bytes, manifest says {entry.size}"
-            if checksum_file(path, manifest.checksum) != entry.checksum:
-                return f"epoch {epoch}: {name} fails its checksum"
-        except FileNotFoundError:
-            return f"epoch {epoch}: {name} is missing"
-        except OSError as exc:
-            return f"epoch {epoch}: cannot read {name}: {exc.strerror or exc}"
-        except EpochError as exc:
-            return str(exc)
-    return ""
+    try:
+        for name in pages_images(images, manifest):
+            entry = manifest.files.get(name)
+            if entry is None:
+                return f"epoch {epoch}: {name} is not in its manifest", True
+            path = images / name
+            try:
+                size = path.stat().st_size
+                if size != entry.size:
+                    return f"epoch {epoch}: {name} is {size} bytes, manifest says {entry.size}", True
+                crc = _crc32(path, stop) if manifest.checksum == "crc32" else checksum_file(path, manifest.checksum)
+                if crc != entry.checksum:
+                    return f"epoch {epoch}: {name} fails its checksum", True
+            except FileNotFoundError:
+                return f"epoch {epoch}: {name} is missing", False
+            except OSError as exc:
+                return f"epoch {epoch}: cannot read {name}: {exc.strerror or exc}", False
+            except EpochError as exc:
+                return str(exc), False
+    except _Stopped:
+        return "", False
+    return "", False
 
 
 def judge_log(text: str, returncode: int) -> tuple[str, int]:
@@ -155,10 +193,12 @@ class LazyPages:
         r, w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(r, False)
         try:
-            # die_with_parent: a daemon must not serve pages for an agent that is gone.
+            # Not killed with the agent: the job it serves outlives an agent that dies (until its
+            # dead man's switch freezes it) and must not read zeros meanwhile; the daemon ends
+            # by itself once every page is in or the job is gone.
             proc = procs.spawn(lazy_pages_argv(criu_path, images=images, workdir=workdir, status_fd=w),
                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                               pass_fds=(w,), close_fds=True, preexec_fn=procs.die_with_parent)
+                               pass_fds=(w,), close_fds=True)
         except BaseException as exc:
             os.close(r)
             out.close()
@@ -209,24 +249,28 @@ class LazyPages:
             loop.remove_reader(fd)
 
     async def finished(self, manifest: Manifest, images: Path) -> LazyResult:
-        """Wait until the daemon served every page, checking the page data's checksums
-        meanwhile.  A checksum mismatch returns at once (corrupt=True), the daemon still
-        running: the caller kills the job, then calls abort()."""
+        """Wait until the daemon served every page, checking the page data's checksums meanwhile.
+        Whichever speaks first against the restore decides at once: a mismatch (corrupt=True,
+        the daemon still running), or the daemon dead or ended short (its missing pages read as
+        zeros): the caller kills the job, then calls abort()."""
         stop = threading.Event()
         crc = asyncio.ensure_future(asyncio.to_thread(check_pages, images, manifest, stop))
         try:
-            await asyncio.wait({crc, self._waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if not crc.done():
-                await asyncio.wait({crc})
-            if bad := crc.result():
-                return LazyResult(ok=False, seconds=self._elapsed(), bytes=0, error=bad, corrupt=True)
+            done, _ = await asyncio.wait({crc, self._waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if crc in done and (bad := crc.result())[0]:
+                return LazyResult(ok=False, seconds=self._elapsed(), bytes=0, error=bad[0], corrupt=bad[1])
             code = await asyncio.shield(self._waiter)
+            text = await asyncio.to_thread(criu.read_log, self.log_path, self._console)
+            why, moved = judge_log(text, code)
+            if why:
+                return LazyResult(ok=False, seconds=self._elapsed(), bytes=moved, error=why)
+            bad = await crc  # the daemon served every page: the check must still pass
+            if bad[0]:
+                return LazyResult(ok=False, seconds=self._elapsed(), bytes=moved, error=bad[0], corrupt=bad[1])
+            return LazyResult(ok=True, seconds=self._elapsed(), bytes=moved)
         finally:
-            stop.set()  # cancelled: the check ends at its next file, its outcome unwanted
+            stop.set()  # the check ends within its current file, its outcome unwanted
             crc.add_done_callback(lambda f: f.cancelled() or f.exception())
-        text = await asyncio.to_thread(criu.read_log, self.log_path, self._console)
-        why, moved = judge_log(text, code)
-        return LazyResult(ok=not why, seconds=self._elapsed(), bytes=moved, error=why)
 
     async def abort(self) -> None:
         """SIGKILL the daemon and reap it (idempotent)."""

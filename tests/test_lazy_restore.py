@@ -17,7 +17,7 @@ import pytest
 
 from conftest import COUNTER, counter_reference
 from revenant.agent.epochs import JobFiles
-from revenant.messages import JobEvent, JobSpec
+from revenant.messages import EpochEvent, JobEvent, JobSpec
 
 pytestmark = pytest.mark.criu
 
@@ -95,7 +95,8 @@ async def test_corrupt_page_data_kills_the_restored_job_and_the_next_restore_fal
     await sup.restore(spec, 2)
     await _until(lambda: _events(events, "evicted"))
     (ev,) = _events(events, "evicted")
-    assert "lazy restore of epoch 2 failed" in ev.reason and "pages-" in ev.reason and "set aside" in ev.reason
+    assert "lazy restore of epoch 2 failed" in ev.reason and "pages-" in ev.reason and "epoch 2 deleted" in ev.reason
+    assert [e.n for e in events if isinstance(e, EpochEvent) and e.kind == "pruned"] == [2]  # the table drops it
     kept = ev.reason.split("(lazy-pages log: ", 1)[1].split(")", 1)[0]  # kept beside criu's logs
     assert Path(kept).is_file() and "lazy-pages" in Path(kept).name
     assert files.committed() == [1] and "l3" not in sup.jobs
@@ -128,5 +129,8 @@ async def test_a_lazy_pages_daemon_killed_mid_fetch_kills_the_job_never_leaves_i
     await _until(lambda: _events(events, "evicted") or _events(events, "restore_completed"))
     assert not _events(events, "restore_completed")
     (ev,) = _events(events, "evicted")
-    assert "lazy restore of epoch 1 failed" in ev.reason
+    assert "lazy restore of epoch 1 failed" in ev.reason and "its next restore is eager" in ev.reason
     assert "l4" not in sup.jobs and JobFiles(sup.storage, "l4").committed() == [1]  # the epoch is kept: retried
+    await sup.restore(spec, 3)  # eagerly this time (a daemon's failure must not repeat)
+    await _until(lambda: _output(sup, "l4").count(b"ok") >= 3)
+    assert len(_events(events, "restore_completed")) == 0 and b"BAD" not in _output(sup, "l4")
