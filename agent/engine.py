@@ -324,6 +324,11 @@ class Engine:
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
                 manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check,
                                                           _page_data if lazy_here else None)
+                if lazy_here and manifest.gpus:
+                    # A GPU job is restored eagerly: resuming CUDA copies its device memory back from
+                    # host memory that would still be arriving.  Its page data is checked first.
+                    lazy_here = False
+                    await asyncio.to_thread(files.verify, manifest.epoch)
                 return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked,
                                                   lazy_here)
         finally:

@@ -192,3 +192,15 @@ async def test_a_gpu_that_cannot_be_resumed_after_a_restore_kills_what_criu_rest
     assert j.job not in j.sup.jobs and j.cuda_pids() == []  # nothing half-restored left running
     await j.sup.restore(j.spec, 3)
     assert j.ask() == "102"
+
+
+async def test_a_gpu_job_is_restored_eagerly_on_a_node_that_restores_lazily(tmp_path, supervisors, fake):
+    events: list = []
+    j = Job(supervisors(scratch={}, events=events), fake, tmp_path, "driver_api")
+    j.sup.engine.lazy = True
+    await j.start()
+    assert j.ask() == "101"
+    await j.sup.checkpoint(j.job, 1, stop=True)
+    await j.sup.restore(j.spec, 2)
+    assert fake.state(j.cuda_pids()[0]) == "running" and j.ask() == "102"
+    assert not [e for e in events if isinstance(e, JobEvent) and e.kind == "restore_completed"]
