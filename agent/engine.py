@@ -61,7 +61,7 @@ class NoSpace(RevenantError):
 
 
 def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
-            skip: Callable[[str], bool] | None = None) -> tuple[Manifest, list[str]]:
+            skip: Callable[[Manifest, str], bool] | None = None) -> tuple[Manifest, list[str]]:
     """The newest epoch that verifies and ``check`` accepts (notes on the newer ones refused),
     or with ``epoch``, exactly that one (no fallback: an operator asked for it).  ``skip``: the
     files a lazy restore checks as it serves them."""
@@ -79,11 +79,18 @@ def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
     return m, []
 
 
-def _page_data(name: str) -> bool:
-    """criu's page data (``pages-<id>.img``, a pre-dump's too): what a lazy restore serves, and checks
-    as it does."""
+def _served_lazily(m: Manifest) -> bool:
+    """Whether an epoch is restored lazily where the node can: not one stored as a delta (rebuilt
+    first), nor a GPU job's (resuming CUDA copies device memory back from host memory that would
+    still be arriving)."""
+    return not m.recipes and not m.gpus
+
+
+def _lazy_serves(m: Manifest, name: str) -> bool:
+    """criu's page data (``pages-<id>.img``, a pre-dump's too) of an epoch restored lazily: what the
+    lazy restore serves, and checks as it does (left out of the check before criu)."""
     base = name.rsplit("/", 1)[-1]
-    return base.startswith("pages-") and base.endswith(".img")
+    return _served_lazily(m) and base.startswith("pages-") and base.endswith(".img")
 
 
 @dataclass
@@ -323,12 +330,8 @@ class Engine:
 
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
                 manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check,
-                                                          _page_data if lazy_here else None)
-                if lazy_here and manifest.gpus:
-                    # A GPU job is restored eagerly: resuming CUDA copies its device memory back from
-                    # host memory that would still be arriving.  Its page data is checked first.
-                    lazy_here = False
-                    await asyncio.to_thread(files.verify, manifest.epoch)
+                                                          _lazy_serves if lazy_here else None)
+                lazy_here = lazy_here and _served_lazily(manifest)
                 return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked,
                                                   lazy_here)
         finally:

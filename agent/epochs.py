@@ -319,9 +319,9 @@ class JobFiles:
 
     # ------------------------------------------------------------------ verify, prune
 
-    def verify(self, n: int, skip: Callable[[str], bool] | None = None) -> Manifest:
+    def verify(self, n: int, skip: Callable[[Manifest, str], bool] | None = None) -> Manifest:
         """Epoch ``n``'s manifest if every file matches its size and checksum (``skip``: files whose
-        checksum the caller checks: a lazy restore's page data; never for a converted epoch)."""
+        checksum the caller checks: what a lazy restore serves)."""
         m = self.read_manifest(n)
         if m.job != self.job:  # an epoch moved here from another job's directory
             raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
@@ -334,7 +334,7 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} is missing") from None
             if size != entry.size:
                 raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
-            if (skip is None or m.recipes or not skip(name)) and checksum_file(path, m.checksum) != entry.checksum:
+            if (skip is None or not skip(m, name)) and checksum_file(path, m.checksum) != entry.checksum:
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
         if m.recipes:  # every page it needs, from the packs (chain.py builds on this module)
             from revenant.agent.chain import verify_recipes
@@ -347,7 +347,7 @@ class JobFiles:
             raise EpochError(f"job {self.job}: {self.epochs_dir} is not the agent's own directory; never restored from")
 
     def newest_verified(self, check: Callable[[Manifest], None] | None = None,
-                        skip: Callable[[str], bool] | None = None) -> tuple[Manifest, list[str]]:
+                        skip: Callable[[Manifest, str], bool] | None = None) -> tuple[Manifest, list[str]]:
         """The newest epoch that verifies (and that ``check`` does not refuse with FilesChanged),
         and a note for each newer one that did not."""
         self.check_trusted()
@@ -392,16 +392,17 @@ class JobFiles:
         except OSError as exc:
             log.warning("job %s: retention skipped, an epoch could not be read: %s", self.job, exc)
             return []
-        removed = []
-        for n in doomed:
-            trash = self.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
-            try:
-                os.rename(self.epoch_dir(n), trash)  # unlisted at once, deleted at leisure
-            except FileNotFoundError:
-                continue  # another node's retention got there first
-            shutil.rmtree(trash, ignore_errors=True)
-            removed.append(n)
-        return removed
+        return [n for n in doomed if self.delete_epoch(n)]
+
+    def delete_epoch(self, n: int) -> bool:
+        """Unlist epoch ``n`` at once, then delete it; False if it was gone (another node's retention)."""
+        trash = self.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
+        try:
+            os.rename(self.epoch_dir(n), trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
 
     def purge(self) -> int:
         """Remove every checkpoint of the job, epochs first, then their packs; returns the bytes freed."""

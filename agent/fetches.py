@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
-import shutil
 import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,7 +31,6 @@ from revenant.common.errors import JobNotRunning, RevenantError
 
 if TYPE_CHECKING:
     from revenant.agent.engine import LazyFetch
-    from revenant.agent.epochs import JobFiles
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +46,6 @@ class _Fetch:
     generation: int
     task: asyncio.Task[None]
     done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def set_aside(files: JobFiles, n: int) -> bool:
-    """Delete epoch ``n`` (out of the listing first): its page data is corrupt."""
-    trash = files.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
-    try:
-        os.rename(files.epoch_dir(n), trash)
-    except FileNotFoundError:
-        return False
-    shutil.rmtree(trash, ignore_errors=True)
-    return True
 
 
 class PageFetches:
@@ -165,7 +150,7 @@ class PageFetches:
         if on_purpose:
             return
         why = f"lazy restore of epoch {n} failed: {result.error}{pointer}"
-        if result.corrupt and await asyncio.to_thread(set_aside, rt.files, n):
+        if result.corrupt and await asyncio.to_thread(rt.files.delete_epoch, n):
             why += f"; epoch {n} deleted, the next restore falls back to an older one"
             self.sup.book._epoch_event(job, "pruned", rt.generation, n=n)
         elif not result.corrupt:

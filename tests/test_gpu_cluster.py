@@ -25,6 +25,17 @@ def _submit(cluster, inbox: Path, workdir: Path) -> str:
                        str(GPUCOUNTER), "--inbox", str(inbox), "--device-mib", "2").stdout.strip()
 
 
+def _running_counter(cluster, tmp_path: Path) -> tuple[str, Path]:
+    """The fake CUDA counter submitted to node-1, running, asked once (101); its id and inbox."""
+    inbox, workdir = tmp_path / "inbox", tmp_path / "wd"
+    inbox.mkdir()
+    workdir.mkdir()
+    job = _submit(cluster, inbox, workdir)
+    _wait(cluster, job, lambda j: j["state"] == "running", "start")
+    assert counter_request(inbox, "inc", timeout=30) == "101"
+    return job, inbox
+
+
 def _wait(cluster, job: str, predicate, what: str, timeout: float = 60) -> dict:
     info = wait_until(lambda: (j := cluster.job(job)) and predicate(j) and j, timeout=timeout, interval=0.2)
     assert info, f"job {job}: {what} did not happen: {cluster.job(job)}"
@@ -40,12 +51,7 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
     nodes = wait_until(lambda: (n := cluster.json("nodes", "--json")) and len(n) == 2 and n, timeout=30)
     caps = nodes[0]["capabilities"]
     assert caps["gpu"] == "nvml" and caps["gpu_checkpoint"] == mechanism, caps
-    inbox, workdir = tmp_path / "inbox", tmp_path / "wd"
-    inbox.mkdir()
-    workdir.mkdir()
-    job = _submit(cluster, inbox, workdir)
-    _wait(cluster, job, lambda j: j["state"] == "running", "start")
-    assert counter_request(inbox, "inc", timeout=30) == "101"
+    job, inbox = _running_counter(cluster, tmp_path)
 
     cluster.cli("checkpoint", "vacate", job)
     vacated = _wait(cluster, job, lambda j: j["state"] == "vacated", "vacate")
@@ -68,12 +74,7 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
 def test_a_failed_gpu_suspend_fails_the_vacate_and_the_job_runs_on(make_cluster, tmp_path):
     fake = build(tmp_path / "fakegpu")
     cluster = make_cluster(1, env=fake.env())
-    inbox, workdir = tmp_path / "inbox", tmp_path / "wd"
-    inbox.mkdir()
-    workdir.mkdir()
-    job = _submit(cluster, inbox, workdir)
-    _wait(cluster, job, lambda j: j["state"] == "running", "start")
-    assert counter_request(inbox, "inc", timeout=30) == "101"
+    job, inbox = _running_counter(cluster, tmp_path)
     fake.fail("checkpoint")
     out = cluster.cli("checkpoint", "vacate", job, check=False)
     assert out.returncode != 0 and "CUDA_ERROR_UNKNOWN" in out.stderr, out
