@@ -21,7 +21,26 @@ async def running(service):
         yield service
     finally:
         service.stop()
-        await asyncio.wait_for(task, 10)
+        await _stopped(service, task)
+
+
+async def _stopped(service, task: asyncio.Task, bound_s: float = 45.0) -> None:
+    """Wait for ``task`` (the service's run) to end; past the generous ``bound_s`` (a loaded
+    2-core machine drains slowly) fail naming where it was stuck."""
+    done, _ = await asyncio.wait([task], timeout=bound_s)
+    if not done:
+        where = "".join(f"\n  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+                        for frame in _awaiting(task.get_coro()))
+        task.cancel()
+        raise AssertionError(f"{type(service).__name__} did not stop within {bound_s:g} s; stuck at:{where}")
+    await task
+
+
+def _awaiting(coro):
+    """The frames of a suspended coroutine and of what it awaits, outermost first."""
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        yield coro.cr_frame
+        coro = coro.cr_await
 
 
 class HeldLease:

@@ -69,7 +69,15 @@ def chain_ok(output: bytes) -> bool:
 
 def the_job(init_pid: int) -> psutil.Process:
     """The job itself, among the namespace init's children (its switch also runs sleep, stat...)."""
-    return next(p for p in psutil.Process(init_pid).children() if str(COUNTER) in p.cmdline())
+    return next(p for p in psutil.Process(init_pid).children() if str(COUNTER) in _cmdline(p))
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    """The command line, or nothing for a child that ended meanwhile (a switch's sleep, a zombie)."""
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
 
 
 async def test_four_jobs_in_one_workdir_survive_20_rounds_of_concurrent_dumps_and_restore(tmp_path, sup):
