@@ -356,7 +356,9 @@ class Agent(Service):
             return await sup.start(cmd.spec, cmd.generation, fresh=cmd.fresh)
         if verb == "checkpoint":
             ck = decode_as(data, CheckpointJob)
-            return await sup.checkpoint(ck.job, ck.generation, ck.stop, scheduled=ck.scheduled, force=ck.force)
+            return await sup.checkpoint(ck.job, ck.generation, ck.stop, ck.evict if ck.stop else "",
+                                        scheduled=ck.scheduled, force=ck.force,
+                                        why={"cause": ck.cause, "reasons": ck.reasons})
         if verb == "restore":
             rs = decode_as(data, RestoreJob)
             return await sup.restore(rs.spec, rs.generation, rs.leave_workdir, rs.epoch)

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from revenant.agent.epochs import JobFiles, Manifest
 from revenant.common.metrics import AgentMetrics
 from revenant.messages import EpochEvent, EpochInfo, Message, subjects
+
+
+# Why a checkpoint is taken, for its epoch event: {"cause": ..., "reasons": [...]} (CheckpointJob's).
+Why = Mapping[str, Any]
 
 
 class CheckpointBook:
@@ -31,14 +35,14 @@ class CheckpointBook:
         self.emit(subjects.epoch_event(job, kind),
                   EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
 
-    def failed(self, job: str, generation: int, error: Exception) -> None:
+    def failed(self, job: str, generation: int, error: Exception, cause: str = "", reasons: Sequence[str] = ()) -> None:
         self.failures += 1
         if self.metrics is not None:
             self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
-        self._epoch_event(job, "failed", generation, error=str(error))
+        self._epoch_event(job, "failed", generation, error=str(error), cause=cause, reasons=list(reasons))
 
-    async def committed(self, files: JobFiles, generation: int, manifest: Manifest,
-                        max_epochs: int) -> tuple[EpochInfo, list[int]]:
+    async def committed(self, files: JobFiles, generation: int, manifest: Manifest, max_epochs: int,
+                        cause: str = "", reasons: Sequence[str] = ()) -> tuple[EpochInfo, list[int]]:
         """Record a committed epoch, then apply retention (at least one epoch is kept); the
         epoch's info and the numbers retention deleted."""
         self.failures = 0
@@ -48,7 +52,7 @@ class CheckpointBook:
                                             size_bytes=info.bytes)
         self._epoch_event(files.job, "created", generation, n=manifest.epoch, bytes=info.bytes,
                           freeze_s=manifest.freeze_s, duration_s=manifest.dump_s, gpus=manifest.gpus,
-                          gpu_driver=manifest.gpu_driver)
+                          gpu_driver=manifest.gpu_driver, cause=cause, reasons=list(reasons))
         # The new epoch's checksums were taken as it was written: it is not read again.
         pruned = await asyncio.to_thread(files.prune, max(1, max_epochs), {manifest.epoch})
         for n in pruned:

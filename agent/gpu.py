@@ -35,7 +35,11 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 _NOT_SUPPORTED, _NO_PERMISSION, _TIMEOUT, _FUNCTION_NOT_FOUND, _VERSION_MISMATCH = 3, 4, 10, 13, 25
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 
-Finding = tuple[HealthState, str]
+# A finding: its state, a machine-readable code (HealthFinding.code) and the reason in words,
+# as in agent/health.py.  One code per kind of trouble (gpu_temperature, gpu_ecc, gpu_remap_failed,
+# gpu_remap_pending, gpu_xid, gpu_xid_app), so the coordinator's proactive rules can tell a hot
+# GPU from a broken one, and either from an application's own fault.
+Finding = tuple[HealthState, str, str]
 
 
 @dataclass(frozen=True)
@@ -68,22 +72,24 @@ def classify_gpu(gpu: GpuHealth, t: GpuThresholds, held_xids: Iterable[int] = ()
     name = f"GPU {gpu.index}" if gpu.index >= 0 else "a GPU"
     out: list[Finding] = []
     if gpu.temperature_c >= t.temperature_red_c:
-        out.append(("RED", f"{name} temperature {gpu.temperature_c:.0f} C >= {t.temperature_red_c:g} C"))
+        out.append(("RED", "gpu_temperature",
+                    f"{name} temperature {gpu.temperature_c:.0f} C >= {t.temperature_red_c:g} C"))
     elif gpu.temperature_c >= t.temperature_yellow_c:
-        out.append(("YELLOW", f"{name} temperature {gpu.temperature_c:.0f} C >= {t.temperature_yellow_c:g} C"))
+        out.append(("YELLOW", "gpu_temperature",
+                    f"{name} temperature {gpu.temperature_c:.0f} C >= {t.temperature_yellow_c:g} C"))
     if gpu.ecc_uncorrected_volatile >= t.ecc_uncorrected_red:
-        out.append(("RED", f"{name} {gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"))
+        out.append(("RED", "gpu_ecc", f"{name} {gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"))
     if gpu.remapped_rows_failed:
-        out.append(("RED", f"{name} row remapping failed"))
+        out.append(("RED", "gpu_remap_failed", f"{name} row remapping failed"))
     elif gpu.remapped_rows_pending:
-        out.append(("YELLOW", f"{name} row remapping pending: reset the GPU"))
+        out.append(("YELLOW", "gpu_remap_pending", f"{name} row remapping pending: reset the GPU"))
     xids = sorted(set(gpu.xids) | set(held_xids))
     app = [x for x in xids if classify_xid(x) == "YELLOW"]
     critical = [x for x in xids if classify_xid(x) == "RED"]
     if critical:
-        out.append(("RED", f"{name} critical XID {', '.join(map(str, critical))}"))
+        out.append(("RED", "gpu_xid", f"{name} critical XID {', '.join(map(str, critical))}"))
     if app:
-        out.append(("YELLOW", f"{name} application XID {', '.join(map(str, app))}"))
+        out.append(("YELLOW", "gpu_xid_app", f"{name} application XID {', '.join(map(str, app))}"))
     return out
 
 

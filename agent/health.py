@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from revenant.agent.gpu import classify_gpu
+from revenant.agent.gpu import Finding, classify_gpu
 from revenant.common.thresholds import HealthThresholds
 from revenant.messages import GpuHealth, HealthFinding, HealthState, HealthSummary
 
@@ -37,10 +37,6 @@ class HealthSample:
     gpus: Sequence[GpuHealth] = ()
     gpu_recent_xids: Mapping[int, Sequence[int]] = field(default_factory=dict)
     gpu_errors: Mapping[int, str] = field(default_factory=dict)
-
-
-# A finding: its state, a machine-readable code (HealthFinding.code) and the reason in words.
-Finding = tuple[HealthState, str, str]
 
 
 def _findings(sample: HealthSample, t: HealthThresholds) -> list[Finding]:
@@ -80,11 +76,11 @@ def _findings(sample: HealthSample, t: HealthThresholds) -> list[Finding]:
     for gpu in sample.gpus:
         seen.add(gpu.index)
         if gpu.index in sample.gpu_errors:
-            findings.append(("RED", "gpu", f"GPU {gpu.index} unreadable: {sample.gpu_errors[gpu.index]}"))
-        findings.extend((s, "gpu", r) for s, r in classify_gpu(gpu, t.gpu, sample.gpu_recent_xids.get(gpu.index, ())))
+            findings.append(("RED", "gpu_unreadable", f"GPU {gpu.index} unreadable: {sample.gpu_errors[gpu.index]}"))
+        findings.extend(classify_gpu(gpu, t.gpu, sample.gpu_recent_xids.get(gpu.index, ())))
     for index, xids in sample.gpu_recent_xids.items():  # XIDs from a GPU we could not name
         if index not in seen and xids:
-            findings.extend((s, "gpu", r) for s, r in classify_gpu(GpuHealth(index=index), t.gpu, xids))
+            findings.extend(classify_gpu(GpuHealth(index=index), t.gpu, xids))
     return findings
 
 

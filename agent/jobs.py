@@ -1,13 +1,11 @@
 """The job supervisor: which jobs run here, at which generation, and what happens to them.
 
-It coordinates the parts that do the work: the launcher (``agent/launcher.py``:
-the PID namespace, revenant-init, the job's files), the engine (``agent/engine.py``:
-checkpoint and restore), the checkpoint bookkeeping (``agent/checkpoints.py``) and
-the exit classifier (``agent/exits.py``: which event a job's end becomes).
+It coordinates the parts that do the work: the launcher (``agent/launcher.py``: the PID namespace,
+revenant-init, the job's files), the engine (``agent/engine.py``: checkpoint and restore), the
+checkpoint bookkeeping (``agent/checkpoints.py``) and the exit classifier (``agent/exits.py``).
 
-A restored job (``criu restore --restore-sibling``) becomes the agent's direct child; the
-agent is a child subreaper, so anything orphaned below it is its to reap too.  A lazily
-restored job's pages arrive while it runs (``agent/fetches.py``).
+A restored job (``criu restore --restore-sibling``) becomes the agent's direct child; the agent is a
+child subreaper, so it reaps anything orphaned below.  A lazy restore's pages: ``agent/fetches.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from revenant.agent import procs
-from revenant.agent.checkpoints import CheckpointBook
+from revenant.agent.checkpoints import CheckpointBook, Why
 from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
 from revenant.agent.exits import ExitClassifier, JobEnd
@@ -217,9 +215,10 @@ class Supervisor:
     # ------------------------------------------------------------------ checkpoint
 
     async def checkpoint(self, job: str, generation: int, stop: bool, evict_reason: str = "", *,
-                         scheduled: bool = False, force: bool = False) -> AgentJobReply:
+                         scheduled: bool = False, force: bool = False, why: Why | None = None) -> AgentJobReply:
         """``stop``: vacate (``evict_reason``: the node stops it, to be restored elsewhere); ``scheduled``:
-        periodic (skipped under load, agent/policy.py), ``force``: whatever the load."""
+        periodic (skipped under load, agent/policy.py), ``force``: whatever the load; ``why``: the
+        epoch event's cause and reasons."""
         rt = self._get(job, generation)
         if rt.frozen_at is not None:
             # Its image would hold stopped processes, and come back stopped wherever restored.
@@ -234,7 +233,7 @@ class Supervisor:
             await self.fetches.wait(rt, FETCH_WAIT_S)  # never a dump of a job whose pages are still arriving
             rt.vacating = stop
             try:
-                return await self._checkpoint(rt, stop, evict_reason, warnings)
+                return await self._checkpoint(rt, stop, evict_reason, warnings, why or {})
             finally:
                 # However the vacate ended (committed, failed, cancelled by a drain's deadline or a
                 # shutdown), an exit it held back is reported now, and a later one as it happens.
@@ -243,21 +242,22 @@ class Supervisor:
                     if rt.exited.is_set():
                         self._report_exit(rt)
 
-    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str, warnings: list[str]) -> AgentJobReply:
+    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str, warnings: list[str],
+                          why: Why) -> AgentJobReply:
         job, generation = rt.spec.id, rt.generation
         assert self.engine is not None
         try:
             manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, workdir=rt.spec.workdir,
                                                            user=rt.spec.user, policy=rt.spec.policy)
         except RevenantError as exc:
-            self.book.failed(job, generation, exc)
+            self.book.failed(job, generation, exc, **why)
             raise
         if stop:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
             rt.stopped_at_epoch, rt.stopped_gpus = manifest.epoch, (manifest.gpus, manifest.gpu_driver)
             rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
         info, pruned, kept, storage = await self.policies.committed(rt.files, generation, manifest,
-                                                                    rt.spec.max_epochs, rt.spec.policy)
+                                                                    rt.spec.max_epochs, rt.spec.policy, why)
         if stop:
             try:
                 await asyncio.wait_for(rt.exited.wait(), 10)
@@ -381,7 +381,7 @@ class Supervisor:
 
         async def one(rt: JobRuntime) -> None:
             try:
-                await asyncio.wait_for(self.checkpoint(rt.spec.id, rt.generation, stop=True,
+                await asyncio.wait_for(self.checkpoint(rt.spec.id, rt.generation, stop=True, why={"cause": "drain"},
                                                        evict_reason=f"{reason}; checkpointed"), budget_s)
             except asyncio.TimeoutError:
                 log.warning("job %s: no checkpoint within the drain budget (%g s)", rt.spec.id, budget_s)

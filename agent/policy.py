@@ -29,7 +29,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from revenant.agent import packs
-from revenant.agent.checkpoints import CheckpointBook
+from revenant.agent.checkpoints import CheckpointBook, Why
 from revenant.agent.epochs import CorruptEpoch, JobFiles, Manifest
 from revenant.agent.load import LoadGate, LoadSampler
 from revenant.agent.private import PRIVATE_FILE
@@ -119,13 +119,14 @@ class PolicyRunner:
     # ------------------------------------------------------------------ after
 
     async def committed(self, files: JobFiles, generation: int, manifest: Manifest, max_epochs: int,
-                        policy: CheckpointPolicy) -> tuple[EpochInfo, list[int], list[EpochInfo], int]:
+                        policy: CheckpointPolicy, why: Why | None = None
+                        ) -> tuple[EpochInfo, list[int], list[EpochInfo], int]:
         """Record the epoch and apply retention (under the job's lock); start the conversion of
         the epochs it superseded (after a vacate too: the job's next node waits on the lock for
         at most one epoch's conversion).  The epoch's info, the numbers pruned, every kept
         epoch's info and the job's storage bytes."""
         async with self.lock(files):
-            info, pruned = await self.book.committed(files, generation, manifest, max_epochs)
+            info, pruned = await self.book.committed(files, generation, manifest, max_epochs, **(why or {}))
             kept, storage = await asyncio.to_thread(self.listing, files)
         if policy.incremental:
             task = asyncio.create_task(self._convert(files, generation, policy.full_every),

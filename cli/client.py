@@ -276,7 +276,8 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
     req = SubmitRequest(argv=command, name=args.name or "", node=args.node or "", workdir=workdir,
                         checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue,
                         user=user, incremental=args.incremental, full_every=args.full_every,
-                        pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware)
+                        pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware,
+                        on_sick=getattr(args, "on_sick", None) or "")
     check_submit(req)
     return req
 

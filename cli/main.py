@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between the pre-dump and the final dump (0-3600; default: the cluster's)")
     p.add_argument("--load-aware", action=argparse.BooleanOptionalAction,
                    help="skip a periodic checkpoint while the node is over a load threshold (default: the cluster's)")
+    p.add_argument("--on-sick", choices=("checkpoint", "migrate", "none"),
+                   help="when the job's node turns sick: take a fresh checkpoint, move the job to a healthy "
+                   "node, or nothing (default: the cluster's on_sick for a job with --checkpoint, else none)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
     p.add_argument("--workdir", help="working directory (default: the current one)")
     p.add_argument("--user", help="admin (root) only: submit for this user, who owns the job and whom it runs as "

@@ -214,6 +214,15 @@ _CHECKPOINT_TYPE = "checkpointtype"
 _BARE_TYPE = re.compile(r"^(\s*CheckpointType\s*=\s*)([\w/.-]+)(\s*(?:#.*)?)$", re.I | re.M)
 
 
+# Health finding codes that predict a node's failure (docs/configuration.md says why each): YELLOW or
+# worse for one of the first asks for a fresh epoch, RED for one of the second moves the job.
+CHECKPOINT_REASONS = ("memory", "storage_low", "gpu_temperature", "gpu_ecc", "gpu_remap_failed",
+                      "gpu_remap_pending", "gpu_xid", "gpu_unreadable")
+MIGRATE_REASONS = ("memory", "storage_low", "gpu_ecc", "gpu_remap_failed", "gpu_xid", "gpu_unreadable",
+                   "checkpoint_failures")
+ANOMALY_METRICS = ("memory_percent", "gpu*.temperature_c")  # fnmatch patterns of anomaly.v1's metric
+
+
 class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Sections of their own that this one holds: read from their own [table].
     SECTIONS: ClassVar[dict[str, type[msgspec.Struct]]] = {"checkpoint": CheckpointConfig}
@@ -265,8 +274,23 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     job_retention_s: float = 7 * 24 * 3600.0
     # The [checkpoint] section: every job's defaults, filled in at submit.
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    # Proactive moves (docs/configuration.md): what a sick node does to a scheduled job without --on-sick.
+    on_sick: Literal["checkpoint", "migrate", "none"] = "checkpoint"
+    proactive_checkpoint_reasons: list[str] = msgspec.field(default_factory=lambda: list(CHECKPOINT_REASONS))
+    proactive_migrate_reasons: list[str] = msgspec.field(default_factory=lambda: list(MIGRATE_REASONS))
+    proactive_anomaly_metrics: list[str] = msgspec.field(default_factory=lambda: list(ANOMALY_METRICS))
+    # Findings held this long act; one action of a kind per job per cooldown; a sick fraction pauses moves.
+    proactive_hold_s: float = 2.0
+    proactive_cooldown_s: float = 300.0
+    proactive_pause_fraction: float = 0.3
+
+    def on_sick_for(self, req: SubmitRequest) -> str:
+        """A job's policy on a sick node: the submit's, else the default for a job with a schedule."""
+        return req.on_sick or (self.on_sick if req.checkpoint_interval_s else "none")
 
     def __post_init__(self) -> None:
+        if not (0 < self.proactive_pause_fraction <= 1 and self.proactive_hold_s >= 0 <= self.proactive_cooldown_s):
+            raise ValueError("proactive_pause_fraction must be in (0, 1], proactive_hold_s and _cooldown_s >= 0")
         _positive(self, "lease_ttl_s", "lease_margin_s", "requeue_timeout_s", "restore_rate_per_s",
                   "max_concurrent_restores", "leader_lease_s", "job_retention_s")
         if not 0 < self.failover_pause_fraction <= 1:
@@ -309,6 +333,8 @@ def _positive(cfg: msgspec.Struct, *names: str) -> None:
 def _env_overrides(section: str, cls: type[msgspec.Struct], environ: dict[str, str]) -> dict[str, Any]:
     prefix = f"REVENANT_{section.upper()}_"
     fields = set(cls.__struct_fields__)
+    # A list from the environment: comma-separated.
+    lists = {f.name for f in msgspec.structs.fields(cls) if str(f.type).startswith("list")}
     out: dict[str, Any] = {}
     for key, value in environ.items():
         if not key.startswith(prefix):
@@ -316,7 +342,7 @@ def _env_overrides(section: str, cls: type[msgspec.Struct], environ: dict[str, s
         name = key[len(prefix):].lower()
         if name not in fields:
             raise ConfigError(f"unknown setting {key} (no field {name!r} in [{section}])")
-        out[name] = value
+        out[name] = [v.strip() for v in value.split(",") if v.strip()] if name in lists else value
     return out
 
 

@@ -16,7 +16,7 @@ import math
 import msgspec
 
 from revenant.common.errors import RevenantError
-from revenant.messages import MAX_MESSAGE_BYTES, CheckpointPolicy, JobSpec, SubmitRequest
+from revenant.messages import MAX_MESSAGE_BYTES, ON_SICK, CheckpointPolicy, JobSpec, SubmitRequest
 
 # The job's spec (command line, environment, name, working directory) as stored, encoded.
 MAX_SPEC_BYTES = 128 * 1024
@@ -103,6 +103,8 @@ def check_submit(req: SubmitRequest) -> None:
         value = getattr(req, name)
         if value is not None and (problem := policy_problem(name, value, flag)):
             raise BadRequest(problem)
+    if req.on_sick and req.on_sick not in ON_SICK:
+        raise BadRequest(f"--on-sick must be one of {', '.join(ON_SICK)}, got {req.on_sick!r}")
     every = req.checkpoint_interval_s
     if every is not None and not (math.isfinite(every) and MIN_INTERVAL_S <= every <= MAX_INTERVAL_S):
         raise BadRequest(f"the checkpoint interval must be from {MIN_INTERVAL_S:g} s to "

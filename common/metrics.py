@@ -149,6 +149,7 @@ class AgentMetrics:
 
 
 FAILOVER_CAUSES = ("dead", "evicted", "takeover")
+PROACTIVE_ACTIONS = ("checkpoint", "migrate")
 
 
 class CoordinatorMetrics:
@@ -174,6 +175,14 @@ class CoordinatorMetrics:
         self._hb_malformed = self.heartbeats.labels(result="malformed")
         self.loop_lag = Gauge("revenant_event_loop_lag_seconds", "Worst event-loop lag of the coordinator lately.",
                               registry=r)
+        # No label set is made in advance: the reasons are configuration (proactive_*_reasons).
+        self.proactive_actions = Counter("revenant_proactive_actions",
+                                         "Proactive actions on jobs of sick nodes that succeeded: action checkpoint "
+                                         "(a fresh epoch) or migrate (moved to a healthy node); reason: the health "
+                                         "finding code that predicted trouble (or anomaly).",
+                                         ["action", "reason"], registry=r)
+        self.proactive_paused = Gauge("revenant_proactive_paused",
+                                      "1 while proactive moves are paused: too many nodes sick at once.", registry=r)
         for state in NODE_STATES:
             self.nodes.labels(state=state).set(0)
         for kind in NODE_EVENT_KINDS:
@@ -212,6 +221,15 @@ class CoordinatorMetrics:
 
     def count_failover(self, ok: bool = True, cause: str = "dead") -> None:
         self.failovers.labels(result="ok" if ok else "failed", cause=cause).inc()
+
+    def count_proactive(self, action: str, reason: str) -> None:
+        """One proactive action that succeeded: ``action`` checkpoint or migrate, ``reason`` a finding code."""
+        if action not in PROACTIVE_ACTIONS:
+            raise ValueError(f"proactive action must be one of {', '.join(PROACTIVE_ACTIONS)}, got {action!r}")
+        self.proactive_actions.labels(action=action, reason=reason).inc()
+
+    def set_proactive_paused(self, paused: bool) -> None:
+        self.proactive_paused.set(int(paused))
 
     def count_heartbeat(self, malformed: bool = False) -> None:
         # The hot path at 20,000 nodes: children are looked up once, not per heartbeat.

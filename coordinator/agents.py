@@ -72,7 +72,9 @@ class AgentClient:
         if isinstance(cmd, lc.Checkpoint):
             return await self.send(cmd.node, "checkpoint", CheckpointJob(job=cmd.job, generation=cmd.generation,
                                                                          stop=cmd.stop, scheduled=cmd.scheduled,
-                                                                         force=cmd.force), timeout_s)
+                                                                         force=cmd.force, evict=cmd.evict,
+                                                                         cause=cmd.cause, reasons=list(cmd.reasons)),
+                                   timeout_s)
         return await self.send(cmd.node, "kill", KillJob(job=cmd.job, generation=cmd.generation,
                                                          reason=cmd.reason), timeout_s)
 

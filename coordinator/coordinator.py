@@ -35,6 +35,7 @@ from revenant.coordinator.jobs import JobService
 from revenant.coordinator.leader import Leadership, Term
 from revenant.coordinator.paging import fitting
 from revenant.coordinator.periodic import PeriodicCheckpoints
+from revenant.coordinator.sick import ProactiveMoves
 from revenant.coordinator.requests import USER_VERBS, ClientRequests, check_admin, requester_of
 from revenant.coordinator.store import KvJobStore
 from revenant.coordinator.takeover import take_over
@@ -90,6 +91,7 @@ class Coordinator(Service):
         self.jobs: JobService | None = None
         self._client_requests: ClientRequests | None = None
         self.failover: Failover | None = None
+        self._proactive: ProactiveMoves | None = None
         self.leadership: Leadership | None = None
         # The term it leads now (None while a standby), and how often it stepped down.
         self._term: Term | None = None
@@ -153,6 +155,11 @@ class Coordinator(Service):
         log.info("coordinator %s up; waiting to lead", self.name)
 
     def _nodes(self) -> list[NodeStatus]:
+        """The node table as placement sees it: a node proactive moves emptied is cordoned (RED)."""
+        nodes = self._node_table()
+        return self._proactive.cordon(nodes) if self._proactive is not None else nodes
+
+    def _node_table(self) -> list[NodeStatus]:
         return self.detector.snapshot(self._clock())
 
     def _evicted(self, job: str, node: str, why: str) -> None:
@@ -199,6 +206,12 @@ class Coordinator(Service):
             term.add(self.spawn(_supervised(self._job_events.run), "job-events"))
             term.add(self.spawn(_supervised(self._conversions.run), "epoch-conversions"))
             term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
+            self._proactive = proactive = ProactiveMoves(self.config, self.jobs, failover, self._events,
+                                                         self._node_table, self.metrics, clock=self._clock,
+                                                         wall=self._wall)
+            term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL,
+                                                               cb=proactive.on_anomaly))
+            term.add(self.spawn(_supervised(proactive.run), "proactive-moves"))
             term.add(self.spawn(_supervised(Archiver(self.jobs, self.config.job_retention_s, wall=self._wall).run),
                                 "job-archive"))
             term.add(self.spawn(take_over(

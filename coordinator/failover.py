@@ -141,6 +141,8 @@ class Failover:
         self.recovering: set[str] = set()
         # Jobs whose node reported them evicted while their recovery waited for its lease.
         self._evicted: dict[str, str] = {}
+        # Jobs moved off a sick node (coordinator/sick.py): their restore is published "migrated".
+        self.moves: dict[str, tuple[str, ...]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ inputs
@@ -257,6 +259,10 @@ class Failover:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def moved(self, job: str, reasons: tuple[str, ...]) -> None:
+        """``job`` was stopped on its sick node for ``reasons``: its recovery is a proactive move."""
+        self.moves[job] = reasons
+
     def cancel(self) -> None:
         for task in list(self._tasks):
             task.cancel()
@@ -281,6 +287,7 @@ class Failover:
             log.error("job %s: recovery stopped: %s", job, exc)
         finally:
             self.recovering.discard(job)
+            self.moves.pop(job, None)
             if self._evicted.pop(job, None) is not None:
                 evicted_during.add(job)
             left = self.pending_nodes.get(dead, 1) - 1
@@ -336,8 +343,13 @@ class Failover:
                 if kind == "failed":
                     self._event(job, "failed", dead, reason=rec.reason)
                     return False
+                moved = self.moves.get(job)
+                if moved is not None and kind == "restored":
+                    kind, extra = "migrated", {"cause": "health", "reasons": list(moved)}
+                else:
+                    extra = {}
                 self._event(job, kind, dead, node=rec.node, generation=rec.generation, pid=rec.pid, epoch=epoch,
-                            reason="; ".join(notes))
+                            reason="; ".join(notes), **extra)
                 log.warning("job %s %s on %s (generation %d) %s", job, kind, rec.node or "-", rec.generation,
                             self._since_words(dead))
                 return True

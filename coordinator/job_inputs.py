@@ -68,6 +68,10 @@ class Checkpoint:
     # A periodic checkpoint (its node may skip it under load); force: take it whatever the load.
     scheduled: bool = False
     force: bool = False
+    # With stop, a move: the node evicts the job for this reason (CheckpointJob.evict).
+    evict: str = ""
+    cause: str = ""
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ class CheckpointAsked:
     stop: bool
     scheduled: bool = False
     force: bool = False
+    # A move (stop, and restored elsewhere by failover): why the node stops it.
+    evict: str = ""
+    # Why it is taken ("schedule", "operator", "health") and the findings that asked for it.
+    cause: str = ""
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,8 @@ class Checkpointed:
     # listing (through the retention rule).  storage_bytes: the job's storage (0: not reported).
     epochs: tuple[EpochInfo, ...] = ()
     storage_bytes: int = 0
+    # A move's: the job goes on elsewhere (restoring, handed to failover), not vacated.
+    evicted: bool = False
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ class JobService:
         spec = JobSpec(id=job_id, argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
                        max_epochs=defaults.max_epochs_for(req), requeue=req.requeue, user=user,
-                       policy=defaults.policy(req))
+                       policy=defaults.policy(req), on_sick=self.config.on_sick_for(req))
         cmd = (await self.step(job_id, lc.Submit(spec, node))).commands[0]
         tried: set[str] = set()
         while True:
@@ -206,12 +206,14 @@ class JobService:
         except NoNodeAvailable:
             return None
 
-    async def checkpoint(self, job: str, *, stop: bool, scheduled: bool = False,
-                         force: bool = False) -> tuple[JobRecord, list[str]]:
-        """Checkpoint (``stop``: vacate) the job.  ``scheduled``: a periodic one, which its node may
-        skip under load (:class:`CheckpointSkipped`: the job runs on, nothing failed); ``force``:
-        take it whatever the load."""
-        cmd = (await self.step(job, lc.CheckpointAsked(stop, scheduled, force))).commands[0]
+    async def checkpoint(self, job: str, *, stop: bool, scheduled: bool = False, force: bool = False,
+                         evict: str = "", cause: str = "", reasons: tuple[str, ...] = ()) -> tuple[JobRecord, list[str]]:
+        """Checkpoint (``stop``: vacate; with ``evict``, a move: the job is left restoring, for failover
+        to place) the job.  ``scheduled``: a periodic one, which its node may skip under load
+        (:class:`CheckpointSkipped`: the job runs on, nothing failed); ``force``: take it whatever
+        the load.  ``cause``, ``reasons``: why, for the epoch event."""
+        asked = lc.CheckpointAsked(stop, scheduled, force, evict, cause, tuple(reasons))
+        cmd = (await self.step(job, asked)).commands[0]
         try:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
         except RevenantError as exc:
@@ -221,7 +223,7 @@ class JobService:
                 raise CheckpointSkipped(str(exc)) from None
             raise
         await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned),
-                                             tuple(reply.epochs), reply.storage_bytes))
+                                             tuple(reply.epochs), reply.storage_bytes, evicted=bool(stop and evict)))
         return self.get(job), reply.notes
 
     async def checkpoint_abandoned(self, job: str, generation: int) -> None:

@@ -112,7 +112,8 @@ def _checkpoint_asked(rec: JobRecord, inp: CheckpointAsked, now: float) -> Decis
     if rec.state != State.RUNNING:
         raise JobNotRunning(f"job {rec.spec.id} is {rec.state}, not running")
     return Decision(_copy(rec, state=State.CHECKPOINTING),
-                    [Checkpoint(rec.node, rec.spec.id, rec.generation, inp.stop, inp.scheduled, inp.force)])
+                    [Checkpoint(rec.node, rec.spec.id, rec.generation, inp.stop, inp.scheduled, inp.force,
+                                inp.evict if inp.stop else "", inp.cause, inp.reasons)])
 
 
 def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
@@ -132,6 +133,9 @@ def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
     if inp.storage_bytes:
         new.storage_bytes = inp.storage_bytes
     if rec.generation == inp.generation and rec.state == State.CHECKPOINTING:
+        if inp.stop and inp.evicted:  # a move: failover restores it elsewhere, as after a drain
+            new.state, new.pid = State.RESTORING, 0
+            return Decision(new, outcome="evicted")
         if inp.stop:
             new.state, new.node, new.pid = State.VACATED, "", 0
         else:
@@ -373,6 +377,7 @@ TRANSITIONS: tuple[tuple[str, str, str], ...] = (
     ("checkpointing", "checkpoint reply", "running"),
     ("checkpointing", "checkpoint failed", "running"),
     ("checkpointing", "vacate reply", "vacated"),
+    ("checkpointing", "move reply", "restoring"),
     ("running", "agent: vacated", "vacated"),
     ("checkpointing", "agent: vacated", "vacated"),
     ("vacated", "restart", "restoring"),

@@ -71,7 +71,7 @@ class PeriodicCheckpoints:
 
     async def _one(self, job: str) -> None:
         try:
-            await self.jobs.checkpoint(job, stop=False, scheduled=True)
+            await self.jobs.checkpoint(job, stop=False, scheduled=True, cause="schedule")
             self._tried_at.pop(job, None)
         except RevenantError as exc:
             # By its code: the refusal arrives over the bus as a RemoteError carrying it.

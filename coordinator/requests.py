@@ -139,7 +139,7 @@ class ClientRequests:
         if not asker.admin:  # the user never changes: checked once, before acting
             visible(asker, req.job, jobs.jobs.get(req.job) or await jobs.store.load_archived(req.job))
         if verb in ("checkpoint", "vacate"):
-            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate")
+            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate", cause="operator")
         elif verb == "restart":
             rec, notes = await jobs.restart(req.job, req.node, req.epoch)
         else:

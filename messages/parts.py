@@ -11,7 +11,11 @@ HealthState = Literal["GREEN", "YELLOW", "RED"]
 JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
 # restore_completed: every page of a lazily restored job is in (agent/lazy.py).
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
-                       "requeued", "failed", "evicted", "restore_completed"]
+                       "requeued", "failed", "evicted", "restore_completed", "migrated", "migration_failed",
+                       "migration_skipped"]
+# What a job's sick node does to it (JobSpec.on_sick; "" in a record from before: the cluster's default).
+OnSick = Literal["checkpoint", "migrate", "none", ""]
+ON_SICK = ("checkpoint", "migrate", "none")
 # skipped: a scheduled checkpoint not taken (the node over a load threshold); degraded: a
 # pre-dump that could not run (once per job); forced: a scheduled one taken despite the load;
 # converted: an older epoch turned into a delta against the job's packs.
@@ -99,7 +103,9 @@ class HealthFinding(_Body):
     """One entry of ``reasons`` in machine-readable form: its state and the probe's code.
 
     Codes: ``memory``, ``storage_low`` (free space on the shared storage), ``loop_lag``,
-    ``criu``, ``nats``, ``checkpoint_failures``, ``pending_ops``, ``gpu``."""
+    ``criu``, ``nats``, ``checkpoint_failures``, ``pending_ops``; per GPU ``gpu_temperature``,
+    ``gpu_ecc``, ``gpu_remap_failed``, ``gpu_remap_pending``, ``gpu_xid`` (a critical XID),
+    ``gpu_xid_app`` (an application's XID), ``gpu_unreadable``."""
 
     state: HealthState
     code: str
@@ -177,6 +183,8 @@ class JobSpec(_Body):
     user: str = ""
     # The job's effective checkpoint policy (the defaults for a record from before policies).
     policy: CheckpointPolicy = msgspec.field(default_factory=CheckpointPolicy)
+    # What a sick node does to it, decided at submit (docs/configuration.md, "Proactive moves").
+    on_sick: OnSick = ""
 
 
 class EpochFile(_Body):

@@ -124,6 +124,8 @@ def epoch_event(job: str, kind: str) -> str:
 
 
 JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
+# Every node's anomaly events (the leader's proactive moves read them).
+ANOMALIES_ALL = f"{EVENTS_PREFIX}.node.*.anomaly"
 # Older epochs an agent turned into deltas (the coordinator's listing follows them).
 EPOCHS_CONVERTED = f"{EVENTS_PREFIX}.epoch.*.converted"
 JOBS_BUCKET = "revenant_jobs"

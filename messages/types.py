@@ -39,6 +39,8 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     NodeEventKind,
     NodeState,
     NodeStatus,
+    ON_SICK,
+    OnSick,
     StaleJob,
 )
 
@@ -141,6 +143,8 @@ class SubmitRequest(Message, tag="submit.v1"):
     pre_dump: bool | None = None
     pre_dump_delay_s: float | None = None
     load_aware: bool | None = None
+    # What a sick node does to it: "checkpoint", "migrate" or "none" ("": the cluster's default).
+    on_sick: str = ""
 
 
 class JobRequest(Message, tag="job_request.v1"):
@@ -210,6 +214,13 @@ class CheckpointJob(Message, tag="checkpoint_job.v1"):
     scheduled: bool = False
     # Take it even over a load threshold.
     force: bool = False
+    # With stop: the node stops the job for this reason and reports it "evicted" (a proactive
+    # move: the coordinator restores it on another node), not "vacated".
+    evict: str = ""
+    # Why the checkpoint is taken ("schedule", "operator", "health"; "drain" is the agent's own)
+    # and, for "health", the node's findings that asked for it: the epoch event carries both.
+    cause: str = ""
+    reasons: list[str] = []
 
 
 class RestoreJob(Message, tag="restore_job.v1"):
@@ -272,6 +283,9 @@ class JobEvent(Message, tag="job_event.v1"):
     # restore_completed (a lazy restore's last page is in): seconds from the restore's start, page bytes fetched.
     duration_s: float = 0.0
     bytes: int = 0
+    # migrated / migration_failed / migration_skipped: "health" and the sick node's findings.
+    cause: str = ""
+    reasons: list[str] = []
 
 
 class EpochEvent(Message, tag="epoch_event.v1"):
@@ -293,13 +307,17 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     # For "created": the GPUs the job held at this epoch ([]: none), and the node's driver version.
     gpus: list[JobGpu] = []
     gpu_driver: str = ""
+    # For "created" and "failed": why it was taken (CheckpointJob.cause, or "drain") and its reasons.
+    cause: str = ""
+    reasons: list[str] = []
 
 
 class ClusterEvent(Message, tag="cluster_event.v1"):
-    """A cluster-wide event on ``revenant.evt.cluster.<kind>``: failover paused or resumed, a
-    coordinator became the leader or stepped down."""
+    """A cluster-wide event on ``revenant.evt.cluster.<kind>``: failover (or proactive moves) paused
+    or resumed, a coordinator became the leader or stepped down."""
 
-    kind: Literal["failover_paused", "failover_resumed", "leader_elected", "leader_stepped_down"]
+    kind: Literal["failover_paused", "failover_resumed", "leader_elected", "leader_stepped_down",
+                  "proactive_paused", "proactive_resumed"]
     at: float
     silent: int = 0
     total: int = 0
@@ -338,83 +356,19 @@ class ErrorReply(Message, tag="error.v1"):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    Heartbeat,
-    Probe,
-    ProbeReply,
-    NodeEvent,
-    NodesRequest,
-    NodesReply,
-    SubmitRequest,
-    JobRequest,
-    JobsRequest,
-    JobReply,
-    JobsReply,
-    FailoverRequest,
-    FailoverReply,
-    StartJob,
-    CheckpointJob,
-    RestoreJob,
-    KillJob,
-    PurgeJob,
-    AgentJobReply,
-    JobEvent,
-    EpochEvent,
-    AnomalyEvent,
-    ClusterEvent,
-    ReconcileRequest,
-    ReconcileReply,
-    ErrorReply,
+    Heartbeat, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
+    JobsRequest, JobReply, JobsReply, FailoverRequest, FailoverReply, StartJob, CheckpointJob, RestoreJob,
+    KillJob, PurgeJob, AgentJobReply, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent, ReconcileRequest,
+    ReconcileReply, ErrorReply,
 )
 
 __all__ = [
-    "AgentJobReply",
-    "AnomalyEvent",
-    "CheckpointJob",
-    "CheckpointPolicy",
-    "EpochEvent",
-    "EpochEventKind",
-    "EpochFile",
-    "EpochInfo",
-    "FailoverReply",
-    "FailoverRequest",
-    "JobEvent",
-    "JobEventKind",
-    "JobGpu",
-    "JobRecord",
-    "JobReply",
-    "JobRequest",
-    "JobSpec",
-    "JobState",
-    "JobsReply",
-    "JobsRequest",
-    "KillJob",
-    "LocalJob",
-    "LeaseValue",
-    "PurgeJob",
-    "ReconcileReply",
-    "ReconcileRequest",
-    "RestoreJob",
-    "StaleJob",
-    "StartJob",
-    "SubmitRequest",
-    "Capabilities",
-    "ClusterEvent",
-    "CriuInfo",
-    "ErrorReply",
-    "GpuHealth",
-    "GpuInfo",
-    "GpuProcess",
-    "HealthFinding",
-    "HealthState",
-    "HealthSummary",
-    "Heartbeat",
-    "Message",
-    "NodeEvent",
-    "NodeEventKind",
-    "NodeState",
-    "NodeStatus",
-    "NodesReply",
-    "NodesRequest",
-    "Probe",
-    "ProbeReply",
+    "ON_SICK", "OnSick",
+    "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
+    "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
+    "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",
+    "Heartbeat", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
+    "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
+    "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
+    "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob", "SubmitRequest",
 ]

@@ -30,6 +30,7 @@ def exported_series() -> set[str]:
     coord = CoordinatorMetrics()
     coord.update_nodes([NodeStatus(name="n", state="alive")])
     coord.count_node_event(NodeEvent(node="n", kind="dead", at=0.0, silence_s=2.5))
+    coord.count_proactive("checkpoint", "memory")  # labelled on use only
     names = set()
     for text in (agent.render(), coord.render()):
         for family in text_string_to_metric_families(text.decode()):
@@ -64,7 +65,8 @@ def test_every_metric_the_dashboard_queries_is_exported():
     # The panels the issue asks for are there.
     for needed in ("revenant_node_health_state", "revenant_checkpoint_duration_seconds_bucket",
                    "revenant_checkpoint_freeze_seconds_bucket", "revenant_failovers_total",
-                   "revenant_gpu_temperature_celsius", "revenant_failure_detection_seconds_bucket"):
+                   "revenant_gpu_temperature_celsius", "revenant_failure_detection_seconds_bucket",
+                   "revenant_proactive_actions_total", "revenant_proactive_paused"):
         assert needed in used
 
 

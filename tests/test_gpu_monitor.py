@@ -289,6 +289,7 @@ def test_a_lost_gpu_is_red_with_its_reason():
         assert m.errors == {1: "GPU is lost"} and len(readings) == 2
         s = evaluate(HealthSample(gpus=readings, gpu_errors=m.errors), HealthThresholds())
         assert s.state == "RED" and any("GPU 1 unreadable: GPU is lost" in r for r in s.reasons)
+        assert [(f.state, f.code) for f in s.findings] == [("RED", "gpu_unreadable")]
         nvml.devices[1].spec["lost"] = False
         m.sample()
         assert m.errors == {}
@@ -332,6 +333,7 @@ def test_an_xid_from_a_device_nvml_cannot_name_still_counts(clock):
         assert m.recent_xids() == {-1: [48]}
         s = evaluate(HealthSample(gpus=m.sample(), gpu_recent_xids=m.recent_xids()), HealthThresholds())
         assert s.state == "RED" and "a GPU critical XID 48" in s.reasons
+        assert [(f.state, f.code) for f in s.findings] == [("RED", "gpu_xid")]
     finally:
         m.stop()
 
@@ -382,25 +384,29 @@ async def test_async_use_keeps_nvml_off_the_event_loop():
 @pytest.mark.parametrize("xid", sorted(APPLICATION_XIDS))
 def test_application_xids_are_yellow(xid):
     assert classify_xid(xid) == "YELLOW"
-    assert classify_gpu(GpuHealth(index=0, xids=[xid]), GpuThresholds()) == [("YELLOW", f"GPU 0 application XID {xid}")]
+    assert classify_gpu(GpuHealth(index=0, xids=[xid]), GpuThresholds()) == [
+        ("YELLOW", "gpu_xid_app", f"GPU 0 application XID {xid}")]
 
 
 @pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95, 119, 999])
 def test_every_other_xid_is_red(xid):
     assert classify_xid(xid) == "RED"
-    assert classify_gpu(GpuHealth(index=2, xids=[xid]), GpuThresholds())[0][0] == "RED"
+    assert classify_gpu(GpuHealth(index=2, xids=[xid]), GpuThresholds())[0][:2] == ("RED", "gpu_xid")
 
 
 @pytest.mark.parametrize(
     "gpu, expected",
     [
         (GpuHealth(index=0, temperature_c=84.9), []),
-        (GpuHealth(index=0, temperature_c=85), [("YELLOW", "GPU 0 temperature 85 C >= 85 C")]),
-        (GpuHealth(index=0, temperature_c=90), [("RED", "GPU 0 temperature 90 C >= 90 C")]),
-        (GpuHealth(index=0, ecc_uncorrected_volatile=1), [("RED", "GPU 0 1 uncorrectable ECC errors")]),
-        (GpuHealth(index=0, remapped_rows_pending=1), [("YELLOW", "GPU 0 row remapping pending: reset the GPU")]),
-        (GpuHealth(index=0, remapped_rows_pending=1, remapped_rows_failed=1), [("RED", "GPU 0 row remapping failed")]),
-        (GpuHealth(index=0, xids=[13, 79, 13]), [("RED", "GPU 0 critical XID 79"), ("YELLOW", "GPU 0 application XID 13")]),
+        (GpuHealth(index=0, temperature_c=85), [("YELLOW", "gpu_temperature", "GPU 0 temperature 85 C >= 85 C")]),
+        (GpuHealth(index=0, temperature_c=90), [("RED", "gpu_temperature", "GPU 0 temperature 90 C >= 90 C")]),
+        (GpuHealth(index=0, ecc_uncorrected_volatile=1), [("RED", "gpu_ecc", "GPU 0 1 uncorrectable ECC errors")]),
+        (GpuHealth(index=0, remapped_rows_pending=1),
+         [("YELLOW", "gpu_remap_pending", "GPU 0 row remapping pending: reset the GPU")]),
+        (GpuHealth(index=0, remapped_rows_pending=1, remapped_rows_failed=1),
+         [("RED", "gpu_remap_failed", "GPU 0 row remapping failed")]),
+        (GpuHealth(index=0, xids=[13, 79, 13]), [("RED", "gpu_xid", "GPU 0 critical XID 79"),
+                                               ("YELLOW", "gpu_xid_app", "GPU 0 application XID 13")]),
     ],
 )
 def test_gpu_findings(gpu, expected):

@@ -102,6 +102,31 @@ def test_transitions_follow_the_readings_both_ways():
         assert evaluate(current, T).state == expected, (changes, evaluate(current, T).reasons)
 
 
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"gpus": (GpuHealth(index=0, temperature_c=86),)}, [("YELLOW", "gpu_temperature")]),
+        ({"gpus": (GpuHealth(index=0, temperature_c=91),)}, [("RED", "gpu_temperature")]),
+        ({"gpus": (GpuHealth(index=1, ecc_uncorrected_volatile=4),)}, [("RED", "gpu_ecc")]),
+        ({"gpus": (GpuHealth(index=0, remapped_rows_failed=1),)}, [("RED", "gpu_remap_failed")]),
+        ({"gpus": (GpuHealth(index=0, remapped_rows_pending=1),)}, [("YELLOW", "gpu_remap_pending")]),
+        ({"gpus": (GpuHealth(index=0, xids=[79]),)}, [("RED", "gpu_xid")]),
+        ({"gpus": (GpuHealth(index=0, xids=[31]),)}, [("YELLOW", "gpu_xid_app")]),
+        ({"gpus": HEALTHY_GPUS, "gpu_recent_xids": {1: [45]}}, [("YELLOW", "gpu_xid_app")]),
+        ({"gpus": HEALTHY_GPUS, "gpu_recent_xids": {-1: [48]}}, [("RED", "gpu_xid")]),  # a GPU NVML cannot name
+        ({"gpus": HEALTHY_GPUS, "gpu_errors": {0: "GPU is lost"}}, [("RED", "gpu_unreadable")]),
+        ({"gpus": (GpuHealth(index=0, temperature_c=91, ecc_uncorrected_volatile=1, remapped_rows_pending=1,
+                             xids=[13, 79]),), "gpu_errors": {0: "timeout"}},
+         [("RED", "gpu_unreadable"), ("RED", "gpu_temperature"), ("RED", "gpu_ecc"), ("YELLOW", "gpu_remap_pending"),
+          ("RED", "gpu_xid"), ("YELLOW", "gpu_xid_app")]),
+    ],
+)
+def test_each_gpu_finding_has_its_own_code(changes, expected):
+    s = evaluate(replace(CALM, **changes), T)
+    assert [(f.state, f.code) for f in s.findings] == expected
+    assert len(s.findings) == len(s.reasons)
+
+
 def test_worst_finding_wins_and_each_has_its_reason():
     s = evaluate(replace(CALM, memory_percent=90, pending_ops=8, gpus=(GpuHealth(index=0, xids=[48]),)), T)
     assert s.state == "RED" and len(s.reasons) == 3

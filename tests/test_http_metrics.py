@@ -329,6 +329,28 @@ def test_coordinator_metrics():
     assert got[("revenant_heartbeats_received_total", (("result", "malformed"),))] == 1
 
 
+def test_proactive_actions_and_pause():
+    c = CoordinatorMetrics()
+    got = samples(c.render())
+    assert got[("revenant_proactive_paused", ())] == 0
+    assert not any(name == "revenant_proactive_actions_total" for name, _ in got)  # reasons are config: no presets
+    c.count_proactive("checkpoint", "gpu_temperature")
+    c.count_proactive("checkpoint", "gpu_temperature")
+    c.count_proactive("checkpoint", "anomaly")
+    c.count_proactive("migrate", "gpu_ecc")
+    c.set_proactive_paused(True)
+    got = samples(c.render())
+    proactive = {labels: v for (name, labels), v in got.items() if name == "revenant_proactive_actions_total"}
+    assert proactive == {(("action", "checkpoint"), ("reason", "gpu_temperature")): 2,
+                         (("action", "checkpoint"), ("reason", "anomaly")): 1,
+                         (("action", "migrate"), ("reason", "gpu_ecc")): 1}
+    assert got[("revenant_proactive_paused", ())] == 1
+    c.set_proactive_paused(False)
+    assert samples(c.render())[("revenant_proactive_paused", ())] == 0
+    with pytest.raises(ValueError, match="proactive action must be one of checkpoint, migrate, got 'drain'"):
+        c.count_proactive("drain", "memory")
+
+
 def test_each_instance_has_its_own_registry():
     a, b = AgentMetrics(), AgentMetrics()
     a.update_health(HealthSummary(state="RED"))

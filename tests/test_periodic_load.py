@@ -72,7 +72,7 @@ async def test_a_skipped_periodic_checkpoint_is_logged_at_info_and_tried_again_a
     assert await tick_at(periodic, wall, 159.0) == 0
     assert await tick_at(periodic, wall, 160.0) == 1
     # Sent as scheduled: only these may be skipped under load.
-    assert jobs.calls == [("7", {"stop": False, "scheduled": True})]
+    assert jobs.calls == [("7", {"stop": False, "scheduled": True, "cause": "schedule"})]
     [rec] = caplog.records
     assert rec.levelno == logging.INFO
     assert rec.getMessage() == "periodic checkpoint of job 7 skipped by its node: cpu 0.97 > 0.95"
@@ -94,7 +94,7 @@ async def test_a_failed_periodic_checkpoint_still_warns_and_waits_a_full_interva
     assert rec.levelno == logging.WARNING and rec.getMessage().startswith("periodic checkpoint of job 7 failed: ")
     assert await tick_at(periodic, wall, 219.0) == 0
     assert await tick_at(periodic, wall, 220.0) == 1
-    assert jobs.calls[-1] == ("7", {"stop": False, "scheduled": True})
+    assert jobs.calls[-1] == ("7", {"stop": False, "scheduled": True, "cause": "schedule"})
 
 
 async def test_one_periodic_checkpoint_at_a_time_per_job():
@@ -112,4 +112,4 @@ async def test_one_periodic_checkpoint_at_a_time_per_job():
     assert periodic.tick() == []  # still in flight
     release.set()
     await first
-    assert jobs.calls == [("7", {"stop": False, "scheduled": True})]
+    assert jobs.calls == [("7", {"stop": False, "scheduled": True, "cause": "schedule"})]

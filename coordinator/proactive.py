@@ -1,0 +1,229 @@
+"""Proactive moves: which jobs of a sick node to checkpoint or move now, before it dies (sans-IO).
+
+:class:`ProactiveRules` is fed each node's health (the detector's snapshot), the 3-sigma anomalies
+agents report, and the current monotonic time; it answers with :class:`Action` s.  The shell that
+carries them out is :mod:`revenant.coordinator.sick`.
+
+* A node is *sick* at level ``checkpoint`` while it is YELLOW or worse for a reason in the
+  checkpoint table, and at level ``migrate`` while it is RED for a reason in the migrate table
+  (HealthFinding codes; config ``proactive_*_reasons``).  Other reasons (a busy node's loop lag or
+  queue, a blip of NATS) predict nothing and are ignored.
+* Hysteresis: a level counts once it has held for ``hold_s`` without a break.  An anomaly of a
+  metric in the table counts at once, as level ``checkpoint`` (it is rate-limited at its source).
+* Cooldown: at most one action of each kind per job per ``cooldown_s`` (a move may still follow
+  a checkpoint: the node got worse).
+* Storm guard: while more than ``pause_fraction`` of the nodes in touch (and at least two) are
+  sick at level ``migrate``, moves pause (checkpoints go on): a cluster-wide cause, such as the
+  shared storage running out, is not fixed by moving jobs between its nodes.
+* A node some job was moved off is *cordoned* (no new work: :meth:`cordon`) until it is GREEN.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence
+
+import msgspec
+
+from revenant.messages import JobRecord, NodeStatus
+
+Level = Literal["checkpoint", "migrate"]
+_RANK = {"checkpoint": 1, "migrate": 2}
+
+
+@dataclass(frozen=True)
+class Settings:
+    checkpoint_reasons: frozenset[str]
+    migrate_reasons: frozenset[str]
+    anomaly_metrics: tuple[str, ...] = ()
+    hold_s: float = 2.0
+    cooldown_s: float = 300.0
+    pause_fraction: float = 0.3
+    # The policy of a job whose record names none (from before policies): the cluster's on_sick
+    # for a job with a schedule, else none.
+    default: str = "checkpoint"
+    min_sick: int = 2
+
+    @classmethod
+    def of(cls, config) -> Settings:
+        """From a CoordinatorConfig."""
+        return cls(checkpoint_reasons=frozenset(config.proactive_checkpoint_reasons),
+                   migrate_reasons=frozenset(config.proactive_migrate_reasons),
+                   anomaly_metrics=tuple(config.proactive_anomaly_metrics), hold_s=config.proactive_hold_s,
+                   cooldown_s=config.proactive_cooldown_s, pause_fraction=config.proactive_pause_fraction,
+                   default=config.on_sick)
+
+
+@dataclass(frozen=True)
+class Sickness:
+    """What a node's health says now: the level and the predictive findings (code, reason)."""
+    level: Level | None
+    codes: tuple[str, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Action:
+    job: str
+    node: str
+    action: Level
+    # The first predictive code (the metric's label: a finding code, or "anomaly"), and every reason.
+    code: str
+    reasons: tuple[str, ...]
+    generation: int = 0
+
+
+def sickness(node: NodeStatus, s: Settings) -> Sickness:
+    """The node's level by the tables, and the findings that put it there."""
+    pairs = list(zip(node.findings, node.reasons)) if len(node.findings) == len(node.reasons) else \
+        [(f, f.code) for f in node.findings]
+    migrate = [(f.code, r) for f, r in pairs if f.state == "RED" and f.code in s.migrate_reasons]
+    if migrate:
+        return Sickness("migrate", *map(tuple, zip(*migrate)))
+    ckpt = [(f.code, r) for f, r in pairs if f.state in ("YELLOW", "RED") and f.code in s.checkpoint_reasons]
+    if ckpt:
+        return Sickness("checkpoint", *map(tuple, zip(*ckpt)))
+    return Sickness(None)
+
+
+def policy_of(rec: JobRecord, s: Settings) -> str:
+    if rec.spec.on_sick:
+        return rec.spec.on_sick
+    return s.default if rec.spec.checkpoint_interval_s else "none"
+
+
+@dataclass
+class _NodeTrack:
+    # When each level was first seen without a break since (None: not at that level now).
+    since: dict[str, float] = field(default_factory=dict)
+    now: Sickness = Sickness(None)
+    # An anomaly not yet acted on: (metric, reason).
+    anomaly: tuple[str, str] | None = None
+
+
+class ProactiveRules:
+    def __init__(self, settings: Settings) -> None:
+        self.s = settings
+        self._nodes: dict[str, _NodeTrack] = {}
+        # (job, action) -> when it was last taken.
+        self._last: dict[tuple[str, str], float] = {}
+        # Node -> why jobs were moved off it: no new work until it is GREEN.
+        self.cordoned: dict[str, str] = {}
+        self.paused = False
+        self.sick = 0
+        self.total = 0
+
+    # ------------------------------------------------------------------ inputs
+
+    def anomaly(self, node: str, metric: str, reason: str) -> bool:
+        """An agent's 3-sigma anomaly; True if its metric is one that predicts trouble."""
+        if not any(fnmatch.fnmatchcase(metric, p) for p in self.s.anomaly_metrics):
+            return False
+        self._nodes.setdefault(node, _NodeTrack()).anomaly = (metric, reason)
+        return True
+
+    def update(self, nodes: Sequence[NodeStatus], now: float) -> str | None:
+        """Take the node table as it is now; "paused" or "resumed" when the storm guard changes."""
+        seen = set()
+        for node in nodes:
+            if node.state != "alive":
+                continue
+            seen.add(node.name)
+            track = self._nodes.setdefault(node.name, _NodeTrack())
+            track.now = sickness(node, self.s)
+            rank = _RANK.get(track.now.level or "", 0)
+            for level, r in _RANK.items():
+                if rank >= r:
+                    track.since.setdefault(level, now)
+                else:
+                    track.since.pop(level, None)
+            if node.health == "GREEN":
+                self.cordoned.pop(node.name, None)
+        for name in [n for n in self._nodes if n not in seen]:
+            del self._nodes[name]  # dead, left or forgotten: failover's business now
+        for name in [n for n in self.cordoned if n not in seen and not any(x.name == n for x in nodes)]:
+            del self.cordoned[name]
+        live = [n for n in nodes if n.state in ("alive", "suspect")]
+        self.total = len(live)
+        self.sick = sum(1 for n in live if n.name in self._nodes and self._nodes[n.name].now.level == "migrate")
+        storm = self.sick >= self.s.min_sick and self.total > 0 and self.sick / self.total > self.s.pause_fraction
+        if storm != self.paused:
+            self.paused = storm
+            return "paused" if storm else "resumed"
+        return None
+
+    # ------------------------------------------------------------------ decisions
+
+    def held(self, node: str, now: float) -> Level | None:
+        """The highest level ``node`` has held for ``hold_s``."""
+        track = self._nodes.get(node)
+        if track is None:
+            return None
+        for level in ("migrate", "checkpoint"):
+            since = track.since.get(level)
+            if since is not None and now - since >= self.s.hold_s:
+                return level  # type: ignore[return-value]
+        return None
+
+    def actions(self, jobs: Iterable[JobRecord], now: float, busy: Iterable[str] = ()) -> list[Action]:
+        """The actions due now for ``jobs`` (running ones only; ``busy``: jobs with one in flight).
+        Each is recorded as taken (its cooldown starts) and an anomaly is used up once seen."""
+        busy = set(busy)
+        out: list[Action] = []
+        used: set[str] = set()
+        for rec in jobs:
+            track = self._nodes.get(rec.node)
+            if rec.state != "running" or track is None or rec.spec.id in busy:
+                continue
+            policy = policy_of(rec, self.s)
+            if policy == "none":
+                continue
+            action = self._choose(rec, track, policy, now)
+            if action is not None:
+                self._last[(rec.spec.id, action.action)] = now
+                out.append(action)
+                if action.action == "migrate":
+                    self.cordoned[rec.node] = "; ".join(action.reasons)
+            if track.anomaly is not None:
+                used.add(rec.node)
+        for node in used:
+            self._nodes[node].anomaly = None
+        return out
+
+    def _choose(self, rec: JobRecord, track: _NodeTrack, policy: str, now: float) -> Action | None:
+        level = self.held(rec.node, now)
+        job = rec.spec.id
+        if level == "migrate" and policy == "migrate" and not self.paused and self._cool(job, "migrate", now):
+            return Action(job, rec.node, "migrate", track.now.codes[0], track.now.reasons, rec.generation)
+        if level is not None and self._cool(job, "checkpoint", now):
+            return Action(job, rec.node, "checkpoint", track.now.codes[0], track.now.reasons, rec.generation)
+        if track.anomaly is not None and self._cool(job, "checkpoint", now):
+            metric, reason = track.anomaly
+            return Action(job, rec.node, "checkpoint", "anomaly", (reason,), rec.generation)
+        return None
+
+    def _cool(self, job: str, action: str, now: float) -> bool:
+        last = self._last.get((job, action))
+        return last is None or now - last >= self.s.cooldown_s
+
+    def forget(self, job: str) -> None:
+        """A job gone from the table: its cooldowns go too."""
+        for key in [k for k in self._last if k[0] == job]:
+            del self._last[key]
+
+    # ------------------------------------------------------------------ placement
+
+    def cordon(self, nodes: list[NodeStatus]) -> list[NodeStatus]:
+        """The node table as placement must see it: a cordoned node is RED, with a reason no
+        restore waives (it has no code), until it reports GREEN."""
+        if not self.cordoned:
+            return nodes
+        out = []
+        for n in nodes:
+            why = self.cordoned.get(n.name)
+            if why is not None:
+                n = msgspec.structs.replace(n, health="RED", reasons=[
+                    *n.reasons, f"cordoned until GREEN: jobs moved off it ({why})"])
+            out.append(n)
+        return out
