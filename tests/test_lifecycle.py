@@ -87,6 +87,24 @@ def test_a_vacate_reply_keeps_the_newest_epochs_by_the_shared_retention_rule():
     assert [e.n for e in rec.epochs] == [1, 2]  # the input record is never mutated
 
 
+def test_a_move_is_a_vacate_that_leaves_the_job_to_failover():
+    d = lc.transition(record("running", 3), lc.CheckpointAsked(stop=True, force=True, evict="moved off sick node-1",
+                                                               cause="health", reasons=("memory 97% >= 95%",)), 1.0)
+    assert d.commands == [lc.Checkpoint("node-1", "7", 3, True, False, True, "moved off sick node-1", "health",
+                                        ("memory 97% >= 95%",))]
+    moved = lc.transition(d.record, lc.Checkpointed(3, True, EpochInfo(n=4), evicted=True), 2.0)
+    # Restoring on its old node's name until failover places it (a new leader redoes it from there).
+    assert (moved.outcome, moved.record.state, moved.record.node, moved.record.pid) == ("evicted", "restoring",
+                                                                                        "node-1", 0)
+    assert [e.n for e in moved.record.epochs] == [4] and moved.record.last_checkpoint_at == 2.0
+    # The agent's "evicted" report after the reply changes nothing more; a plain checkpoint never evicts.
+    assert lc.transition(moved.record, report("evicted", 3, "node-1", epoch=4), 3.0).outcome == "evicted"
+    plain = lc.transition(record("running", 3), lc.CheckpointAsked(stop=False, evict="x"), 1.0)
+    assert plain.commands[0].evict == ""
+    failed = lc.transition(d.record, lc.CheckpointFailed(3, "criu: boom"), 2.0).record
+    assert (failed.state, failed.node) == ("running", "node-1")  # a failed move leaves the job where it was
+
+
 def test_reports_of_another_generation_or_node_change_nothing():
     rec = record("running", 2, "node-1")
     for inp in (report("exited", 1, "node-1", exit_code=0), report("exited", 2, "node-2", exit_code=0),
@@ -152,8 +170,10 @@ maybe_epoch = st.one_of(st.none(), st.integers(min_value=1, max_value=9).map(lam
 inputs = st.one_of(
     st.builds(lc.Launched, generations, st.integers(1, 100)),
     st.builds(lc.LaunchFailed, generations, st.just("refused"), st.one_of(st.none(), nodes)),
-    st.builds(lc.CheckpointAsked, st.booleans(), st.booleans(), st.booleans()),
+    st.builds(lc.CheckpointAsked, st.booleans(), st.booleans(), st.booleans(), st.sampled_from(["", "moved"])),
     st.builds(lc.Checkpointed, generations, st.booleans(), maybe_epoch),
+    # A move's reply: the job is left restoring, for failover.
+    st.builds(lambda g, epoch: lc.Checkpointed(g, True, epoch, evicted=True), generations, maybe_epoch),
     # An agent's full listing, which replaces the table's (through retention).
     st.builds(lambda g, stop, epoch, listed, size: lc.Checkpointed(g, stop, epoch, (), tuple(
         EpochInfo(n=n, own_bytes=n) for n in sorted(listed)), size), generations, st.booleans(), maybe_epoch,

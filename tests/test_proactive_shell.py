@@ -1,0 +1,145 @@
+"""The proactive shell (coordinator/sick.py) over the job service with an in-memory store and
+agents that answer at once: what each action sends, and what a move that cannot go ahead leaves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from revenant.common.config import CoordinatorConfig
+from revenant.common.errors import RevenantError
+from revenant.common.metrics import CoordinatorMetrics
+from revenant.coordinator import lifecycle as lc
+from revenant.coordinator.jobs import JobService
+from revenant.coordinator.sick import ProactiveMoves
+from revenant.coordinator.store import MemoryJobStore
+from revenant.messages import AgentJobReply, EpochInfo, SubmitRequest
+
+from test_lifecycle import Agents, Lease
+from test_proactive_rules import MEMORY_RED, MEMORY_YELLOW, node
+
+pytestmark = pytest.mark.unit
+
+
+class CommandAgents(Agents):
+    def __init__(self) -> None:
+        super().__init__()
+        self.commands: list = []
+
+    async def carry_out(self, cmd, timeout_s: float) -> AgentJobReply:
+        self.commands.append(cmd)
+        return await super().carry_out(cmd, timeout_s)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.msgs: list = []
+
+    def emit(self, subject: str, msg) -> None:
+        self.msgs.append(msg)
+
+    def kinds(self) -> list[str]:
+        return [m.kind for m in self.msgs]
+
+
+class StubFailover:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def moved(self, job: str, reasons) -> None:
+        self.calls.append(("moved", job, tuple(reasons)))
+
+    def recover_job(self, job: str, node: str, incarnation: str = "", evicted: str = "") -> None:
+        self.calls.append(("recover", job, node, evicted))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def setup(nodes: list, on_sick: str = "migrate"):
+    table = [node(n.name) for n in nodes]  # healthy for the submit; then as given
+    agents, events, failover, clock = CommandAgents(), Events(), StubFailover(), Clock()
+    config = CoordinatorConfig(proactive_hold_s=0.0)
+    jobs = JobService(MemoryJobStore(), agents, config, events, lambda: table, Lease(), wall=lambda: 50.0)
+    await jobs.open()
+    await jobs.submit(SubmitRequest(argv=["sleep", "100"], node="node-1", checkpoint_interval_s=300.0,
+                                    on_sick=on_sick))
+    table[:] = nodes
+    metrics = CoordinatorMetrics()
+    moves = ProactiveMoves(config, jobs, failover, events, lambda: table, metrics, clock=clock, wall=lambda: 60.0)
+    return moves, jobs, agents, events, failover, table, metrics
+
+
+async def run_tick(moves: ProactiveMoves) -> None:
+    await asyncio.gather(*moves.tick())
+
+
+def counted(metrics: CoordinatorMetrics) -> dict:
+    return {tuple(sorted(s.labels.items())): s.value for m in metrics.proactive_actions.collect()
+            for s in m.samples if s.name.endswith("_total")}
+
+
+async def test_a_move_vacates_with_eviction_and_hands_the_job_to_failover():
+    moves, jobs, agents, events, failover, table, metrics = await setup([node("node-1", MEMORY_RED), node("node-2")])
+    await run_tick(moves)
+    [cmd] = [c for c in agents.commands if isinstance(c, lc.Checkpoint)]
+    assert (cmd.node, cmd.stop, cmd.force, cmd.cause, cmd.reasons) == ("node-1", True, True, "health",
+                                                                      ("memory 97% >= 95%",))
+    assert cmd.evict == "moved off sick node node-1: memory 97% >= 95%"
+    assert jobs.get("1").state == "restoring"
+    assert failover.calls == [("moved", "1", ("memory 97% >= 95%",)), ("recover", "1", "node-1", cmd.evict)]
+    assert counted(metrics) == {(("action", "migrate"), ("reason", "memory")): 1.0}
+    # The emptied node is cordoned for placement until it is GREEN.
+    assert [n.health for n in moves.cordon(table)] == ["RED", "GREEN"]
+    assert await run_tick(moves) is None and len(agents.commands) == 2  # no second action
+
+
+async def test_with_no_healthy_node_the_job_stays_and_an_event_says_why():
+    moves, jobs, agents, events, failover, _, _ = await setup([node("node-1", MEMORY_RED),
+                                                               node("node-2", ("RED", "criu", "criu unusable"))])
+    await run_tick(moves)
+    assert not [c for c in agents.commands if isinstance(c, lc.Checkpoint)] and failover.calls == []
+    skipped = events.msgs[-1]
+    assert (skipped.kind, skipped.cause, skipped.reasons) == ("migration_skipped", "health", ["memory 97% >= 95%"])
+    assert "no healthy node can take it" in skipped.reason and jobs.get("1").state == "running"
+
+
+async def test_a_move_whose_checkpoint_fails_leaves_the_job_running_where_it_was():
+    moves, jobs, agents, events, failover, _, metrics = await setup([node("node-1", MEMORY_RED), node("node-2")])
+    agents.refuse["node-1"] = RevenantError("criu dump failed: Error (criu/cr-dump.c:1): boom")
+    await run_tick(moves)
+    rec = jobs.get("1")
+    assert (rec.state, rec.node, rec.generation) == ("running", "node-1", 1)
+    assert events.msgs[-1].kind == "migration_failed" and "boom" in events.msgs[-1].reason
+    assert failover.calls == [] and counted(metrics) == {}
+
+
+async def test_a_yellow_node_gets_a_fresh_epoch_with_cause_health():
+    moves, jobs, agents, _, failover, _, metrics = await setup([node("node-1", MEMORY_YELLOW), node("node-2")],
+                                                               on_sick="checkpoint")
+    await run_tick(moves)
+    [cmd] = [c for c in agents.commands if isinstance(c, lc.Checkpoint)]
+    assert (cmd.stop, cmd.force, cmd.evict, cmd.cause) == (False, True, "", "health")
+    rec = jobs.get("1")
+    assert rec.state == "running" and rec.epochs == [EpochInfo(n=1, bytes=10)] and failover.calls == []
+    assert counted(metrics) == {(("action", "checkpoint"), ("reason", "memory")): 1.0}
+
+
+async def test_many_sick_nodes_pause_moves_with_an_alert():
+    nodes = [node("node-1", MEMORY_RED), node("node-2", MEMORY_RED), node("node-3")]
+    moves, jobs, agents, events, failover, table, metrics = await setup(nodes)
+    await run_tick(moves)
+    assert "proactive_paused" in events.kinds()
+    assert metrics.proactive_paused._value.get() == 1
+    [cmd] = [c for c in agents.commands if isinstance(c, lc.Checkpoint)]
+    assert not cmd.stop and failover.calls == []  # a checkpoint, not a move
+    table[1] = node("node-2")
+    moves.clock.t += 1
+    await run_tick(moves)
+    assert events.kinds()[-1] == "proactive_resumed" and metrics.proactive_paused._value.get() == 0
