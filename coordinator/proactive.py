@@ -207,6 +207,10 @@ class ProactiveRules:
         last = self._last.get((job, action))
         return last is None or now - last >= self.s.cooldown_s
 
+    def unmark(self, job: str, action: str) -> None:
+        """An action that never started (the job was busy with another checkpoint): due again."""
+        self._last.pop((job, action), None)
+
     def forget(self, job: str) -> None:
         """A job gone from the table: its cooldowns go too."""
         for key in [k for k in self._last if k[0] == job]:

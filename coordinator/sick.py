@@ -128,7 +128,8 @@ class ProactiveMoves:
             rec, _ = await self.jobs.checkpoint(action.job, stop=False, force=True, cause="health",
                                                 reasons=action.reasons)
         except RevenantError as exc:
-            log.warning("job %s: proactive checkpoint failed: %s", action.job, exc)
+            if not self._retry(action, exc):
+                log.warning("job %s: proactive checkpoint failed: %s", action.job, exc)
             return
         if self.metrics is not None:
             self.metrics.count_proactive("checkpoint", action.code)
@@ -153,6 +154,8 @@ class ProactiveMoves:
             await self.jobs.checkpoint(action.job, stop=True, force=True, evict=evict, cause="health",
                                        reasons=action.reasons)
         except RevenantError as exc:
+            if self._retry(action, exc):
+                return
             log.warning("job %s: move failed; it keeps running on %s: %s", action.job, action.node, exc)
             self._event(action, "migration_failed", f"it keeps running on {action.node}: {exc}")
             return
@@ -160,6 +163,15 @@ class ProactiveMoves:
             self.metrics.count_proactive("migrate", action.code)
         self.failover.moved(action.job, action.reasons)
         self.failover.recover_job(action.job, action.node, evicted=evict)
+
+    def _retry(self, action: Action, exc: RevenantError) -> bool:
+        """A checkpoint of the job was already in progress (its schedule's, an operator's): nothing
+        was done, and the action is due again at the next tick."""
+        if exc.code != lc.JobBusy.code:
+            return False
+        log.info("job %s: %s; the proactive %s waits for it", action.job, exc, action.action)
+        self.rules.unmark(action.job, action.action)
+        return True
 
     def _event(self, action: Action, kind: str, reason: str) -> None:
         self.events.emit(subjects.job_event(action.job, kind),

@@ -143,3 +143,23 @@ async def test_many_sick_nodes_pause_moves_with_an_alert():
     moves.clock.t += 1
     await run_tick(moves)
     assert events.kinds()[-1] == "proactive_resumed" and metrics.proactive_paused._value.get() == 0
+
+
+async def test_a_move_that_meets_a_checkpoint_in_progress_is_tried_again_next_tick():
+    moves, jobs, agents, events, failover, _, _ = await setup([node("node-1", MEMORY_RED), node("node-2")])
+    rec = jobs.get("1")
+    jobs.jobs["1"] = lc.transition(rec, lc.CheckpointAsked(stop=False), 1.0).record  # its schedule's, say
+    await run_tick(moves)  # not running: not even tried
+    jobs.jobs["1"] = rec
+
+    real = jobs.step
+
+    async def busy_once(job, inp):
+        jobs.step = real
+        raise lc.JobBusy("job 1 already has a checkpoint in progress")
+
+    jobs.step = busy_once
+    await run_tick(moves)
+    assert failover.calls == [] and "migration_failed" not in events.kinds()
+    await run_tick(moves)  # due again at once, not a cooldown later
+    assert [c[0] for c in failover.calls] == ["moved", "recover"]
