@@ -156,11 +156,8 @@ class Coordinator(Service):
 
     def _nodes(self) -> list[NodeStatus]:
         """The node table as placement sees it: a node proactive moves emptied is cordoned (RED)."""
-        nodes = self._node_table()
+        nodes = self.detector.snapshot(self._clock())
         return self._proactive.cordon(nodes) if self._proactive is not None else nodes
-
-    def _node_table(self) -> list[NodeStatus]:
-        return self.detector.snapshot(self._clock())
 
     def _evicted(self, job: str, node: str, why: str) -> None:
         if self.failover is not None:
@@ -207,8 +204,8 @@ class Coordinator(Service):
             term.add(self.spawn(_supervised(self._conversions.run), "epoch-conversions"))
             term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
             self._proactive = proactive = ProactiveMoves(self.config, self.jobs, failover, self._events,
-                                                         self._node_table, self.metrics, clock=self._clock,
-                                                         wall=self._wall)
+                                                         self.detector.nodes.values, self.metrics,
+                                                         placement=self._nodes, clock=self._clock, wall=self._wall)
             term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL,
                                                                cb=proactive.on_anomaly))
             term.add(self.spawn(_supervised(proactive.run), "proactive-moves"))

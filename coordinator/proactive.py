@@ -95,17 +95,20 @@ def policy_of(rec: JobRecord, s: Settings) -> str:
 
 @dataclass
 class _NodeTrack:
-    # When each level was first seen without a break since (None: not at that level now).
+    # When each level was first seen without a break since.
     since: dict[str, float] = field(default_factory=dict)
     now: Sickness = Sickness(None)
-    # An anomaly not yet acted on: (metric, reason).
-    anomaly: tuple[str, str] | None = None
 
 
 class ProactiveRules:
+    """Its cost per update is one pass over the nodes, and work only for those not GREEN."""
+
     def __init__(self, settings: Settings) -> None:
         self.s = settings
+        # Nodes in touch that are not GREEN (a GREEN one is a break: its hold starts over).
         self._nodes: dict[str, _NodeTrack] = {}
+        # Anomalies not yet acted on, by node: the reason.
+        self._anomalies: dict[str, str] = {}
         # (job, action) -> when it was last taken.
         self._last: dict[tuple[str, str], float] = {}
         # Node -> why jobs were moved off it: no new work until it is GREEN.
@@ -120,17 +123,31 @@ class ProactiveRules:
         """An agent's 3-sigma anomaly; True if its metric is one that predicts trouble."""
         if not any(fnmatch.fnmatchcase(metric, p) for p in self.s.anomaly_metrics):
             return False
-        self._nodes.setdefault(node, _NodeTrack()).anomaly = (metric, reason)
+        self._anomalies[node] = reason
         return True
 
-    def update(self, nodes: Sequence[NodeStatus], now: float) -> str | None:
-        """Take the node table as it is now; "paused" or "resumed" when the storm guard changes."""
-        seen = set()
+    def update(self, nodes: Iterable, now: float) -> str | None:
+        """Take the node table as it is now (NodeStatus, or anything with ``name``, ``state``,
+        ``health``, ``reasons`` and ``findings``); "paused" or "resumed" when the storm guard changes."""
+        seen: set[str] = set()
+        cordoned_alive: set[str] = set()
+        total = sick = 0
         for node in nodes:
-            if node.state != "alive":
+            if node.state not in ("alive", "suspect"):
                 continue
-            seen.add(node.name)
-            track = self._nodes.setdefault(node.name, _NodeTrack())
+            total += 1
+            name = node.name
+            if node.state != "alive":
+                cordoned_alive.add(name)  # silent for now: failover decides, the cordon stays
+                continue
+            if node.health == "GREEN":
+                continue
+            seen.add(name)
+            if name in self.cordoned:
+                cordoned_alive.add(name)
+            track = self._nodes.get(name)
+            if track is None:
+                track = self._nodes[name] = _NodeTrack()
             track.now = sickness(node, self.s)
             rank = _RANK.get(track.now.level or "", 0)
             for level, r in _RANK.items():
@@ -138,16 +155,13 @@ class ProactiveRules:
                     track.since.setdefault(level, now)
                 else:
                     track.since.pop(level, None)
-            if node.health == "GREEN":
-                self.cordoned.pop(node.name, None)
+            sick += track.now.level == "migrate"
         for name in [n for n in self._nodes if n not in seen]:
-            del self._nodes[name]  # dead, left or forgotten: failover's business now
-        for name in [n for n in self.cordoned if n not in seen and not any(x.name == n for x in nodes)]:
-            del self.cordoned[name]
-        live = [n for n in nodes if n.state in ("alive", "suspect")]
-        self.total = len(live)
-        self.sick = sum(1 for n in live if n.name in self._nodes and self._nodes[n.name].now.level == "migrate")
-        storm = self.sick >= self.s.min_sick and self.total > 0 and self.sick / self.total > self.s.pause_fraction
+            del self._nodes[name]  # GREEN (a break), dead, left or forgotten
+        for name in [n for n in self.cordoned if n not in cordoned_alive]:
+            del self.cordoned[name]  # GREEN again, or dead: failover's business now
+        self.total, self.sick = total, sick
+        storm = sick >= self.s.min_sick and total > 0 and sick / total > self.s.pause_fraction
         if storm != self.paused:
             self.paused = storm
             return "paused" if storm else "resumed"
@@ -168,39 +182,37 @@ class ProactiveRules:
 
     def actions(self, jobs: Iterable[JobRecord], now: float, busy: Iterable[str] = ()) -> list[Action]:
         """The actions due now for ``jobs`` (running ones only; ``busy``: jobs with one in flight).
-        Each is recorded as taken (its cooldown starts) and an anomaly is used up once seen."""
+        Each is recorded as taken (its cooldown starts); an anomaly is used up once seen."""
+        if not self._nodes and not self._anomalies:
+            return []
         busy = set(busy)
         out: list[Action] = []
-        used: set[str] = set()
         for rec in jobs:
-            track = self._nodes.get(rec.node)
-            if rec.state != "running" or track is None or rec.spec.id in busy:
+            if rec.state != "running" or rec.spec.id in busy or (rec.node not in self._nodes
+                                                                   and rec.node not in self._anomalies):
                 continue
             policy = policy_of(rec, self.s)
             if policy == "none":
                 continue
-            action = self._choose(rec, track, policy, now)
+            action = self._choose(rec, policy, now)
             if action is not None:
                 self._last[(rec.spec.id, action.action)] = now
                 out.append(action)
                 if action.action == "migrate":
                     self.cordoned[rec.node] = "; ".join(action.reasons)
-            if track.anomaly is not None:
-                used.add(rec.node)
-        for node in used:
-            self._nodes[node].anomaly = None
+        self._anomalies.clear()
         return out
 
-    def _choose(self, rec: JobRecord, track: _NodeTrack, policy: str, now: float) -> Action | None:
+    def _choose(self, rec: JobRecord, policy: str, now: float) -> Action | None:
         level = self.held(rec.node, now)
-        job = rec.spec.id
+        job, track = rec.spec.id, self._nodes.get(rec.node)
         if level == "migrate" and policy == "migrate" and not self.paused and self._cool(job, "migrate", now):
             return Action(job, rec.node, "migrate", track.now.codes[0], track.now.reasons, rec.generation)
         if level is not None and self._cool(job, "checkpoint", now):
             return Action(job, rec.node, "checkpoint", track.now.codes[0], track.now.reasons, rec.generation)
-        if track.anomaly is not None and self._cool(job, "checkpoint", now):
-            metric, reason = track.anomaly
-            return Action(job, rec.node, "checkpoint", "anomaly", (reason,), rec.generation)
+        anomaly = self._anomalies.get(rec.node)
+        if anomaly is not None and self._cool(job, "checkpoint", now):
+            return Action(job, rec.node, "checkpoint", "anomaly", (anomaly,), rec.generation)
         return None
 
     def _cool(self, job: str, action: str, now: float) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from nats.aio.msg import Msg
 
@@ -36,15 +36,18 @@ TICK_S = 0.5
 
 class ProactiveMoves:
     def __init__(self, config: CoordinatorConfig, jobs: JobService, failover: Failover, events: EventPublisher,
-                 nodes: Callable[[], list[NodeStatus]], metrics: CoordinatorMetrics | None = None, *,
+                 nodes: Callable[[], Iterable], metrics: CoordinatorMetrics | None = None, *,
+                 placement: Callable[[], list[NodeStatus]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        """``nodes``: the detector's table as the nodes report it (not cordoned)."""
+        """``nodes``: the detector's records as the nodes report them (no snapshot: a tick must stay
+        cheap at many nodes); ``placement``: the node table placement sees (cordoned)."""
         self.config = config
         self.rules = ProactiveRules(Settings.of(config))
         self.jobs = jobs
         self.failover = failover
         self.events = events
         self.nodes = nodes
+        self.placement = placement or (lambda: self.rules.cordon(list(nodes())))
         self.metrics = metrics
         self.clock = clock
         self.wall = wall
@@ -142,7 +145,7 @@ class ProactiveMoves:
         why = "; ".join(action.reasons)
         rec = self.jobs.get(action.job)
         try:
-            target = place(self.rules.cordon(self.nodes()), self.jobs.jobs_per_node(), exclude={action.node},
+            target = place(self.placement(), self.jobs.jobs_per_node(), exclude={action.node},
                            restore=True, gpus=rec.gpus, gpu_driver=rec.gpu_driver)
         except NoNodeAvailable as exc:
             log.warning("job %s: node %s is sick (%s) but the job stays: %s", action.job, action.node, why, exc)
