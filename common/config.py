@@ -21,7 +21,7 @@ import msgspec
 from revenant.common.errors import ConfigError
 from revenant.common.limits import POLICY_RANGES, policy_problem
 from revenant.common.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
-from revenant.messages import CheckpointPolicy, SubmitRequest
+from revenant.messages import FINDING_CODES, CheckpointPolicy, SubmitRequest
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -231,18 +231,16 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # The NKey seed (or JWT .creds) file of the coordinator identity (docs/security.md).
     nats_creds: str = ""
     name: str = ""
-    # Failure detection (Slurm's SlurmdTimeout -> node_timeout_s).  A node is
-    # suspect after suspect_timeout_s of silence (or sooner, when phi-accrual
-    # says its heartbeats are overdue) and dead once node_timeout_s has passed
-    # and a direct probe has failed.
+    # Failure detection (Slurm's SlurmdTimeout -> node_timeout_s).  A node is suspect after suspect_timeout_s
+    # of silence (or sooner, when phi-accrual says its heartbeats are overdue) and dead once
+    # node_timeout_s has passed and a direct probe has failed.
     suspect_timeout_s: float = 1.6
     node_timeout_s: float = 2.5
     phi_suspect: float = 8.0
     probe_timeout_s: float = 0.4
     probe_interval_s: float = 0.4
     tick_interval_s: float = 0.1
-    # If the coordinator's own loop stalls or it loses NATS for this long, every
-    # node gets a fresh grace period instead of a verdict.
+    # If the coordinator's own loop stalls or it loses NATS for this long, every node gets a fresh grace period.
     self_stall_grace_s: float = 0.5
     # Dead and left nodes are dropped from the table after this long.
     forget_after_s: float = 3600.0
@@ -255,8 +253,7 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     http_host: str = "127.0.0.1"
     http_port: int = 9751
     live_stuck_after_s: float = 5.0
-    # Failover.  A dead node's jobs are restored once its lease (lease_ttl_s, the
-    # agents' setting) has gone unrenewed for lease_ttl_s + lease_margin_s.
+    # Failover: a dead node's jobs are restored once its lease (the agents' lease_ttl_s) is unrenewed for ttl + margin.
     lease_ttl_s: float = 1.7
     lease_margin_s: float = 0.2
     # Slurm's requeue_timeout -> requeue_timeout_s: how long to keep trying to
@@ -291,6 +288,9 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     def __post_init__(self) -> None:
         if not (0 < self.proactive_pause_fraction <= 1 and self.proactive_hold_s >= 0 <= self.proactive_cooldown_s):
             raise ValueError("proactive_pause_fraction must be in (0, 1], proactive_hold_s and _cooldown_s >= 0")
+        if unknown := set(self.proactive_checkpoint_reasons + self.proactive_migrate_reasons) - set(FINDING_CODES):
+            raise ValueError(f"unknown finding code {sorted(unknown)[0]!r} in proactive_*_reasons: known are "
+                             f"{', '.join(FINDING_CODES)}")
         _positive(self, "lease_ttl_s", "lease_margin_s", "requeue_timeout_s", "restore_rate_per_s",
                   "max_concurrent_restores", "leader_lease_s", "job_retention_s")
         if not 0 < self.failover_pause_fraction <= 1:

@@ -29,7 +29,7 @@ import msgspec
 from revenant.messages import JobRecord, NodeStatus
 
 Level = Literal["checkpoint", "migrate"]
-_RANK = {"checkpoint": 1, "migrate": 2}
+_LEVELS: tuple[Level, ...] = ("checkpoint", "migrate")
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,18 @@ class Settings:
 
 @dataclass(frozen=True)
 class Sickness:
-    """What a node's health says now: the level and the predictive findings (code, reason)."""
-    level: Level | None
-    codes: tuple[str, ...] = ()
-    reasons: tuple[str, ...] = ()
+    """What a node's health says now, per level: the predictive findings' codes and reasons
+    (empty: not at that level).  Each level is judged by its own table."""
+    migrate: tuple[tuple[str, str], ...] = ()
+    checkpoint: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def level(self) -> Level | None:
+        return "migrate" if self.migrate else "checkpoint" if self.checkpoint else None
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        return tuple(code for code, _ in self.migrate or self.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -75,16 +83,13 @@ class Action:
 
 
 def sickness(node: NodeStatus, s: Settings) -> Sickness:
-    """The node's level by the tables, and the findings that put it there."""
+    """The node's findings by the tables: RED for a migrate reason, YELLOW or worse for a checkpoint one."""
     pairs = list(zip(node.findings, node.reasons)) if len(node.findings) == len(node.reasons) else \
         [(f, f.code) for f in node.findings]
-    migrate = [(f.code, r) for f, r in pairs if f.state == "RED" and f.code in s.migrate_reasons]
-    if migrate:
-        return Sickness("migrate", *map(tuple, zip(*migrate)))
-    ckpt = [(f.code, r) for f, r in pairs if f.state in ("YELLOW", "RED") and f.code in s.checkpoint_reasons]
-    if ckpt:
-        return Sickness("checkpoint", *map(tuple, zip(*ckpt)))
-    return Sickness(None)
+    return Sickness(
+        migrate=tuple((f.code, r) for f, r in pairs if f.state == "RED" and f.code in s.migrate_reasons),
+        checkpoint=tuple((f.code, r) for f, r in pairs if f.state in ("YELLOW", "RED")
+                         and f.code in s.checkpoint_reasons))
 
 
 def policy_of(rec: JobRecord, s: Settings) -> str:
@@ -149,13 +154,12 @@ class ProactiveRules:
             if track is None:
                 track = self._nodes[name] = _NodeTrack()
             track.now = sickness(node, self.s)
-            rank = _RANK.get(track.now.level or "", 0)
-            for level, r in _RANK.items():
-                if rank >= r:
+            for level in _LEVELS:
+                if getattr(track.now, level):
                     track.since.setdefault(level, now)
                 else:
                     track.since.pop(level, None)
-            sick += track.now.level == "migrate"
+            sick += bool(track.now.migrate)
         for name in [n for n in self._nodes if n not in seen]:
             del self._nodes[name]  # GREEN (a break), dead, left or forgotten
         for name in [n for n in self.cordoned if n not in cordoned_alive]:
@@ -169,16 +173,11 @@ class ProactiveRules:
 
     # ------------------------------------------------------------------ decisions
 
-    def held(self, node: str, now: float) -> Level | None:
-        """The highest level ``node`` has held for ``hold_s``."""
+    def held(self, node: str, level: Level, now: float) -> tuple[tuple[str, str], ...]:
+        """The findings that have put ``node`` at ``level`` for ``hold_s`` without a break (or none)."""
         track = self._nodes.get(node)
-        if track is None:
-            return None
-        for level in ("migrate", "checkpoint"):
-            since = track.since.get(level)
-            if since is not None and now - since >= self.s.hold_s:
-                return level  # type: ignore[return-value]
-        return None
+        since = track.since.get(level) if track is not None else None
+        return getattr(track.now, level) if since is not None and now - since >= self.s.hold_s else ()
 
     def actions(self, jobs: Iterable[JobRecord], now: float, busy: Iterable[str] = ()) -> list[Action]:
         """The actions due now for ``jobs`` (running ones only; ``busy``: jobs with one in flight).
@@ -204,16 +203,21 @@ class ProactiveRules:
         return out
 
     def _choose(self, rec: JobRecord, policy: str, now: float) -> Action | None:
-        level = self.held(rec.node, now)
-        job, track = rec.spec.id, self._nodes.get(rec.node)
-        if level == "migrate" and policy == "migrate" and not self.paused and self._cool(job, "migrate", now):
-            return Action(job, rec.node, "migrate", track.now.codes[0], track.now.reasons, rec.generation)
-        if level is not None and self._cool(job, "checkpoint", now):
-            return Action(job, rec.node, "checkpoint", track.now.codes[0], track.now.reasons, rec.generation)
+        job = rec.spec.id
+        found = self.held(rec.node, "migrate", now)
+        if found and policy == "migrate" and not self.paused and self._cool(job, "migrate", now):
+            return self._action(rec, "migrate", found)
+        found = self.held(rec.node, "checkpoint", now)
+        if found and self._cool(job, "checkpoint", now):
+            return self._action(rec, "checkpoint", found)
         anomaly = self._anomalies.get(rec.node)
         if anomaly is not None and self._cool(job, "checkpoint", now):
             return Action(job, rec.node, "checkpoint", "anomaly", (anomaly,), rec.generation)
         return None
+
+    @staticmethod
+    def _action(rec: JobRecord, action: Level, found: tuple[tuple[str, str], ...]) -> Action:
+        return Action(rec.spec.id, rec.node, action, found[0][0], tuple(r for _, r in found), rec.generation)
 
     def _cool(self, job: str, action: str, now: float) -> bool:
         last = self._last.get((job, action))

@@ -99,6 +99,12 @@ class GpuHealth(_Body):
     processes: list[GpuProcess] = []
 
 
+# Every HealthFinding.code an agent reports (the proactive tables name some of them).
+FINDING_CODES = ("memory", "storage_low", "loop_lag", "criu", "nats", "checkpoint_failures", "pending_ops",
+                 "gpu_temperature", "gpu_ecc", "gpu_remap_failed", "gpu_remap_pending", "gpu_xid", "gpu_xid_app",
+                 "gpu_unreadable")
+
+
 class HealthFinding(_Body):
     """One entry of ``reasons`` in machine-readable form: its state and the probe's code.
 

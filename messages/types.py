@@ -23,6 +23,7 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     EpochEventKind,
     EpochFile,
     EpochInfo,
+    FINDING_CODES,
     GpuHealth,
     GpuInfo,
     GpuProcess,
@@ -363,7 +364,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
-    "ON_SICK", "OnSick",
+    "FINDING_CODES", "ON_SICK", "OnSick",
     "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",

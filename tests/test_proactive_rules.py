@@ -49,8 +49,15 @@ def test_the_tables_decide_the_level_and_busy_or_bus_reasons_predict_nothing():
     for finding in (LAG, ("RED", "pending_ops", "40 queued"), ("YELLOW", "nats", "NATS disconnected"),
                     ("YELLOW", "gpu_xid_app", "GPU 0 application XID 13"), ("RED", "criu", "criu unusable")):
         assert sickness(node("a", finding), s).level is None, finding
-    # RED for a checkpoint-only reason is a checkpoint, not a move.
+    # RED for a checkpoint-only reason is a checkpoint, not a move; RED for a migrate-only reason
+    # (checkpoints failing) is a move for a migrate job, and nothing for a checkpoint job.
     assert sickness(node("a", ("RED", "gpu_temperature", "GPU 0 91 C")), s).level == "checkpoint"
+    failing = sickness(node("a", ("RED", "checkpoint_failures", "3 checkpoints failed in a row")), s)
+    assert (failing.level, failing.checkpoint) == ("migrate", ())
+    r = rules(proactive_hold_s=0.0)
+    r.update([node("a", ("RED", "checkpoint_failures", "3 failed")), node("b"), node("c"), node("d")], 0.0)
+    assert [(a.job, a.action) for a in r.actions([job("m", "a"), job("c", "a", "checkpoint")], 0.0)] == [
+        ("m", "migrate")]
 
 
 def test_a_finding_acts_only_once_it_has_held_without_a_break():
@@ -175,3 +182,12 @@ def test_the_policy_is_fixed_at_submit_and_a_bad_one_is_one_line():
         check_submit(SubmitRequest(argv=["x"], on_sick="sometimes"))
     with pytest.raises(ValueError, match="proactive_pause_fraction"):
         CoordinatorConfig(proactive_pause_fraction=0.0)
+
+
+def test_a_misspelt_finding_code_in_the_tables_is_a_config_error():
+    from revenant.common.config import load_config
+    from revenant.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown finding code 'gpu' in proactive_.*known are memory, storage_low"):
+        load_config(CoordinatorConfig, "coordinator",
+                    environ={"REVENANT_COORDINATOR_PROACTIVE_MIGRATE_REASONS": "memory,gpu"})
