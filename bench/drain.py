@@ -87,7 +87,8 @@ def one_run(base: Path, mib: int, attempt: int) -> dict:
     rv("up", "--nodes", "2", "--dir", str(d), "--detach", timeout=120)
     cluster = ["--dir", str(d)]
     try:
-        job = rv("submit", *cluster, "--node", "node-1", "--", sys.executable, str(WORKLOAD), str(mib), "1").strip()
+        job = rv("submit", *cluster, "--node", "node-1", "--workdir", str(d), "--", sys.executable, str(WORKLOAD),
+                 str(mib), "1").strip()
         out = d / "storage" / "jobs" / job / "output.log"
         wait_for(lambda: out.exists() and b"ready" in out.read_bytes(), 300, "the workload's ready line", 0.2)
         vacate = timed("checkpoint", "vacate", job, *cluster)

@@ -100,6 +100,11 @@ The lazy-restore measures live in bench/failover_lazy.py.  This is a benchmark,
 not a test; numbers from a shared or noisy machine vary.  Everything it starts is
 stopped and every cluster directory removed, also on an error or Ctrl-C; if it is
 killed outright, run ``revenant down --dir DIR`` on the directory it printed.
+
+    .venv/bin/python bench/failover.py --scenario proactive   # a node turns RED, dies 5 s later (~3 min)
+
+runs the proactive scenario instead (bench/failover_proactive.py: the work a job re-does with
+each --on-sick policy); it writes bench/results/failover-proactive.json.
 """
 
 from __future__ import annotations
@@ -497,8 +502,9 @@ class Run:
 
         # -------------------------------------------------- the job, resident, with one committed epoch
         argv = [sys.executable, str(Path(__file__).resolve()), "--workload", str(self.mib), "--tag", self.tag]
+        # Its own working directory: a restore moves aside what changed in it after the epoch.
         job = rv("submit", "--dir", str(self.dir), "--node", "node-1", "--name", f"failover-{self.mib}",
-                 "--", *argv).stdout.strip()
+                 "--workdir", str(self.dir), "--", *argv).stdout.strip()
         r["job"] = job
         info = json.loads(rv("show", "job", job, "--dir", str(self.dir), "--json").stdout)
         output = Path(info["output"])
@@ -869,6 +875,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base", type=Path, default=Path("/var/tmp"), help="where cluster directories go (/var/tmp)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (bench/results/failover.json)")
     p.add_argument("--keep", action="store_true", help="keep each cluster directory (logs, images)")
+    p.add_argument("--scenario", default="failover", choices=("failover", "proactive"),
+                   help="failover: a node killed outright (the default); proactive: a node turns RED and dies "
+                        "5 s later, once per --on-sick policy (bench/failover_proactive.py)")
     p.add_argument("--workload", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tag", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -891,6 +900,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload is not None:
         workload(args.workload, TICK_S)
         return 0
+    if args.scenario == "proactive":
+        from failover_proactive import main as proactive
+
+        return proactive(args)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         if not sizes or min(sizes) <= 0:
