@@ -16,7 +16,6 @@ import platform
 import secrets
 import socket
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
@@ -47,6 +46,7 @@ from revenant.common.httpserver import HttpServer
 from revenant.common.loopmonitor import LoopMonitor
 from revenant.common.metrics import AgentMetrics, health_routes
 from revenant.common.service import Service
+from revenant.common.version import version
 from revenant.messages import (
     AgentJobReply,
     Capabilities,
@@ -65,13 +65,6 @@ from revenant.messages import (
 log = logging.getLogger(__name__)
 
 # How long the leader may take to say which local jobs moved on.
-
-
-def _revenant_version() -> str:
-    try:
-        return metadata.version("revenant")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class Agent(Service):
@@ -272,7 +265,7 @@ class Agent(Service):
             kernel=platform.release(),
             cpus=os.cpu_count() or 0,
             memory_total_bytes=psutil.virtual_memory().total,
-            revenant_version=_revenant_version(),
+            revenant_version=version(),
             criu=criu,
             metrics_url=self.http.url if self.http is not None else "",
             gpu=self.gpu_monitor.kind,

