@@ -292,7 +292,10 @@ class Coordinator(Service):
             names = sorted(self.detector.nodes)
             page = names[max(0, req.offset):max(0, req.offset) + limit]
             # As many as fit one message: a node with many GPUs takes several kilobytes.
-            return NodesReply(nodes=fitting(self.detector.snapshot(self._clock(), page)), coordinator=self.name,
+            statuses = self.detector.snapshot(self._clock(), page)
+            if self._proactive is not None and self.leader:  # a cordon shows as the leader sees it
+                statuses = self._proactive.cordon(statuses)
+            return NodesReply(nodes=fitting(statuses), coordinator=self.name,
                               coordinator_metrics_url=self.http.url if self.http is not None else "",
                               total=len(names), offset=req.offset)
 

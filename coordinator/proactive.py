@@ -30,6 +30,8 @@ from revenant.messages import JobRecord, NodeStatus
 
 Level = Literal["checkpoint", "migrate"]
 _LEVELS: tuple[Level, ...] = ("checkpoint", "migrate")
+# A failed action (or a move with nowhere to go) is tried again this much later.
+RETRY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,11 @@ class ProactiveRules:
     def unmark(self, job: str, action: str) -> None:
         """An action that never started (the job was busy with another checkpoint): due again."""
         self._last.pop((job, action), None)
+
+    def retry_later(self, job: str, action: str, now: float) -> None:
+        """An action that failed, or a move no node could take: due again after ``RETRY_S`` (or
+        the cooldown, if shorter), not a whole cooldown later: the space or the node may be back."""
+        self._last[(job, action)] = now - self.s.cooldown_s + min(RETRY_S, self.s.cooldown_s)
 
     def forget(self, job: str) -> None:
         """A job gone from the table: its cooldowns go too."""

@@ -26,7 +26,7 @@ from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.failover import Failover, TokenBucket
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.placement import NoNodeAvailable, place
-from revenant.coordinator.proactive import Action, ProactiveRules, Settings
+from revenant.coordinator.proactive import RETRY_S, Action, ProactiveRules, Settings
 from revenant.messages import AnomalyEvent, ClusterEvent, JobEvent, MessageError, NodeStatus, decode_as, subjects
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,9 @@ class ProactiveMoves:
                                                 reasons=action.reasons)
         except RevenantError as exc:
             if not self._retry(action, exc):
-                log.warning("job %s: proactive checkpoint failed: %s", action.job, exc)
+                log.warning("job %s: proactive checkpoint failed (tried again in %g s): %s", action.job,
+                            RETRY_S, exc)
+                self.rules.retry_later(action.job, action.action, self.clock())
             return
         if self.metrics is not None:
             self.metrics.count_proactive("checkpoint", action.code)
@@ -150,6 +152,7 @@ class ProactiveMoves:
         except NoNodeAvailable as exc:
             log.warning("job %s: node %s is sick (%s) but the job stays: %s", action.job, action.node, why, exc)
             self._event(action, "migration_skipped", f"no healthy node can take it: {exc}")
+            self.rules.retry_later(action.job, action.action, self.clock())
             return
         log.warning("job %s: node %s is sick (%s): moving it (%s can take it)", action.job, action.node, why, target)
         evict = f"moved off sick node {action.node}: {why}"
@@ -161,6 +164,7 @@ class ProactiveMoves:
                 return
             log.warning("job %s: move failed; it keeps running on %s: %s", action.job, action.node, exc)
             self._event(action, "migration_failed", f"it keeps running on {action.node}: {exc}")
+            self.rules.retry_later(action.job, action.action, self.clock())
             return
         if self.metrics is not None:
             self.metrics.count_proactive("migrate", action.code)

@@ -163,3 +163,19 @@ async def test_a_move_that_meets_a_checkpoint_in_progress_is_tried_again_next_ti
     assert failover.calls == [] and "migration_failed" not in events.kinds()
     await run_tick(moves)  # due again at once, not a cooldown later
     assert [c[0] for c in failover.calls] == ["moved", "recover"]
+
+
+async def test_a_failed_or_skipped_move_is_tried_again_after_the_retry_delay_not_a_cooldown():
+    from revenant.coordinator.proactive import RETRY_S
+
+    moves, jobs, agents, events, failover, table, _ = await setup([node("node-1", MEMORY_RED),
+                                                                   node("node-2", ("RED", "criu", "criu unusable"))])
+    await run_tick(moves)
+    assert events.kinds().count("migration_skipped") == 1
+    moves.clock.t += RETRY_S - 1
+    await run_tick(moves)
+    assert events.kinds().count("migration_skipped") == 1
+    table[1] = node("node-2")  # a node is back
+    moves.clock.t += 1
+    await run_tick(moves)
+    assert [c[0] for c in failover.calls] == ["moved", "recover"]
