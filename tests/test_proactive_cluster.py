@@ -82,7 +82,9 @@ def test_memory_pressure_moves_a_migrate_job_and_cordons_the_node_until_green(ma
 
         # Better but not well (YELLOW): cordoned all the same, no new work until GREEN.
         release_half(hog)
-        wait_node(cluster, "node-2", lambda n: n["health"] == "YELLOW", "YELLOW")
+        # `revenant nodes` shows it RED, cordoned, while its own findings are YELLOW only.
+        cordoned = wait_node(cluster, "node-2", lambda n: [f["state"] for f in n["findings"]] == ["YELLOW"], "YELLOW")
+        assert cordoned["health"] == "RED" and "cordoned until GREEN" in cordoned["reasons"][-1], cordoned
         refused = cluster.cli("submit", "--node", "node-2", "--", "sleep", "60", check=False)
         assert refused.returncode != 0 and "cordoned until GREEN" in refused.stderr, refused
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
