@@ -23,6 +23,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError
 from revenant.common.events import EventPublisher
 from revenant.common.httpserver import HttpServer
+from revenant.common.kv import raise_replicas
 from revenant.common.metrics import CoordinatorMetrics, health_routes
 from revenant.common.loopmonitor import LoopMonitor
 from revenant.coordinator.detector import FailureDetector, Transition
@@ -119,6 +120,7 @@ class Coordinator(Service):
         self.metrics.update_nodes(self.detector.snapshot(self._clock()))
         self.metrics.loop_lag.set(self.loop_monitor.lag_s)
         self.metrics.failover_paused.set(1 if self.failover is not None and self.failover.storm.paused else 0)
+        self.metrics.set_proactive_paused(self.leader and self._proactive is not None and self._proactive.rules.paused)
         return self.metrics.render()
 
     async def _start(self) -> None:
@@ -134,13 +136,18 @@ class Coordinator(Service):
         self._js = self._nc.jetstream()
         self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s,
                                       clock=self._clock)
-        await bus.ensure_event_stream(self._js)
+        replicas = bus.replicas_for(self._nc, self.config.nats_replicas)
+        log.info("coordinator %s: streams and buckets with %d replica(s)", self.name, replicas)
+        await bus.ensure_event_stream(self._js, replicas, owner=True)
+        # The agents create the lease bucket and may not update it: one with too few replicas is raised here.
+        await raise_replicas(self._js, subjects.LEASES_BUCKET, replicas, owner=True)
         # A standby tracks every node too, so that it takes over with a warm view.
         self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
                                                 pending_msgs_limit=1_000_000)
         self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
-                                     on_elected=self._elected, on_deposed=self._deposed, clock=self._clock)
-        self.jobs = JobService(KvJobStore(self._js), AgentClient(self._nc, self.leadership.fresh), self.config,
+                                     on_elected=self._elected, on_deposed=self._deposed, clock=self._clock,
+                                     replicas=replicas)
+        self.jobs = JobService(KvJobStore(self._js, replicas), AgentClient(self._nc, self.leadership.fresh), self.config,
                                self._events, self._nodes, self.leadership, wall=self._wall)
         self._client_requests = ClientRequests(self.jobs)
         self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
@@ -205,7 +212,7 @@ class Coordinator(Service):
             term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
             self._proactive = proactive = ProactiveMoves(self.config, self.jobs, failover, self._events,
                                                          self.detector.nodes.values, self.metrics,
-                                                         placement=self._nodes, clock=self._clock, wall=self._wall)
+                                                         clock=self._clock, wall=self._wall)
             term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL,
                                                                cb=proactive.on_anomaly))
             term.add(self.spawn(_supervised(proactive.run), "proactive-moves"))
@@ -249,6 +256,7 @@ class Coordinator(Service):
             return  # not leading: a write conflict noticed after the step-down
         self.ready.clear()
         term.end()
+        self._proactive = None  # its cordons and pause were this term's
         if self.failover is not None:
             self.failover.cancel()
         self.step_downs += 1

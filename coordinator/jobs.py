@@ -306,8 +306,10 @@ class JobService:
             except NoNodeAvailable:
                 if not evicted:
                     raise
-                # Its own node, if that is all there is.
-                target = place(nodes, self.jobs_per_node(), restore=restore, gpus=gpus, gpu_driver=driver)
+                # Its own node, if that is all there is: even sick (a proactive move whose target
+                # went away meanwhile), as long as it is alive, rather than failing a job that ran.
+                target = _own_node(nodes, dead) or place(nodes, self.jobs_per_node(), restore=restore, gpus=gpus,
+                                                         gpu_driver=driver)
             waived[:] = _waived(job, nodes, target) if restore else []
             return lc.Recover(dead, target, evicted, fence_token)
 
@@ -388,6 +390,12 @@ class JobService:
                                       reason=f"frozen copy superseded: the job is {rec.state}, generation "
                                              f"{rec.generation} on {rec.node or 'no node'}"))
         return ReconcileReply(stale=stale, thaw=thaw)
+
+
+def _own_node(nodes: list[NodeStatus], name: str) -> str | None:
+    """``name`` if it is alive with a working criu (whatever its health), else None."""
+    node = next((n for n in nodes if n.name == name), None)
+    return name if node is not None and node.state == "alive" and node.capabilities.criu.ok else None
 
 
 def _waived(job: str, nodes: list[NodeStatus], target: str) -> list[str]:

@@ -86,8 +86,9 @@ class Term:
 class Leadership:
     def __init__(self, js: JetStreamContext, name: str, lease_s: float, *,
                  on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas  # of the leader bucket (an existing one with fewer is raised)
         self.name = name
         self.lease_s = lease_s
         self.on_elected = on_elected
@@ -144,7 +145,8 @@ class Leadership:
         (retrying) once NATS answers, so a coordinator started during an outage waits."""
         while self._kv is None:
             try:
-                self._kv = await open_bucket(self.js, subjects.LEADER_BUCKET, self.lease_s)
+                self._kv = await open_bucket(self.js, subjects.LEADER_BUCKET, self.lease_s, replicas=self.replicas,
+                                             owner=True)
             except BusError as exc:
                 log.warning("%s; retrying", exc)
                 await asyncio.sleep(min(1.0, self.lease_s / 3))

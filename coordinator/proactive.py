@@ -20,7 +20,9 @@ carries them out is :mod:`revenant.coordinator.sick`.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
@@ -118,6 +120,8 @@ class ProactiveRules:
         self._anomalies: dict[str, str] = {}
         # (job, action) -> when it was last taken.
         self._last: dict[tuple[str, str], float] = {}
+        self._pruned_at = -math.inf
+        self._silent: set[str] = set()
         # Node -> why jobs were moved off it: no new work until it is GREEN.
         self.cordoned: dict[str, str] = {}
         self.paused = False
@@ -137,6 +141,7 @@ class ProactiveRules:
         """Take the node table as it is now (NodeStatus, or anything with ``name``, ``state``,
         ``health``, ``reasons`` and ``findings``); "paused" or "resumed" when the storm guard changes."""
         seen: set[str] = set()
+        silent: set[str] = set()
         cordoned_alive: set[str] = set()
         total = sick = 0
         for node in nodes:
@@ -144,8 +149,10 @@ class ProactiveRules:
                 continue
             total += 1
             name = node.name
-            if node.state != "alive":
-                cordoned_alive.add(name)  # silent for now: failover decides, the cordon stays
+            if node.state != "alive":  # silent for now (failover decides): its cordon and hold stay
+                cordoned_alive.add(name)
+                seen.add(name)
+                silent.add(name)
                 continue
             if node.health == "GREEN":
                 continue
@@ -166,7 +173,7 @@ class ProactiveRules:
             del self._nodes[name]  # GREEN (a break), dead, left or forgotten
         for name in [n for n in self.cordoned if n not in cordoned_alive]:
             del self.cordoned[name]  # GREEN again, or dead: failover's business now
-        self.total, self.sick = total, sick
+        self.total, self.sick, self._silent = total, sick, silent
         storm = sick >= self.s.min_sick and total > 0 and sick / total > self.s.pause_fraction
         if storm != self.paused:
             self.paused = storm
@@ -181,28 +188,45 @@ class ProactiveRules:
         since = track.since.get(level) if track is not None else None
         return getattr(track.now, level) if since is not None and now - since >= self.s.hold_s else ()
 
-    def actions(self, jobs: Iterable[JobRecord], now: float, busy: Iterable[str] = ()) -> list[Action]:
-        """The actions due now for ``jobs`` (running ones only; ``busy``: jobs with one in flight).
-        Each is recorded as taken (its cooldown starts); an anomaly is used up once seen."""
-        if not self._nodes and not self._anomalies:
+    def actions(self, jobs: Iterable[JobRecord], now: float, busy: Iterable[str] = (), *,
+                full_nodes: Iterable[str] = (), moves_paused: bool = False) -> list[Action]:
+        """The actions due now for ``jobs`` (running ones only; ``busy``: jobs with one in flight;
+        ``full_nodes``: nodes with as many actions in flight as they may have; ``moves_paused``:
+        failover is paused, so moves wait too).  Each is recorded as taken (its cooldown starts);
+        an anomaly is used up once seen."""
+        self._prune(now)
+        ready = {n for n in self._nodes if any(now - t >= self.s.hold_s for t in self._nodes[n].since.values())}
+        ready = (ready | set(self._anomalies)) - set(full_nodes) - self._silent  # never to a suspect node
+        if not ready:
+            self._anomalies.clear()
             return []
         busy = set(busy)
         out: list[Action] = []
-        for rec in jobs:
-            if rec.state != "running" or rec.spec.id in busy or (rec.node not in self._nodes
-                                                                   and rec.node not in self._anomalies):
-                continue
-            policy = policy_of(rec, self.s)
-            if policy == "none":
-                continue
-            action = self._choose(rec, policy, now)
-            if action is not None:
-                self._last[(rec.spec.id, action.action)] = now
-                out.append(action)
-                if action.action == "migrate":
-                    self.cordoned[rec.node] = "; ".join(action.reasons)
+        paused, self.paused = self.paused, self.paused or moves_paused
+        try:
+            for rec in jobs:
+                if rec.node not in ready or rec.state != "running" or rec.spec.id in busy:
+                    continue
+                self._act(rec, now, out)
+        finally:
+            self.paused = paused
         self._anomalies.clear()
         return out
+
+    def _act(self, rec: JobRecord, now: float, out: list[Action]) -> None:
+        policy = policy_of(rec, self.s)
+        action = self._choose(rec, policy, now) if policy != "none" else None
+        if action is not None:
+            self._last[(rec.spec.id, action.action)] = now
+            out.append(action)
+            if action.action == "migrate":
+                self.cordoned[rec.node] = "; ".join(action.reasons)
+
+    def _prune(self, now: float) -> None:
+        """Cooldowns that are over are forgotten (the table would grow with every job ever acted on)."""
+        if now - self._pruned_at >= self.s.cooldown_s:
+            self._pruned_at = now
+            self._last = {k: t for k, t in self._last.items() if now - t < self.s.cooldown_s}
 
     def _choose(self, rec: JobRecord, policy: str, now: float) -> Action | None:
         job = rec.spec.id
@@ -249,8 +273,8 @@ class ProactiveRules:
         out = []
         for n in nodes:
             why = self.cordoned.get(n.name)
-            if why is not None:
-                n = msgspec.structs.replace(n, health="RED", reasons=[
-                    *n.reasons, f"cordoned until GREEN: jobs moved off it ({why})"])
+            if why is not None:  # a NodeStatus, or a detector record (a dataclass)
+                replace = msgspec.structs.replace if isinstance(n, msgspec.Struct) else dataclasses.replace
+                n = replace(n, health="RED", reasons=[*n.reasons, f"cordoned until GREEN: jobs moved off it ({why})"])
             out.append(n)
         return out

@@ -92,16 +92,20 @@ class JobStore(Protocol):
 
 
 class KvJobStore:
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, replicas: int = 1) -> None:
         self.js = js
+        # The buckets' replicas: an existing bucket with fewer is raised to this many.
+        self.replicas = replicas
         self.kv: KeyValue | None = None
         self.archive_kv: KeyValue | None = None
         self._revisions: dict[str, int] = {}
         self._id_lock = asyncio.Lock()
 
     async def open(self) -> None:
-        self.kv = await open_bucket(self.js, subjects.JOBS_BUCKET, None, history=5)
-        self.archive_kv = await open_bucket(self.js, ARCHIVE_BUCKET, None, history=1)
+        self.kv = await open_bucket(self.js, subjects.JOBS_BUCKET, None, history=5, replicas=self.replicas,
+                                    owner=True)
+        self.archive_kv = await open_bucket(self.js, ARCHIVE_BUCKET, None, history=1, replicas=self.replicas,
+                                            owner=True)
 
     async def load(self) -> dict[str, JobRecord]:
         if self.kv is None:

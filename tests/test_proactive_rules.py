@@ -191,3 +191,12 @@ def test_a_misspelt_finding_code_in_the_tables_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown finding code 'gpu' in proactive_.*known are memory, storage_low"):
         load_config(CoordinatorConfig, "coordinator",
                     environ={"REVENANT_COORDINATOR_PROACTIVE_MIGRATE_REASONS": "memory,gpu"})
+
+
+def test_a_suspect_node_keeps_its_hold_but_gets_no_action_until_it_answers_again():
+    r = rules(proactive_hold_s=2.0)
+    r.update([node("a", MEMORY_RED), node("b")], 0.0)
+    r.update([node("a", MEMORY_RED, state="suspect"), node("b")], 1.0)
+    assert r.actions([job("1", "a")], 2.5) == []  # silent: failover's business
+    r.update([node("a", MEMORY_RED), node("b")], 2.6)
+    assert [a.action for a in r.actions([job("1", "a")], 2.6)] == ["migrate"]  # held since 0.0

@@ -11,6 +11,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
 from revenant.common.metrics import CoordinatorMetrics
 from revenant.coordinator import lifecycle as lc
+from revenant.coordinator.failover import StormGuard
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.sick import ProactiveMoves
 from revenant.coordinator.store import MemoryJobStore
@@ -46,8 +47,11 @@ class Events:
 class StubFailover:
     def __init__(self) -> None:
         self.calls: list = []
+        self.moves: dict = {}
+        self.storm = StormGuard(0.3)
 
     def moved(self, job: str, reasons) -> None:
+        self.moves[job] = tuple(reasons)
         self.calls.append(("moved", job, tuple(reasons)))
 
     def recover_job(self, job: str, node: str, incarnation: str = "", evicted: str = "") -> None:
@@ -117,7 +121,7 @@ async def test_a_move_whose_checkpoint_fails_leaves_the_job_running_where_it_was
     rec = jobs.get("1")
     assert (rec.state, rec.node, rec.generation) == ("running", "node-1", 1)
     assert events.msgs[-1].kind == "migration_failed" and "boom" in events.msgs[-1].reason
-    assert failover.calls == [] and counted(metrics) == {}
+    assert failover.moves == {} and counted(metrics) == {}
 
 
 async def test_a_yellow_node_gets_a_fresh_epoch_with_cause_health():
@@ -135,14 +139,13 @@ async def test_many_sick_nodes_pause_moves_with_an_alert():
     nodes = [node("node-1", MEMORY_RED), node("node-2", MEMORY_RED), node("node-3")]
     moves, jobs, agents, events, failover, table, metrics = await setup(nodes)
     await run_tick(moves)
-    assert "proactive_paused" in events.kinds()
-    assert metrics.proactive_paused._value.get() == 1
+    assert "proactive_paused" in events.kinds() and moves.moves_paused
     [cmd] = [c for c in agents.commands if isinstance(c, lc.Checkpoint)]
     assert not cmd.stop and failover.calls == []  # a checkpoint, not a move
     table[1] = node("node-2")
     moves.clock.t += 1
     await run_tick(moves)
-    assert events.kinds()[-1] == "proactive_resumed" and metrics.proactive_paused._value.get() == 0
+    assert events.kinds()[-1] == "proactive_resumed" and not moves.moves_paused
 
 
 async def test_a_move_that_meets_a_checkpoint_in_progress_is_tried_again_next_tick():
@@ -160,9 +163,9 @@ async def test_a_move_that_meets_a_checkpoint_in_progress_is_tried_again_next_ti
 
     jobs.step = busy_once
     await run_tick(moves)
-    assert failover.calls == [] and "migration_failed" not in events.kinds()
+    assert "migration_failed" not in events.kinds() and failover.moves == {}
     await run_tick(moves)  # due again at once, not a cooldown later
-    assert [c[0] for c in failover.calls] == ["moved", "recover"]
+    assert [c[0] for c in failover.calls][-2:] == ["moved", "recover"] and jobs.get("1").state == "restoring"
 
 
 async def test_a_failed_or_skipped_move_is_tried_again_after_the_retry_delay_not_a_cooldown():
@@ -179,3 +182,50 @@ async def test_a_failed_or_skipped_move_is_tried_again_after_the_retry_delay_not
     moves.clock.t += 1
     await run_tick(moves)
     assert [c[0] for c in failover.calls] == ["moved", "recover"]
+
+
+async def test_a_moved_job_whose_target_went_away_goes_back_to_its_sick_node_rather_than_failing():
+    moves, jobs, agents, events, failover, table, _ = await setup([node("node-1", MEMORY_RED), node("node-2")])
+    await run_tick(moves)
+    assert jobs.get("1").state == "restoring"
+    table[1] = node("node-2", ("RED", "criu", "criu unusable"))  # the target broke meanwhile
+    kind, rec, epoch, _ = await jobs.recover("1", "node-1", evicted="moved off sick node node-1: memory")
+    assert (kind, rec.state, rec.node, rec.generation) == ("restored", "running", "node-1", 2)
+
+
+async def test_a_failed_tick_keeps_the_actions_in_flight_and_a_paused_failover_pauses_moves():
+    moves, jobs, agents, events, failover, table, _ = await setup([node("node-1", MEMORY_RED), node("node-2")])
+    failover.storm.hold()  # an operator paused failover: a move's restore would wait there, its job stopped
+    [task] = moves.tick()
+    await task
+    [cmd] = [c for c in agents.commands if isinstance(c, lc.Checkpoint)]
+    assert not cmd.stop and jobs.get("1").state == "running"  # a fresh epoch instead
+
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("a bug")
+
+    moves.rules.update = broken
+    runner = asyncio.create_task(moves.run())
+    await asyncio.sleep(0.05)
+    assert calls and not runner.done()  # logged, and the loop goes on
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+async def test_an_anomaly_counts_only_from_its_own_nodes_subject():
+    moves, *_ = await setup([node("node-1"), node("node-2")])
+
+    class Msg:
+        def __init__(self, subject, node_name):
+            from revenant.messages import AnomalyEvent, encode
+            self.subject = subject
+            self.data = encode(AnomalyEvent(node=node_name, metric="memory_percent", value=90, mean=40, std=2, at=1.0))
+
+    await moves.on_anomaly(Msg("revenant.evt.node.node-2.anomaly", "node-1"))
+    assert moves.rules._anomalies == {}
+    await moves.on_anomaly(Msg("revenant.evt.node.node-1.anomaly", "node-1"))
+    assert list(moves.rules._anomalies) == ["node-1"]
