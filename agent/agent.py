@@ -144,7 +144,7 @@ class Agent(Service):
         js = self._nc.jetstream()
         self.main_loop = asyncio.get_running_loop()
         try:
-            await bus.ensure_event_stream(js)
+            await bus.ensure_event_stream(js, bus.replicas_for(self._nc, self.config.nats_replicas))
         except RevenantError as exc:
             log.error("%s; job events will be retried", exc)
         self._events = EventPublisher(js, clock=self.clock)

@@ -53,8 +53,11 @@ class LeaseKeeper:
                  on_renewed_after_fence: Callable[[], Awaitable[None]],
                  on_renewed: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, replicas: int = 1) -> None:
         self._on_renewed = on_renewed
+        # The bucket's replicas, where this agent creates it (one with fewer is only logged:
+        # agents may not update a stream, the coordinator raises them).
+        self.replicas = replicas
         self.js = js
         self.node = node
         self.incarnation = incarnation
@@ -109,7 +112,8 @@ class LeaseKeeper:
         try:
             if self._kv is None:
                 self._kv = await asyncio.wait_for(
-                    open_bucket(self.js, subjects.LEASES_BUCKET, self.ttl_s), self.renew_s * 2)
+                    open_bucket(self.js, subjects.LEASES_BUCKET, self.ttl_s, replicas=self.replicas),
+                    self.renew_s * 2)
             self._seq += 1
             value = msgspec.msgpack.encode(LeaseValue(node=self.node, incarnation=self.incarnation, seq=self._seq,
                                                       at=self.wall_clock()))

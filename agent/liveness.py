@@ -153,7 +153,8 @@ class Liveness:
         self.lease = LeaseKeeper(nc.jetstream(), self.node, self.incarnation, ttl_s=cfg.lease_ttl_s,
                                  renew_s=cfg.lease_renew_s, fence_timeout_s=cfg.fence_timeout_s,
                                  on_fence=self._fence, on_renewed_after_fence=self._lease_back,
-                                 on_renewed=self._on_renewed, clock=self.clock, wall_clock=self.wall_clock)
+                                 on_renewed=self._on_renewed, clock=self.clock, wall_clock=self.wall_clock,
+                                 replicas=bus.replicas_for(nc, cfg.nats_replicas))
         await nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
         self._started.set()
         try:

@@ -51,14 +51,16 @@ def _reload_embedded(root: Path, keyring: security.Keyring) -> str:
     cluster = read_cluster(root)
     if cluster.insecure:
         return f"{root} runs --insecure: its NATS asks for no credential and ignores these keys"
-    for info in cluster.processes:
-        if info.role == "nats-server":
-            try:
-                os.kill(info.pid, signal.SIGHUP)  # nats-server reloads its configuration
-            except OSError as exc:
-                return f"could not reload its nats-server (pid {info.pid}): {exc.strerror or exc}"
-            return f"its nats-server (pid {info.pid}) reloaded {root / 'nats.conf'}"
-    return "it uses an external NATS: give that server the authorization block"
+    servers = [info for info in cluster.processes if info.role == "nats-server"]
+    for info in servers:  # each includes DIR/nats.conf
+        try:
+            os.kill(info.pid, signal.SIGHUP)  # nats-server reloads its configuration
+        except OSError as exc:
+            return f"could not reload its nats-server (pid {info.pid}): {exc.strerror or exc}"
+    if not servers:
+        return "it uses an external NATS: give that server the authorization block"
+    pids = ", ".join(str(info.pid) for info in servers)
+    return f"its nats-server{'s' if len(servers) > 1 else ''} (pid {pids}) reloaded {root / 'nats.conf'}"
 
 
 def keys(out: str | None, cluster_dir: str | None, nodes: list[str] | None, users: list[str] | None) -> int:

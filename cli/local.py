@@ -1,7 +1,8 @@
 """``revenant up`` and ``revenant down``: a local cluster for development and demos.
 
-``up`` starts an embedded nats-server (JetStream, state under DIR/nats), one
-coordinator and N agents named node-1..node-N that share DIR/storage, which
+``up`` starts an embedded nats-server (JetStream, state under DIR/nats), or with
+``--nats-servers 3`` three of them as one JetStream cluster (state under DIR/nats/<i>),
+one coordinator and N agents named node-1..node-N that share DIR/storage, which
 stands in for a cluster's shared filesystem.  Every process runs in its own
 session so that a Ctrl-C reaches ``up`` alone, which then stops them in order:
 the coordinator first, then the agents (each drains its jobs, which the next
@@ -31,7 +32,7 @@ from revenant.cli.client import request_nodes
 from revenant.common import bus, security
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
 from revenant.common.errors import ClusterNotFound, RevenantError
-from revenant.common.natsserver import pin_option, start_nats_server, write_server_config
+from revenant.common.natsserver import pin_option, start_local_nats, write_server_config
 from revenant.messages import NodesReply
 
 # The coordinator first: the agents' drains leave their evicted jobs in the event stream,
@@ -139,9 +140,29 @@ def generate_identities(root: Path, names: list[str]) -> security.Keyring:
     return keyring
 
 
-def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeout_s: float,
-                  insecure: bool = False) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
-    """Start nats-server (unless ``external_nats``), the coordinator and the agents, as this
+def check_nats_servers(root: Path, count: int, external_nats: str | None) -> None:
+    """Refuse a server count that cannot work, or that does not match the NATS state DIR holds
+    (the job table is in it: a new layout would start from an empty one)."""
+    if count < 1 or count == 2:
+        raise RevenantError(f"--nats-servers must be 1, or 3 or more (a JetStream cluster of 2 stops when "
+                            f"either server is lost), got {count}")
+    if external_nats and count != 1:
+        raise RevenantError("--nats uses an external NATS and --nats-servers starts servers: give one of them")
+    nats = root / "nats"
+    members = sum(1 for d in nats.glob("[0-9]*") if (d / "jetstream").is_dir())
+    if not external_nats and count == 1 and members:
+        raise RevenantError(f"{root} holds the state of a {members}-server NATS cluster ({nats}/<i>): "
+                            f"start it with --nats-servers {members}")
+    if not external_nats and count > 1 and ((nats / "jetstream").is_dir() or members > count):
+        have = "one server" if (nats / "jetstream").is_dir() else f"a {members}-server cluster"
+        raise RevenantError(f"{root} holds the state of {have} in {nats}: start it as it was "
+                            f"(--nats-servers {members or 1}), or use a new directory")
+
+
+def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeout_s: float, insecure: bool = False,
+                  nats_servers: int = 1) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
+    """Start nats-server (unless ``external_nats``; ``nats_servers`` of them, one JetStream
+    cluster, if more than one), the coordinator and the agents, as this
     process's children; wait until every node is alive; write cluster.json, naming this process
     their supervisor and pinning the ports each one chose into its argv, so that a restart with
     that argv comes back on them.  Each process gets its own NATS identity (DIR/keys), and
@@ -162,15 +183,19 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeou
         return [] if keys is None else ["--creds", str(keys.seed_path(identity))]
 
     try:
-        if external_nats:
-            url = external_nats
-        else:
-            server = start_nats_server(root / "nats", log_file=logs / "nats-server.log", new_session=True,
-                                       config_file=None if keys is None else root / "nats.conf")
-            url = server.url
+        # (The coordinator's identity may ask JetStream whether the cluster is ready.)
+        js_creds = {} if keys is None else security.credentials(security.COORDINATOR,
+                                                                str(keys.seed_path(security.COORDINATOR)))
+        servers = [] if external_nats else start_local_nats(
+            root / "nats", nats_servers, log_dir=logs, config_file=None if keys is None else root / "nats.conf",
+            credentials=js_creds, timeout_s=timeout_s)
+        # Every process gets every server's URL, comma-separated: it reconnects to another.
+        url = external_nats or ",".join(server.url for server in servers)
+        for i, server in enumerate(servers, 1):
+            name = "nats-server" if nats_servers == 1 else f"nats-server-{i}"
             started.append((server.process, ProcessInfo(
-                role="nats-server", name="nats-server", pid=server.pid, create_time=_create_time(server.pid),
-                log=str(logs / "nats-server.log"), argv=server.argv)))
+                role="nats-server", name=name, pid=server.pid, create_time=_create_time(server.pid),
+                log=str(logs / f"{name}.log"), argv=server.argv)))
         py = [sys.executable, "-m", "revenant.cli"]
         # Every process serves its HTTP endpoints on a free port; cluster.json records which.
         started.append(_spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator",
@@ -208,7 +233,7 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeou
 
 
 def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0,
-       insecure: bool = False) -> int:
+       insecure: bool = False, nats_servers: int = 1) -> int:
     """Start a local cluster and supervise it: in this process, or with ``detach`` in a
     detached ``revenant supervise`` that this one waits for (until every node is alive).
     Authenticated (each process its own NATS identity) unless ``insecure``."""
@@ -217,16 +242,17 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     refuse_running(root)
+    check_nats_servers(root, nats_servers, external_nats)
     if insecure:
         print(f"revenant: WARNING: {INSECURE_WARNING}", file=sys.stderr)
     if detach:
-        url = _up_detached(root, n_nodes, external_nats, timeout_s, insecure)
+        url = _up_detached(root, n_nodes, external_nats, timeout_s, insecure, nats_servers)
     else:
         from revenant.cli.supervise import log_to
 
         log_to(root, echo=True)
         cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s,
-                                       insecure=insecure)
+                                       insecure=insecure, nats_servers=nats_servers)
         url = cluster.nats_url
     mode = "INSECURE (no authentication)" if insecure else f"authenticated (keys in {root / 'keys'})"
     print(f"revenant: cluster up in {root}: {n_nodes} node(s) alive, NATS at {url}, {mode}", file=sys.stderr)
@@ -239,7 +265,8 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
     return supervise_until_stopped(root, cluster, procs)
 
 
-def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s: float, insecure: bool) -> str:
+def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s: float, insecure: bool,
+                 nats_servers: int = 1) -> str:
     """Start ``revenant supervise`` in its own session and wait for its word on the start
     (through a pipe); returns the NATS URL.  Interrupted, it stops the supervisor, which stops
     what it started."""
@@ -247,7 +274,7 @@ def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "revenant.cli", "supervise", str(root), "--nodes", str(n_nodes),
-            "--timeout", str(timeout_s), "--ready-fd", str(write_fd)]
+            "--timeout", str(timeout_s), "--ready-fd", str(write_fd), "--nats-servers", str(nats_servers)]
     argv += ["--nats", external_nats] if external_nats else []
     argv += ["--insecure"] if insecure else []
     try:

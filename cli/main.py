@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", required=True, help="directory for state, logs, storage and cluster.json")
     p.add_argument("--detach", action="store_true", help="return once every node is alive")
     p.add_argument("--nats", help="use this external NATS server instead of starting one")
+    p.add_argument("--nats-servers", type=int, default=1, metavar="N",
+                   help="start N nats-servers as one JetStream cluster, every stream and bucket on 3 of "
+                        "them (1, or 3 or more; default 1)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the nodes (default 30)")
     p.add_argument("--insecure", action="store_true",
                    help="no authentication: anyone who reaches NATS may do anything (experiments only)")
@@ -100,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--nats")
+    p.add_argument("--nats-servers", type=int, default=1)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--ready-fd", type=int, help="a pipe to write the start's outcome to (JSON), then close")
     p.add_argument("--insecure", action="store_true")
@@ -239,14 +243,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from revenant.cli.local import up
 
     return up(args.dir, args.nodes, detach=args.detach, external_nats=args.nats, timeout_s=args.timeout,
-              insecure=args.insecure)
+              insecure=args.insecure, nats_servers=args.nats_servers)
 
 
 def _cmd_supervise(args: argparse.Namespace) -> int:
     from revenant.cli.supervise import supervise
 
     return supervise(args.dir, args.nodes, external_nats=args.nats, timeout_s=args.timeout, ready_fd=args.ready_fd,
-                     insecure=args.insecure)
+                     insecure=args.insecure, nats_servers=args.nats_servers)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:

@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from revenant.cli.local import (INSECURE_WARNING, STOP_ORDER, _nodes, _spawn, _stop_processes, describe_exit,
-                                refuse_running, start_cluster)
+from revenant.cli.local import (INSECURE_WARNING, STOP_ORDER, _nodes, _spawn, _stop_processes, check_nats_servers,
+                                describe_exit, refuse_running, start_cluster)
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
 from revenant.common.errors import RevenantError
 from revenant.messages import MessageError
@@ -280,7 +280,7 @@ def supervise_until_stopped(root: Path, cluster: ClusterFile, procs: dict[str, s
 
 
 def supervise(directory: str, n_nodes: int, *, external_nats: str | None, timeout_s: float,
-              ready_fd: int | None, insecure: bool = False) -> int:
+              ready_fd: int | None, insecure: bool = False, nats_servers: int = 1) -> int:
     """``revenant supervise DIR`` (what ``up --detach`` leaves running): start the cluster,
     tell ``up`` through ``ready_fd`` how that went, then supervise it."""
     root = Path(directory).resolve()
@@ -289,10 +289,11 @@ def supervise(directory: str, n_nodes: int, *, external_nats: str | None, timeou
     report: dict[str, str] = {}
     try:
         refuse_running(root)
+        check_nats_servers(root, nats_servers, external_nats)
         if insecure:
             log.warning("%s", INSECURE_WARNING)
         cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s,
-                                       insecure=insecure)
+                                       insecure=insecure, nats_servers=nats_servers)
         report = {"nats_url": cluster.nats_url}
     except RevenantError as exc:
         report = {"error": str(exc)}

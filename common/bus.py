@@ -213,8 +213,12 @@ def error_reply(exc: Exception) -> bytes:
     return encode(ErrorReply(code=code, message=str(exc) or type(exc).__name__, retriable=retriable))
 
 
-async def ensure_event_stream(js: JetStreamContext) -> None:
-    """Create or update the replayable event stream (idempotent)."""
+async def ensure_event_stream(js: JetStreamContext, replicas: int = 1, *, owner: bool = False) -> None:
+    """Create or update the replayable event stream (idempotent), with ``replicas`` copies.
+
+    A stream that exists keeps replicas it has beyond ``replicas`` (an update never lowers them).
+    One with fewer is logged; the ``owner`` (the coordinator, whose identity may update streams)
+    raises them, anyone else uses it as it is."""
     config = StreamConfig(
         name=subjects.EVENTS_STREAM,
         subjects=[subjects.EVENTS_ALL],
@@ -225,12 +229,47 @@ async def ensure_event_stream(js: JetStreamContext) -> None:
         max_msg_size=EVENTS_MAX_MSG_BYTES,
         discard=DiscardPolicy.OLD,
         duplicate_window=EVENTS_DUPLICATE_WINDOW_S,
+        num_replicas=replicas,
     )
     with map_exceptions(f"cannot create event stream {subjects.EVENTS_STREAM}"):
         try:
             await js.add_stream(config)
+            return
+        except nats.js.errors.BadRequestError:
+            pass  # it exists, with other settings
+        have = (await js.stream_info(subjects.EVENTS_STREAM)).config.num_replicas or 1
+        config.num_replicas = max(have, replicas) if owner else have
+        report_replicas(subjects.EVENTS_STREAM, have, replicas, owner)
+        try:
+            await js.add_stream(config)  # the settings it has: a no-op that needs no right to update
         except nats.js.errors.BadRequestError:
             await js.update_stream(config)
+
+
+def report_replicas(stream: str, have: int, wanted: int, raising: bool) -> None:
+    """Log a stream that has fewer replicas than configured, and what is done about it."""
+    if have >= wanted:
+        return
+    log.warning("stream %s has %d replica(s), %d configured: %s", stream, have, wanted,
+                f"raising it to {wanted}" if raising else "using it as it is (a coordinator raises it)")
+
+
+def cluster_size(nc: Client) -> int:
+    """How many servers the NATS cluster ``nc`` is connected to has, as that server tells its
+    clients (its INFO: a cluster name, and every server's client URL); 1 for a server that is
+    in no cluster.  nats-py keeps that INFO, though not as public API."""
+    info: dict[str, Any] = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(1, len(info.get("connect_urls") or []))
+
+
+def replicas_for(nc: Client, configured: int) -> int:
+    """The replica count for the streams and buckets: ``configured``, or with 0 (auto) 3 on a
+    cluster of three servers or more and 1 otherwise."""
+    if configured > 0:
+        return configured
+    return 3 if cluster_size(nc) >= 3 else 1
 
 
 async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeout_s: float,

@@ -2,9 +2,10 @@
 and the credential to reach it with: ``--creds FILE``, ``$REVENANT_CREDS`` or cluster.json's.
 
 ``cluster.json`` is written by ``revenant up`` and is part of the CLI contract
-(docs/cli.md): the NATS URL, every process that ``up`` started (with the argv that
-restarts it on the same ports) and the supervisor that restarts them.  It names the
-admin credential, so it is written mode 0600.
+(docs/cli.md): the NATS URL (with ``--nats-servers 3`` every server's, comma-separated, as
+``--nats``, ``$REVENANT_NATS`` and ``nats_url`` take them too), every process that ``up``
+started (with the argv that restarts it on the same ports) and the supervisor that restarts
+them.  It names the admin credential, so it is written mode 0600.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ProcessInfo(msgspec.Struct, kw_only=True):
 
 class ClusterFile(msgspec.Struct, kw_only=True):
     version: int = 1
-    nats_url: str
+    nats_url: str  # one URL, or several comma-separated (one per server of a NATS cluster)
     dir: str
     storage: str
     created_at: float

@@ -18,10 +18,12 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
+# [checkpoint] lives in its own module; imported from here as well (GUIDE_NAMES too).
+from revenant.common.checkpoint_config import (GUIDE_NAMES, CheckpointConfig, bare_guide_values,  # noqa: F401
+                                               guide_spellings, yes_no)
 from revenant.common.errors import ConfigError
-from revenant.common.limits import POLICY_RANGES, policy_problem
 from revenant.common.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
-from revenant.messages import FINDING_CODES, CheckpointPolicy, SubmitRequest
+from revenant.messages import FINDING_CODES, SubmitRequest
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -32,6 +34,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The NKey seed (or JWT .creds) file the agent authenticates with, as agent-<node>
     # (docs/security.md); empty: none, for a bus that asks for none.
     nats_creds: str = ""
+    # Replicas of the streams and buckets this process creates: 0 picks 3 where the NATS cluster
+    # has three servers or more, else 1 (docs/configuration.md).
+    nats_replicas: int = 0
     storage: str = "/var/lib/revenant"
     # Heartbeats: one every interval, +/- jitter (a fraction of the interval).
     heartbeat_interval_s: float = 1.0
@@ -140,6 +145,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
         _port(self.http_port)
+        _replicas(self.nats_replicas)
         # Build the derived values once, so inconsistent ones fail here as a config error.
         self.health_thresholds()
         self.anomaly_settings()
@@ -172,48 +178,6 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                min_samples=self.anomaly_min_samples, cooldown_s=self.anomaly_cooldown_s)
 
 
-class CheckpointConfig(CheckpointPolicy, kw_only=True, forbid_unknown_fields=True):
-    """``[checkpoint]``: the cluster's defaults for every job's checkpoints (a job's policy, whose
-    fields and defaults it takes, and ``max_epochs``), which a submit may override per job.  The
-    scheduler guide's spellings (``CRIU_Incremental = YES``) are read as well (:data:`GUIDE_NAMES`)."""
-
-    max_epochs: int = 1
-
-    def __post_init__(self) -> None:
-        for name in POLICY_RANGES:
-            problem = policy_problem(name, getattr(self, name))
-            if problem:
-                raise ValueError(problem)
-
-    def policy(self, req: SubmitRequest | None = None) -> CheckpointPolicy:
-        """A job's effective policy: these defaults, with what ``req`` overrides (None: the default)."""
-        values = {name: getattr(self, name) for name in CheckpointPolicy.__struct_fields__}
-        for name in values:
-            given = getattr(req, name, None)
-            if given is not None:
-                values[name] = given
-        return CheckpointPolicy(**values)
-
-    def max_epochs_for(self, req: SubmitRequest) -> int:
-        return self.max_epochs if req.max_epochs is None else req.max_epochs
-
-
-# The scheduler guide's spelling of each [checkpoint] option (matched without regard to case).
-GUIDE_NAMES = {
-    "CRIU_MaxEpochs": "max_epochs", "CRIU_Incremental": "incremental", "CRIU_FullEvery": "full_every",
-    "CRIU_PreDump": "pre_dump", "CRIU_PreDumpDelay": "pre_dump_delay_s", "CRIU_LoadAware": "load_aware",
-    "CRIU_LoadThresholdCPU": "load_threshold_cpu", "CRIU_LoadThresholdIO": "load_threshold_io",
-    "CRIU_LoadThresholdMemory": "load_threshold_memory",
-}
-_GUIDE_KEYS = {k.lower(): v for k, v in GUIDE_NAMES.items()}
-# The guide writes its switches YES and NO, bare; TOML would refuse them unquoted.
-_BARE_YES_NO = re.compile(r"^(\s*CRIU_\w+\s*=\s*)(yes|no)(\s*(?:#.*)?)$", re.I | re.M)
-# Its examples start with the plug-in's name, bare too: revenant is that plug-in, so the line is
-# read and, naming criu, has nothing more to say.
-_CHECKPOINT_TYPE = "checkpointtype"
-_BARE_TYPE = re.compile(r"^(\s*CheckpointType\s*=\s*)([\w/.-]+)(\s*(?:#.*)?)$", re.I | re.M)
-
-
 # Health finding codes that predict a node's failure (docs/configuration.md says why each): YELLOW or
 # worse for one of the first asks for a fresh epoch, RED for one of the second moves the job.
 CHECKPOINT_REASONS = ("memory", "storage_low", "gpu_temperature", "gpu_ecc", "gpu_remap_failed",
@@ -230,6 +194,8 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     nats_url: str = "nats://127.0.0.1:4222"
     # The NKey seed (or JWT .creds) file of the coordinator identity (docs/security.md).
     nats_creds: str = ""
+    # Replicas of the streams and buckets: 0 picks 3 on a NATS cluster of three servers or more, else 1.
+    nats_replicas: int = 0
     name: str = ""
     # Failure detection (Slurm's SlurmdTimeout -> node_timeout_s).  A node is suspect after suspect_timeout_s
     # of silence (or sooner, when phi-accrual says its heartbeats are overdue) and dead once
@@ -304,6 +270,7 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ValueError("tick_interval_s must be shorter than self_stall_grace_s, "
                              "or every tick would count as a stall and no node would ever be declared dead")
         _port(self.http_port)
+        _replicas(self.nats_replicas)
 
 
 _TMPFS_SIZE = re.compile(r"[1-9][0-9]*[kmgt]?|([1-9][0-9]?|100)%", re.I)
@@ -322,6 +289,11 @@ def tmpfs_size(name: str, value: str | int) -> str:
 def _port(port: int) -> None:
     if not -1 <= port <= 65535:
         raise ValueError(f"http_port must be -1 (off), 0 (any) or a port number, got {port}")
+
+
+def _replicas(n: int) -> None:
+    if not 0 <= n <= 5:  # JetStream keeps at most 5 replicas of a stream
+        raise ValueError(f"nats_replicas must be 0 (auto) or from 1 to 5, got {n}")
 
 
 def _positive(cfg: msgspec.Struct, *names: str) -> None:
@@ -354,38 +326,9 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     try:
-        return tomllib.loads(_BARE_TYPE.sub(r'\1"\2"\3', _BARE_YES_NO.sub(r'\1"\2"\3', text)))
+        return tomllib.loads(bare_guide_values(text))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
-
-
-def _guide_spellings(section: str, values: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
-    """[checkpoint]'s values with the guide's spellings read as revenant's keys; an option given
-    both ways is an error, and so is a guide option outside the section."""
-    stray = [k for k in doc if k.lower() in _GUIDE_KEYS or k.lower() == _CHECKPOINT_TYPE]
-    if stray:
-        raise ConfigError(f"{stray[0]} must be in the [{section}] section (put a [{section}] line above it)")
-    out: dict[str, Any] = {}
-    given: dict[str, str] = {}
-    for key, value in values.items():
-        if key.lower() == _CHECKPOINT_TYPE:
-            if value != "checkpoint/criu":
-                raise ConfigError(f"[{section}] {key} = {value!r}: revenant checkpoints with criu only "
-                                  "(checkpoint/criu)")
-            continue
-        name = _GUIDE_KEYS.get(key.lower(), key)
-        if name in given:
-            raise ConfigError(f"[{section}] {name} is given twice, as {given[name]} and as {key}: keep one")
-        given[name] = key
-        out[name] = value
-    return out
-
-
-def _yes_no(cls: type[msgspec.Struct], values: dict[str, Any]) -> dict[str, Any]:
-    """[checkpoint]'s switches may be written YES or NO (as the guide does), in the file or the environment."""
-    switches = {f.name for f in msgspec.structs.fields(cls) if f.type is bool}
-    return {k: (v.strip().lower() == "yes") if k in switches and isinstance(v, str)
-            and v.strip().lower() in ("yes", "no") else v for k, v in values.items()}
 
 
 def _build(cls: type[C], section: str, doc: dict[str, Any], path: Any, overrides: dict[str, Any] | None,
@@ -394,7 +337,7 @@ def _build(cls: type[C], section: str, doc: dict[str, Any], path: Any, overrides
     section_values = doc.get(section, {})
     if not isinstance(section_values, dict):
         raise ConfigError(f"config file {path}: [{section}] must be a table")
-    values.update(_guide_spellings(section, section_values, doc) if cls is CheckpointConfig else section_values)
+    values.update(guide_spellings(section, section_values, doc) if cls is CheckpointConfig else section_values)
     values.update(_env_overrides(section, cls, environ))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for name, sub in getattr(cls, "SECTIONS", {}).items():
@@ -402,7 +345,7 @@ def _build(cls: type[C], section: str, doc: dict[str, Any], path: Any, overrides
             raise ConfigError(f"[{section}] {name}: these settings go in a [{name}] section of their own")
         values[name] = _build(sub, name, doc, path, None, environ)
     try:
-        return msgspec.convert(_yes_no(cls, values) if cls is CheckpointConfig else values, cls, strict=False)
+        return msgspec.convert(yes_no(cls, values) if cls is CheckpointConfig else values, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"[{section}] {exc}") from None
 

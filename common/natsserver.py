@@ -5,9 +5,12 @@ Used by ``revenant up`` and by the test fixtures, so both run the same code.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from revenant.common.errors import NatsServerError
+from revenant.common import bus
+from revenant.common.errors import NatsServerError, RevenantError
 from revenant.common.security import write_private
 
 
@@ -79,18 +83,12 @@ def start_nats_server(
     (``NatsServer.argv`` then names the port it picked, so a restart comes back on it).
     ``config_file`` (written by :func:`write_server_config`) adds its ``authorization`` block:
     then only the identities it lists may connect, each with its own permissions."""
-    store = Path(store_dir)
-    ports_dir = store / "ports"
-    ports_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ports_dir.glob("*.ports"):
-        stale.unlink(missing_ok=True)
     cmd = [
         find_nats_server(),
         "--addr", host,
         "--port", str(port),
         "--jetstream",
-        "--store_dir", str(store),
-        "--ports_file_dir", str(ports_dir),
+        "--store_dir", str(store_dir),
     ]
     if config_file is not None:
         # No --server_name then: a reload (SIGHUP, after ``revenant keys`` adds an identity)
@@ -98,6 +96,19 @@ def start_nats_server(
         cmd += ["--config", str(config_file)]
     else:
         cmd += ["--server_name", f"revenant-{os.getpid()}-{int(time.time())}"]
+    server = _launch(cmd, Path(store_dir), log_file, new_session, ready_timeout_s)
+    server.argv = pin_option(server.argv, "--port", str(server.port))
+    return server
+
+
+def _launch(cmd: list[str], store: Path, log_file: str | os.PathLike[str] | None, new_session: bool,
+            ready_timeout_s: float) -> NatsServer:
+    """Run ``cmd`` (a nats-server) and wait until it reports the port it listens on."""
+    ports_dir = store / "ports"
+    ports_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ports_dir.glob("*.ports"):
+        stale.unlink(missing_ok=True)
+    cmd = [*cmd, "--ports_file_dir", str(ports_dir)]
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--log", str(log_file)]
@@ -111,10 +122,7 @@ def start_nats_server(
                                   + (f"; see {log_file}" if log_file else ""))
         try:
             info = json.loads(ports_file.read_text())
-            url = info["nats"][0]
-            server = NatsServer(process=proc, url=url, store_dir=store)
-            server.argv = pin_option(cmd, "--port", str(server.port))
-            return server
+            return NatsServer(process=proc, url=info["nats"][0], store_dir=store, argv=cmd)
         except (FileNotFoundError, json.JSONDecodeError, KeyError, IndexError):
             time.sleep(0.02)
     proc.kill()
@@ -140,3 +148,143 @@ def write_server_config(path: str | os.PathLike[str], authorization: str) -> Pat
     write_private(out, "# Written by revenant: the identities allowed on this bus and their permissions.\n"
                   + authorization)
     return out
+
+
+# ------------------------------------------------------------------ a cluster of servers
+
+CLUSTER_NAME = "revenant"
+ROUTE_USER = "revenant-route"
+PORT_ATTEMPTS = 3
+
+
+def start_nats_cluster(root: str | os.PathLike[str], count: int, *, log_dir: str | os.PathLike[str],
+                       authorization: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
+                       new_session: bool = False, ready_timeout_s: float = 10.0) -> list[NatsServer]:
+    """Start ``count`` nats-servers on ``host`` as one JetStream cluster.  Server ``i`` (from 1),
+    named ``revenant-nats-<i>``, keeps its store and its configuration (``server.conf``, mode
+    0600, which names its ports: its argv, ``--config`` alone, starts it again as it was) in
+    ``root/<i>``, and logs to ``log_dir/nats-server-<i>.log``.  The routes between them need a
+    password of their own (new at each start): whoever reaches a cluster port without it is
+    refused, as a route and as a client.  ``authorization`` (the file :func:`write_server_config`
+    wrote) is included by each, so all three admit the same identities.  A port another process
+    took between its choice and its use costs a new choice of ports, up to three times."""
+    password = secrets.token_urlsafe(24)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        clients, routes = free_ports(host, count), free_ports(host, count)
+        started: list[NatsServer] = []
+        try:
+            for i in range(count):
+                member = Path(root) / str(i + 1)
+                conf = write_member_config(member / "server.conf", i + 1, host=host, port=clients[i],
+                                           route_port=routes[i], password=password, authorization=authorization,
+                                           peers=[p for j, p in enumerate(routes) if j != i])
+                log_file = Path(log_dir) / f"nats-server-{i + 1}.log"
+                started.append(_launch([find_nats_server(), "--config", str(conf)], member, log_file, new_session,
+                                       ready_timeout_s))
+            return started
+        except NatsServerError:
+            for server in started:
+                server.stop()
+            if attempt == PORT_ATTEMPTS or not _port_was_taken(Path(log_dir), count):
+                raise
+    raise AssertionError("unreachable")
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on ``host`` now (the kernel's choice)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_was_taken(log_dir: Path, count: int) -> bool:
+    for i in range(1, count + 1):
+        try:
+            lines = (log_dir / f"nats-server-{i}.log").read_text(errors="replace").splitlines()[-20:]
+        except OSError:
+            continue
+        if any("address already in use" in line for line in lines):
+            return True
+    return False
+
+
+def write_member_config(path: Path, index: int, *, host: str, port: int, route_port: int, password: str,
+                        peers: list[int], authorization: str | os.PathLike[str] | None) -> Path:
+    """The configuration of cluster member ``index`` (mode 0600: it holds the route password)."""
+    q = json.dumps
+    routes = "\n".join(f"        {q(f'nats-route://{ROUTE_USER}:{password}@{host}:{p}')}" for p in peers)
+    text = f"""# Written by revenant up: server {index} of this directory's NATS cluster.
+server_name: {q(f"revenant-nats-{index}")}
+listen: {q(f"{host}:{port}")}
+jetstream {{
+    store_dir: {q(str(path.parent.resolve()))}
+}}
+cluster {{
+    name: {q(CLUSTER_NAME)}
+    listen: {q(f"{host}:{route_port}")}
+    # Only the other servers of this cluster may connect here: a route sees every message.
+    authorization {{
+        user: {q(ROUTE_USER)}
+        password: {q(password)}
+        timeout: 2
+    }}
+    routes: [
+{routes}
+    ]
+}}
+"""
+    if authorization is not None:
+        text += f"include {q(os.path.relpath(Path(authorization).resolve(), path.parent.resolve()))}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, text)
+    return path
+
+
+def start_local_nats(store: Path, count: int, *, log_dir: Path, config_file: Path | None,
+                     credentials: dict[str, str | None], timeout_s: float) -> list[NatsServer]:
+    """``revenant up``'s nats-server (store ``store``, log ``log_dir/nats-server.log``), or its
+    ``count`` servers (:func:`start_nats_cluster`) once their JetStream cluster is ready, as
+    ``credentials`` (an identity that may use the JetStream API) sees it."""
+    if count == 1:
+        return [start_nats_server(store, log_file=log_dir / "nats-server.log", new_session=True,
+                                  config_file=config_file)]
+    servers = start_nats_cluster(store, count, log_dir=log_dir, authorization=config_file, new_session=True)
+    try:
+        asyncio.run(wait_jetstream(",".join(s.url for s in servers), count, timeout_s, **credentials))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+async def wait_jetstream(url: str, servers: int, timeout_s: float, **credentials: str | None) -> None:
+    """Wait until the cluster at ``url`` (comma-separated URLs) counts ``servers`` servers and its
+    JetStream answers (its metadata leader is elected): before that a stream cannot be created."""
+    deadline = time.monotonic() + timeout_s
+    why = "no answer"
+    while True:
+        try:
+            nc = await bus.connect(url, "revenant-up", endless_reconnect=False, connect_timeout_s=1.0,
+                                   **credentials)
+            try:
+                size = bus.cluster_size(nc)
+                if size < servers:
+                    why = f"{size} of {servers} servers in the cluster"
+                else:
+                    with bus.map_exceptions("JetStream"):
+                        await nc.jetstream(timeout=1.0).account_info()
+                    return
+            finally:
+                await nc.close()
+        except RevenantError as exc:
+            why = str(exc)
+        if time.monotonic() >= deadline:
+            raise NatsServerError(f"the NATS cluster at {url} is not ready after {timeout_s:g} s: {why}")
+        await asyncio.sleep(0.2)
+
