@@ -22,7 +22,7 @@ verdict (:meth:`FailureDetector.grace_all`).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from revenant.common.config import CoordinatorConfig
@@ -91,18 +91,29 @@ def phi(elapsed_s: float, intervals: deque[float] | list[float], nominal_interva
 
 
 class FailureDetector:
+    """A tick costs what could change, not the whole table: alive nodes are kept in the order of
+    their last sign of life (a heartbeat moves a node to the end), so a tick reads them from the
+    oldest and stops at the first that is not silent long enough to be suspected; suspects are
+    few; dead and left ones are kept in the order they ended, for forgetting."""
+
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.nodes: dict[str, NodeRecord] = {}
         self._last_tick: float | None = None
+        self._alive: OrderedDict[str, None] = OrderedDict()
+        self._suspect: set[str] = set()
+        self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------------ inputs
 
     def heartbeat(self, hb: Heartbeat, now: float) -> list[Transition]:
         rec = self.nodes.get(hb.node)
         if rec is None or (rec.state == "left" and hb.incarnation != rec.incarnation):
+            if rec is not None:
+                self._index(rec.name, None)
             rec = NodeRecord(name=hb.node, incarnation=hb.incarnation, state_since=now)
             self.nodes[hb.node] = rec
+            self._index(rec.name, "alive")
             self._absorb(rec, hb, now)
             return [] if hb.leaving else [Transition(hb.node, "joined", 0.0, hb.incarnation)]
 
@@ -142,7 +153,7 @@ class FailureDetector:
             return []
         if ok and (incarnation is None or incarnation == rec.incarnation):
             rec.last_alive_at = now
-            self._set_state(rec, "alive", now)
+            self._set_state(rec, "alive", now)  # at the end of the alive order: the newest
             return [Transition(node, "recovered", now - rec.last_heartbeat_at, rec.incarnation, "answered probe")]
         rec.probe_failed_since_suspect = True
         return self._maybe_dead(rec, now)
@@ -154,6 +165,8 @@ class FailureDetector:
             if rec.state in ("alive", "suspect"):
                 rec.last_alive_at = now
                 rec.intervals.clear()
+                if rec.state == "alive":
+                    self._alive.move_to_end(rec.name)
                 if rec.state == "suspect":
                     self._set_state(rec, "alive", now)
                     out.append(Transition(rec.name, "recovered", now - rec.last_heartbeat_at, rec.incarnation, reason))
@@ -168,25 +181,46 @@ class FailureDetector:
         probes: list[str] = []
         cfg = self.config
         suspect_cap = (cfg.suspect_timeout_s + cfg.node_timeout_s) / 2
-        for rec in list(self.nodes.values()):
+        for rec in self._oldest(self._alive, lambda r: now - r.last_alive_at >= cfg.suspect_timeout_s):
             silent = now - rec.last_alive_at
-            if rec.state == "alive":
-                if silent >= cfg.suspect_timeout_s and (
-                    silent >= suspect_cap or self.phi(rec, now) >= cfg.phi_suspect
-                ):
-                    self._set_state(rec, "suspect", now)
-                    out.append(Transition(rec.name, "suspect", now - rec.last_heartbeat_at, rec.incarnation,
-                                          f"silent {silent:.1f} s"))
-            if rec.state == "suspect":
-                out += self._maybe_dead(rec, now)
-                if rec.state == "suspect" and not rec.probe_in_flight \
-                        and now - rec.last_probe_sent_at >= cfg.probe_interval_s:
-                    rec.probe_in_flight = True
-                    rec.last_probe_sent_at = now
-                    probes.append(rec.name)
-            elif rec.state in ("dead", "left") and now - rec.state_since >= cfg.forget_after_s:
-                del self.nodes[rec.name]
+            if silent >= suspect_cap or self.phi(rec, now) >= cfg.phi_suspect:
+                self._set_state(rec, "suspect", now)
+                out.append(Transition(rec.name, "suspect", now - rec.last_heartbeat_at, rec.incarnation,
+                                      f"silent {silent:.1f} s"))
+        for name in sorted(self._suspect):  # few; in name order, as the table's walk was
+            rec = self.nodes[name]
+            out += self._maybe_dead(rec, now)
+            if rec.state == "suspect" and not rec.probe_in_flight \
+                    and now - rec.last_probe_sent_at >= cfg.probe_interval_s:
+                rec.probe_in_flight = True
+                rec.last_probe_sent_at = now
+                probes.append(rec.name)
+        for rec in self._oldest(self._ended, lambda r: now - r.state_since >= cfg.forget_after_s):
+            self._index(rec.name, None)
+            del self.nodes[rec.name]
         return out, probes
+
+    def _oldest(self, order: OrderedDict[str, None], due) -> list[NodeRecord]:
+        """The records at the front of ``order`` for which ``due`` holds (it holds for a prefix)."""
+        out = []
+        for name in order:
+            rec = self.nodes[name]
+            if not due(rec):
+                break
+            out.append(rec)
+        return out
+
+    def _index(self, name: str, state: NodeState | None) -> None:
+        """Keep ``name`` in the one index its state belongs to (at the end: the newest)."""
+        self._alive.pop(name, None)
+        self._suspect.discard(name)
+        self._ended.pop(name, None)
+        if state == "alive":
+            self._alive[name] = None
+        elif state == "suspect":
+            self._suspect.add(name)
+        elif state in ("dead", "left"):
+            self._ended[name] = None
 
     # ------------------------------------------------------------------ queries
 
@@ -237,6 +271,8 @@ class FailureDetector:
         rec.gpus = hb.health.gpus
         rec.last_heartbeat_at = now
         rec.last_alive_at = now
+        if rec.state == "alive":
+            self._alive.move_to_end(rec.name)
 
     def _maybe_dead(self, rec: NodeRecord, now: float) -> list[Transition]:
         silent = now - rec.last_alive_at
@@ -251,3 +287,4 @@ class FailureDetector:
             rec.state = state
             rec.state_since = now
             rec.probe_failed_since_suspect = False
+            self._index(rec.name, state)

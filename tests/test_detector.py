@@ -214,3 +214,50 @@ def test_counts_and_snapshot():
     assert snap["a"].state == "alive" and snap["b"].state == "dead"
     assert snap["b"].last_heartbeat_age_s == pytest.approx(5.1, abs=0.01)
     assert c.det.counts() == {"alive": 1, "suspect": 0, "dead": 1, "left": 0}
+
+
+# ---------------------------------------------------------------------- a tick costs what could change
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("beat"), st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["i1", "i2"]), st.booleans()),
+    st.tuples(st.just("advance"), st.floats(0.05, 4.0)),
+    st.tuples(st.just("probe"), st.sampled_from(["a", "b", "c", "d"]), st.booleans()),
+    st.tuples(st.just("grace"),),
+    st.tuples(st.just("tick"),),
+), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_the_ordered_tick_misses_no_verdict_and_keeps_its_indexes(ops):
+    cfg = CoordinatorConfig(forget_after_s=5.0)
+    det, now, seq = FailureDetector(cfg), 1000.0, {}
+    cap = (cfg.suspect_timeout_s + cfg.node_timeout_s) / 2
+    for op in ops:
+        if op[0] == "beat":
+            _, node, inc, leaving = op
+            seq[node] = seq.get(node, 0) + 1
+            det.heartbeat(hb(node, seq[node], inc, leaving=leaving and seq[node] % 5 == 0), now)
+        elif op[0] == "advance":
+            now += op[1]
+        elif op[0] == "probe" and op[1] in det.nodes:
+            det.probe_result(op[1], op[2], now, det.nodes[op[1]].incarnation if op[2] else None)
+        elif op[0] == "grace":
+            det.grace_all(now, "test")
+        elif op[0] == "tick":
+            det.tick(now)
+            for rec in det.nodes.values():  # what the old walk of every node would have decided
+                silent = now - rec.last_alive_at
+                if rec.state == "alive":
+                    assert not (silent >= cfg.suspect_timeout_s and (silent >= cap or det.phi(rec, now) >= cfg.phi_suspect))
+                if rec.state in ("dead", "left"):
+                    assert now - rec.state_since < cfg.forget_after_s
+        # Every node in exactly the index of its state; the alive ones oldest first.
+        assert set(det._alive) == {n for n, r in det.nodes.items() if r.state == "alive"}
+        assert det._suspect == {n for n, r in det.nodes.items() if r.state == "suspect"}
+        assert set(det._ended) == {n for n, r in det.nodes.items() if r.state in ("dead", "left")}
+        seen = [det.nodes[n].last_alive_at for n in det._alive]
+        assert seen == sorted(seen)
