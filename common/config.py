@@ -219,6 +219,9 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     http_host: str = "127.0.0.1"
     http_port: int = 9751
     live_stuck_after_s: float = 5.0
+    # A revenant_node_health_state series per node in /metrics (off for very large clusters: the
+    # counts by state and by health stay).
+    node_metrics: bool = True
     # Failover: a dead node's jobs are restored once its lease (the agents' lease_ttl_s) is unrenewed for ttl + margin.
     lease_ttl_s: float = 1.7
     lease_margin_s: float = 0.2

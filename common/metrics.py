@@ -159,6 +159,8 @@ class CoordinatorMetrics:
                                        "Health each live node reports: 0 GREEN, 1 YELLOW, 2 RED.", ["node"],
                                        registry=r)
         self.nodes = Gauge("revenant_nodes", "Nodes by membership state.", ["state"], registry=r)
+        self.nodes_by_health = Gauge("revenant_nodes_by_health", "Nodes in touch (alive or suspect) by the health "
+                                     "they report.", ["health"], registry=r)
         self.failovers = Counter("revenant_failovers",
                                  "Jobs recovered elsewhere: their node died (cause=dead), stopped them itself "
                                  "(evicted: a drain or a fence), or a new leader finished the recovery (takeover).",
@@ -194,17 +196,23 @@ class CoordinatorMetrics:
             self.heartbeats.labels(result=result)
         self._nodes: set[str] = set()
 
-    def update_nodes(self, statuses: Iterable[NodeStatus]) -> None:
-        """From the detector's snapshot: counts by state, and the health of nodes still in touch."""
+    def update_nodes(self, statuses: Iterable[NodeStatus], per_node: bool = True) -> None:
+        """From the detector's records (or a snapshot): counts by state and by health, and (with
+        ``per_node``) the health of each node still in touch."""
         counts = dict.fromkeys(NODE_STATES, 0)
+        healths = dict.fromkeys(HEALTH_VALUE, 0)
         live = set()
         for s in statuses:
             counts[s.state] = counts.get(s.state, 0) + 1
             if s.state in ("alive", "suspect"):
-                live.add(s.name)
-                self.node_health_state.labels(node=s.name).set(HEALTH_VALUE[s.health])
+                healths[s.health] = healths.get(s.health, 0) + 1
+                if per_node:
+                    live.add(s.name)
+                    self.node_health_state.labels(node=s.name).set(HEALTH_VALUE[s.health])
         for state, n in counts.items():
             self.nodes.labels(state=state).set(n)
+        for health, n in healths.items():
+            self.nodes_by_health.labels(health=health).set(n)
         # A dead node's last report is stale: it leaves a gap, not a false GREEN.
         for gone in self._nodes - live:
             self.node_health_state.remove(gone)

@@ -117,7 +117,7 @@ class Coordinator(Service):
     # ------------------------------------------------------------------ lifecycle
 
     def _render_metrics(self) -> bytes:
-        self.metrics.update_nodes(self.detector.snapshot(self._clock()))
+        self.metrics.update_nodes(self.detector.nodes.values(), per_node=self.config.node_metrics)
         self.metrics.loop_lag.set(self.loop_monitor.lag_s)
         self.metrics.failover_paused.set(1 if self.failover is not None and self.failover.storm.paused else 0)
         self.metrics.set_proactive_paused(self.leader and self._proactive is not None and self._proactive.rules.paused)
@@ -153,8 +153,9 @@ class Coordinator(Service):
         self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
         self._conversions = JobEventConsumer(self._js, self.jobs, self._evicted, subjects.EPOCHS_CONVERTED,
                                              EPOCHS_CONSUMER)
-        self._periodic = PeriodicCheckpoints(self.jobs, self._nodes, min(1.0, self.config.tick_interval_s * 10),
-                                             self._wall)
+        # The detector's records, not a snapshot: the periodic loop only asks which nodes are alive.
+        self._periodic = PeriodicCheckpoints(self.jobs, self.detector.nodes.values,
+                                             min(1.0, self.config.tick_interval_s * 10), self._wall)
         self._events.start()
         self.spawn(self._tick_loop(), "detector-tick")
         self.spawn(self.loop_monitor.run(), "loop-monitor")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from revenant.common.errors import CheckpointSkipped, RevenantError
 from revenant.coordinator.jobs import JobService
@@ -36,7 +36,7 @@ def due(jobs: list[JobRecord], alive: set[str], busy: set[str], tried_at: Mappin
 
 
 class PeriodicCheckpoints:
-    def __init__(self, jobs: JobService, nodes: Callable[[], list[NodeStatus]], tick_s: float,
+    def __init__(self, jobs: JobService, nodes: Callable[[], Iterable[NodeStatus]], tick_s: float,
                  wall: Callable[[], float]) -> None:
         self.jobs = jobs
         self.nodes = nodes

@@ -356,3 +356,21 @@ def test_each_instance_has_its_own_registry():
     a.update_health(HealthSummary(state="RED"))
     assert samples(b.render())[("revenant_node_health_state", ())] == 0
     CoordinatorMetrics(), CoordinatorMetrics()  # no "Duplicated timeseries" from a shared registry
+
+
+def test_nodes_by_health_and_per_node_series_that_can_be_turned_off():
+    from revenant.common.metrics import CoordinatorMetrics
+
+    m = CoordinatorMetrics()
+    nodes = [NodeStatus(name="a", state="alive", health="GREEN"), NodeStatus(name="b", state="suspect", health="RED"),
+             NodeStatus(name="c", state="dead", health="YELLOW")]
+    m.update_nodes(nodes)
+    text = m.render().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("revenant_nodes_by_health", (("health", "GREEN"),))] == 1
+    assert samples[("revenant_nodes_by_health", (("health", "RED"),))] == 1
+    assert samples[("revenant_nodes_by_health", (("health", "YELLOW"),))] == 0  # a dead node's is stale
+    assert ("revenant_node_health_state", (("node", "b"),)) in samples
+    m.update_nodes(nodes, per_node=False)
+    assert "revenant_node_health_state{" not in m.render().decode()
