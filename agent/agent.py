@@ -24,7 +24,7 @@ import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from revenant.agent import cuda, procs
+from revenant.agent import cuda, procs, progress
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
@@ -207,7 +207,8 @@ class Agent(Service):
                       file_snapshot_max_bytes=cfg.file_snapshot_max_bytes,
                       workdir_scan_max_entries=cfg.workdir_scan_max_entries,
                       file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
-                      clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore)
+                      clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore,
+                      reporter=progress.Reporter(self.node, self._publish))
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
         # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
         # The GPU's state is suspended before a pre-dump or the dump read the job's memory.
@@ -331,6 +332,11 @@ class Agent(Service):
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ commands
+
+    async def _publish(self, subject: str, data: bytes) -> None:
+        """Core NATS, fire and forget (the progress of dumps and restores): nothing while disconnected."""
+        if self._nc is not None and self._nc.is_connected:
+            await self._nc.publish(subject, data)
 
     async def _on_command(self, msg: Msg) -> None:
         bus.answer_in_task(self._requests, msg, self._dispatch, "command {verb}")

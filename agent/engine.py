@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from revenant.agent import criu, lazy, packs, procs
+from revenant.agent import criu, criustats, lazy, packs, procs, progress
 from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
 from revenant.agent.fileio import Durable
 from revenant.agent.filestep import JobFilesStep
@@ -142,8 +142,11 @@ class Engine:
                  staging: Path | None = None, steps: list[Step] | None = None, concurrency: int = 2,
                  criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
                  workdir_scan_max_entries: int = 20_000, file_snapshot_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False) -> None:
+                 wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False,
+                 reporter: progress.Reporter | None = None) -> None:
         self.criu = criu_path
+        # Tells whoever watches how far each dump and restore has come (agent/progress.py).
+        self.reporter = reporter or progress.Reporter(node)
         # Restore lazily (criu lazy-pages; the agent's restore_mode and criu's uffd features).
         self.lazy = lazy_restore
         self.criu_version = criu_version
@@ -182,9 +185,10 @@ class Engine:
     # ------------------------------------------------------------------ checkpoint
 
     async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool, workdir: str = "",
-                         user: str = "", policy: CheckpointPolicy | None = None) -> tuple[Manifest, list[str]]:
+                         user: str = "", policy: CheckpointPolicy | None = None
+                         ) -> tuple[Manifest, list[str], dict[str, float]]:
         """Dump ``job`` (root ``pid``, working directory ``workdir``, owned by ``user``, which the
-        manifest records) into a new committed epoch.
+        manifest records) into a new committed epoch; returns it, notes, and criu's statistics.
 
         ``stop`` (vacate): the job is left stopped after the dump and killed only
         once the epoch has committed; on any failure it is resumed, unharmed.
@@ -198,7 +202,8 @@ class Engine:
             self.pending -= 1
 
     async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool,
-                          job_workdir: str, user: str, policy: CheckpointPolicy | None) -> tuple[Manifest, list[str]]:
+                          job_workdir: str, user: str,
+                          policy: CheckpointPolicy | None) -> tuple[Manifest, list[str], dict[str, float]]:
         workdir = self._new_dir(self.work_roots, job)
         staging = self._new_dir([self.staging], job) if self.staging is not None else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
@@ -209,16 +214,20 @@ class Engine:
         started = self.clock()
         undo = _Undo()
         committed = False
-        durable = None
+        durable = watch = None
         try:
             undo.tmp = files.new_tmp(self.node)
             ctx.epoch_tmp = staging if staging is not None else undo.tmp
+            watch = self.reporter.watch(job, user, "dump", functools.partial(progress.dir_bytes, ctx.epoch_tmp),
+                                        functools.partial(progress.tree_rss, pid))
             durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)
             undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None)
             await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)
             for step in self.steps:
                 await step.before_dump(ctx)
             output = await self._dump(ctx, ctx.epoch_tmp, undo)
+            watch.op = "commit"
+            stats = criustats.read(ctx.workdir / criustats.DUMP_FILE)
             manifest.freeze_s = criu.frozen_time_s(output)
             manifest.dump_s = self.clock() - started
             for step in self.steps:
@@ -233,12 +242,14 @@ class Engine:
             if stop:
                 signal_tree(pid, signal.SIGKILL)
                 undo.frozen = False
-            return manifest, ctx.notes
+            return manifest, ctx.notes, stats
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise NoSpace(f"no space left writing the checkpoint of {job}: {exc.filename or ''}".rstrip(": ")) from None
             raise EpochError(f"checkpoint of {job} failed: {exc}") from None
         finally:
+            if watch is not None:
+                watch.stop()
             if not committed:
                 await asyncio.shield(self._undo_dump(ctx, undo))
             if durable is not None:
@@ -310,10 +321,10 @@ class Engine:
     # ------------------------------------------------------------------ restore
 
     async def restore(self, job: str, generation: int, leave_workdir: str = "",
-                      epoch: int = 0) -> tuple[int, Manifest, list[str], LazyFetch | None]:
+                      epoch: int = 0) -> tuple[int, Manifest, list[str], LazyFetch | None, dict[str, float]]:
         """Restore ``job`` from its newest verified epoch (``epoch``: exactly that one) as our
-        child; returns (pid, manifest, notes, fetch).  ``leave_workdir``: why the job's working
-        directory must be left as it is (it is shared).  An epoch stored as a delta
+        child; returns (pid, manifest, notes, fetch, criu's statistics).  ``leave_workdir``: why
+        the job's working directory must be left as it is (it is shared).  An epoch stored as a delta
         (agent/packs.py) is rebuilt first, into a temporary directory next to the epochs.
 
         With ``self.lazy`` a plain epoch is restored lazily: its page data is not read before
@@ -339,7 +350,7 @@ class Engine:
 
     async def _restore_chosen(self, files: JobFiles, manifest: Manifest, notes: list[str], generation: int,
                               leave_workdir: str, checked: dict[str, object],
-                              lazy_here: bool) -> tuple[int, Manifest, list[str], LazyFetch | None]:
+                              lazy_here: bool) -> tuple[int, Manifest, list[str], LazyFetch | None, dict[str, float]]:
         workdir: Path | None = self._new_dir(self.work_roots, f"restore-{files.job}")
         assert workdir is not None
         images = fetch = None
@@ -353,24 +364,29 @@ class Engine:
                 ctx.images = images
             elif lazy_here:
                 ctx.lazy = await lazy.LazyPages.start(self.criu, ctx.epoch_dir, workdir)
-            pid, manifest, notes = await self._restore(ctx)
+            pid, manifest, notes, stats = await self._restore(ctx)
             if ctx.lazy is not None:  # the page server and its work directory live on until the last page
                 keep = functools.partial(self._keep_log, files, "lazy-pages", generation)
                 fetch, workdir = LazyFetch(ctx.lazy, manifest, ctx.epoch_dir, workdir, keep), None
-            return pid, manifest, notes, fetch
+            return pid, manifest, notes, fetch, stats
         finally:
             if ctx.lazy is not None and fetch is None:
                 await ctx.lazy.abort()
             if workdir is not None or images is not None:  # (no await once the fetch is handed over)
                 await asyncio.to_thread(_remove, workdir, images)
 
-    async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str]]:
+    async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str], dict[str, float]]:
         for step in self.steps:
             await step.before_restore(ctx)
         pidfile = ctx.workdir / "pid"
         argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
         argv += ctx.lazy.restore_args if ctx.lazy is not None else []
-        done = await procs.run(argv, self.criu_timeout_s)
+        total = 0 if ctx.lazy is not None else ctx.manifest.total_bytes  # a lazy restore reads its pages later
+        watch = self.reporter.watch(ctx.job, ctx.manifest.user, "restore", progress.RestoredBytes(ctx.workdir), total)
+        try:
+            done = await procs.run(argv, self.criu_timeout_s)
+        finally:
+            watch.stop()
         if done.returncode != 0:
             text = criu.read_log(ctx.workdir / criu.RESTORE_LOG, done.output)
             kept = await self._keep_log(ctx.files, "restore", ctx.generation, text)
@@ -382,7 +398,7 @@ class Engine:
         except BaseException:  # half restored (its GPU not resumed, say): it must not run on as the job
             signal_tree(ctx.pid, signal.SIGKILL)
             raise
-        return ctx.pid, ctx.manifest, ctx.notes
+        return ctx.pid, ctx.manifest, ctx.notes, criustats.read(ctx.workdir / criustats.RESTORE_FILE)
 
     # ------------------------------------------------------------------ helpers
 

@@ -242,20 +242,19 @@ class Supervisor:
                     if rt.exited.is_set():
                         self._report_exit(rt)
 
-    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict_reason: str, warnings: list[str],
-                          why: Why) -> AgentJobReply:
+    async def _checkpoint(self, rt: JobRuntime, stop: bool, evict: str, warnings: list[str], why: Why) -> AgentJobReply:
         job, generation = rt.spec.id, rt.generation
         assert self.engine is not None
         try:
-            manifest, notes = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, workdir=rt.spec.workdir,
-                                                           user=rt.spec.user, policy=rt.spec.policy)
+            manifest, notes, stats = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, user=rt.spec.user,
+                                                                  workdir=rt.spec.workdir, policy=rt.spec.policy)
         except RevenantError as exc:
             self.book.failed(job, generation, exc, **why)
             raise
         if stop:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
             rt.stopped_at_epoch, rt.stopped_gpus = manifest.epoch, (manifest.gpus, manifest.gpu_driver)
-            rt.evicted, rt.kill_reason = bool(evict_reason), evict_reason
+            rt.evicted, rt.kill_reason = bool(evict), evict
         info, pruned, kept, storage = await self.policies.committed(rt.files, generation, manifest,
                                                                     rt.spec.max_epochs, rt.spec.policy, why)
         if stop:
@@ -264,7 +263,8 @@ class Supervisor:
             except asyncio.TimeoutError:
                 log.error("job %s did not die after vacate; killing it", job)
                 signal_tree(rt.pid, signal.SIGKILL)
-        return self._reply(rt, epoch=info, notes=warnings + notes, pruned=pruned, epochs=kept, storage_bytes=storage)
+        return self._reply(rt, epoch=info, notes=warnings + notes, pruned=pruned, epochs=kept, storage_bytes=storage,
+                           stats=stats)
 
     # ------------------------------------------------------------------ restore
 
@@ -284,7 +284,7 @@ class Supervisor:
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
         async with self.policies.lock(files):  # never while its older epochs are being converted
-            pid, manifest, notes, fetch = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
+            pid, manifest, notes, fetch, stats = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)
@@ -292,7 +292,7 @@ class Supervisor:
         # The coordinator publishes "restored": it alone knows whether this is a restart or a failover.
         log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
         await self._check_superseded(rt, launch)
-        return self._reply(rt, epoch=await self.policies.described(files, manifest), notes=notes)
+        return self._reply(rt, epoch=await self.policies.described(files, manifest), notes=notes, stats=stats)
 
     # ------------------------------------------------------------------ kill, purge, shutdown
 

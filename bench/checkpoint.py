@@ -59,7 +59,6 @@ import re
 import shutil
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from pathlib import Path
 
 import psutil
 
+from revenant.agent import criustats
 from revenant.agent.epochs import JobFiles, Manifest
 from revenant.agent.launcher import INIT_NAME, INIT_SCRIPT
 
@@ -170,56 +170,6 @@ def parse_criu_stats(output: str) -> dict[str, float]:
         key = name.strip().lower().replace(" ", "_")
         stats[key + ("_s" if unit else "")] = int(value) / 1e6 if unit else int(value)
     return stats
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
-
-
-_DUMP_STATS_FIELDS = {1: "freezing_time_s", 2: "frozen_time_s", 3: "memory_dump_time_s", 4: "memory_write_time_s",
-                      5: "memory_pages_scanned", 7: "memory_pages_written"}
-
-
-def read_stats_dump(path: Path) -> dict[str, float]:
-    """criu's binary ``stats-dump`` (service magic, stats magic, length, StatsEntry protobuf), best effort."""
-    try:
-        data = path.read_bytes()
-        magic1, magic2, size = struct.unpack_from("<III", data)
-        if (magic1, magic2) != (0x55105940, 0x57093306):
-            return {}
-        pb = data[12:12 + size]
-        i, dump = 0, b""
-        while i < len(pb):
-            key, i = _varint(pb, i)
-            if key & 7 == 2:
-                n, i = _varint(pb, i)
-                if key >> 3 == 1:
-                    dump = pb[i:i + n]
-                i += n
-            elif key & 7 == 0:
-                _, i = _varint(pb, i)
-            else:
-                return {}
-        out: dict[str, float] = {}
-        i = 0
-        while i < len(dump):
-            key, i = _varint(dump, i)
-            if key & 7 != 0:
-                break
-            value, i = _varint(dump, i)
-            name = _DUMP_STATS_FIELDS.get(key >> 3)
-            if name:
-                out[name] = value / 1e6 if name.endswith("_s") else value
-        return out
-    except (OSError, struct.error, IndexError):
-        return {}
 
 
 def foreign_criu() -> list[int]:
@@ -453,7 +403,8 @@ class Bench:
             if done.returncode != 0:
                 raise BenchError(f"revenant checkpoint create {job} failed: {done.stderr.strip()}")
             run["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-            epoch = json.loads(done.stdout)["epochs"][-1]
+            reply = json.loads(done.stdout)
+            epoch = reply["epochs"][-1]
             # A client round trip that does no work: CLI start-up + NATS + coordinator.
             r0 = time.monotonic()
             view = self._show(job)
@@ -462,7 +413,8 @@ class Bench:
                 raise BenchError(f"job {job} is {view['state']} after its checkpoint, not running")
             epoch_dir = self.storage / "jobs" / job / "epochs" / str(epoch["n"])
             manifest = json.loads((epoch_dir / "manifest.json").read_text())
-            stats = read_stats_dump(epoch_dir / "stats-dump")
+            # criu's stats-dump, from the reply (criu writes the file into the agent's scratch, not the epoch).
+            stats = reply.get("stats") or criustats.read(epoch_dir / criustats.DUMP_FILE)
         finally:
             self.stop_job(job)
         # The manifest on storage is written before the commit finishes, so its dump_s is the agent's criu

@@ -19,6 +19,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.cli import asking
 from revenant.cli.jobview import _fmt_bytes, _fmt_time, _print_job, job_view
+from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.errors import BusError, RevenantError
@@ -246,12 +247,26 @@ def events(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- jobs
 
-async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
+async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float,
+                 watch: ProgressLine | None = None) -> M:
+    """Ask the coordinator; with ``watch``, draw the job's progress until the reply comes."""
     nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False,
                            connect_timeout_s=min(timeout_s, 5.0))
     try:
+        if watch is not None:  # before the request: the server hears the subscription first
+            heard = watch.heard
+
+            async def on_progress(report) -> None:
+                heard(report.data)
+
+            try:
+                await nc.subscribe(subjects.job_progress(watch.job, asking_user()), cb=on_progress)
+            except nats.errors.Error:
+                pass  # best effort: the reply alone is the answer
         return await bus.request(nc, request_subject(verb), msg, reply_type, timeout_s)
     finally:
+        if watch is not None:
+            watch.close()
         await nc.close()
 
 
@@ -350,12 +365,16 @@ def failover(args: argparse.Namespace) -> int:
 def job_action(args: argparse.Namespace, verb: str) -> int:
     """checkpoint create (verb 'checkpoint'), vacate, restart, purge."""
     req = JobRequest(job=args.job, node=getattr(args, "node", None) or "", epoch=getattr(args, "epoch", None) or 0)
-    reply = asyncio.run(_coord(_url(args), verb, req, JobReply, args.timeout))
+    criu_op = verb in ("checkpoint", "vacate", "restart")
+    as_json = getattr(args, "json", False)
+    # A person watching (a terminal, no --json) sees how far the dump or restore is.
+    watch = ProgressLine(args.job, sys.stderr) if criu_op and not as_json and sys.stderr.isatty() else None
+    reply = asyncio.run(_coord(_url(args), verb, req, JobReply, args.timeout, watch))
     rec = reply.job
     for note in reply.notes:
         print(f"revenant: {note}", file=sys.stderr)
-    if getattr(args, "json", False):
-        print(json.dumps(job_view(rec), indent=2))
+    if as_json:
+        print(json.dumps({**job_view(rec), "stats": reply.stats} if criu_op else job_view(rec), indent=2))
     elif verb in ("checkpoint", "vacate") and rec.epochs:
         e = rec.epochs[-1]
         print(f"job {rec.spec.id}: epoch {e.n} committed ({_fmt_bytes(e.bytes)}, frozen {e.freeze_s * 1000:.0f} ms, "
@@ -364,4 +383,6 @@ def job_action(args: argparse.Namespace, verb: str) -> int:
         print(f"job {rec.spec.id}: restored on {rec.node} as generation {rec.generation}, pid {rec.pid}")
     else:
         print(f"job {rec.spec.id}: {rec.state}")
+    if criu_op and getattr(args, "stats", False) and not as_json:
+        print(stats_table(reply.stats))
     return 0

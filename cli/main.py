@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_cluster_args(q, timeout=3600.0)
         q.add_argument("job")
         q.add_argument("--json", action="store_true")
+        q.add_argument("--stats", action="store_true",
+                       help="also print criu's own statistics (freeze, memory dump, pages written)")
         if action == "restart":
             q.add_argument("--node", help="restore on this node (default: the coordinator chooses)")
             q.add_argument("--epoch", type=int, metavar="N",

@@ -6,10 +6,12 @@ identity publish and subscribe only where its role needs (docs/security.md):
 * ``coordinator``: every coordinator process (leader and standbys); commands agents, writes
   the job table, the leader bucket and the archive, owns the event stream.
 * ``agent-<node>``: one per node; its own heartbeat, lease key and node events, job and epoch
-  events, ``reconcile``, replies; it hears only its own commands and probes.
+  events, the progress of its dumps and restores, ``reconcile``, replies; it hears only its own
+  commands and probes.
 * ``user-<name>``: a Unix user: its own ``revenant.user.<name>.>`` requests, the event stream
-  read-only.
-* ``admin``: root and operators: ``revenant.coord.>`` requests, the event stream read-only.
+  read-only, the progress of its own jobs.
+* ``admin``: root and operators: ``revenant.coord.>`` requests, the event stream read-only, every
+  job's progress.
 
 Each identity gets its replies on ``_INBOX_<identity>.>`` (see :func:`inbox_prefix`), so no one
 can listen to another's replies.  A seed file holds one seed (``SU...``) and nothing else; it is
@@ -148,6 +150,7 @@ def permissions_for(identity: str) -> Permissions:
                 f"{subjects.EVENTS_PREFIX}.node.{node}.>",
                 f"{subjects.EVENTS_PREFIX}.job.>",
                 f"{subjects.EVENTS_PREFIX}.epoch.>",
+                subjects.PROGRESS_ALL,  # any job's (a subject carries the job's user, not the node)
                 subjects.coordinator("reconcile"),
                 f"$KV.{subjects.LEASES_BUCKET}.{node}",
                 # Create the bucket and the stream if missing (a create never changes one
@@ -165,13 +168,13 @@ def permissions_for(identity: str) -> Permissions:
             publish_allow=(f"{subjects.COORDINATOR_PREFIX}.>", f"{_JS}.STREAM.CREATE.{_EVENTS}",
                            *_event_reader()),
             publish_deny=(subjects.coordinator("reconcile"), *_COORDINATOR_CONSUMER_DENY),
-            subscribe_allow=(inbox,),
+            subscribe_allow=(inbox, subjects.PROGRESS_ALL),
         )
     user = identity[len(USER_PREFIX):]
     return Permissions(
         publish_allow=(f"{root}.user.{user}.>", *_event_reader()),
         publish_deny=_COORDINATOR_CONSUMER_DENY,
-        subscribe_allow=(inbox,),
+        subscribe_allow=(inbox, f"{subjects.PROGRESS_PREFIX}.{user}.>"),
     )
 
 

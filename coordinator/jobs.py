@@ -207,11 +207,13 @@ class JobService:
             return None
 
     async def checkpoint(self, job: str, *, stop: bool, scheduled: bool = False, force: bool = False,
-                         evict: str = "", cause: str = "", reasons: tuple[str, ...] = ()) -> tuple[JobRecord, list[str]]:
+                         evict: str = "", cause: str = "", reasons: tuple[str, ...] = (),
+                         stats: dict[str, float] | None = None) -> tuple[JobRecord, list[str]]:
         """Checkpoint (``stop``: vacate; with ``evict``, a move: the job is left restoring, for failover
         to place) the job.  ``scheduled``: a periodic one, which its node may skip under load
         (:class:`CheckpointSkipped`: the job runs on, nothing failed); ``force``: take it whatever
-        the load.  ``cause``, ``reasons``: why, for the epoch event."""
+        the load.  ``cause``, ``reasons``: why, for the epoch event.  ``stats``, if given, is filled
+        with criu's statistics of the dump (the agent's reply)."""
         asked = lc.CheckpointAsked(stop, scheduled, force, evict, cause, tuple(reasons))
         cmd = (await self.step(job, asked)).commands[0]
         try:
@@ -224,6 +226,8 @@ class JobService:
             raise
         await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned),
                                              tuple(reply.epochs), reply.storage_bytes, evicted=bool(stop and evict)))
+        if stats is not None:
+            stats.update(reply.stats)
         return self.get(job), reply.notes
 
     async def checkpoint_abandoned(self, job: str, generation: int) -> None:
@@ -231,8 +235,10 @@ class JobService:
         on (a vacate that did stop it reports "vacated" through the event stream)."""
         await self.step(job, lc.CheckpointFailed(generation))
 
-    async def restart(self, job: str, node: str = "", epoch: int = 0) -> tuple[JobRecord, list[str]]:
-        """Restore a vacated or failed job: from ``epoch`` exactly, or (0) its newest restorable one."""
+    async def restart(self, job: str, node: str = "", epoch: int = 0,
+                      stats: dict[str, float] | None = None) -> tuple[JobRecord, list[str]]:
+        """Restore a vacated or failed job: from ``epoch`` exactly, or (0) its newest restorable one.
+        ``stats``, if given, is filled with criu's statistics of the restore."""
         before: list[JobRecord] = []
         waived: list[str] = []
 
@@ -256,6 +262,8 @@ class JobService:
         notes = waived + reply.notes
         await self.step(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
                                           announce="; ".join(notes) or True))
+        if stats is not None:
+            stats.update(reply.stats)
         return self.get(job), notes
 
     async def purge(self, job: str) -> tuple[JobRecord, list[str]]:

@@ -138,10 +138,11 @@ class ClientRequests:
             raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
         if not asker.admin:  # the user never changes: checked once, before acting
             visible(asker, req.job, jobs.jobs.get(req.job) or await jobs.store.load_archived(req.job))
+        stats: dict[str, float] = {}  # criu's, of the dump or restore
         if verb in ("checkpoint", "vacate"):
-            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate", cause="operator")
+            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate", cause="operator", stats=stats)
         elif verb == "restart":
-            rec, notes = await jobs.restart(req.job, req.node, req.epoch)
+            rec, notes = await jobs.restart(req.job, req.node, req.epoch, stats=stats)
         else:
             rec, notes = await jobs.purge(req.job)
-        return JobReply(job=rec, notes=notes)
+        return JobReply(job=rec, notes=notes, stats=stats)

@@ -15,12 +15,14 @@ revenant.evt.node.<node>.<kind> JetStream stream EVENTS     NodeEvent
 revenant.evt.job.<job>.<kind>   JetStream stream EVENTS     JobEvent
 revenant.evt.epoch.<job>.<kind> JetStream stream EVENTS     EpochEvent
 revenant.evt.cluster.<kind>     JetStream stream EVENTS     cluster-wide alerts
+revenant.progress.<user>.<job>  core NATS, fire and forget  Progress
 ==============================  ==========================  =======================
 
 ``revenant.coord.<verb>`` is how admin (root, operators) asks the coordinator, and how
 agents ask for ``reconcile``; ``revenant.user.<user>.<verb>`` is how the Unix user ``<user>``
 asks (see :func:`user_request`): the coordinator takes the subject's ``<user>`` token as
-who asks, and shows and acts on that user's jobs only.
+who asks, and shows and acts on that user's jobs only.  A job's progress carries its user
+too, so that a server can let ``user-<user>`` hear its own jobs' progress only.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ EVENTS_STREAM = "REVENANT_EVENTS"
 
 COORDINATOR_PREFIX = f"{ROOT}.coord"
 USER_PREFIX = f"{ROOT}.user"
+PROGRESS_PREFIX = f"{ROOT}.progress"
+PROGRESS_ALL = f"{PROGRESS_PREFIX}.>"
+# The progress token of a job recorded before jobs had users: such a job runs as root.
+_NO_USER = "root"
 
 # Names become subject tokens and directory names: keep them boring.
 # \Z, not $: "$" would let a trailing newline through.  No ".", "/", NUL or empty name passes.
@@ -109,6 +115,16 @@ def user_from_request(subject: str) -> str | None:
     if not dot or not _NAME_RE.match(user) or not _NAME_RE.match(verb):
         return None
     return user
+
+
+def progress(user: str, job: str) -> str:
+    """Where the agent running a dump or restore of ``job``, whose user is ``user``, says how far it is."""
+    return f"{PROGRESS_PREFIX}.{check_name(user or _NO_USER, 'user name')}.{check_name(job, 'job id')}"
+
+
+def job_progress(job: str, user: str | None = None) -> str:
+    """What a client hears ``job``'s progress on: as ``user``, or (None) as admin, whoever's it is."""
+    return progress(user, job) if user is not None else f"{PROGRESS_PREFIX}.*.{check_name(job, 'job id')}"
 
 
 def node_event(node: str, kind: str) -> str:

@@ -168,6 +168,8 @@ class JobsRequest(Message, tag="jobs_request.v1"):
 class JobReply(Message, tag="job_reply.v1"):
     job: JobRecord
     notes: list[str] = []  # for people, e.g. "epoch 3 failed verification; restored from epoch 2"
+    # checkpoint / vacate / restart: criu's own statistics of the dump or restore (AgentJobReply's).
+    stats: dict[str, float] = {}
 
 
 class JobsReply(Message, tag="jobs_reply.v1"):
@@ -260,6 +262,24 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     # Fresh infos of every epoch the job keeps, oldest first: when not empty, the job table's
     # listing is replaced by them (own bytes change as older epochs become deltas).
     epochs: list[EpochInfo] = []
+    # criu's own statistics of this dump or restore (agent/criustats.py: times in seconds, pages
+    # counted); {}: none reported.
+    stats: dict[str, float] = {}
+
+
+class Progress(Message, tag="progress.v1"):
+    """How far a dump or restore has come: about twice a second while it runs, on core NATS at
+    ``revenant.progress.<user>.<job>``, for whoever watches.  Best effort: one lost changes nothing."""
+
+    job: str
+    # "dump" (criu writing the images), "commit" (checksums and sync), "restore" (criu reading them).
+    op: str
+    node: str = ""
+    # Written (dump, commit) or read (restore) so far; the whole, estimated (0: unknown).
+    bytes: int = 0
+    total_bytes: int = 0
+    # Since the operation started, on the agent's clock.
+    elapsed_s: float = 0.0
 
 
 # -- events (JetStream, revenant.evt.job.<job>.<kind> / revenant.evt.epoch.<job>.<kind>)
@@ -359,8 +379,8 @@ class ErrorReply(Message, tag="error.v1"):
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
     JobsRequest, JobReply, JobsReply, FailoverRequest, FailoverReply, StartJob, CheckpointJob, RestoreJob,
-    KillJob, PurgeJob, AgentJobReply, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent, ReconcileRequest,
-    ReconcileReply, ErrorReply,
+    KillJob, PurgeJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
+    ReconcileRequest, ReconcileReply, ErrorReply,
 )
 
 __all__ = [
@@ -371,5 +391,6 @@ __all__ = [
     "Heartbeat", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
     "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
     "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
-    "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob", "SubmitRequest",
+    "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob",
+    "SubmitRequest",
 ]

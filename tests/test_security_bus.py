@@ -335,6 +335,31 @@ async def test_admin_asks_the_coordinator_and_reads_events_only(secured):
 
 
 @pytest.mark.nats
+async def test_a_jobs_progress_reaches_its_user_and_admin_only(secured):
+    server, seeds = secured
+    agent = await connect_as(server, seeds, "agent-node-1")
+    alice = await connect_as(server, seeds, "user-alice")
+    bob = await connect_as(server, seeds, "user-bob")
+    admin = await connect_as(server, seeds, "admin")
+    try:
+        hers = await alice.nc.subscribe(subjects.job_progress("7", "alice"))
+        anyones = await admin.nc.subscribe(subjects.job_progress("7"))
+        for conn in (alice, admin):
+            await conn.nc.flush()
+        await agent.nc.publish(subjects.progress("alice", "7"), b"p")
+        assert (await hers.next_msg(timeout=10)).data == b"p"
+        assert (await anyones.next_msg(timeout=10)).subject == subjects.progress("alice", "7")
+        assert agent.errors == alice.errors == admin.errors == []
+        # Bob hears neither alice's jobs nor every job's; only agents tell progress.
+        await all_refused(subscribe_refused, bob, (
+            subjects.progress("alice", "7"), subjects.job_progress("7"), subjects.PROGRESS_ALL))
+        await all_refused(publish_refused, alice, (subjects.progress("alice", "7"),))
+        await all_refused(publish_refused, admin, (subjects.progress("alice", "7"),))
+    finally:
+        await close_all(agent, alice, bob, admin)
+
+
+@pytest.mark.nats
 async def test_coordinator_owns_the_job_table(secured):
     server, seeds = secured
     coord = await setup_jetstream(server, seeds)
