@@ -105,15 +105,123 @@ def test_scrape_config_names_the_rules_and_the_target_files():
     assert all(t["labels"]["node"] and t["targets"] for t in targets)
 
 
-@pytest.mark.parametrize("manifest", ["agent-daemonset.yaml", "coordinator-deployment.yaml"])
-def test_kubernetes_probes_use_real_routes(manifest):
-    text = (DEPLOY / "kubernetes" / manifest).read_text()
+# ------------------------------------------------------------------ deploy/kubernetes
+# (No YAML parser among revenant's dependencies: the manifests are read with patterns, which
+# their one-line flow mappings keep simple.)
+
+KUBE = DEPLOY / "kubernetes"
+
+
+def kube_doc(manifest: str, kind: str) -> str:
+    """The one document of ``kind`` in ``manifest``."""
+    docs = [d for d in re.split(r"^---$", (KUBE / manifest).read_text(), flags=re.M)
+            if re.search(rf"^kind: {kind}$", d, re.M)]
+    assert len(docs) == 1, f"{manifest}: {len(docs)} documents of kind {kind}"
+    return docs[0]
+
+
+def probes(doc: str) -> dict[str, tuple[str, str]]:
+    """Each probe of a manifest's container: kind -> (path, port)."""
+    found = re.findall(r"^\s+(\w+Probe):.*\n\s+httpGet: \{path: (\S+), port: ([\w-]+)\}", doc, re.M)
+    assert len({kind for kind, _, _ in found}) == len(found)
+    return {kind: (path, port) for kind, path, port in found}
+
+
+def container_env(doc: str) -> dict[str, str]:
+    """A container's environment variables that have a literal value."""
+    return dict(re.findall(r"^\s+- name: (\w+)[^\n]*\n\s+value: \"([^\"]*)\"", doc, re.M))
+
+
+def field(doc: str, name: str) -> str:
+    m = re.search(rf"^\s*{name}: ([^#\n]*?)\s*(?:#.*)?$", doc, re.M)
+    assert m, f"no {name}"
+    return m.group(1)
+
+
+def nats_urls() -> list[str]:
+    """The client URLs of the servers nats-statefulset.yaml starts: one per pod of the StatefulSet,
+    by its name in the headless Service."""
+    sts = kube_doc("nats-statefulset.yaml", "StatefulSet")
+    name = re.search(r"^metadata:\n  name: (\S+)$", sts, re.M).group(1)
+    port = re.search(r"\{name: client, containerPort: (\d+)\}", sts).group(1)
+    return [f"nats://{name}-{i}.{field(sts, 'serviceName')}:{port}" for i in range(int(field(sts, "replicas")))]
+
+
+REVENANT_MANIFESTS = [("agent-daemonset.yaml", "DaemonSet", AgentConfig, "agent"),
+                      ("coordinator-deployment.yaml", "Deployment", CoordinatorConfig, "coordinator")]
+
+
+@pytest.mark.parametrize("manifest,kind,section", [(m, k, s) for m, k, _, s in REVENANT_MANIFESTS])
+def test_kubernetes_probes_use_real_routes(manifest, kind, section):
+    doc = kube_doc(manifest, kind)
     routes = set(health_routes(render_metrics=bytes, summary=HealthSummary, stuck_for=float))
-    paths = re.findall(r"path: (/\w*)", text)
-    assert set(paths) >= {"/live", "/ready"} and set(paths) <= routes
-    assert "livenessProbe" in text and "readinessProbe" in text
-    port = re.search(r"containerPort: (\d+)", text).group(1)
-    assert re.search(rf"_HTTP_PORT\n\s+value: \"{port}\"", text)
+    found = probes(doc)
+    assert {"livenessProbe", "readinessProbe"} <= set(found)
+    assert {path for path, _ in found.values()} <= routes
+    # /health answers 200 whatever the state: a probe on it would check nothing but the port.
+    assert "/health" not in {path for path, _ in found.values()}
+    # Liveness never looks at health (a RED node needs a person, not a restart loop).
+    assert found["livenessProbe"][0] == "/live"
+    port = re.search(r"\{name: (\w+), containerPort: (\d+)\}", doc)
+    assert {p for _, p in found.values()} == {port.group(1)}
+    assert container_env(doc)[f"REVENANT_{section.upper()}_HTTP_PORT"] == port.group(2)
+
+
+def test_the_agent_is_ready_when_its_node_may_take_work():
+    found = probes(kube_doc("agent-daemonset.yaml", "DaemonSet"))
+    assert found["readinessProbe"][0] == "/ready"  # 503 while starting, RED or cut off from NATS
+    assert found["startupProbe"][0] == "/live"  # criu check may take up to 30 s
+
+
+def test_the_coordinators_are_a_leader_and_a_standby():
+    doc = kube_doc("coordinator-deployment.yaml", "Deployment")
+    assert field(doc, "replicas") == "2"
+    # A standby's /ready is 503 until it leads: as readiness, no new pod could become ready while
+    # the old leader runs, and a rolling update would wait for one forever.
+    assert probes(doc)["readinessProbe"][0] != "/ready"
+    assert field(doc, "type") == "RollingUpdate"
+    assert field(doc, "rollingUpdate") == "{maxSurge: 0, maxUnavailable: 1}"
+    assert field(kube_doc("coordinator-deployment.yaml", "PodDisruptionBudget"), "maxUnavailable") == "1"
+    text = (KUBE / "coordinator-deployment.yaml").read_text()
+    assert "single" not in text and "Recreate" not in text and "never two" not in text
+
+
+@pytest.mark.parametrize("manifest,kind,cls,section", REVENANT_MANIFESTS)
+def test_revenant_uses_all_three_nats_servers(manifest, kind, cls, section):
+    doc = kube_doc(manifest, kind)
+    assert "--nats" not in field(doc, "command")  # the environment says where the bus is
+    config = load_config(cls, section, None, {"node": "n"} if cls is AgentConfig else None,
+                         environ=container_env(doc))
+    assert config.nats_url.split(",") == nats_urls() and len(nats_urls()) == 3
+    assert config.nats_replicas == 3
+
+
+def test_the_nats_statefulset_is_a_three_server_jetstream_cluster():
+    sts = kube_doc("nats-statefulset.yaml", "StatefulSet")
+    service = kube_doc("nats-statefulset.yaml", "Service")
+    assert field(service, "name") == field(sts, "serviceName")
+    assert field(service, "clusterIP") == "None" and field(service, "publishNotReadyAddresses") == "true"
+    conf = kube_doc("nats-statefulset.yaml", "ConfigMap")
+    routes = re.findall(r"nats-route://(\S+)", re.search(r"^\s+cluster \{(.*?)^\s+\}", conf, re.M | re.S).group(1))
+    assert routes == [u.removeprefix("nats://").replace(":4222", ":6222") for u in nats_urls()]
+    store = re.search(r"^\s+jetstream \{.*?store_dir: (\S+)", conf, re.M | re.S).group(1)
+    # ... on a volume of each server's own.
+    assert re.search(rf"\{{name: data, mountPath: {store}\}}", sts)
+    assert re.search(r"^  volumeClaimTemplates:\n    - metadata:\n        name: data$", sts, re.M)
+    # Each server is named after its pod, from the StatefulSet's environment.
+    assert re.search(r"^\s+server_name: \$POD_NAME$", conf, re.M)
+    assert re.search(r"- name: POD_NAME\n\s+valueFrom: \{fieldRef: \{fieldPath: metadata.name\}\}", sts)
+    # Lame duck mode on the way out, with the time to finish it.
+    lame = sum(int(re.search(rf"^\s+{key}: \"(\d+)s\"$", conf, re.M).group(1))
+               for key in ("lame_duck_duration", "lame_duck_grace_period"))
+    assert int(field(sts, "terminationGracePeriodSeconds")) > lame
+    pid = re.search(r"^\s+pid_file: (\S+)$", conf, re.M).group(1)
+    assert f"-sl=ldm={pid}" in sts
+    found = probes(sts)
+    assert set(found) == {"startupProbe", "readinessProbe", "livenessProbe"}
+    assert all(path.startswith("/healthz") and port == "monitor" for path, port in found.values())
+    assert "{name: monitor, containerPort: 8222}" in sts and re.search(r"^\s+http: 0.0.0.0:8222$", conf, re.M)
+    assert field(kube_doc("nats-statefulset.yaml", "PodDisruptionBudget"), "maxUnavailable") == "1"
 
 
 # ------------------------------------------------------------------ deploy/systemd
