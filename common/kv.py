@@ -8,6 +8,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from revenant.common.bus import map_exceptions, report_replicas
+from revenant.common.errors import BusError
 
 
 async def open_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None, history: int = 1, *,
@@ -19,8 +20,11 @@ async def open_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None, hi
         try:
             return await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history,
                                                             storage=StorageType.FILE, replicas=replicas))
-        except nats.js.errors.BadRequestError:
-            kv = await js.key_value(bucket)
+        except nats.js.errors.BadRequestError as exc:
+            try:  # it exists with other settings; or the create was refused for a reason of its own
+                kv = await js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                raise BusError(f"cannot create KV bucket {bucket}: {exc.description or exc}") from None
     await raise_replicas(js, bucket, replicas, owner=owner)
     return kv
 
