@@ -87,7 +87,7 @@ async def test_epochs_are_root_only_whatever_the_umask(tmp_path, storage, superv
         first = await sup.checkpoint("1", 1, stop=False)
         assert sup.engine is not None
         # The manifest records who owns the job.
-        manifest, _ = await sup.engine.checkpoint("1", 1, sup.jobs["1"].pid, stop=False, workdir=str(wd),
+        manifest, _, _ = await sup.engine.checkpoint("1", 1, sup.jobs["1"].pid, stop=False, workdir=str(wd),
                                                   user="alice")
     finally:
         os.umask(old)
