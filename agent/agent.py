@@ -396,16 +396,17 @@ class Agent(Service):
         await self.reconcile()
 
     async def _on_reconnect(self) -> None:
-        self._in_task(self.reconcile)
+        self._in_task(lambda: self.reconcile(reconnected=True))
 
-    async def reconcile(self, started: bool = False) -> None:
+    async def reconcile(self, started: bool = False, reconnected: bool = False) -> None:
         """Ask the leader which local jobs moved on (killed) and which frozen ones may thaw.
-        ``started``: this agent has just started, and says so even with no jobs."""
+        ``started``: this agent has just started; ``reconnected``: its connection to NATS came
+        back (the leader fails what it asked meanwhile); either says so even with no jobs."""
         sup, nc = self.supervisor, self._nc
-        if sup is None or nc is None or not (sup.jobs or started):
+        if sup is None or nc is None or not (sup.jobs or started or reconnected):
             return
         reply = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, lambda: self.stopping,
-                                           started)
+                                           started, reconnected)
         if reply is not None:
             await reconcile.apply(sup, reply)
 

@@ -33,20 +33,23 @@ def local_jobs(sup: Supervisor) -> list[LocalJob]:
 
 
 async def ask_leader(nc: Client, sup: Supervisor, node: str, incarnation: str, clock: Callable[[], float],
-                     stopping: Callable[[], bool], started: bool = False) -> ReconcileReply | None:
+                     stopping: Callable[[], bool], started: bool = False,
+                     reconnected: bool = False) -> ReconcileReply | None:
     """The leader's answer, asked again (backing off) while none answers: for as long as a job
     is frozen, else for up to RECONCILE_RETRY_FOR_S.  ``started``: the agent has just started
-    (asked even with no jobs: the leader learns that this node runs nothing an earlier agent ran)."""
+    (asked even with no jobs: the leader learns that this node runs nothing an earlier agent ran);
+    ``reconnected``: its connection to NATS came back (asked even with no jobs: the leader fails
+    the commands it sent this node meanwhile, whose replies may be lost)."""
     deadline = clock() + RECONCILE_RETRY_FOR_S
     delay = 0.5
     while True:
         local = local_jobs(sup)
-        if not local and not started:
+        if not local and not (started or reconnected):
             return None
         try:
             return await bus.request(nc, subjects.coordinator("reconcile"),
                                      ReconcileRequest(node=node, incarnation=incarnation, jobs=local,
-                                                      started=started),
+                                                      started=started, reconnected=reconnected),
                                      ReconcileReply, RECONCILE_TIMEOUT_S)
         except RevenantError as exc:
             frozen = any(lj.frozen for lj in local)

@@ -91,3 +91,11 @@ class AgentClient:
         for task in list(self._inflight.get(node, ())):
             self._lost[task] = reason
             task.cancel()
+
+    def connection_lost(self) -> None:
+        """Fail every request in flight: this coordinator's connection to NATS broke and came
+        back, and a reply sent meanwhile is lost for good (nothing sends it again), so waiting for
+        one would wait out its timeout (an hour for a restore).  Each caller lets that attempt go
+        (the node kills it) and, for a failover, makes another."""
+        for node in list(self._inflight):
+            self.node_lost(node, "may have answered unheard (this coordinator's connection to NATS broke)")

@@ -129,6 +129,8 @@ class Coordinator(Service):
 
         async def on_reconnect() -> None:
             self._reconnected = True
+            if self.jobs is not None:
+                self.jobs.agents.connection_lost()
 
         self._nc = await bus.connect(self.config.nats_url, f"revenant-coordinator-{self.name}",
                                      on_reconnect=on_reconnect,
@@ -329,6 +331,8 @@ class Coordinator(Service):
             # An agent kills what this answer names: only a leader whose lease is fresh may say.
             check_may_act(jobs.leader.fresh)
             req_r = decode_as(data, ReconcileRequest)
+            if req_r.started or req_r.reconnected:  # what was asked of it meanwhile may never be answered
+                jobs.agents.node_lost(req_r.node, "restarted" if req_r.started else "reconnected to NATS")
             if req_r.started:
                 for job in jobs.lost_on(req_r.node, req_r.jobs):
                     self._evicted(job, req_r.node, f"node {req_r.node}'s agent restarted without it")

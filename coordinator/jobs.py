@@ -18,13 +18,13 @@ import time
 from typing import Awaitable, Callable, Protocol
 
 from revenant.common.config import CoordinatorConfig
-from revenant.common.errors import BusError, CheckpointSkipped, RevenantError, UnknownJob
+from revenant.common.errors import CheckpointSkipped, RevenantError, UnknownJob
 from revenant.common.events import EventPublisher
 from revenant.common.limits import check_submit
 from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
 from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, workdir_shared
-from revenant.coordinator.store import JobStore, WriteConflict
+from revenant.coordinator.store import JobStore, Unsettled, WriteConflict, patiently
 from revenant.messages import (
     EpochEvent,
     JobEvent,
@@ -115,7 +115,7 @@ class JobService:
         key, why = conflict.job, str(conflict)
         leads = await self.leader.holds()
         if leads is None:
-            raise BusError(f"cannot save job {key}: it changed in the store, and the leader lease "
+            raise Unsettled(f"cannot save job {key}: it changed in the store, and the leader lease "
                            f"could not be read to tell who leads")
         if not leads:
             log.error("%s: this one is no longer the leader", why)
@@ -127,13 +127,13 @@ class JobService:
             self.jobs[key] = stored
             log.warning("%s, which no longer leads, and moved it on (generation %d, %s on %s): "
                         "taken as the truth", why, stored.generation, stored.state, stored.node or "-")
-            raise BusError(f"job {key} was moved on by another coordinator (now generation "
+            raise Unsettled(f"job {key} was moved on by another coordinator (now generation "
                            f"{stored.generation}, {stored.state}); try again")
         log.warning("%s, which no longer leads; this leader's record stands", why)
         try:
             await self.store.save(mine)
         except WriteConflict:
-            raise BusError(f"cannot save job {key}: it keeps changing in the store; try again") from None
+            raise Unsettled(f"cannot save job {key}: it keeps changing in the store; try again") from None
 
     async def step(self, job: str, inp: lc.Input | Callable[[JobRecord], lc.Input | None]) -> lc.Decision:
         """Apply one input to the job's record as it is now: write, publish, return the decision
@@ -148,6 +148,12 @@ class JobService:
                 if inp is None:
                     return lc.Decision()
             return await self._apply(rec, inp)
+
+    async def record(self, job: str, inp: lc.Input) -> lc.Decision:
+        """:meth:`step` with what a node already did (launched, dumped or restored the job, or
+        let an attempt go): the record must learn it, so a job table that does not answer is asked
+        again (:func:`patiently`)."""
+        return await patiently(lambda: self.step(job, inp), f"job {job}")
 
     async def _apply(self, rec: JobRecord | None, inp: lc.Input) -> lc.Decision:
         """transition, write, publish: with the job's lock held."""
@@ -188,12 +194,12 @@ class JobService:
                 await self.agents.abandon(cmd.node, job_id, cmd.generation, failed)
                 tried.add(cmd.node)
                 retry = self._next_node(req, exc, tried)
-                decision = await self.step(job_id, lc.LaunchFailed(cmd.generation, failed, retry))
+                decision = await self.record(job_id, lc.LaunchFailed(cmd.generation, failed, retry))
                 if not decision.commands:
                     raise RevenantError(f"job {job_id} could not start on {cmd.node}: {exc}", code=exc.code) from None
                 log.info("job %s: %s refused it (%s); starting it on %s", job_id, cmd.node, exc.code, retry)
                 cmd = decision.commands[0]
-        await self.step(job_id, lc.Launched(cmd.generation, reply.pid, reply.output))
+        await self.record(job_id, lc.Launched(cmd.generation, reply.pid, reply.output))
         return self.get(job_id)
 
     def _next_node(self, req: SubmitRequest, exc: RevenantError, tried: set[str]) -> str | None:
@@ -215,17 +221,17 @@ class JobService:
         the load.  ``cause``, ``reasons``: why, for the epoch event.  ``stats``, if given, is filled
         with criu's statistics of the dump (the agent's reply)."""
         asked = lc.CheckpointAsked(stop, scheduled, force, evict, cause, tuple(reasons))
-        cmd = (await self.step(job, asked)).commands[0]
+        cmd = (await self.record(job, asked)).commands[0]  # nothing is sent before it is saved: asked again
         try:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
         except RevenantError as exc:
             skipped = exc.code == CheckpointSkipped.code
-            await self.step(job, lc.CheckpointFailed(cmd.generation, "" if skipped else str(exc)))
+            await self.record(job, lc.CheckpointFailed(cmd.generation, "" if skipped else str(exc)))
             if skipped and not isinstance(exc, CheckpointSkipped):
                 raise CheckpointSkipped(str(exc)) from None
             raise
-        await self.step(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned),
-                                             tuple(reply.epochs), reply.storage_bytes, evicted=bool(stop and evict)))
+        await self.record(job, lc.Checkpointed(cmd.generation, stop, reply.epoch, tuple(reply.pruned),
+                                               tuple(reply.epochs), reply.storage_bytes, evicted=bool(stop and evict)))
         if stats is not None:
             stats.update(reply.stats)
         return self.get(job), reply.notes
@@ -257,11 +263,11 @@ class JobService:
         except RevenantError as exc:
             why = f"restart on {cmd.node} failed: {exc}"
             await self.agents.abandon(cmd.node, job, cmd.generation, why)
-            await self.step(job, lc.RestartFailed(cmd.generation, why, before[0].state, before[0].node))
+            await self.record(job, lc.RestartFailed(cmd.generation, why, before[0].state, before[0].node))
             raise
         notes = waived + reply.notes
-        await self.step(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
-                                          announce="; ".join(notes) or True))
+        await self.record(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
+                                            announce="; ".join(notes) or True))
         if stats is not None:
             stats.update(reply.stats)
         return self.get(job), notes
@@ -341,7 +347,7 @@ class JobService:
             await self.agents.abandon(launch.node, job, launch.generation, why)
             await self.step(job, lc.RecoveryAttemptFailed(launch.generation, why))
             raise
-        await self.step(job, lc.Restored(launch.generation, reply.pid, reply.epoch, reply.output))
+        await self.record(job, lc.Restored(launch.generation, reply.pid, reply.epoch, reply.output))
         return ("restored" if reply.epoch else "requeued"), self.get(job), reply.epoch.n if reply.epoch else None, \
             waived + reply.notes
 

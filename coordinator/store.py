@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Protocol
+import time
+from typing import Awaitable, Callable, Protocol, TypeVar
 
 import msgspec
 import nats.js.errors
@@ -46,6 +47,14 @@ NEXT_ID_ATTEMPTS = 12
 # Loading the table: the longest wait for the next record before giving up.
 LOAD_STALL_S = 10.0
 NEXT_ID_BACKOFF_S = (0.002, 0.25)
+
+# How long a write of what a node already did waits for a job table that does not answer (a
+# JetStream stream whose leader died elects another within seconds: 4 to 10 s seen), asking
+# again after the first delay, then twice as long each time up to the second.
+PATIENCE_S = 30.0
+PATIENCE_DELAYS_S = (0.25, 2.0)
+
+T = TypeVar("T")
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(JobRecord)
@@ -89,6 +98,33 @@ class JobStore(Protocol):
     async def next_id(self) -> str: ...
     async def load_hold(self) -> bool: ...
     async def save_hold(self, held: bool) -> None: ...
+
+
+class Unsettled(BusError):
+    """A write that met another coordinator's (moved on, or changing): the caller's to decide,
+    never asked again blindly."""
+
+
+async def patiently(write: Callable[[], Awaitable[T]], what: str, patience_s: float = PATIENCE_S, *,
+                    clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> T:
+    """``write()``, tried again for up to ``patience_s`` while the store does not answer
+    (:class:`BusError`: its stream electing a leader, say).  For what a node already did (a
+    launch, a dump, a restore), which the record must learn: given up at once, the job would stay
+    "checkpointing" or "restoring" for the rest of the leader's term.  Any other error (this
+    coordinator does not lead, the job is gone) is raised at once."""
+    (delay, most), deadline = PATIENCE_DELAYS_S, clock() + patience_s
+    while True:
+        try:
+            return await write()
+        except Unsettled:
+            raise
+        except BusError as exc:
+            if clock() + delay > deadline:
+                raise
+            log.warning("%s: the job table does not answer (%s); trying again", what, exc)
+        await sleep(delay)
+        delay = min(delay * 2, most)
 
 
 class KvJobStore:

@@ -356,6 +356,8 @@ class ReconcileRequest(Message, tag="reconcile_request.v1"):
     # The agent has just started: it runs nothing an earlier agent of its node ran, so a job
     # the table has running there was lost with that agent (and is restored elsewhere).
     started: bool = False
+    # Its connection to NATS broke and came back: what it was asked or answered meanwhile may be lost.
+    reconnected: bool = False
 
 
 class ReconcileReply(Message, tag="reconcile_reply.v1"):

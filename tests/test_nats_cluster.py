@@ -9,7 +9,6 @@ two servers left.  Once the supervisor restarts the server it catches up with ev
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -19,7 +18,8 @@ import time
 import pytest
 
 from conftest import COUNTER, Cluster, counter_reference, revenant_cli, wait_until
-from revenant.common import bus, security
+from nats_cluster_helpers import STREAMS, caught_up, doc, newest_epoch, output, streams, streams_now
+from revenant.common import bus
 from revenant.common.errors import BusError
 from revenant.messages import subjects
 
@@ -27,56 +27,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
 LINES = 100_000
 INTERVAL = 0.05
-STREAMS = (subjects.EVENTS_STREAM, f"KV_{subjects.JOBS_BUCKET}", "KV_revenant_jobs_archive",
-           f"KV_{subjects.LEASES_BUCKET}", f"KV_{subjects.LEADER_BUCKET}")
-
-
-def doc(cluster: Cluster) -> dict:
-    return json.loads((cluster.dir / "cluster.json").read_text())
-
-
-def streams(cluster: Cluster) -> dict[str, dict]:
-    """Each stream's replica count, leader and followers (name -> current), as the coordinator's
-    identity (the one that may read every stream's state) sees them."""
-    async def read() -> dict[str, dict]:
-        seed = str(cluster.dir / "keys" / "coordinator.nk")
-        nc = await bus.connect(doc(cluster)["nats_url"], "test", endless_reconnect=False,
-                               **security.credentials(security.COORDINATOR, seed))
-        try:
-            js = nc.jetstream(timeout=3)
-            out = {}
-            for name in STREAMS:
-                with bus.map_exceptions(f"stream {name}"):
-                    info = await js.stream_info(name)
-                peers = info.cluster.replicas or []
-                out[name] = {"replicas": info.config.num_replicas, "leader": info.cluster.leader,
-                             "followers": {p.name: bool(p.current and not p.offline and not p.lag) for p in peers}}
-            return out
-        finally:
-            await nc.close()
-    return asyncio.run(read())
-
-
-def streams_now(cluster: Cluster) -> dict[str, dict] | None:
-    """:func:`streams`, or None while one of them has no leader to answer."""
-    try:
-        return streams(cluster)
-    except BusError:
-        return None
-
-
-def caught_up(cluster: Cluster) -> bool:
-    state = streams_now(cluster)
-    return state is not None and all(s["leader"] and len(s["followers"]) == 2 and all(s["followers"].values())
-                                     for s in state.values())
-
-
-def output(cluster: Cluster, job: str) -> bytes:
-    return (cluster.storage / "jobs" / job / "output.log").read_bytes()
-
-
-def newest_epoch(cluster: Cluster, job: str) -> int:
-    return max((e["n"] for e in cluster.job(job)["epochs"]), default=0)
 
 
 def refused_on_the_cluster_port(cluster: Cluster) -> bool:
