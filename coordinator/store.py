@@ -46,6 +46,10 @@ _RESERVED = (NEXT_ID_KEY, HOLD_KEY)
 NEXT_ID_ATTEMPTS = 12
 # Loading the table: the longest wait for the next record before giving up.
 LOAD_STALL_S = 10.0
+# A table read empty while its stream lists keys: how often it is read again, and how many keys
+# are looked at to tell live records from deleted ones.
+EMPTY_READ_ATTEMPTS = 20
+EMPTY_READ_PROBES = 50
 NEXT_ID_BACKOFF_S = (0.002, 0.25)
 
 # How long a write of what a node already did waits for a job table that does not answer (a
@@ -144,6 +148,33 @@ class KvJobStore:
                                             owner=True)
 
     async def load(self) -> dict[str, JobRecord]:
+        """Every job's newest record.  A server that has just restarted may report a stream with
+        nothing pending to a new reader for a moment, and the read would end at once: a table read
+        empty is read again while the stream holds a live record, then refused (never led blind)."""
+        for attempt in range(EMPTY_READ_ATTEMPTS):
+            jobs = await self._read()
+            if jobs or not await self._holds_a_record():
+                return jobs
+            log.warning("the job table read empty but its stream holds records; reading it again")
+            await asyncio.sleep(0.5)
+        raise BusError("cannot read the job table: its stream holds records, but reading it returned none")
+
+    async def _holds_a_record(self) -> bool:
+        """Whether some key of the job table (not a reserved one) has a live value."""
+        assert self.kv is not None
+        with map_exceptions("cannot read the job table"):
+            info = await self.js.stream_info(f"KV_{subjects.JOBS_BUCKET}",
+                                             subjects_filter=f"$KV.{subjects.JOBS_BUCKET}.>")
+            keys = [s.split(".", 2)[2] for s in (info.state.subjects or {})]
+            for key in [k for k in keys if k not in _RESERVED][:EMPTY_READ_PROBES]:
+                try:
+                    await self.kv.get(key)
+                    return True
+                except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                    continue
+        return False
+
+    async def _read(self) -> dict[str, JobRecord]:
         if self.kv is None:
             await self.open()
         assert self.kv is not None

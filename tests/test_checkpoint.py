@@ -21,6 +21,7 @@ from revenant.agent.epochs import JobFiles
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
 LINES = 160
+CYCLE_LINES = 400
 INTERVAL = 0.05
 
 
@@ -51,7 +52,8 @@ def wait_state(cluster, job: str, state: str, timeout: float = 60) -> dict:
 
 def test_create_vacate_restart_cycles_keep_output_byte_exact(make_cluster, tmp_path):
     cluster = make_cluster(2)
-    job = submit_counter(cluster, "--max-epochs", "2")
+    # Long enough that its last restore never races its end (the CLI calls take their time).
+    job = submit_counter(cluster, "--max-epochs", "2", count=CYCLE_LINES)
     info = cluster.job(job)
     assert info["state"] == "running" and info["node"] == "node-1" and info["generation"] == 1
     assert psutil.pid_exists(info["pid"])
@@ -79,7 +81,7 @@ def test_create_vacate_restart_cycles_keep_output_byte_exact(make_cluster, tmp_p
 
     done = wait_state(cluster, job, "completed", timeout=60)
     assert done["exit_code"] == 0
-    expected = counter_reference(tmp_path, LINES)
+    expected = counter_reference(tmp_path, CYCLE_LINES)
     assert (cluster.storage / "jobs" / job / "output.log").read_bytes() == expected
 
     kinds = [(e["type"], e["kind"]) for e in cluster.events() if e.get("job") == job]

@@ -287,3 +287,22 @@ async def test_an_operators_failover_hold_outlives_the_leader(table):
     again = failover(await another_coordinator(table))
     await again.restore_hold()
     assert not again.storm.held
+
+
+async def test_a_table_read_empty_while_its_stream_holds_records_is_read_again(table):
+    """A server just restarted may show a new reader nothing pending for a moment: the read is
+    done again rather than leading on an empty table; a table whose records were all removed is
+    empty at once."""
+    store = table.store
+    await put(table, "running", 1, "node-1")
+    real, calls = store._read, []
+
+    async def empty_once():
+        calls.append(1)
+        return {} if len(calls) == 1 else await real()
+
+    store._read = empty_once
+    assert list(await store.load()) == ["1"] and len(calls) == 2
+    await store.remove("1")
+    calls.clear()
+    assert await store.load() == {} and len(calls) == 1  # deleted: nothing to wait for

@@ -181,13 +181,13 @@ def test_a_flapping_node_checkpoints_a_job_once_per_cooldown(make_cluster, extra
                 seen.append(health["state"])
             time.sleep(0.2)
 
-    # Each YELLOW spell outlasts a heartbeat and the hold; each GREEN one about a heartbeat.
-    end = time.monotonic() + 15
+    # Each YELLOW spell and each GREEN one outlasts two heartbeats (and the hold).
+    end = time.monotonic() + 16
     while time.monotonic() < end:
         with memhog(int(psutil.virtual_memory().total / MIB * 0.09)):
-            watch(1.3)
-        watch(1.0)
-    assert seen.count("YELLOW") >= 3 and "RED" not in seen, (seen, base, readings)  # it did flap
+            watch(2.5)
+        watch(2.5)
+    assert seen.count("YELLOW") >= 2 and "RED" not in seen, (seen, base, readings)  # it did flap
     [epoch] = health_epochs(cluster, job.id)
     assert any(r.startswith("memory") for r in epoch["reasons"]), epoch
     job.assert_one_copy_continuous(0)
