@@ -33,8 +33,28 @@ def show(cluster, job: str) -> dict:
 
 def wait_for(cluster, job: str, predicate, timeout: float, what: str) -> dict:
     info = wait_until(lambda: (j := show(cluster, job)) and predicate(j) and j, timeout=timeout, interval=0.2)
-    assert info, f"job {job}: {what} did not happen: {show(cluster, job)}"
+    if not info:
+        rec = show(cluster, job)
+        assert info, f"job {job}: {what} did not happen: {rec}; its processes: {process_states(rec.get('pid'))}"
     return info
+
+
+def process_states(pid) -> list[str]:
+    """What the job's processes are doing (for a failure report): pid, state, wait channel, command."""
+    if not pid:
+        return ["no pid"]
+    out = []
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                wchan = open(f"/proc/{p.pid}/wchan").read().strip()
+            except OSError:
+                wchan = "?"
+            out.append(f"{p.pid} {p.status()} {wchan} {' '.join(p.cmdline())[:80]}")
+    except (psutil.Error, TypeError, ValueError) as exc:
+        out.append(f"unreadable: {exc!r}")
+    return out
 
 
 def job_events(cluster, job: str) -> list[dict]:
