@@ -202,20 +202,17 @@ class ProactiveRules:
             return []
         busy = set(busy)
         out: list[Action] = []
-        paused, self.paused = self.paused, self.paused or moves_paused
-        try:
-            for rec in jobs:
-                if rec.node not in ready or rec.state != "running" or rec.spec.id in busy:
-                    continue
-                self._act(rec, now, out)
-        finally:
-            self.paused = paused
+        moves = not (self.paused or moves_paused)
+        for rec in jobs:
+            if rec.node not in ready or rec.state != "running" or rec.spec.id in busy:
+                continue
+            self._act(rec, now, out, moves)
         self._anomalies.clear()
         return out
 
-    def _act(self, rec: JobRecord, now: float, out: list[Action]) -> None:
+    def _act(self, rec: JobRecord, now: float, out: list[Action], moves: bool) -> None:
         policy = policy_of(rec, self.s)
-        action = self._choose(rec, policy, now) if policy != "none" else None
+        action = self._choose(rec, policy, now, moves) if policy != "none" else None
         if action is not None:
             self._last[(rec.spec.id, action.action)] = now
             out.append(action)
@@ -228,10 +225,10 @@ class ProactiveRules:
             self._pruned_at = now
             self._last = {k: t for k, t in self._last.items() if now - t < self.s.cooldown_s}
 
-    def _choose(self, rec: JobRecord, policy: str, now: float) -> Action | None:
+    def _choose(self, rec: JobRecord, policy: str, now: float, moves: bool) -> Action | None:
         job = rec.spec.id
         found = self.held(rec.node, "migrate", now)
-        if found and policy == "migrate" and not self.paused and self._cool(job, "migrate", now):
+        if found and policy == "migrate" and moves and self._cool(job, "migrate", now):
             return self._action(rec, "migrate", found)
         found = self.held(rec.node, "checkpoint", now)
         if found and self._cool(job, "checkpoint", now):
@@ -257,11 +254,6 @@ class ProactiveRules:
         """An action that failed, or a move no node could take: due again after ``RETRY_S`` (or
         the cooldown, if shorter), not a whole cooldown later: the space or the node may be back."""
         self._last[(job, action)] = now - self.s.cooldown_s + min(RETRY_S, self.s.cooldown_s)
-
-    def forget(self, job: str) -> None:
-        """A job gone from the table: its cooldowns go too."""
-        for key in [k for k in self._last if k[0] == job]:
-            del self._last[key]
 
     # ------------------------------------------------------------------ placement
 
