@@ -45,6 +45,7 @@ from typing import Awaitable, Callable
 from revenant.agent import criu, criustats, lazy, packs, procs, progress
 from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
 from revenant.agent.fileio import Durable
+from revenant.agent.guard import resident_bytes
 from revenant.agent.filestep import JobFilesStep
 from revenant.agent.imagesum import Follower
 from revenant.agent.private import DUMP_UMASK, private_dir
@@ -219,7 +220,7 @@ class Engine:
             undo.tmp = files.new_tmp(self.node)
             ctx.epoch_tmp = staging if staging is not None else undo.tmp
             watch = self.reporter.watch(job, user, "dump", functools.partial(progress.dir_bytes, ctx.epoch_tmp),
-                                        functools.partial(progress.tree_rss, pid))
+                                        functools.partial(resident_bytes, pid))
             durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)
             undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None)
             await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)

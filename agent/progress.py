@@ -54,22 +54,6 @@ def dir_bytes(path: Path) -> int:
     return total
 
 
-def tree_rss(pid: int) -> int:
-    """The resident memory of ``pid`` and its descendants (0 if it is gone)."""
-    try:
-        root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for proc in tree:
-        try:
-            total += proc.memory_info().rss
-        except psutil.Error:
-            continue
-    return total
-
-
 class RestoredBytes:
     """How much of a job criu has restored so far: the resident memory of the tasks it is
     restoring.  Those are below ``parent`` (the agent: a restored job's root is its child), show
