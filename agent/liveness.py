@@ -74,6 +74,34 @@ def next_beat_at(scheduled: float, now: float, interval_s: float, jitter: float,
     return due
 
 
+FULL_FIRST = 3  # an agent's first heartbeats are full: a coordinator hears its capabilities at once
+
+
+class FullBeats:
+    """Which heartbeats carry health and capabilities in full (see :class:`Heartbeat`): one whose
+    verdict (state, reasons, findings) or capabilities changed since the last full one, the
+    first ``FULL_FIRST``, the first after a reconnect (a coordinator may have started meanwhile),
+    a leaving one, and at least every ``every`` heartbeats (for the readings)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._key = b""
+        self._since = 0
+        self._sent = 0
+        self.force = False
+
+    def shape(self, health: HealthSummary, capabilities: Capabilities,
+              leaving: bool = False) -> tuple[HealthSummary | None, Capabilities | None]:
+        key = msgspec.msgpack.encode((health.state, health.reasons, health.findings, capabilities))
+        self._since += 1
+        if (self._sent < FULL_FIRST or self.force or leaving or key != self._key
+                or self._since >= self.every):
+            self._key, self._since, self.force = key, 0, False
+            self._sent += 1
+            return health, capabilities
+        return None, None
+
+
 class Liveness:
     def __init__(self, config: AgentConfig, node: str, incarnation: str, *,
                  health: Callable[[], HealthSummary],
@@ -98,6 +126,7 @@ class Liveness:
         self.clock = clock
         self.wall_clock = wall_clock
         self.seq = 0
+        self._full = FullBeats(config.heartbeat_full_every)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -148,6 +177,7 @@ class Liveness:
                                           ping_interval_s=cfg.ping_interval_s,
                                           max_outstanding_pings=cfg.max_outstanding_pings,
                                           reconnect_wait_s=cfg.reconnect_wait_s,
+                                          on_reconnect=self._reconnected,
                                           **security.credentials(security.agent_identity(self.node),
                                                                  cfg.nats_creds))
         self.lease = LeaseKeeper(nc.jetstream(), self.node, self.incarnation, ttl_s=cfg.lease_ttl_s,
@@ -194,9 +224,10 @@ class Liveness:
         nc = self._nc
         assert nc is not None
         self.seq += 1
+        health, capabilities = self._full.shape(self.health(), self._capabilities(), leaving)
         hb = Heartbeat(node=self.node, seq=self.seq, sent_at=self.wall_clock(), incarnation=self.incarnation,
                        pid=os.getpid(), interval_s=self.config.heartbeat_interval_s,
-                       capabilities=self._capabilities(), health=self.health(), leaving=leaving)
+                       capabilities=capabilities, health=health, leaving=leaving)
         try:
             await nc.publish(subjects.heartbeat(self.node), encode(hb))
             self._on_heartbeat()
@@ -205,8 +236,13 @@ class Liveness:
         except nats.errors.OutboundBufferLimitError:
             # Disconnected: drop it.  A heartbeat is only true when it is sent.
             log.debug("heartbeat %d dropped: not connected", self.seq)
+            self._full.force = True
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("heartbeat %d not sent: %s", self.seq, exc or type(exc).__name__)
+            self._full.force = True
+
+    async def _reconnected(self) -> None:
+        self._full.force = True  # the coordinator may be a new one: tell it everything at once
 
     async def _on_probe(self, msg: Msg) -> None:
         try:

@@ -272,6 +272,13 @@ def replicas_for(nc: Client, configured: int) -> int:
     return 3 if cluster_size(nc) >= 3 else 1
 
 
+async def write_event(js: JetStreamContext, subject: str, msg: Message, msg_id: str) -> None:
+    """Write an event to the stream's subject without waiting for the stream's ack (a core
+    publish: the stream stores it all the same); ``msg_id`` as :func:`publish_event`."""
+    with map_exceptions(f"cannot publish event on {subject}"):
+        await js._nc.publish(subject, encode(msg), headers={MSG_ID_HEADER: msg_id})
+
+
 async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeout_s: float,
                         msg_id: str = "") -> Any:
     """Publish an event to JetStream and wait for the stream's ack.  With ``msg_id``, a copy the

@@ -41,6 +41,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Heartbeats: one every interval, +/- jitter (a fraction of the interval).
     heartbeat_interval_s: float = 1.0
     heartbeat_jitter: float = 0.1
+    # At least every this many heartbeats one carries health and capabilities in full (the
+    # others only when the verdict or capabilities change); 1: every heartbeat full.
+    heartbeat_full_every: int = 10
     # criu binary; empty means $REVENANT_CRIU, then PATH.
     criu_path: str = ""
     criu_check_timeout_s: float = 30.0
@@ -142,6 +145,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("drain_timeout_s must be 0 or more")
         if self.file_snapshot_max_bytes < 0:
             raise ValueError("file_snapshot_max_bytes must be 0 or more (0: copy only by reflink)")
+        if self.heartbeat_full_every < 1:
+            raise ValueError("heartbeat_full_every must be at least 1 (1: every heartbeat carries its health in full)")
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
         _port(self.http_port)

@@ -11,6 +11,12 @@ carries that same id: a publish whose ack was lost (it timed out, or the connect
 broke after the stream stored it) is retried, and the stream's duplicate window
 (``bus.EVENTS_DUPLICATE_WINDOW_S``, longer than the retries last) drops the copy, so
 consumers see each event once.
+
+An event emitted with ``acked=False`` (a node's ``joined`` or ``recovered``: every heartbeat
+says it again, and the node table is what counts) is written to the stream without waiting
+for its ack, a few microseconds instead of a round trip: 100,000 nodes joining a coordinator
+that starts cost a second, not minutes of acks.  If it cannot be written at once (no
+connection), it takes the acked path with its retries.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def new_msg_id() -> str:
 
 
 class EventPublisher:
-    def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 100_000,
+    def __init__(self, js: JetStreamContext, *, timeout_s: float = 2.0, max_queued: int = 200_000,
                  retry_for_s: float = 60.0, workers: int = 16,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._js = js
@@ -55,7 +61,7 @@ class EventPublisher:
                              f"{bus.EVENTS_DUPLICATE_WINDOW_S:g} s duplicate window")
         self._retry_for_s = retry_for_s
         per_worker = max(1, max_queued // workers)
-        self._queues: list[asyncio.Queue[tuple[str, Message, str]]] = [
+        self._queues: list[asyncio.Queue[tuple[str, Message, str, bool]]] = [
             asyncio.Queue(per_worker) for _ in range(workers)]
         self._tasks: list[asyncio.Task[None]] = []
         self.dropped = 0
@@ -64,12 +70,13 @@ class EventPublisher:
         self.retried = 0
         self._stopping = False
 
-    def emit(self, subject: str, msg: Message, msg_id: str = "") -> None:
+    def emit(self, subject: str, msg: Message, msg_id: str = "", acked: bool = True) -> None:
         """Queue ``msg`` for ``subject``.  Its message id is fixed now (``msg_id``, or a new one):
-        every retry carries it, and the stream stores the event once."""
+        every retry carries it, and the stream stores the event once.  ``acked=False``: written
+        without waiting for the stream's ack (see the module's notes)."""
         queue = self._queues[zlib.crc32(subject.encode()) % len(self._queues)]
         try:
-            queue.put_nowait((subject, msg, msg_id or new_msg_id()))
+            queue.put_nowait((subject, msg, msg_id or new_msg_id(), acked))
         except asyncio.QueueFull:
             self.dropped += 1
             if self.dropped & (self.dropped - 1) == 0:  # log 1, 2, 4, 8, ...
@@ -126,7 +133,14 @@ class EventPublisher:
             if self._stopping and queue.empty():
                 return
 
-    async def _publish(self, subject: str, msg: Message, msg_id: str) -> None:
+    async def _publish(self, subject: str, msg: Message, msg_id: str, acked: bool = True) -> None:
+        if not acked:
+            try:
+                await bus.write_event(self._js, subject, msg, msg_id)
+                self.published += 1
+                return
+            except BusError:
+                pass  # not connected: the acked path retries it
         deadline = self._clock() + self._retry_for_s
         attempt = 0
         while True:

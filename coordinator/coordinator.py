@@ -26,8 +26,10 @@ from revenant.common.httpserver import HttpServer
 from revenant.common.kv import raise_replicas
 from revenant.common.metrics import CoordinatorMetrics, health_routes
 from revenant.common.loopmonitor import LoopMonitor
+from revenant.common.rawsub import RawSubscriber
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
+from revenant.coordinator.heartbeats import HeartbeatIntake, TransitionLog
 from revenant.common.service import Service
 from revenant.coordinator.agents import AgentClient, check_may_act
 from revenant.coordinator.archive import Archiver
@@ -44,13 +46,11 @@ from revenant.messages import (
     ClusterEvent,
     HealthSummary,
     FailoverRequest,
-    Heartbeat,
     Message,
     MessageError,
     NodeEvent,
     NodesReply,
     NodesRequest,
-    NodeStatus,
     Probe,
     ProbeReply,
     ReconcileRequest,
@@ -61,9 +61,6 @@ from revenant.messages import (
 log = logging.getLogger(__name__)
 
 MAX_PROBES_IN_FLIGHT = 512
-# Heartbeats waiting in the subscription beyond which the detector holds its verdicts:
-# at least this many, and at least half a second's worth (one per node per second).
-HEARTBEAT_BACKLOG = 2_000
 # Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
 NODES_PAGE_MAX = 300
 # Requests the leader answers on revenant.coord.<verb> (admin's), and on revenant.user.*.<verb>
@@ -98,16 +95,18 @@ class Coordinator(Service):
         self._term: Term | None = None
         self.step_downs = 0
         self._storm_dirty = False
-        self._hb_sub = None
         self._reconnected = False
-        self.malformed_heartbeats = 0
+        # Heartbeats come on a connection of their own, straight to the detector (coordinator/heartbeats.py).
+        self._intake = HeartbeatIntake(self.detector, clock, self._emit)
+        self._transition_log = TransitionLog(clock)
+        self._hb_sub: RawSubscriber | None = None
         self.metrics = CoordinatorMetrics()
         self.loop_monitor = LoopMonitor(clock=clock)
         self.http: HttpServer | None = None
         if config.http_port >= 0:
             self.http = HttpServer(health_routes(
                 render_metrics=self._render_metrics,
-                summary=lambda: HealthSummary(nats_connected=self._nc is not None and self._nc.is_connected),
+                summary=lambda: HealthSummary(nats_connected=self._bus_connected()),
                 stuck_for=lambda: self.loop_monitor.stuck_for(self._clock()),
                 stuck_after_s=config.live_stuck_after_s,
                 started=self.ready.is_set,
@@ -116,7 +115,15 @@ class Coordinator(Service):
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def malformed_heartbeats(self) -> int:
+        return self._intake.malformed
+
+    def _bus_connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected and self._hb_sub is not None and self._hb_sub.connected
+
     def _render_metrics(self) -> bytes:
+        self.metrics.count_heartbeats(*self._intake.counts_since_last())
         self.metrics.update_nodes(self.detector.nodes.values(), per_node=self.config.node_metrics)
         self.metrics.loop_lag.set(self.loop_monitor.lag_s)
         self.metrics.failover_paused.set(1 if self.failover is not None and self.failover.storm.paused else 0)
@@ -144,8 +151,10 @@ class Coordinator(Service):
         # The agents create the lease bucket and may not update it: one with too few replicas is raised here.
         await raise_replicas(self._js, subjects.LEASES_BUCKET, replicas, owner=True)
         # A standby tracks every node too, so that it takes over with a warm view.
-        self._hb_sub = await self._nc.subscribe(subjects.HEARTBEATS_ALL, cb=self._on_heartbeat,
-                                                pending_msgs_limit=1_000_000)
+        self._hb_sub = RawSubscriber(self.config.nats_url, f"revenant-coordinator-{self.name}-heartbeats",
+                                     subjects.HEARTBEATS_ALL, self._intake, creds=self.config.nats_creds or None,
+                                     on_reconnect=self._heartbeats_back)
+        await self._hb_sub.start()
         self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
                                      on_elected=self._elected, on_deposed=self._deposed, clock=self._clock,
                                      replicas=replicas)
@@ -164,9 +173,10 @@ class Coordinator(Service):
         self.spawn(self.leadership.run(), "leadership")
         log.info("coordinator %s up; waiting to lead", self.name)
 
-    def _nodes(self) -> list[NodeStatus]:
-        """The node table as placement sees it: a node proactive moves emptied is cordoned (RED)."""
-        nodes = self.detector.snapshot(self._clock())
+    def _nodes(self) -> list:
+        """The node table as placement sees it: the detector's records (a snapshot, with phi,
+        costs seconds at 100,000 nodes), a node proactive moves emptied cordoned (RED)."""
+        nodes = list(self.detector.nodes.values())
         return self._proactive.cordon(nodes) if self._proactive is not None else nodes
 
     def _evicted(self, job: str, node: str, why: str) -> None:
@@ -180,6 +190,8 @@ class Coordinator(Service):
             task.cancel()
         if self._events is not None:
             await self._events.stop()
+        if self._hb_sub is not None:
+            await self._hb_sub.close()
         nc, self._nc = self._nc, None
         await bus.close(nc, 3, f"coordinator {self.name}")
         if self.http is not None:
@@ -215,6 +227,7 @@ class Coordinator(Service):
             term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
             self._proactive = proactive = ProactiveMoves(self.config, self.jobs, failover, self._events,
                                                          self.detector.nodes.values, self.metrics,
+                                                         attention=self.detector.attention,
                                                          clock=self._clock, wall=self._wall)
             term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL,
                                                                cb=proactive.on_anomaly))
@@ -278,23 +291,8 @@ class Coordinator(Service):
 
     # ------------------------------------------------------------------ inputs
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        node = subjects.node_from_heartbeat(msg.subject)
-        try:
-            hb = decode_as(msg.data, Heartbeat)
-        except MessageError as exc:
-            self.malformed_heartbeats += 1
-            self.metrics.count_heartbeat(malformed=True)
-            if self.malformed_heartbeats & (self.malformed_heartbeats - 1) == 0:  # log 1, 2, 4, 8, ...
-                log.warning("dropped bad heartbeat on %s (%d so far): %s", msg.subject, self.malformed_heartbeats, exc)
-            return
-        if hb.node != node:
-            self.malformed_heartbeats += 1
-            self.metrics.count_heartbeat(malformed=True)
-            log.warning("dropped heartbeat for %r published on %s", hb.node, msg.subject)
-            return
-        self.metrics.count_heartbeat()
-        self._emit(self.detector.heartbeat(hb, self._clock()))
+    async def _heartbeats_back(self) -> None:
+        self._reconnected = True  # heartbeats were missed while it was away: a grace period, not verdicts
 
     async def _on_nodes(self, msg: Msg) -> None:
         async def reply() -> NodesReply:
@@ -344,19 +342,15 @@ class Coordinator(Service):
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_interval_s)
-            if self._nc is None or not self._nc.is_connected:
-                continue  # blind: no verdicts; the reconnect handler grants a grace period
-            backlog = max(HEARTBEAT_BACKLOG, len(self.detector.nodes) // 2)
-            if self._hb_sub is not None and self._hb_sub.pending_msgs > backlog:
-                # Heartbeats are queued but not read yet (the loop was busy): a verdict now
-                # would be on stale data.  Skipping the tick lets the stall guard grant grace.
-                continue
+            if not self._bus_connected():
+                continue  # blind: no verdicts; the reconnect handlers grant a grace period
             now = self._clock()
             if self._reconnected:
                 self._reconnected = False
                 self._emit(self.detector.grace_all(now, "coordinator reconnected to NATS"))
             transitions, probes = self.detector.tick(now)
             self._emit(transitions)
+            self._transition_log.flush()
             if self._storm_dirty and self.leader and self.failover is not None:
                 self._storm_dirty = False
                 self.failover.check_storm(list(self.detector.nodes.values()))
@@ -385,16 +379,16 @@ class Coordinator(Service):
         for t in transitions:
             if t.kind != "joined":
                 self._storm_dirty = True  # checked once per tick, not per transition
-            level = logging.WARNING if t.kind in ("suspect", "dead") else logging.INFO
-            log.log(level, "node %s %s (silent %.2f s%s)", t.node, t.kind, t.silence_s,
-                    f", {t.reason}" if t.reason else "")
+            self._transition_log.log(t)
             event = NodeEvent(node=t.node, kind=t.kind, at=at, incarnation=t.incarnation,
                               silence_s=round(t.silence_s, 3), reason=t.reason)
             self.metrics.count_node_event(event)
             if not self.leader:
                 continue  # a standby watches; only the leader speaks and acts
             if self._events is not None:
-                self._events.emit(subjects.node_event(t.node, t.kind), event)
+                # A join or a recovery is said again by every heartbeat: written without an ack wait.
+                self._events.emit(subjects.node_event(t.node, t.kind), event,
+                                  acked=t.kind not in ("joined", "recovered"))
             if self.jobs is not None and (t.kind in ("dead", "left") or t.reason == "agent restarted"):
                 self.jobs.agents.node_lost(t.node, "died" if t.kind == "dead" else "shut down")
                 # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.

@@ -174,7 +174,8 @@ class Leadership:
             try:
                 entry = await asyncio.wait_for(kv.get(KEY), self.lease_s / 3)
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                entry = None
+                self.step_down("the leader key was deleted")
+                return
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 failure = f"the leader key changed and could not be read: {exc or type(exc).__name__}"
             else:

@@ -5,7 +5,15 @@ msgspec Struct tagged with ``"<kind>.v<version>"`` and encoded as a MessagePack
 map, so any MessagePack library can read it.
 """
 
-from revenant.messages.codec import MAX_MESSAGE_BYTES, decode, decode_as, encode
+from revenant.messages.codec import (
+    MAX_MESSAGE_BYTES,
+    HeartbeatView,
+    decode,
+    decode_as,
+    decode_capabilities,
+    decode_heartbeat,
+    encode,
+)
 from revenant.messages.errors import (
     MalformedMessage,
     MessageError,
@@ -21,6 +29,7 @@ from revenant.messages.types import MESSAGE_TYPES
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "MESSAGE_TYPES",
+    "HeartbeatView",
     "MalformedMessage",
     "MessageError",
     "OversizedMessage",
@@ -29,6 +38,8 @@ __all__ = [
     "UnsupportedVersion",
     "decode",
     "decode_as",
+    "decode_capabilities",
+    "decode_heartbeat",
     "encode",
     *_types.__all__,
 ]

@@ -17,7 +17,7 @@ from revenant.messages.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from revenant.messages.types import MESSAGE_TYPES, Message
+from revenant.messages.types import MESSAGE_TYPES, Capabilities, HealthSummary, Heartbeat, Message
 
 # Big data never rides the bus: images stay on storage, messages carry paths.
 # 256 KiB leaves room under NATS's default 1 MiB max_payload.
@@ -96,3 +96,55 @@ def _explain(data: bytes, exc: msgspec.DecodeError) -> Exception:
 
 
 _ALL_TAGS = frozenset(tag_of(t) for t in MESSAGE_TYPES)
+
+
+class HeartbeatView(msgspec.Struct, kw_only=True, tag_field="type", tag="heartbeat.v2"):
+    """A heartbeat as a high-rate reader takes it: every field of :class:`Heartbeat`, but the
+    capabilities left encoded (nil when the heartbeat has none).  They change about never, so a
+    reader that holds a node's capabilities compares these bytes with the ones it decoded last
+    instead of decoding them again (tests/test_messages.py keeps the fields in step)."""
+
+    node: str
+    seq: int
+    sent_at: float
+    incarnation: str
+    pid: int = 0
+    interval_s: float = 1.0
+    capabilities: msgspec.Raw = msgspec.Raw(b"\xc0")
+    health: HealthSummary | None = None
+    leaving: bool = False
+
+
+class HeartbeatViewV1(HeartbeatView, tag="heartbeat.v1"):
+    """:class:`~revenant.messages.types.HeartbeatV1` likewise (its health is never nil)."""
+
+
+NIL = b"\xc0"
+_view_decoder = msgspec.msgpack.Decoder(Union[HeartbeatView, HeartbeatViewV1])
+_capabilities_decoder = msgspec.msgpack.Decoder(Capabilities)
+
+
+def decode_heartbeat(data: bytes) -> HeartbeatView:
+    """A heartbeat with its capabilities still encoded (see :class:`HeartbeatView`)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise OversizedMessage(len(data), MAX_MESSAGE_BYTES)
+    try:
+        return _view_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        err = _explain(data, exc)
+        if err.tag in _ALL_TAGS and not err.tag.startswith("heartbeat."):
+            err = UnexpectedMessage(f"expected {tag_of(Heartbeat)}, got {err.tag}", tag=err.tag)
+        raise err from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # pragma: no cover - defensive
+        raise MalformedMessage(f"undecodable message: {exc}") from None
+
+
+def decode_capabilities(raw: bytes | msgspec.Raw) -> Capabilities | None:
+    """A heartbeat's capabilities from :attr:`HeartbeatView.capabilities` (None for nil)."""
+    data = bytes(raw)
+    if data == NIL or not data:
+        return None
+    try:
+        return _capabilities_decoder.decode(data)
+    except (msgspec.DecodeError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise MalformedMessage(f"invalid heartbeat capabilities: {exc}", tag=tag_of(Heartbeat)) from None

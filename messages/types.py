@@ -53,8 +53,14 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type"):
 # ------------------------------------------------------------------------ messages
 
 
-class Heartbeat(Message, tag="heartbeat.v1"):
-    """Published by every agent on ``revenant.hb.<node>`` each interval."""
+class Heartbeat(Message, tag="heartbeat.v2"):
+    """Published by every agent on ``revenant.hb.<node>`` each interval.
+
+    ``capabilities`` and ``health`` are None ("as in my last heartbeat that had them") in most
+    heartbeats: an agent sends them when its verdict (state, reasons, findings) or its
+    capabilities change, in its first heartbeats and after a reconnect, and at least every
+    ``heartbeat_full_every`` heartbeats (the readings).  A heartbeat is then a few dozen bytes,
+    which is what lets one coordinator hear 100,000 nodes a second (docs/performance.md)."""
 
     node: str
     seq: int
@@ -63,9 +69,24 @@ class Heartbeat(Message, tag="heartbeat.v1"):
     incarnation: str
     pid: int = 0
     interval_s: float = 1.0
+    capabilities: Capabilities | None = None
+    health: HealthSummary | None = None
+    # The agent is shutting down cleanly: this is its last heartbeat.
+    leaving: bool = False
+
+
+class HeartbeatV1(Message, tag="heartbeat.v1"):
+    """What agents before ``heartbeat.v2`` send: every heartbeat full.  Still read, so that
+    coordinators can be upgraded before their agents."""
+
+    node: str
+    seq: int
+    sent_at: float
+    incarnation: str
+    pid: int = 0
+    interval_s: float = 1.0
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
     health: HealthSummary = msgspec.field(default_factory=HealthSummary)
-    # The agent is shutting down cleanly: this is its last heartbeat.
     leaving: bool = False
 
 
@@ -379,7 +400,7 @@ class ErrorReply(Message, tag="error.v1"):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    Heartbeat, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
+    Heartbeat, HeartbeatV1, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
     JobsRequest, JobReply, JobsReply, FailoverRequest, FailoverReply, StartJob, CheckpointJob, RestoreJob,
     KillJob, PurgeJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
     ReconcileRequest, ReconcileReply, ErrorReply,
@@ -390,7 +411,7 @@ __all__ = [
     "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",
-    "Heartbeat", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
+    "Heartbeat", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
     "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
     "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
     "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob",

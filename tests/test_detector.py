@@ -8,7 +8,7 @@ import pytest
 
 from revenant.common.config import CoordinatorConfig
 from revenant.coordinator.detector import FailureDetector, phi
-from revenant.messages import Heartbeat
+from revenant.messages import HealthSummary, Heartbeat
 
 pytestmark = pytest.mark.unit
 
@@ -22,8 +22,9 @@ class Clock:
         return self.now
 
 
-def hb(node="n1", seq=1, inc="i1", leaving=False):
-    return Heartbeat(node=node, seq=seq, sent_at=0.0, incarnation=inc, leaving=leaving)
+def hb(node="n1", seq=1, inc="i1", leaving=False, health=None):
+    return Heartbeat(node=node, seq=seq, sent_at=0.0, incarnation=inc, leaving=leaving,
+                     health=HealthSummary(state=health) if health else None)
 
 
 class Cluster:
@@ -222,7 +223,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("beat"), st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["i1", "i2"]), st.booleans()),
+    st.tuples(st.just("beat"), st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["i1", "i2"]), st.booleans(),
+              st.sampled_from([None, "GREEN", "YELLOW", "RED"])),
     st.tuples(st.just("advance"), st.floats(0.05, 4.0)),
     st.tuples(st.just("probe"), st.sampled_from(["a", "b", "c", "d"]), st.booleans()),
     st.tuples(st.just("grace"),),
@@ -238,9 +240,9 @@ def test_the_ordered_tick_misses_no_verdict_and_keeps_its_indexes(ops):
     cap = (cfg.suspect_timeout_s + cfg.node_timeout_s) / 2
     for op in ops:
         if op[0] == "beat":
-            _, node, inc, leaving = op
+            _, node, inc, leaving, health = op
             seq[node] = seq.get(node, 0) + 1
-            det.heartbeat(hb(node, seq[node], inc, leaving=leaving and seq[node] % 5 == 0), now)
+            det.heartbeat(hb(node, seq[node], inc, leaving=leaving and seq[node] % 5 == 0, health=health), now)
         elif op[0] == "advance":
             now += op[1]
         elif op[0] == "probe" and op[1] in det.nodes:
@@ -261,3 +263,10 @@ def test_the_ordered_tick_misses_no_verdict_and_keeps_its_indexes(ops):
         assert set(det._ended) == {n for n, r in det.nodes.items() if r.state in ("dead", "left")}
         seen = [det.nodes[n].last_alive_at for n in det._alive]
         assert seen == sorted(seen)
+        # What the proactive rules read instead of the table, and the counts, without a walk.
+        attention, total = det.attention()
+        assert {r.name for r in attention} == {n for n, r in det.nodes.items() if r.state == "suspect"
+                                               or (r.state == "alive" and r.health != "GREEN")}
+        assert total == sum(r.state in ("alive", "suspect") for r in det.nodes.values())
+        assert det.counts() == {k: sum(r.state == k for r in det.nodes.values())
+                                for k in ("alive", "suspect", "dead", "left")}

@@ -319,7 +319,7 @@ def test_coordinator_metrics():
     c.count_node_event(NodeEvent(node="a", kind="dead", at=0.0, silence_s=2.6))
     c.count_failover(ok=True)
     c.count_failover(ok=True, cause="evicted")
-    c.count_heartbeat(malformed=True)
+    c.count_heartbeats(3, 1)
     got = samples(c.render())
     assert got[("revenant_failure_detection_seconds_bucket", (("le", "3.0"),))] == 1
     assert got[("revenant_node_events_total", (("kind", "dead"),))] == 1
@@ -327,6 +327,7 @@ def test_coordinator_metrics():
     assert got[("revenant_failovers_total", (("cause", "evicted"), ("result", "ok")))] == 1
     assert got[("revenant_failovers_total", (("cause", "takeover"), ("result", "failed")))] == 0
     assert got[("revenant_heartbeats_received_total", (("result", "malformed"),))] == 1
+    assert got[("revenant_heartbeats_received_total", (("result", "ok"),))] == 3
 
 
 def test_proactive_actions_and_pause():

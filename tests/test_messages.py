@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from revenant.messages.codec import HeartbeatViewV1
+
 from revenant.messages import (
     MAX_MESSAGE_BYTES,
     AgentJobReply,
@@ -45,6 +47,8 @@ from revenant.messages import (
     GpuInfo,
     HealthSummary,
     Heartbeat,
+    HeartbeatV1,
+    HeartbeatView,
     MalformedMessage,
     MessageError,
     NodeEvent,
@@ -58,6 +62,8 @@ from revenant.messages import (
     UnsupportedVersion,
     decode,
     decode_as,
+    decode_capabilities,
+    decode_heartbeat,
     encode,
     subjects,
 )
@@ -88,6 +94,7 @@ JOB = JobRecord(spec=SPEC, state="running", node="node-1", pid=42, generation=2,
 
 SAMPLES = [
     Heartbeat(node="node-1", seq=7, sent_at=1.5, incarnation="abc", pid=42, capabilities=CAPS, health=HEALTH),
+    HeartbeatV1(node="node-1", seq=7, sent_at=1.5, incarnation="abc", pid=42, capabilities=CAPS, health=HEALTH),
     Probe(sent_at=2.0, sender="coord"),
     ProbeReply(node="node-1", incarnation="abc", seq=7, sent_at=2.1, health=HEALTH),
     NodeEvent(node="node-1", kind="dead", at=3.0, incarnation="abc", silence_s=2.5, reason="silent"),
@@ -143,8 +150,43 @@ def test_plain_msgpack_reads_every_message(msg):
 
 def test_message_written_by_plain_msgpack_decodes():
     data = msgpack.packb({"type": "heartbeat.v1", "node": "n", "seq": 1, "sent_at": 0.5, "incarnation": "i"})
-    hb = decode_as(data, Heartbeat)
+    hb = decode_as(data, HeartbeatV1)
     assert hb.node == "n" and hb.health.state == "GREEN" and hb.capabilities.gpu == "none"
+    slim = decode_as(msgpack.packb({"type": "heartbeat.v2", "node": "n", "seq": 2, "sent_at": 0.5,
+                                    "incarnation": "i"}), Heartbeat)
+    assert slim.health is None and slim.capabilities is None
+
+
+def test_heartbeat_views_keep_in_step_with_the_heartbeats():
+    """The coordinator's view of a heartbeat has the heartbeat's fields, only capabilities raw."""
+    for view, full in ((HeartbeatView, Heartbeat), (HeartbeatViewV1, HeartbeatV1)):
+        assert view.__struct_fields__ == full.__struct_fields__
+        assert view.__struct_config__.tag == full.__struct_config__.tag
+
+
+@pytest.mark.parametrize("hb", [
+    Heartbeat(node="n", seq=3, sent_at=1.0, incarnation="i", capabilities=CAPS, health=HEALTH, leaving=True),
+    Heartbeat(node="n", seq=4, sent_at=1.0, incarnation="i"),
+    HeartbeatV1(node="n", seq=5, sent_at=1.0, incarnation="i", capabilities=CAPS, health=HEALTH),
+])
+def test_heartbeat_view_reads_what_the_full_decoder_reads(hb):
+    view = decode_heartbeat(encode(hb))
+    assert (view.node, view.seq, view.sent_at, view.incarnation, view.leaving) == \
+        (hb.node, hb.seq, hb.sent_at, hb.incarnation, hb.leaving)
+    assert view.health == hb.health
+    assert decode_capabilities(view.capabilities) == hb.capabilities
+
+
+def test_heartbeat_view_refuses_what_is_not_a_heartbeat():
+    with pytest.raises(UnexpectedMessage, match="expected heartbeat.v2, got probe.v1"):
+        decode_heartbeat(encode(Probe(sent_at=1.0)))
+    with pytest.raises(MalformedMessage):
+        decode_heartbeat(b"\x93\x01\x02")
+    with pytest.raises(MalformedMessage, match="capabilities"):
+        decode_capabilities(msgpack.packb([1, 2]))
+    with pytest.raises(UnsupportedVersion, match="upgrade revenant"):
+        decode_heartbeat(msgpack.packb({"type": "heartbeat.v9", "node": "n", "seq": 1, "sent_at": 0.5,
+                                        "incarnation": "i"}))
 
 
 def test_records_and_messages_from_before_checkpoint_policies_still_decode():
@@ -220,7 +262,7 @@ def test_bad_messages_raise_typed_errors(data, error):
 
 def test_newer_version_error_says_to_upgrade():
     with pytest.raises(UnsupportedVersion, match="upgrade revenant"):
-        decode(msgpack.packb({"type": "heartbeat.v2"}))
+        decode(msgpack.packb({"type": "heartbeat.v3"}))
 
 
 def test_oversized_is_refused_both_ways():
@@ -232,7 +274,7 @@ def test_oversized_is_refused_both_ways():
 
 
 def test_decode_as_rejects_the_wrong_type():
-    with pytest.raises(UnexpectedMessage, match="expected heartbeat.v1, got probe.v1"):
+    with pytest.raises(UnexpectedMessage, match="expected heartbeat.v2, got probe.v1"):
         decode_as(encode(Probe(sent_at=1.0)), Heartbeat)
 
 

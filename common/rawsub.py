@@ -1,0 +1,252 @@
+"""A subscriber for one high-rate subject, without a client library's per-message work.
+
+nats-py turns every message into a ``Msg`` object, queues it and awaits a callback coroutine:
+about 12 µs a message on a small machine, more than a 100,000-node cluster's heartbeats
+(100,000 a second) leave a coordinator.  :class:`RawSubscriber` speaks the client protocol's
+subscriber side on a connection of its own: it parses ``MSG`` frames straight from the
+socket's data (``asyncio.Protocol.data_received``) and hands ``(subject, payload)`` to a plain
+function, a few microseconds a message.
+
+What it keeps from a client: the same URLs (a cluster's, tried in turn), the same credential
+(a seed file or a JWT ``.creds`` file, the server's nonce signed), a PING every
+``ping_interval_s`` with a stale connection dropped after ``max_outstanding_pings`` unanswered,
+and endless reconnects (``on_reconnect`` is called after each).  It sends nothing but CONNECT,
+SUB, PING and PONG.  The first connection must succeed (a one-line :class:`BusError` if not);
+later outages are retried forever, as the main connection's are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import urllib.parse
+from collections.abc import Awaitable, Callable
+
+import nkeys
+
+from revenant.common.errors import BusError
+
+log = logging.getLogger(__name__)
+
+MAX_CONTROL_LINE = 4096
+
+
+def _credential(path: str) -> tuple[str | None, bytes]:
+    """(a JWT or None, the seed) from a seed file or a JWT ``.creds`` file."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as exc:
+        raise BusError(f"cannot read the NATS credential {path}: {exc.strerror or exc}") from None
+    jwt, seed = None, b""
+    lines = [line.strip() for line in text.splitlines()]
+    for i, line in enumerate(lines):
+        if b"BEGIN NATS USER JWT" in line and i + 1 < len(lines):
+            jwt = lines[i + 1].decode()
+        elif line.startswith(b"SU") and not seed:
+            seed = line
+    if not seed:
+        raise BusError(f"the NATS credential {path} holds no user seed")
+    return jwt, seed
+
+
+def _signed_connect(info: dict, name: str, creds: str | None) -> dict:
+    connect = {"verbose": False, "pedantic": False, "protocol": 1, "lang": "python", "version": "revenant",
+               "name": name, "headers": False, "no_responders": False, "echo": False}
+    if creds:
+        jwt, seed = _credential(creds)
+        try:
+            kp = nkeys.from_seed(bytearray(seed))
+            sig = kp.sign(info.get("nonce", "").encode())
+            public = kp.public_key.decode()
+        except (nkeys.NkeysError, ValueError) as exc:
+            raise BusError(f"the NATS credential {creds} is not a valid seed: {exc}") from None
+        connect["sig"] = base64.urlsafe_b64encode(sig).rstrip(b"=").decode()
+        if jwt:
+            connect["jwt"] = jwt
+        else:
+            connect["nkey"] = public
+    return connect
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: the handshake, then MSG frames to ``deliver``."""
+
+    def __init__(self, owner: RawSubscriber) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.outstanding_pings = 0
+        self._info_seen = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self._end(str(exc) if exc else "closed by the server")
+
+    def _end(self, why: str) -> None:
+        """The connection is over: a handshake still waiting fails, ``closed`` says why."""
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(why))
+            self.ready.exception()  # retrieved here too: nobody may be waiting any more
+        if not self.closed.done():
+            self.closed.set_result(why)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        pos, n, deliver = 0, len(buf), self.owner.deliver
+        while pos < n:
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                if n - pos > MAX_CONTROL_LINE and not buf.startswith(b"MSG ", pos):
+                    return self._fail("a protocol line longer than 4096 bytes")
+                break
+            if buf.startswith(b"MSG ", pos):
+                args = buf[pos + 4:end].split()
+                start = end + 2
+                try:
+                    stop = start + int(args[-1])
+                except (ValueError, IndexError):
+                    return self._fail(f"malformed MSG line {buf[pos:end][:80]!r}")
+                if stop + 2 > n:
+                    break  # the payload is not all here yet
+                try:
+                    deliver(args[0], buf[start:stop])
+                except Exception:  # a bug in the handler loses one message, never the connection
+                    log.exception("handling a message on %r failed", args[0])
+                pos = stop + 2
+                continue
+            line = buf[pos:end]
+            pos = end + 2
+            if line.startswith(b"PING"):
+                self.transport.write(b"PONG\r\n")
+            elif line.startswith(b"PONG"):
+                self.outstanding_pings = 0
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif line.startswith(b"INFO ") and not self._info_seen:
+                self._info_seen = True
+                self._hello(json.loads(line[5:]))
+            elif line.startswith(b"-ERR"):
+                return self._fail(line[5:].strip(b" '").decode(errors="replace") or "-ERR")
+            # +OK and later INFO lines (cluster changes) need nothing
+        self.buf = buf[pos:]
+
+    def _hello(self, info: dict) -> None:
+        owner = self.owner
+        try:
+            connect = _signed_connect(info, owner.name, owner.creds)
+        except BusError as exc:
+            return self._fail(str(exc))
+        self.transport.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\n"
+                             + f"SUB {owner.subject} 1\r\nPING\r\n".encode())
+
+    def _fail(self, why: str) -> None:
+        self._end(why)
+        if self.transport is not None:
+            self.transport.close()
+
+
+class RawSubscriber:
+    """Subscribe ``subject`` on ``url`` (comma-separated servers) and call ``on_message(subject,
+    payload)`` (bytes, bytes) for each message, from the event loop, never concurrently."""
+
+    def __init__(self, url: str, name: str, subject: str, on_message: Callable[[bytes, bytes], None], *,
+                 creds: str | None = None, ping_interval_s: float = 2.0, max_outstanding_pings: int = 2,
+                 reconnect_wait_s: float = 0.5, connect_timeout_s: float = 3.0,
+                 on_reconnect: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.servers = [u.strip() for u in url.split(",") if u.strip()]
+        self.name, self.subject, self.creds = name, subject, creds
+        self.deliver = on_message
+        self.ping_interval_s = ping_interval_s
+        self.max_outstanding_pings = max_outstanding_pings
+        self.reconnect_wait_s = reconnect_wait_s
+        self.connect_timeout_s = connect_timeout_s
+        self.on_reconnect = on_reconnect
+        self.reconnects = 0
+        self._conn: _Connection | None = None
+        self._next = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        c = self._conn
+        return c is not None and c.ready.done() and c.ready.exception() is None and not c.closed.done()
+
+    async def start(self) -> None:
+        """Connect (each server once, in turn), or raise a one-line :class:`BusError`."""
+        errors = []
+        for _ in self.servers:
+            try:
+                await self._connect()
+                break
+            except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+                errors.append(f"{self.servers[(self._next - 1) % len(self.servers)]}: {exc or type(exc).__name__}")
+        else:
+            raise BusError(f"cannot subscribe to {self.subject}: {'; '.join(errors)}")
+        self._task = asyncio.create_task(self._keep(), name=f"rawsub-{self.subject}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+        self._conn = None
+
+    async def _connect(self) -> None:
+        url = self.servers[self._next % len(self.servers)]
+        self._next += 1
+        u = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+        loop = asyncio.get_running_loop()
+        conn = _Connection(self)
+        try:
+            await asyncio.wait_for(loop.create_connection(lambda: conn, u.hostname, u.port or 4222),
+                                   self.connect_timeout_s)
+            await asyncio.wait_for(asyncio.shield(conn.ready), self.connect_timeout_s)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.close()
+            raise
+        self._conn = conn
+
+    async def _keep(self) -> None:
+        """Ping the server; on a lost or stale connection, connect again (forever)."""
+        while True:
+            conn = self._conn
+            assert conn is not None
+            try:
+                why = await asyncio.wait_for(asyncio.shield(conn.closed), self.ping_interval_s)
+            except asyncio.TimeoutError:
+                if conn.outstanding_pings < self.max_outstanding_pings:
+                    conn.outstanding_pings += 1
+                    conn.transport.write(b"PING\r\n")
+                    continue
+                why = f"no PONG to {self.max_outstanding_pings} pings"
+                conn.transport.close()
+            log.warning("nats (%s): %s subscription lost (%s); reconnecting", self.name, self.subject, why)
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        self._conn = None
+        while True:
+            await asyncio.sleep(self.reconnect_wait_s)
+            try:
+                await self._connect()
+            except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+                log.debug("nats (%s): reconnect failed: %s", self.name, exc or type(exc).__name__)
+                continue
+            self.reconnects += 1
+            log.info("nats (%s): %s subscription back", self.name, self.subject)
+            if self.on_reconnect is not None:
+                await self.on_reconnect()
+            return

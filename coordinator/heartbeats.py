@@ -1,0 +1,103 @@
+"""Heartbeats in: from the bus to the failure detector, at the cost of what changed.
+
+Every node's heartbeat arrives once a second, so this is the coordinator's hottest path: at
+100,000 nodes, 100,000 calls a second.  It takes each message straight from the
+:class:`~revenant.common.rawsub.RawSubscriber` (no per-message object, queue or coroutine),
+decodes it as a :class:`~revenant.messages.HeartbeatView` (capabilities left encoded), and
+decodes the capabilities only when a heartbeat has them (the first ones, and a change: most
+heartbeats are slim, see :class:`~revenant.messages.Heartbeat`) and their bytes differ from the
+ones the node's record holds.
+Counters are plain integers, handed to Prometheus when ``/metrics`` is rendered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from revenant.coordinator.detector import FailureDetector, Transition
+from revenant.messages import MessageError, decode_capabilities, decode_heartbeat, subjects
+from revenant.messages.codec import NIL
+
+log = logging.getLogger(__name__)
+
+PREFIX = (subjects.HEARTBEAT_PREFIX + ".").encode()
+
+
+class HeartbeatIntake:
+    def __init__(self, detector: FailureDetector, clock: Callable[[], float],
+                 emit: Callable[[list[Transition]], None]) -> None:
+        self.detector = detector
+        self._clock = clock
+        self._emit = emit
+        self.received = 0
+        self.malformed = 0
+        self._reported = (0, 0)
+
+    def __call__(self, subject: bytes, data: bytes) -> None:
+        if not subject.startswith(PREFIX):
+            return self._bad(subject, "not a heartbeat subject")
+        node = subject[len(PREFIX):].decode(errors="replace")
+        try:
+            hb = decode_heartbeat(data)
+            raw = bytes(hb.capabilities)
+            if raw == NIL:
+                caps = None  # as the node's last full heartbeat had them
+            else:
+                rec = self.detector.nodes.get(node)
+                caps = rec.capabilities if rec is not None and rec.capabilities_raw == raw else decode_capabilities(raw)
+        except MessageError as exc:
+            return self._bad(subject, str(exc))
+        if hb.node != node:
+            return self._bad(subject, f"heartbeat for {hb.node!r}")
+        self.received += 1
+        self._emit(self.detector.heartbeat(hb, self._clock(), caps, raw))
+
+    def _bad(self, subject: bytes, why: str) -> None:
+        self.malformed += 1
+        if self.malformed & (self.malformed - 1) == 0:  # log 1, 2, 4, 8, ...
+            log.warning("dropped bad heartbeat on %s (%d so far): %s", subject.decode(errors="replace"),
+                        self.malformed, why)
+
+    def counts_since_last(self) -> tuple[int, int]:
+        """(heartbeats, malformed ones) since the last call: for the Prometheus counters."""
+        now = (self.received, self.malformed)
+        last, self._reported = self._reported, now
+        return now[0] - last[0], now[1] - last[1]
+
+
+class TransitionLog:
+    """Node transitions in the coordinator's log: each one, except in a burst (a coordinator
+    starting amid 100,000 nodes hears them all join within a second).  Past ``per_second`` of a
+    kind in one second, the rest are counted and summed up in one line when the second is over;
+    each of them is still on the event stream and in the node table."""
+
+    def __init__(self, clock: Callable[[], float], per_second: int = 200) -> None:
+        self._clock = clock
+        self.per_second = per_second
+        self._since = -1.0
+        self._counts: dict[str, int] = {}
+        self._hidden: dict[str, int] = {}
+
+    def log(self, t: Transition) -> None:
+        self.flush()
+        n = self._counts[t.kind] = self._counts.get(t.kind, 0) + 1
+        if n > self.per_second:
+            self._hidden[t.kind] = self._hidden.get(t.kind, 0) + 1
+            return
+        log.log(_level(t.kind), "node %s %s (silent %.2f s%s)", t.node, t.kind, t.silence_s,
+                f", {t.reason}" if t.reason else "")
+
+    def flush(self) -> None:
+        """Close the second if it is over: one line per kind that went past the limit."""
+        now = self._clock()
+        if now - self._since < 1.0:
+            return
+        for kind, n in sorted(self._hidden.items()):
+            log.log(_level(kind), "%d more nodes %s in the last second (not logged one by one; each is "
+                    "on the event stream)", n, kind)
+        self._since, self._counts, self._hidden = now, {}, {}
+
+
+def _level(kind: str) -> int:
+    return logging.WARNING if kind in ("suspect", "dead") else logging.INFO

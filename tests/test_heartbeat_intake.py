@@ -1,0 +1,99 @@
+"""Slim heartbeats: which ones an agent sends in full (agent/liveness.py FullBeats), and the
+coordinator's intake (coordinator/heartbeats.py) keeping a node's health and capabilities
+across the slim ones, decoding capabilities only when their bytes change."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from revenant.agent.liveness import FULL_FIRST, FullBeats
+from revenant.common.config import CoordinatorConfig
+from revenant.coordinator.detector import FailureDetector
+from revenant.coordinator.heartbeats import HeartbeatIntake
+from revenant.messages import (Capabilities, CriuInfo, HealthFinding, HealthSummary, Heartbeat, HeartbeatV1,
+                               encode, subjects)
+
+pytestmark = pytest.mark.unit
+
+CAPS = Capabilities(hostname="h1", cpus=8, criu=CriuInfo(ok=True, version="4.1.1"))
+GREEN = HealthSummary(memory_percent=20.0)
+
+
+def test_full_beats_first_on_change_periodically_and_when_forced():
+    beats = FullBeats(every=5)
+    shapes = [beats.shape(GREEN, CAPS) != (None, None) for _ in range(FULL_FIRST + 6)]
+    assert shapes == [True] * FULL_FIRST + [False] * 4 + [True, False]  # the 5th after the last full
+    # A new reading alone waits for the period; a new verdict goes at once.
+    assert beats.shape(msgspec.structs.replace(GREEN, memory_percent=21.0), CAPS) == (None, None)
+    yellow = HealthSummary(state="YELLOW", reasons=["memory 91%"], findings=[HealthFinding("YELLOW", "memory")])
+    assert beats.shape(yellow, CAPS) == (yellow, CAPS)
+    assert beats.shape(yellow, CAPS) == (None, None)
+    other = msgspec.structs.replace(yellow, findings=[HealthFinding("YELLOW", "storage_low")])
+    assert beats.shape(other, CAPS) == (other, CAPS)  # same words, another finding
+    caps2 = msgspec.structs.replace(CAPS, lazy_restore=True)
+    assert beats.shape(other, caps2) == (other, caps2)
+    beats.force = True  # after a reconnect, or a heartbeat that could not be sent
+    assert beats.shape(other, caps2) == (other, caps2)
+    assert beats.shape(other, caps2) == (None, None)
+    assert beats.shape(other, caps2, leaving=True) == (other, caps2)
+    every = FullBeats(every=1)
+    assert all(every.shape(GREEN, CAPS) == (GREEN, CAPS) for _ in range(10))
+
+
+def make_intake():
+    detector = FailureDetector(CoordinatorConfig())
+    clock = [100.0]
+    emitted = []
+    return detector, clock, emitted, HeartbeatIntake(detector, lambda: clock[0], emitted.extend)
+
+
+def beat(intake, clock, hb, subject_node: str | None = None) -> None:
+    clock[0] += 1.0
+    intake(subjects.heartbeat(subject_node or hb.node).encode(), encode(hb))
+
+
+def test_slim_heartbeats_keep_what_the_last_full_one_said():
+    detector, clock, emitted, intake = make_intake()
+    yellow = HealthSummary(state="YELLOW", reasons=["memory 91%"], findings=[HealthFinding("YELLOW", "memory")])
+    beat(intake, clock, Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i", capabilities=CAPS, health=yellow))
+    assert [t.kind for t in emitted] == ["joined"]
+    rec = detector.nodes["n1"]
+    caps_object = rec.capabilities
+    for seq in range(2, 6):
+        beat(intake, clock, Heartbeat(node="n1", seq=seq, sent_at=1.0, incarnation="i"))
+    assert rec.seq == 5 and rec.last_heartbeat_at == clock[0] and len(rec.intervals) == 4
+    assert rec.health == "YELLOW" and rec.reasons == ["memory 91%"] and rec.findings[0].code == "memory"
+    assert rec.capabilities == CAPS
+    # The same capabilities again: not decoded again (the record keeps its object).
+    beat(intake, clock, Heartbeat(node="n1", seq=6, sent_at=1.0, incarnation="i", capabilities=CAPS, health=GREEN))
+    assert rec.capabilities is caps_object and rec.health == "GREEN" and rec.reasons == []
+    changed = msgspec.structs.replace(CAPS, cpus=16)
+    beat(intake, clock, Heartbeat(node="n1", seq=7, sent_at=1.0, incarnation="i", capabilities=changed, health=GREEN))
+    assert rec.capabilities == changed
+    # An agent from before heartbeat.v2: every heartbeat full.
+    beat(intake, clock, HeartbeatV1(node="n2", seq=1, sent_at=1.0, incarnation="j", capabilities=CAPS, health=yellow))
+    assert detector.nodes["n2"].capabilities == CAPS and detector.nodes["n2"].health == "YELLOW"
+    assert intake.received == 8 and intake.malformed == 0
+    assert intake.counts_since_last() == (8, 0) and intake.counts_since_last() == (0, 0)
+
+
+def test_a_node_first_heard_slim_is_not_placeable_until_its_full_heartbeat():
+    detector, clock, emitted, intake = make_intake()
+    beat(intake, clock, Heartbeat(node="n1", seq=40, sent_at=1.0, incarnation="i"))
+    rec = detector.nodes["n1"]
+    assert rec.state == "alive" and not rec.capabilities.criu.ok  # placement skips it
+    beat(intake, clock, Heartbeat(node="n1", seq=41, sent_at=1.0, incarnation="i", capabilities=CAPS, health=GREEN))
+    assert rec.capabilities.criu.ok
+
+
+def test_bad_heartbeats_are_counted_and_dropped(caplog):
+    detector, clock, emitted, intake = make_intake()
+    intake(subjects.heartbeat("n1").encode(), b"\x93garbage")
+    beat(intake, clock, Heartbeat(node="n2", seq=1, sent_at=1.0, incarnation="i"), subject_node="n1")
+    intake(b"revenant.other.n1", encode(Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i")))
+    bad_caps = encode(Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i")).replace(
+        b"\xaccapabilities\xc0", b"\xaccapabilities\x92\x01\x02")
+    intake(subjects.heartbeat("n1").encode(), bad_caps)
+    assert intake.malformed == 4 and intake.received == 0 and detector.nodes == {}
+    assert "dropped bad heartbeat" in caplog.text
