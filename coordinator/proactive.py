@@ -137,13 +137,16 @@ class ProactiveRules:
         self._anomalies[node] = reason
         return True
 
-    def update(self, nodes: Iterable, now: float) -> str | None:
+    def update(self, nodes: Iterable, now: float, total: int | None = None) -> str | None:
         """Take the node table as it is now (NodeStatus, or anything with ``name``, ``state``,
-        ``health``, ``reasons`` and ``findings``); "paused" or "resumed" when the storm guard changes."""
+        ``health``, ``reasons`` and ``findings``); "paused" or "resumed" when the storm guard changes.
+        With ``total`` (how many nodes are alive or suspect), ``nodes`` need only hold those that
+        are not alive and GREEN: the detector keeps them apart (FailureDetector.attention)."""
+        given, total = total, 0
         seen: set[str] = set()
         silent: set[str] = set()
         cordoned_alive: set[str] = set()
-        total = sick = 0
+        sick = 0
         for node in nodes:
             if node.state not in ("alive", "suspect"):
                 continue
@@ -173,7 +176,8 @@ class ProactiveRules:
             del self._nodes[name]  # GREEN (a break), dead, left or forgotten
         for name in [n for n in self.cordoned if n not in cordoned_alive]:
             del self.cordoned[name]  # GREEN again, or dead: failover's business now
-        self.total, self.sick, self._silent = total, sick, silent
+        self.total, self.sick, self._silent = total if given is None else given, sick, silent
+        total = self.total
         storm = sick >= self.s.min_sick and total > 0 and sick / total > self.s.pause_fraction
         if storm != self.paused:
             self.paused = storm

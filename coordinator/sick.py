@@ -39,15 +39,18 @@ PER_NODE = 2
 class ProactiveMoves:
     def __init__(self, config: CoordinatorConfig, jobs: JobService, failover: Failover, events: EventPublisher,
                  nodes: Callable[[], Iterable], metrics: CoordinatorMetrics | None = None, *,
+                 attention: Callable[[], tuple[Iterable, int]] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        """``nodes``: the detector's records as the nodes report them (no snapshot: a tick must stay
-        cheap at many nodes)."""
+        """``nodes``: the detector's records as the nodes report them (no snapshot), read when a
+        move is placed; ``attention``: only those not alive and GREEN, and how many are alive or
+        suspect (FailureDetector.attention), read each tick: a tick costs the sick nodes, not all."""
         self.config = config
         self.rules = ProactiveRules(Settings.of(config))
         self.jobs = jobs
         self.failover = failover
         self.events = events
         self.nodes = nodes
+        self.attention = attention
         self.metrics = metrics
         self.clock = clock
         self.wall = wall
@@ -97,7 +100,11 @@ class ProactiveMoves:
 
     def tick(self) -> list[asyncio.Task[None]]:
         now = self.clock()
-        change = self.rules.update(self.nodes(), now)
+        if self.attention is not None:
+            unwell, total = self.attention()
+            change = self.rules.update(unwell, now, total)
+        else:
+            change = self.rules.update(self.nodes(), now)
         if change is not None:
             self._announce(change)
         # At most PER_NODE actions in flight per node: one hanging node never holds every slot.

@@ -92,7 +92,7 @@ async def take_over(inherited: dict[str, tuple[str, int, str]], delay_s: float, 
     first, publish the `dead` event of every node found dead that no leader announced.
     ``inherited``: each job's (state, generation, node) when this term loaded the table."""
     await asyncio.sleep(delay_s)
-    alive = {n.name for n in detector.snapshot(clock()) if n.state in ("alive", "suspect")}
+    alive = {name for name, r in detector.nodes.items() if r.state in ("alive", "suspect")}
     plan = lc.takeover_plan(inherited, jobs.jobs, alive, failover.recovering)
     dead_nodes = {dead for _, dead in plan if dead} | {n for n, r in detector.nodes.items() if r.state == "dead"}
     await announce_dead(js, events, detector, dead_nodes, clock, wall)

@@ -131,6 +131,24 @@ def test_many_nodes_sick_at_once_pause_moves_but_not_checkpoints():
     assert [a.action for a in r.actions([job("1", "a")], 2.0)] == ["migrate"]
 
 
+def test_the_unwell_nodes_and_a_total_decide_as_the_whole_table_does():
+    """What the coordinator passes each tick (FailureDetector.attention): only the nodes that are
+    not alive and GREEN, and how many are alive or suspect."""
+    healthy = [node(f"h{i}") for i in range(5)]
+    tables = [[node("a", MEMORY_RED), node("s", state="suspect"), node("d", state="dead"), *healthy],
+              [node("a", MEMORY_RED), node("b", XID), node("s", state="suspect"), *healthy],
+              [node("a"), node("b", MEMORY_YELLOW), *healthy]]
+    whole, parts = rules(proactive_hold_s=0.0), rules(proactive_hold_s=0.0)
+    for t, table in enumerate(tables):
+        unwell = [n for n in table if n.state == "suspect" or (n.state == "alive" and n.health != "GREEN")]
+        total = sum(n.state in ("alive", "suspect") for n in table)
+        assert whole.update(table, float(t)) == parts.update(unwell, float(t), total)
+        assert (whole.sick, whole.total, whole.paused) == (parts.sick, parts.total, parts.paused)
+        jobs = [job("1", "a"), job("2", "b"), job("3", "s")]
+        assert whole.actions(jobs, float(t)) == parts.actions(jobs, float(t))
+        assert whole.cordoned == parts.cordoned
+
+
 def test_shared_storage_running_out_is_a_storm_not_a_reason_to_move():
     low = ("RED", "storage_low", "storage free 30 MiB < 256 MiB")
     r = rules(proactive_hold_s=0.0)
