@@ -1,8 +1,10 @@
 """Failover: the time from SIGKILL of a node to its job running on another node.
 
-For each job size M (MiB), each image cache state (warm, cold) and each restore
-mode (eager, lazy), and each run, on a fresh local cluster (``revenant up
---nodes 2``, its directory on disk under /var/tmp, the agents started with
+For each job size M (MiB), each image cache state (warm, cold), each restore
+mode (eager, lazy) and each NATS server count N (1; with --nats-servers 1,3 also
+3), and each run, on a fresh local cluster (``revenant up --nodes 2``, with N > 1
+``--nats-servers N``: a JetStream cluster of N servers on loopback; its directory
+on disk under /var/tmp, the agents started with
 ``REVENANT_AGENT_RESTORE_MODE=<mode>``):
 
 1. ``revenant submit --node node-1`` a job that holds M MiB of resident,
@@ -24,11 +26,12 @@ mode (eager, lazy), and each run, on a fresh local cluster (``revenant up
    its memory checks out), then (lazy) for the job's ``restore_completed``
    event: every page of the lazily restored job is in.
 
-Runs alternate between the cache states and modes of one size, so a drift of
-the machine's load touches them alike.  Eager and lazy differ only in the
-agents' ``restore_mode``: an eager restore brings in every page before the job
-runs again; a lazy one starts the job at once and its pages arrive while it runs
-(page faults, plus a background fill), ending with ``restore_completed``.
+Runs alternate between the cache states, modes and server counts of one size
+(1, 3, 1, 3, ...), so a drift of the machine's load touches them alike.  Eager
+and lazy differ only in the agents' ``restore_mode``: an eager restore brings in
+every page before the job runs again; a lazy one starts the job at once and its
+pages arrive while it runs (page faults, plus a background fill), ending with
+``restore_completed``.
 
 How the parts are measured (all on this machine's wall clock, which the
 coordinator's event ``at`` fields also use):
@@ -38,7 +41,9 @@ detection  T0 -> the node's ``dead`` event (``at``).  Also the event's
 decision   ``dead`` event -> the coordinator's ``restore`` request reaching
            node-2.  A passive NATS subscriber of this benchmark on
            ``revenant.node.*.cmd.*`` timestamps the request as it arrives (core
-           NATS delivers each request to every subscriber; we never reply).  It
+           NATS delivers each request to every subscriber; we never reply; on a
+           NATS cluster it is given every server's URL, as cluster.json lists
+           them, and connects to one, the others routing to it).  It
            is mostly the wait for node-1's lease to expire (the coordinator logs
            "waiting X s for node node-1's lease" when there is a wait); the
            benchmark also watches the lease bucket itself, like the coordinator.
@@ -76,26 +81,36 @@ Goals (from the issues): total <= 3 s + restore, i.e. detection + decision
 docs/configuration.md promises the restore starts by 3.0 s).  Lazy restore:
 T0 -> restore_completed (lazy) / T0 -> restored (eager) <= 1.3 per size and
 cache state (medians), and T0 -> printing again (lazy, cold) <= 3.5 s for 1 GiB
-and 4 GiB jobs.  Both are printed below the tables.
+and 4 GiB jobs.  Both are printed below the tables.  A 3-server NATS cluster:
+median total on 3 servers / median total on 1 <= 1.2, per size, cache state
+and mode (a row of the table, and a line below it, when 1 and 3 both ran).
 
 A run whose failover never completes (the coordinator gives up, no ``restored``
 event within the timeout, a lazy restore evicted before ``restore_completed``)
 is recorded as failed, with the coordinator's log lines, and left out of the
 medians; the benchmark keeps going until --runs runs succeeded or
---max-attempts were made, per size, cache state and mode.
+--max-attempts were made, per size, cache state, mode and server count.
 
     .venv/bin/python bench/failover.py                    # 1024 MiB; warm, cold; eager, lazy; 3 runs each (~5 min)
     .venv/bin/python bench/failover.py --sizes 1024,4096  # the full run, with a 4 GiB job too (~15 min)
     .venv/bin/python bench/failover.py --sizes 64 --runs 1 --restore-mode eager --cache warm  # a quick look
+    .venv/bin/python bench/failover.py --nats-servers 1,3 # each of those on 1 and on 3 NATS servers (~12 min)
 
 --restore-mode eager,lazy (default both) and --cache warm|cold|both (default
 both) pick what runs.  An eager run sets REVENANT_AGENT_RESTORE_MODE=eager only
 where the agent has a restore_mode setting (without one it restores eagerly
-anyway); lazy needs that setting.
+anyway); lazy needs that setting.  --nats-servers COUNTS (default 1) runs each
+of those once per count, e.g. 1,3 (a count is 1, or 3 or more, as ``revenant
+up`` takes it).
 
 Prints one Markdown table per size (median [min-max] over the restored runs; one
-column per cache state and mode), then the lazy/eager ratios and targets, and
-writes every run and the summary to bench/results/failover.json (after each run).
+column per cache state, mode and server count, its count in the "NATS servers"
+row; with 1 and 3 a last row of total on 3 / on 1, goal met or not), then the
+lazy/eager ratios and targets and the server-count ratios, and writes every run
+(with its ``nats_servers``) and the summary to bench/results/failover.json (after
+each run): ``summary`` (over the 1-server runs), ``summary_by_nats_servers``
+(the same per count) and ``nats_servers_ratio`` (size -> cache -> mode -> N:
+the medians, ratio, goal, met).
 The lazy-restore measures live in bench/failover_lazy.py.  This is a benchmark,
 not a test; numbers from a shared or noisy machine vary.  Everything it starts is
 stopped and every cluster directory removed, also on an error or Ctrl-C; if it is
@@ -180,6 +195,7 @@ REVENANT = str(BIN / "revenant")
 LEASE_TTL_S = 1.7      # docs/configuration.md defaults (coordinator lease_ttl_s, lease_margin_s)
 LEASE_MARGIN_S = 0.2
 GOAL_S = 3.0
+SERVERS_GOAL_RATIO = 1.2  # median total on a 3-server NATS cluster / on one server
 TICK_S = 0.1
 SCAN_S = 0.025
 
@@ -286,7 +302,7 @@ class Observer(threading.Thread):
 
     def __init__(self, url: str, dead_node: str, target_node: str, seed: str = "") -> None:
         super().__init__(name="observer", daemon=True)
-        self.url = url
+        self.url = url  # one URL, or every server's of a NATS cluster, comma-separated
         self.seed = seed
         self.dead_node = dead_node
         self.target_node = target_node
@@ -449,19 +465,22 @@ class CriuScanner(threading.Thread):
 
 class Run:
     def __init__(self, args: argparse.Namespace, mib: int, attempt: int, base: Path,
-                 mode: str = "eager", cache: str = "warm") -> None:
+                 mode: str = "eager", cache: str = "warm", servers: int = 1) -> None:
         self.args = args
         self.mib = mib
         self.attempt = attempt
         self.mode = mode
         self.cache = cache
-        self.dir = Path(tempfile.mkdtemp(prefix=f"revenant-bench-failover-{mib}-{cache}-{mode}-", dir=base))
-        self.tag = f"fobench-{os.getpid()}-{mib}-{cache}-{mode}-{attempt}-{random.randrange(1 << 30):x}"
+        self.servers = servers  # nats-servers of the cluster (revenant up --nats-servers)
+        srv = "" if servers == 1 else f"{servers}srv-"
+        self.dir = Path(tempfile.mkdtemp(prefix=f"revenant-bench-failover-{mib}-{cache}-{mode}-{srv}", dir=base))
+        self.tag = f"fobench-{os.getpid()}-{mib}-{cache}-{mode}-{srv}{attempt}-{random.randrange(1 << 30):x}"
         self.cluster: dict | None = None
         self.observer: Observer | None = None
         self.scan_stop = threading.Event()
-        self.result: dict = {"size_mib": mib, "cache": cache, "restore_mode": mode, "attempt": attempt,
-                             "dir": str(self.dir), "status": "error", "loadavg_before": list(os.getloadavg())}
+        self.result: dict = {"size_mib": mib, "cache": cache, "restore_mode": mode, "nats_servers": servers,
+                             "attempt": attempt, "dir": str(self.dir), "status": "error",
+                             "loadavg_before": list(os.getloadavg())}
 
     # ---------------------------------------------------------------- cluster
 
@@ -488,8 +507,17 @@ class Run:
             raise BenchError(str(exc)) from None
         env["REVENANT_AGENT_ALLOW_ROOT_JOBS"] = "true"  # the benchmark's job runs as its user, root here
         r["agent_env"] = {MODE_ENV: env.get(MODE_ENV)}
-        rv("up", "--nodes", "2", "--dir", str(self.dir), "--detach", timeout=120, env=env)
+        servers = [] if self.servers == 1 else ["--nats-servers", str(self.servers)]
+        rv("up", "--nodes", "2", "--dir", str(self.dir), "--detach", *servers, timeout=120, env=env)
         self.cluster = json.loads((self.dir / "cluster.json").read_text())
+        # With several servers nats_url lists each one, comma-separated: the observer connects
+        # through bus.connect, which takes that list (and moves to another server if one goes).
+        urls = [u for u in self.cluster["nats_url"].split(",") if u.strip()]
+        started = sum(1 for p in self.cluster["processes"] if p["role"] == "nats-server")
+        r["nats_urls"] = len(urls)
+        if started != self.servers or len(urls) != self.servers:
+            raise BenchError(f"asked for {self.servers} nats-server(s); cluster.json lists {started} "
+                             f"and {len(urls)} URL(s)")
         agent1, agent2 = self._pid("node-1"), self._pid("node-2")
         seed = self.dir / "keys" / "coordinator.nk"
         self.observer = Observer(self.cluster["nats_url"], "node-1", "node-2",
@@ -794,9 +822,10 @@ def _summarize_one(mine: list[dict]) -> dict:
     return s
 
 
-def summarize(runs: list[dict], sizes: list[int], caches: list[str], modes: list[str]) -> dict:
-    """{size: {cache: {mode: stats, "lazy_over_eager": ...}}}."""
+def summarize(runs: list[dict], sizes: list[int], caches: list[str], modes: list[str], servers: int = 1) -> dict:
+    """{size: {cache: {mode: stats, "lazy_over_eager": ...}}}, over the runs on ``servers`` nats-servers."""
     out: dict = {}
+    runs = [r for r in runs if r.get("nats_servers", 1) == servers]
     for mib in sizes:
         out[str(mib)] = {}
         for cache in caches:
@@ -808,9 +837,33 @@ def summarize(runs: list[dict], sizes: list[int], caches: list[str], modes: list
     return out
 
 
-def table(summary: dict, mib: int, caches: list[str], modes: list[str]) -> str:
-    cols = [(c, m) for c in caches for m in modes]
-    per = summary[str(mib)]
+def servers_ratio(by_servers: dict, sizes: list[int], caches: list[str], modes: list[str]) -> dict:
+    """{size: {cache: {mode: {N: ...}}}}: per N > 1 nats-servers, the median total (T0 -> restored) on N
+    servers over that on one, against SERVERS_GOAL_RATIO.  Empty unless 1 and another count ran."""
+    counts = [int(n) for n in by_servers if int(n) != 1]
+    if "1" not in by_servers or not counts:
+        return {}
+    out: dict = {}
+    for mib in sizes:
+        for cache in caches:
+            for mode in modes:
+                one = by_servers["1"][str(mib)][cache][mode]["total_s"]["median"]
+                for n in counts:
+                    many = by_servers[str(n)][str(mib)][cache][mode]["total_s"]["median"]
+                    ratio = _r(many / one, 3) if many is not None and one else None
+                    out.setdefault(str(mib), {}).setdefault(cache, {}).setdefault(mode, {})[str(n)] = {
+                        "total_s_1_server": one, f"total_s_{n}_servers": many, "ratio": ratio,
+                        "goal": SERVERS_GOAL_RATIO, "met": None if ratio is None else ratio <= SERVERS_GOAL_RATIO}
+    return out
+
+
+def table(by_servers: dict, mib: int, caches: list[str], modes: list[str], ratios: dict | None = None) -> str:
+    """One column per cache state, mode and nats-server count (the counts side by side)."""
+    counts = [int(n) for n in by_servers]
+    cols = [(c, m, n) for c in caches for m in modes for n in counts]
+
+    def head(c: str, m: str, n: int) -> str:
+        return f"{c} {m}" if len(counts) == 1 else f"{c} {m}, {n} server{'s' if n > 1 else ''}"
 
     def cell(d: dict, fmt: str) -> str:
         if d["median"] is None:
@@ -818,10 +871,19 @@ def table(summary: dict, mib: int, caches: list[str], modes: list[str]) -> str:
         return f"{d['median']:{fmt}} [{d['min']:{fmt}}–{d['max']:{fmt}}]"
 
     def row(label: str, f) -> str:
-        return f"| {label} | " + " | ".join(f(per[c][m]) for c, m in cols) + " |"
+        return f"| {label} | " + " | ".join(f(by_servers[str(n)][str(mib)][c][m]) for c, m, n in cols) + " |"
 
-    lines = [f"| {mib} MiB job: seconds, median [min–max] | " + " | ".join(f"{c} {m}" for c, m in cols) + " |",
+    def ratio(c: str, m: str, n: int) -> str:
+        x = (ratios or {}).get(str(mib), {}).get(c, {}).get(m, {}).get(str(n))
+        if x is None:
+            return "–"
+        if x["ratio"] is None:
+            return "no data"
+        return f"**{x['ratio']:.2f}** ({'met' if x['met'] else 'not met'})"
+
+    lines = [f"| {mib} MiB job: seconds, median [min–max] | " + " | ".join(head(*col) for col in cols) + " |",
              "|---|" + "---|" * len(cols),
+             "| NATS servers | " + " | ".join(str(n) for _, _, n in cols) + " |",
              row("runs restored / attempts", lambda s: f"{s['restored']} / {s['attempts']}"),
              row("node-2 restores lazily (capability)", lambda s: f"{s['node2_lazy_restore']} / {s['restored']}"),
              row("checkpoint image (MiB)", lambda s: "–" if s["epoch_mib"] is None else f"{s['epoch_mib']:.0f}")]
@@ -831,6 +893,26 @@ def table(summary: dict, mib: int, caches: list[str], modes: list[str]) -> str:
                      lambda s: f"{s['goal_total_le_3s_plus_restore']} / {s['restored']}"))
     lines.append(row("runs with last heartbeat → restore ≤ 3 s",
                      lambda s: f"{s['goal_heartbeat_to_restore_le_3s']} / {s['restored']}"))
+    if ratios:
+        lines.append(f"| **total on N servers / on 1 (goal ≤ {SERVERS_GOAL_RATIO:g})** | "
+                     + " | ".join(ratio(*col) for col in cols) + " |")
+    return "\n".join(lines)
+
+
+def servers_lines(ratios: dict) -> str:
+    """The NATS-cluster goal, one line per size, cache state, mode and server count."""
+    lines = []
+    for mib, per_size in ratios.items():
+        for cache, per_cache in per_size.items():
+            for mode, per_mode in per_cache.items():
+                for n, x in per_mode.items():
+                    if x["ratio"] is None:
+                        lines.append(f"- {mib} MiB, {cache}, {mode}: total on {n} servers / on 1: no data")
+                        continue
+                    lines.append(f"- {mib} MiB, {cache}, {mode}: T0 → restored on {n} servers "
+                                 f"{x[f'total_s_{n}_servers']:.2f} s / on 1 {x['total_s_1_server']:.2f} s = "
+                                 f"**{x['ratio']:.2f}** (goal ≤ {SERVERS_GOAL_RATIO:g}: "
+                                 f"{'met' if x['met'] else 'not met'})")
     return "\n".join(lines)
 
 
@@ -856,7 +938,8 @@ def _choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1024", help="job sizes in MiB, comma-separated (1024; the full run: 1024,4096)")
-    p.add_argument("--runs", type=int, default=3, help="successful failovers wanted per size, cache and mode (3)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="successful failovers wanted per size, cache, mode and server count (3)")
     p.add_argument("--restore-mode", default="eager,lazy",
                    help="restore modes, comma-separated: each runs on clusters whose agents have "
                         "REVENANT_AGENT_RESTORE_MODE=<mode> (eager,lazy)")
@@ -865,8 +948,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "posix_fadvise DONTNEED on those files only, as when another node wrote them (cold), "
                         "or runs of each (both, the default)")
     p.add_argument("--cold-images", action="store_true", help=argparse.SUPPRESS)  # the old spelling of --cache cold
+    p.add_argument("--nats-servers", default="1", metavar="COUNTS",
+                   help="nats-server counts, comma-separated: each size, cache and mode runs on clusters "
+                        "started with revenant up --nats-servers N for each N, the counts taking turns "
+                        "(1; 1,3 also gives the median total on 3 servers / on 1, goal ≤ 1.2)")
     p.add_argument("--max-attempts", type=int, default=0,
-                   help="attempts per size, cache and mode at most (0: 2 × runs + 2)")
+                   help="attempts per size, cache, mode and server count at most (0: 2 × runs + 2)")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds between the checkpoint and the kill, plus a random 0-1 s (2.0)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="for the job to fill its memory (300)")
@@ -895,12 +982,26 @@ def _print_run(r: dict) -> None:
             print(f"    {line}", file=sys.stderr)
 
 
+def _server_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 or n == 2 for n in counts):
+        raise BenchError(f"--nats-servers {text!r}: give server counts, 1 or 3 or more, comma-separated (e.g. 1,3)")
+    return list(dict.fromkeys(counts))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.workload is not None:
         workload(args.workload, TICK_S)
         return 0
     if args.scenario == "proactive":
+        if args.nats_servers.strip() != "1":
+            print("failover: --nats-servers is for the failover scenario; the proactive one runs on one server",
+                  file=sys.stderr)
+            return 2
         from failover_proactive import main as proactive
 
         return proactive(args)
@@ -912,6 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failover: --sizes {args.sizes!r}: give sizes in MiB, comma-separated", file=sys.stderr)
         return 2
     try:
+        counts = _server_counts(args.nats_servers)
         modes = _choices(args.restore_mode, MODES, "--restore-mode")
         if set(modes) - {"eager"} and not agent_has_restore_mode():
             raise BenchError("this revenant's agent has no restore_mode setting (no lazy restore): "
@@ -930,34 +1032,43 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     doc = {"benchmark": "failover", "started_at": time.time(), "machine": machine(),
            "config": {"sizes_mib": sizes, "runs": args.runs, "max_attempts": max_attempts, "settle_s": args.settle,
-                      "restore_modes": modes, "caches": caches, "window_s": WINDOW_S,
+                      "restore_modes": modes, "caches": caches, "nats_servers": counts, "window_s": WINDOW_S,
                       "kill_phase": "settle + uniform(0, 1) s after the checkpoint", "base": str(args.base),
                       "lease_ttl_s": LEASE_TTL_S, "lease_margin_s": LEASE_MARGIN_S, "goal_s": GOAL_S,
                       "lazy_target_ratio": LAZY_TARGET_RATIO, "lazy_target_resumed_s": LAZY_TARGET_RESUMED_S,
+                      "servers_goal_ratio": SERVERS_GOAL_RATIO,
                       "argv": sys.argv[1:] if argv is None else argv},
            "runs": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        doc["summary"] = summarize(doc["runs"], sizes, caches, modes)
+        # summary: the shape it always had, over the 1-server runs (without any, the first count's);
+        # summary_by_nats_servers: that per server count; nats_servers_ratio: N servers / 1, if both ran.
+        by = {str(n): summarize(doc["runs"], sizes, caches, modes, n) for n in counts}
+        doc["summary"] = by["1"] if "1" in by else by[str(counts[0])]
+        doc["summary_by_nats_servers"] = by
+        doc["nats_servers_ratio"] = servers_ratio(by, sizes, caches, modes)
         doc["elapsed_s"] = _r(time.time() - doc["started_at"], 1)
         tmp = args.out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc, indent=2, default=str))
         tmp.replace(args.out)
 
     interrupted = False
-    combos = [(c, m) for c in caches for m in modes]
+    # The server counts innermost: 1, 3, 1, 3, ... so that a drift of the load touches both alike.
+    combos = [(c, m, n) for c in caches for m in modes for n in counts]
     try:
         for mib in sizes:
             ok = dict.fromkeys(combos, 0)
             tried = dict.fromkeys(combos, 0)
             while any(ok[k] < args.runs and tried[k] < max_attempts for k in combos):
-                for cache, mode in combos:  # one attempt each in turn: a drift of the load touches all alike
-                    if ok[(cache, mode)] >= args.runs or tried[(cache, mode)] >= max_attempts:
+                for key in combos:  # one attempt each in turn: a drift of the load touches all alike
+                    cache, mode, servers = key
+                    if ok[key] >= args.runs or tried[key] >= max_attempts:
                         continue
-                    tried[(cache, mode)] += 1
-                    run = Run(args, mib, tried[(cache, mode)], args.base, mode, cache)
-                    print(f"[{mib} MiB, {cache}, {mode}, attempt {tried[(cache, mode)]}] cluster in {run.dir}",
+                    tried[key] += 1
+                    run = Run(args, mib, tried[key], args.base, mode, cache, servers)
+                    on = "" if counts == [1] else f", {servers} NATS server{'s' if servers > 1 else ''}"
+                    print(f"[{mib} MiB, {cache}, {mode}{on}, attempt {tried[key]}] cluster in {run.dir}",
                           file=sys.stderr, flush=True)
                     try:
                         run.execute()
@@ -969,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
                     doc["runs"].append(run.result)
                     save()
                     if run.result["status"] == "restored":
-                        ok[(cache, mode)] += 1
+                        ok[key] += 1
                     _print_run(run.result)
     except KeyboardInterrupt:
         interrupted = True
@@ -978,13 +1089,18 @@ def main(argv: list[str] | None = None) -> int:
     save()
     cold = " (cold: evicted from the page cache before the kill)" if "cold" in caches else ""
     print(f"\nfailover, restore {' and '.join(modes)}, images {' and '.join(caches)}{cold}, "
-          f"kernel {doc['machine']['kernel']}, "
+          f"NATS servers {' and '.join(map(str, counts))}, kernel {doc['machine']['kernel']}, "
           f"{doc['machine']['cpus']} CPUs, {doc['elapsed_s']:.0f} s; every run in {args.out}\n")
     for mib in sizes:
-        print(table(doc["summary"], mib, caches, modes) + "\n")
-    lines = targets(doc["summary"], sizes, caches, modes)
+        print(table(doc["summary_by_nats_servers"], mib, caches, modes, doc["nats_servers_ratio"]) + "\n")
+    for n in counts:
+        lines = targets(doc["summary_by_nats_servers"][str(n)], sizes, caches, modes)
+        if lines:
+            on = "" if len(counts) == 1 else f", {n} NATS server{'s' if n > 1 else ''}"
+            print(f"Lazy restore targets (medians{on}):\n" + lines)
+    lines = servers_lines(doc["nats_servers_ratio"])
     if lines:
-        print("Lazy restore targets (medians):\n" + lines)
+        print("NATS cluster goal (medians, total T0 → restored):\n" + lines)
     return 130 if interrupted else 0
 
 
