@@ -91,7 +91,7 @@ async def measure(args: argparse.Namespace, nats_url: str, agent: subprocess.Pop
         await nc.close()
     if agent.poll() is not None:
         raise SystemExit(f"agent exited with status {agent.returncode} during the measurement")
-    last = beats[-1]
+    last = next(b for b in reversed(beats) if b.health is not None)  # the last full heartbeat (heartbeat.v2)
     wall = wall1 - wall0
     share = (cpu1 - cpu0) / wall * 100
     return {

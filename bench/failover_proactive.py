@@ -189,6 +189,8 @@ class Watch(threading.Thread):
                 h = hb.health
             except Exception:  # noqa: BLE001 - not ours to judge
                 return
+            if h is None:
+                return  # a slim heartbeat: the health it last reported still holds
             with self.lock:
                 self.heartbeats.append({"arrived": now, "sent_at": hb.sent_at, "state": h.state,
                                         "memory_percent": h.memory_percent, "reasons": list(h.reasons),

@@ -145,8 +145,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("drain_timeout_s must be 0 or more")
         if self.file_snapshot_max_bytes < 0:
             raise ValueError("file_snapshot_max_bytes must be 0 or more (0: copy only by reflink)")
-        if self.heartbeat_full_every < 1:
-            raise ValueError("heartbeat_full_every must be at least 1 (1: every heartbeat carries its health in full)")
+        if not 1 <= self.heartbeat_full_every <= 60:
+            raise ValueError("heartbeat_full_every must be 1 to 60 (1: every heartbeat carries its health in full; "
+                             "more leaves a coordinator that starts without a node's health for that many heartbeats)")
         if not 0 <= self.heartbeat_jitter < 1:
             raise ValueError("heartbeat_jitter must be in [0, 1)")
         _port(self.http_port)

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
@@ -31,6 +32,16 @@ from revenant.common.errors import BusError
 log = logging.getLogger(__name__)
 
 MAX_CONTROL_LINE = 4096
+# A read this large means more was waiting in the socket; reads like it for BACKLOG_S, and the
+# reader is behind (``RawSubscriber.backlogged``).
+FULL_READ = 256 * 1024
+BACKLOG_S = 0.5
+
+
+def plain_urls(url: str) -> bool:
+    """Whether every server of ``url`` is reached without TLS (what :class:`RawSubscriber` speaks)."""
+    return all(urllib.parse.urlsplit(u.strip() if "://" in u else f"nats://{u.strip()}").scheme == "nats"
+               for u in url.split(",") if u.strip())
 
 
 def _credential(path: str) -> tuple[str | None, bytes]:
@@ -98,6 +109,11 @@ class _Connection(asyncio.Protocol):
             self.closed.set_result(why)
 
     def data_received(self, data: bytes) -> None:
+        owner = self.owner
+        if len(data) < FULL_READ:
+            owner.full_reads_since = None
+        elif owner.full_reads_since is None:
+            owner.full_reads_since = time.monotonic()
         buf = self.buf + data if self.buf else data
         pos, n, deliver = 0, len(buf), self.owner.deliver
         while pos < n:
@@ -110,9 +126,12 @@ class _Connection(asyncio.Protocol):
                 args = buf[pos + 4:end].split()
                 start = end + 2
                 try:
-                    stop = start + int(args[-1])
+                    size = int(args[-1])
                 except (ValueError, IndexError):
+                    size = -1
+                if size < 0:
                     return self._fail(f"malformed MSG line {buf[pos:end][:80]!r}")
+                stop = start + size
                 if stop + 2 > n:
                     break  # the payload is not all here yet
                 try:
@@ -131,7 +150,13 @@ class _Connection(asyncio.Protocol):
                     self.ready.set_result(None)
             elif line.startswith(b"INFO ") and not self._info_seen:
                 self._info_seen = True
-                self._hello(json.loads(line[5:]))
+                try:
+                    info = json.loads(line[5:])
+                except ValueError:
+                    return self._fail(f"unreadable INFO from the server: {line[:80]!r}")
+                self._hello(info)
+                if self.closed.done():
+                    return
             elif line.startswith(b"-ERR"):
                 return self._fail(line[5:].strip(b" '").decode(errors="replace") or "-ERR")
             # +OK and later INFO lines (cluster changes) need nothing
@@ -139,6 +164,9 @@ class _Connection(asyncio.Protocol):
 
     def _hello(self, info: dict) -> None:
         owner = self.owner
+        if info.get("tls_required"):
+            return self._fail("the server requires TLS: give tls:// URLs (the heartbeat connection then "
+                              "uses the NATS client library)")
         try:
             connect = _signed_connect(info, owner.name, owner.creds)
         except BusError as exc:
@@ -169,9 +197,17 @@ class RawSubscriber:
         self.connect_timeout_s = connect_timeout_s
         self.on_reconnect = on_reconnect
         self.reconnects = 0
+        # Since when every read filled the read buffer (more waited in the socket than was read).
+        self.full_reads_since: float | None = None
         self._conn: _Connection | None = None
         self._next = 0
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def backlogged(self) -> bool:
+        """Behind for half a second or more: every read for that long came back full."""
+        since = self.full_reads_since
+        return since is not None and time.monotonic() - since >= BACKLOG_S
 
     @property
     def connected(self) -> bool:
@@ -190,6 +226,12 @@ class RawSubscriber:
         else:
             raise BusError(f"cannot subscribe to {self.subject}: {'; '.join(errors)}")
         self._task = asyncio.create_task(self._keep(), name=f"rawsub-{self.subject}")
+        self._task.add_done_callback(self._kept)
+
+    def _kept(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("nats (%s): %s subscription stopped for good: %r (the coordinator is blind)",
+                      self.name, self.subject, task.exception())
 
     async def close(self) -> None:
         if self._task is not None:
@@ -197,6 +239,8 @@ class RawSubscriber:
             try:
                 await self._task
             except asyncio.CancelledError:
+                pass
+            except Exception:  # already logged by its done callback
                 pass
             self._task = None
         if self._conn is not None and self._conn.transport is not None:
@@ -238,15 +282,22 @@ class RawSubscriber:
 
     async def _reconnect(self) -> None:
         self._conn = None
+        failures = 0
         while True:
             await asyncio.sleep(self.reconnect_wait_s)
             try:
                 await self._connect()
             except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
-                log.debug("nats (%s): reconnect failed: %s", self.name, exc or type(exc).__name__)
+                failures += 1
+                if failures & (failures - 1) == 0:  # 1, 2, 4, 8, ...: loud, not a flood
+                    log.warning("nats (%s): %s subscription still lost after %d attempt(s): %s", self.name,
+                                self.subject, failures, exc or type(exc).__name__)
                 continue
             self.reconnects += 1
             log.info("nats (%s): %s subscription back", self.name, self.subject)
             if self.on_reconnect is not None:
-                await self.on_reconnect()
+                try:
+                    await self.on_reconnect()
+                except Exception:  # the subscription stays up whatever its listener does
+                    log.exception("nats (%s): reconnect handler failed", self.name)
             return

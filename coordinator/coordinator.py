@@ -26,10 +26,10 @@ from revenant.common.httpserver import HttpServer
 from revenant.common.kv import raise_replicas
 from revenant.common.metrics import CoordinatorMetrics, health_routes
 from revenant.common.loopmonitor import LoopMonitor
-from revenant.common.rawsub import RawSubscriber
+from revenant.common.rawsub import RawSubscriber, plain_urls
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
-from revenant.coordinator.heartbeats import HeartbeatIntake, TransitionLog
+from revenant.coordinator.heartbeats import ClientSubscription, HeartbeatIntake, TransitionLog
 from revenant.common.service import Service
 from revenant.coordinator.agents import AgentClient, check_may_act
 from revenant.coordinator.archive import Archiver
@@ -99,7 +99,7 @@ class Coordinator(Service):
         # Heartbeats come on a connection of their own, straight to the detector (coordinator/heartbeats.py).
         self._intake = HeartbeatIntake(self.detector, clock, self._emit)
         self._transition_log = TransitionLog(clock)
-        self._hb_sub: RawSubscriber | None = None
+        self._hb_sub: RawSubscriber | ClientSubscription | None = None
         self.metrics = CoordinatorMetrics()
         self.loop_monitor = LoopMonitor(clock=clock)
         self.http: HttpServer | None = None
@@ -151,9 +151,12 @@ class Coordinator(Service):
         # The agents create the lease bucket and may not update it: one with too few replicas is raised here.
         await raise_replicas(self._js, subjects.LEASES_BUCKET, replicas, owner=True)
         # A standby tracks every node too, so that it takes over with a warm view.
-        self._hb_sub = RawSubscriber(self.config.nats_url, f"revenant-coordinator-{self.name}-heartbeats",
-                                     subjects.HEARTBEATS_ALL, self._intake, creds=self.config.nats_creds or None,
-                                     on_reconnect=self._heartbeats_back)
+        if plain_urls(self.config.nats_url):
+            self._hb_sub = RawSubscriber(self.config.nats_url, f"revenant-coordinator-{self.name}-heartbeats",
+                                         subjects.HEARTBEATS_ALL, self._intake, creds=self.config.nats_creds or None,
+                                         on_reconnect=self._heartbeats_back)
+        else:  # TLS: through the client library (its reconnects grant the grace, on_reconnect above)
+            self._hb_sub = ClientSubscription(self._nc, subjects.HEARTBEATS_ALL, self._intake)
         await self._hb_sub.start()
         self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
                                      on_elected=self._elected, on_deposed=self._deposed, clock=self._clock,
@@ -344,6 +347,10 @@ class Coordinator(Service):
             await asyncio.sleep(self.config.tick_interval_s)
             if not self._bus_connected():
                 continue  # blind: no verdicts; the reconnect handlers grant a grace period
+            if self._hb_sub is not None and self._hb_sub.backlogged:
+                # Heartbeats wait unread (the loop was busy): a verdict now would be on stale
+                # data.  Skipping the tick lets the stall guard grant grace.
+                continue
             now = self._clock()
             if self._reconnected:
                 self._reconnected = False

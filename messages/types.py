@@ -59,7 +59,7 @@ class Heartbeat(Message, tag="heartbeat.v2"):
     ``capabilities`` and ``health`` are None ("as in my last heartbeat that had them") in most
     heartbeats: an agent sends them when its verdict (state, reasons, findings) or its
     capabilities change, in its first heartbeats and after a reconnect, and at least every
-    ``heartbeat_full_every`` heartbeats (the readings).  A heartbeat is then a few dozen bytes,
+    ``heartbeat_full_every`` heartbeats (the readings).  A heartbeat is then about 150 bytes,
     which is what lets one coordinator hear 100,000 nodes a second (docs/performance.md)."""
 
     node: str

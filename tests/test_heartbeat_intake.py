@@ -95,5 +95,7 @@ def test_bad_heartbeats_are_counted_and_dropped(caplog):
     bad_caps = encode(Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i")).replace(
         b"\xaccapabilities\xc0", b"\xaccapabilities\x92\x01\x02")
     intake(subjects.heartbeat("n1").encode(), bad_caps)
-    assert intake.malformed == 4 and intake.received == 0 and detector.nodes == {}
+    # A node name no subject may carry, even with a heartbeat that names it: never a record.
+    intake(b"revenant.hb.bad~name", encode(Heartbeat(node="bad~name", seq=1, sent_at=1.0, incarnation="i")))
+    assert intake.malformed == 5 and intake.received == 0 and detector.nodes == {}
     assert "dropped bad heartbeat" in caplog.text

