@@ -38,6 +38,14 @@ FULL_READ = 256 * 1024
 BACKLOG_S = 0.5
 
 
+def starting_with(url: str, netloc: str) -> str:
+    """``url``'s servers with the one at ``netloc`` (host:port) first, if it is one of them: a
+    second connection of a process goes to the server its first one uses."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    mine = [u for u in servers if urllib.parse.urlsplit(u if "://" in u else f"nats://{u}").netloc == netloc]
+    return ",".join(mine + [u for u in servers if u not in mine])
+
+
 def plain_urls(url: str) -> bool:
     """Whether every server of ``url`` is reached without TLS (what :class:`RawSubscriber` speaks)."""
     return all(urllib.parse.urlsplit(u.strip() if "://" in u else f"nats://{u.strip()}").scheme == "nats"

@@ -26,7 +26,7 @@ from revenant.common.httpserver import HttpServer
 from revenant.common.kv import raise_replicas
 from revenant.common.metrics import CoordinatorMetrics, health_routes
 from revenant.common.loopmonitor import LoopMonitor
-from revenant.common.rawsub import RawSubscriber, plain_urls
+from revenant.common.rawsub import RawSubscriber, plain_urls, starting_with
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
 from revenant.coordinator.heartbeats import ClientSubscription, HeartbeatIntake, TransitionLog
@@ -152,7 +152,10 @@ class Coordinator(Service):
         await raise_replicas(self._js, subjects.LEASES_BUCKET, replicas, owner=True)
         # A standby tracks every node too, so that it takes over with a warm view.
         if plain_urls(self.config.nats_url):
-            self._hb_sub = RawSubscriber(self.config.nats_url, f"revenant-coordinator-{self.name}-heartbeats",
+            # On the main connection's server first: one server's loss is one reconnect for both.
+            current = self._nc.connected_url.netloc if self._nc.connected_url else ""
+            self._hb_sub = RawSubscriber(starting_with(self.config.nats_url, current),
+                                         f"revenant-coordinator-{self.name}-heartbeats",
                                          subjects.HEARTBEATS_ALL, self._intake, creds=self.config.nats_creds or None,
                                          on_reconnect=self._heartbeats_back)
         else:  # TLS: through the client library (its reconnects grant the grace, on_reconnect above)

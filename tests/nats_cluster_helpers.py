@@ -190,8 +190,9 @@ def client_ports(cluster: Cluster) -> dict[int, str]:
 
 
 def connected_to(cluster: Cluster, pid: int) -> str:
-    """The server the process ``pid`` is connected to now: one with one connection, a coordinator
-    (an agent has two, its liveness thread's own)."""
+    """The server the process ``pid`` is connected to now: all of its connections on one server
+    (a coordinator's heartbeat connection starts on its main connection's server; an agent's
+    liveness thread has its own)."""
     ports = client_ports(cluster)
     names = {ports[c.raddr.port] for c in psutil.Process(pid).net_connections(kind="tcp")
              if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED}

@@ -16,7 +16,7 @@ from revenant.common import security
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError
 from revenant.common.natsserver import start_nats_server, write_server_config
-from revenant.common.rawsub import RawSubscriber, _Connection, plain_urls
+from revenant.common.rawsub import RawSubscriber, _Connection, plain_urls, starting_with
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.heartbeats import ClientSubscription
 from revenant.messages import Heartbeat, encode, subjects
@@ -166,3 +166,9 @@ async def test_a_tls_bus_gets_its_heartbeats_through_the_client_library(tmp_path
             await nc.close()
     finally:
         server.stop()
+
+
+def test_a_second_connection_starts_on_the_first_ones_server():
+    assert starting_with("nats://a:1,nats://b:2,nats://c:3", "b:2") == "nats://b:2,nats://a:1,nats://c:3"
+    assert starting_with("a:1,b:2", "b:2") == "b:2,a:1"
+    assert starting_with("nats://a:1", "x:9") == "nats://a:1"
