@@ -41,6 +41,7 @@ from revenant.messages import (
     Capabilities,
     HealthSummary,
     Heartbeat,
+    HeartbeatRequest,
     MessageError,
     Probe,
     ProbeReply,
@@ -186,6 +187,7 @@ class Liveness:
                                  on_renewed=self._on_renewed, clock=self.clock, wall_clock=self.wall_clock,
                                  replicas=bus.replicas_for(nc, cfg.nats_replicas))
         await nc.subscribe(subjects.probe(self.node), cb=self._on_probe)
+        await nc.subscribe(subjects.HEARTBEAT_REQUESTS, cb=self._on_heartbeat_request)
         self._started.set()
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -243,6 +245,15 @@ class Liveness:
 
     async def _reconnected(self) -> None:
         self._full.force = True  # the coordinator may be a new one: tell it everything at once
+
+    async def _on_heartbeat_request(self, msg: Msg) -> None:
+        """A coordinator (re)started or got its heartbeats back: the next heartbeat is full."""
+        try:
+            decode_as(msg.data, HeartbeatRequest)
+        except MessageError as exc:
+            log.debug("ignored a bad heartbeat request: %s", exc)
+            return
+        self._full.force = True
 
     async def _on_probe(self, msg: Msg) -> None:
         try:

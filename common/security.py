@@ -160,7 +160,7 @@ def permissions_for(identity: str) -> Permissions:
                 f"{_JS}.STREAM.INFO.{_EVENTS}",
                 f"{_JS}.STREAM.CREATE.{_EVENTS}",
             ),
-            subscribe_allow=(subjects.node_commands(node), subjects.probe(node), inbox),
+            subscribe_allow=(subjects.node_commands(node), subjects.probe(node), subjects.HEARTBEAT_REQUESTS, inbox),
             allow_responses=True,
         )
     if identity == ADMIN:

@@ -29,7 +29,7 @@ from revenant.common.loopmonitor import LoopMonitor
 from revenant.common.rawsub import RawSubscriber, plain_urls, starting_with
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.coordinator.failover import Failover
-from revenant.coordinator.heartbeats import ClientSubscription, HeartbeatIntake, TransitionLog
+from revenant.coordinator.heartbeats import ClientSubscription, HeartbeatIntake, TransitionLog, ask_full_heartbeats
 from revenant.common.service import Service
 from revenant.coordinator.agents import AgentClient, check_may_act
 from revenant.coordinator.archive import Archiver
@@ -138,6 +138,7 @@ class Coordinator(Service):
             self._reconnected = True
             if self.jobs is not None:
                 self.jobs.agents.connection_lost()
+            await ask_full_heartbeats(self._nc, self.name, self._wall())
 
         self._nc = await bus.connect(self.config.nats_url, f"revenant-coordinator-{self.name}",
                                      on_reconnect=on_reconnect,
@@ -153,14 +154,14 @@ class Coordinator(Service):
         # A standby tracks every node too, so that it takes over with a warm view.
         if plain_urls(self.config.nats_url):
             # On the main connection's server first: one server's loss is one reconnect for both.
-            current = self._nc.connected_url.netloc if self._nc.connected_url else ""
-            self._hb_sub = RawSubscriber(starting_with(self.config.nats_url, current),
-                                         f"revenant-coordinator-{self.name}-heartbeats",
-                                         subjects.HEARTBEATS_ALL, self._intake, creds=self.config.nats_creds or None,
+            urls = starting_with(self.config.nats_url, self._nc.connected_url.netloc if self._nc.connected_url else "")
+            self._hb_sub = RawSubscriber(urls, f"revenant-coordinator-{self.name}-heartbeats", subjects.HEARTBEATS_ALL,
+                                         self._intake, creds=self.config.nats_creds or None,
                                          on_reconnect=self._heartbeats_back)
-        else:  # TLS: through the client library (its reconnects grant the grace, on_reconnect above)
+        else:  # TLS: through the client library (its reconnects: on_reconnect above)
             self._hb_sub = ClientSubscription(self._nc, subjects.HEARTBEATS_ALL, self._intake)
         await self._hb_sub.start()
+        await ask_full_heartbeats(self._nc, self.name, self._wall())
         self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
                                      on_elected=self._elected, on_deposed=self._deposed, clock=self._clock,
                                      replicas=replicas)
@@ -180,8 +181,7 @@ class Coordinator(Service):
         log.info("coordinator %s up; waiting to lead", self.name)
 
     def _nodes(self) -> list:
-        """The node table as placement sees it: the detector's records (a snapshot, with phi,
-        costs seconds at 100,000 nodes), a node proactive moves emptied cordoned (RED)."""
+        """The node table as placement sees it: the detector's records (no snapshot), cordons applied."""
         nodes = list(self.detector.nodes.values())
         return self._proactive.cordon(nodes) if self._proactive is not None else nodes
 
@@ -299,6 +299,7 @@ class Coordinator(Service):
 
     async def _heartbeats_back(self) -> None:
         self._reconnected = True  # heartbeats were missed while it was away: a grace period, not verdicts
+        await ask_full_heartbeats(self._nc, self.name, self._wall())
 
     async def _on_nodes(self, msg: Msg) -> None:
         async def reply() -> NodesReply:

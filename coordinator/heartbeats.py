@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from revenant.coordinator.detector import FailureDetector, Transition
-from revenant.messages import MessageError, decode_capabilities, decode_heartbeat, subjects
+from revenant.messages import HeartbeatRequest, MessageError, decode_capabilities, decode_heartbeat, encode, subjects
 from revenant.messages.codec import NIL
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,16 @@ class HeartbeatIntake:
         now = (self.received, self.malformed)
         last, self._reported = self._reported, now
         return now[0] - last[0], now[1] - last[1]
+
+
+async def ask_full_heartbeats(nc: Client, sender: str, at: float) -> None:
+    """Every agent's next heartbeat full (heartbeat_request.v1): a verdict that changed while a
+    coordinator did not listen (it was starting, or its heartbeat connection was down) is heard
+    at once, not at the agent's next periodic full heartbeat."""
+    try:
+        await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender=sender, sent_at=at)))
+    except nats.errors.Error as exc:
+        log.warning("could not ask the agents for full heartbeats: %s", exc or type(exc).__name__)
 
 
 class ClientSubscription:

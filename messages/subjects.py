@@ -34,6 +34,9 @@ from revenant.messages.errors import MessageError
 ROOT = "revenant"
 
 HEARTBEAT_PREFIX = f"{ROOT}.hb"
+# A coordinator that starts, or whose heartbeat connection came back, asks every agent for a
+# full heartbeat here (heartbeat_request.v1): it may have missed the last change of a verdict.
+HEARTBEAT_REQUESTS = f"{ROOT}.nodes.full_heartbeat"
 HEARTBEATS_ALL = f"{HEARTBEAT_PREFIX}.*"
 
 EVENTS_PREFIX = f"{ROOT}.evt"

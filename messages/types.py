@@ -90,6 +90,14 @@ class HeartbeatV1(Message, tag="heartbeat.v1"):
     leaving: bool = False
 
 
+class HeartbeatRequest(Message, tag="heartbeat_request.v1"):
+    """Published by a coordinator on ``revenant.nodes.full_heartbeat`` when it starts and when its
+    heartbeat connection comes back: every agent makes its next heartbeat full."""
+
+    sender: str
+    sent_at: float
+
+
 class Probe(Message, tag="probe.v1"):
     """A direct liveness probe, sent by the coordinator to a silent node."""
 
@@ -400,7 +408,7 @@ class ErrorReply(Message, tag="error.v1"):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    Heartbeat, HeartbeatV1, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
+    Heartbeat, HeartbeatV1, HeartbeatRequest, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
     JobsRequest, JobReply, JobsReply, FailoverRequest, FailoverReply, StartJob, CheckpointJob, RestoreJob,
     KillJob, PurgeJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
     ReconcileRequest, ReconcileReply, ErrorReply,
@@ -411,7 +419,7 @@ __all__ = [
     "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",
-    "Heartbeat", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
+    "Heartbeat", "HeartbeatRequest", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
     "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
     "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
     "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob",

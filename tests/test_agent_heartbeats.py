@@ -10,7 +10,8 @@ import pytest
 
 from helpers import agent_config, running
 from revenant.agent.agent import Agent
-from revenant.messages import Heartbeat, decode_as, subjects
+from revenant.agent.liveness import FULL_FIRST
+from revenant.messages import Heartbeat, HeartbeatRequest, decode_as, encode, subjects
 
 pytestmark = pytest.mark.nats
 
@@ -77,3 +78,19 @@ async def test_memory_pressure_makes_the_node_yellow(nats_url, tmp_path):
     await nc.close()
     assert hb.health.state == "YELLOW"
     assert any(r.startswith("memory") for r in hb.health.reasons)
+
+
+async def test_a_coordinators_request_makes_the_next_heartbeat_full(nats_url, tmp_path):
+    """Between full heartbeats the agent sends slim ones; a heartbeat_request.v1 (a coordinator
+    that started, or got its heartbeats back) makes the next one full at once."""
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.heartbeat("node-1"))
+    async with running(Agent(agent_config(nats_url, tmp_path, heartbeat_full_every=60))):
+        beats = [decode_as((await sub.next_msg(timeout=5)).data, Heartbeat) for _ in range(5)]
+        assert [b.health is not None for b in beats][:FULL_FIRST] == [True] * FULL_FIRST
+        await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender="c", sent_at=0.0)))
+        await nc.flush()
+        after = [decode_as((await sub.next_msg(timeout=5)).data, Heartbeat) for _ in range(2)]
+    await nc.close()
+    assert any(b.health is None for b in beats[FULL_FIRST:]), beats  # slim ones before the request
+    assert any(b.health is not None and b.capabilities is not None for b in after), after

@@ -12,7 +12,7 @@ from revenant.common import bus
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import NoResponders, RemoteError
 from revenant.coordinator.coordinator import Coordinator
-from revenant.messages import Heartbeat, NodeEvent, NodesReply, NodesRequest, Probe, decode_as, encode, subjects
+from revenant.messages import Heartbeat, HeartbeatRequest, NodeEvent, NodesReply, NodesRequest, Probe, decode_as, encode, subjects
 
 pytestmark = pytest.mark.nats
 
@@ -72,6 +72,15 @@ async def test_coordinator_survives_malformed_and_spoofed_heartbeats(nats_url, t
         with pytest.raises(RemoteError, match="expected nodes_request.v1"):
             await bus.request(nc, subjects.coordinator("nodes"), Probe(sent_at=0), NodesReply, 2)
         await nc.close()
+
+
+async def test_a_coordinator_that_starts_asks_every_agent_for_a_full_heartbeat(nats_url):
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    sub = await nc.subscribe(subjects.HEARTBEAT_REQUESTS)
+    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0, name="c1"))):
+        req = decode_as((await sub.next_msg(timeout=10)).data, HeartbeatRequest)
+    assert req.sender == "c1"
+    await nc.close()
 
 
 async def _true(value):
