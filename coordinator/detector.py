@@ -125,10 +125,7 @@ class FailureDetector:
             self.nodes[hb.node] = rec
             self._index(rec.name, "alive")
             self._absorb(rec, hb, now, capabilities, capabilities_raw)
-            if hb.leaving:  # first heard saying goodbye (a coordinator that started as it left): gone, not dead
-                self._set_state(rec, "left", now)
-                return []
-            return [Transition(hb.node, "joined", 0.0, hb.incarnation)]
+            return [] if hb.leaving else [Transition(hb.node, "joined", 0.0, hb.incarnation)]
 
         out: list[Transition] = []
         if hb.incarnation != rec.incarnation:

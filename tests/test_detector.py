@@ -205,17 +205,6 @@ def test_leaving_node_is_left_not_dead_and_is_forgotten_later():
     assert "n1" not in c.det.nodes
 
 
-def test_a_node_first_heard_leaving_is_left_not_dead():
-    """A coordinator that starts as an agent shuts down hears only its goodbye: the node is gone,
-    never suspected or declared dead (its jobs reported their own ends)."""
-    c = Cluster()
-    c.det.heartbeat(hb("n1", 7, leaving=True), c.clock.now)
-    assert c.det.nodes["n1"].state == "left"
-    c.run(10, set())
-    assert c.kinds() == []
-    assert "n1" not in c.det.nodes or c.det.nodes["n1"].state == "left"
-
-
 def test_counts_and_snapshot():
     c = Cluster()
     c.beat("a")
