@@ -50,10 +50,15 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     """Decode any known message, or raise a typed :class:`MessageError`."""
+    return _decoded(_decoder, data)
+
+
+def _decoded(decoder: msgspec.msgpack.Decoder, data: bytes):
+    """``decoder``'s result for ``data``, or the most specific :class:`MessageError`."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise OversizedMessage(len(data), MAX_MESSAGE_BYTES)
     try:
-        return _decoder.decode(data)
+        return decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise _explain(data, exc) from None
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # pragma: no cover - defensive
@@ -126,17 +131,12 @@ _capabilities_decoder = msgspec.msgpack.Decoder(Capabilities)
 
 def decode_heartbeat(data: bytes) -> HeartbeatView:
     """A heartbeat with its capabilities still encoded (see :class:`HeartbeatView`)."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise OversizedMessage(len(data), MAX_MESSAGE_BYTES)
     try:
-        return _view_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        err = _explain(data, exc)
+        return _decoded(_view_decoder, data)
+    except MalformedMessage as err:  # another known message on a heartbeat subject: say so
         if err.tag in _ALL_TAGS and not err.tag.startswith("heartbeat."):
-            err = UnexpectedMessage(f"expected {tag_of(Heartbeat)}, got {err.tag}", tag=err.tag)
-        raise err from None
-    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # pragma: no cover - defensive
-        raise MalformedMessage(f"undecodable message: {exc}") from None
+            raise UnexpectedMessage(f"expected {tag_of(Heartbeat)}, got {err.tag}", tag=err.tag) from None
+        raise
 
 
 def decode_capabilities(raw: bytes | msgspec.Raw) -> Capabilities | None:
