@@ -172,6 +172,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.1):
     return predicate()
 
 
+def gone(proc) -> bool:
+    """Whether a ``psutil.Process`` has exited (a zombie counts): it may exit between any two looks."""
+    import psutil
+
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 LOG_TAIL_LINES = {"coordinator.log": 40}
 
 

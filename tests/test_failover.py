@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import COUNTER, VENV_BIN, counter_reference, wait_until
+from conftest import COUNTER, VENV_BIN, counter_reference, gone, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
@@ -48,7 +49,7 @@ def process_states(pid) -> list[str]:
         root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             try:
-                wchan = open(f"/proc/{p.pid}/wchan").read().strip()
+                wchan = Path(f"/proc/{p.pid}/wchan").read_text().strip()
             except OSError:
                 wchan = "?"
             out.append(f"{p.pid} {p.status()} {wchan} {' '.join(p.cmdline())[:80]}")
@@ -132,7 +133,7 @@ def test_paused_agent_is_fenced_and_its_job_restored_elsewhere(make_cluster, tmp
     assert wait_until(lambda: {n["name"]: n for n in cluster.json("nodes")}["node-1"]["state"] == "alive",
                       timeout=15)
     # The leader's answer to its reconcile: the frozen copy moved on, so it is killed, not thawed.
-    assert wait_until(lambda: not old.is_running() or old.status() == psutil.STATUS_ZOMBIE, timeout=15), \
+    assert wait_until(lambda: gone(old), timeout=15), \
         "the stale frozen copy was not killed"
     done = wait_for(cluster, job, lambda j: j["state"] == "completed", 60, "completion")
     assert done["node"] == "node-2" and done["generation"] == 2

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import COUNTER, counter_reference
+from conftest import COUNTER, counter_reference, gone
 from helpers import agent_config, running, until, wait_for
 from revenant.agent import procs
 from revenant.agent.agent import Agent
@@ -223,7 +223,7 @@ async def test_a_job_runs_as_its_user_in_its_own_files(tmp_path, nodes, test_use
     job = psutil.Process(rt.pid).children()[0]
     os.kill(psutil.Process(rt.pid).ppid(), signal.SIGKILL)
     await asyncio.wait_for(rt.exited.wait(), 10)
-    await until(lambda: not job.is_running() or job.status() == psutil.STATUS_ZOMBIE, 10)
+    await until(lambda: gone(job), 10)
 
 
 @pytest.mark.criu
