@@ -103,9 +103,14 @@ def _explain(data: bytes, exc: msgspec.DecodeError) -> Exception:
 _ALL_TAGS = frozenset(tag_of(t) for t in MESSAGE_TYPES)
 
 
+NIL = b"\xc0"
+# A view's capabilities when its heartbeat left them out: this very object (``is`` tells it).
+LEFT_OUT = msgspec.Raw(NIL)
+
+
 class HeartbeatView(msgspec.Struct, kw_only=True, tag_field="type", tag="heartbeat.v2"):
     """A heartbeat as a high-rate reader takes it: every field of :class:`Heartbeat`, but the
-    capabilities left encoded (nil when the heartbeat has none).  They change about never, so a
+    capabilities left encoded (:data:`LEFT_OUT` when the heartbeat has none, nil if it says so).  They change about never, so a
     reader that holds a node's capabilities compares these bytes with the ones it decoded last
     instead of decoding them again (tests/test_messages.py keeps the fields in step)."""
 
@@ -115,7 +120,7 @@ class HeartbeatView(msgspec.Struct, kw_only=True, tag_field="type", tag="heartbe
     incarnation: str
     pid: int = 0
     interval_s: float = 1.0
-    capabilities: msgspec.Raw = msgspec.Raw(b"\xc0")
+    capabilities: msgspec.Raw = LEFT_OUT
     health: HealthSummary | None = None
     leaving: bool = False
 
@@ -124,8 +129,9 @@ class HeartbeatViewV1(HeartbeatView, tag="heartbeat.v1"):
     """:class:`~revenant.messages.types.HeartbeatV1` likewise (its health is never nil)."""
 
 
-NIL = b"\xc0"
 _view_decoder = msgspec.msgpack.Decoder(Union[HeartbeatView, HeartbeatViewV1])
+# The bare decode, for a reader that takes a great many: msgspec's own errors, no size check.
+decode_heartbeat_view = _view_decoder.decode
 _capabilities_decoder = msgspec.msgpack.Decoder(Capabilities)
 
 

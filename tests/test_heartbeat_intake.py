@@ -50,7 +50,7 @@ def make_intake():
 
 def beat(intake, clock, hb, subject_node: str | None = None) -> None:
     clock[0] += 1.0
-    intake(subjects.heartbeat(subject_node or hb.node).encode(), encode(hb))
+    intake([(subjects.heartbeat(subject_node or hb.node).encode(), encode(hb))])
 
 
 def test_slim_heartbeats_keep_what_the_last_full_one_said():
@@ -89,13 +89,42 @@ def test_a_node_first_heard_slim_is_not_placeable_until_its_full_heartbeat():
 
 def test_bad_heartbeats_are_counted_and_dropped(caplog):
     detector, clock, emitted, intake = make_intake()
-    intake(subjects.heartbeat("n1").encode(), b"\x93garbage")
+    intake([(subjects.heartbeat("n1").encode(), b"\x93garbage")])
     beat(intake, clock, Heartbeat(node="n2", seq=1, sent_at=1.0, incarnation="i"), subject_node="n1")
-    intake(b"revenant.other.n1", encode(Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i")))
-    bad_caps = encode(Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i")).replace(
-        b"\xaccapabilities\xc0", b"\xaccapabilities\x92\x01\x02")
-    intake(subjects.heartbeat("n1").encode(), bad_caps)
+    intake([(b"revenant.other.n1", encode(Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i")))])
+    bad_caps = msgspec.msgpack.encode({"type": "heartbeat.v2", "node": "n1", "seq": 1, "sent_at": 1.0,
+                                       "incarnation": "i", "capabilities": [1, 2]})
+    intake([(subjects.heartbeat("n1").encode(), bad_caps)])
     # A node name no subject may carry, even with a heartbeat that names it: never a record.
-    intake(b"revenant.hb.bad~name", encode(Heartbeat(node="bad~name", seq=1, sent_at=1.0, incarnation="i")))
+    intake([(b"revenant.hb.bad~name", encode(Heartbeat(node="bad~name", seq=1, sent_at=1.0, incarnation="i")))])
     assert intake.malformed == 5 and intake.received == 0 and detector.nodes == {}
     assert "dropped bad heartbeat" in caplog.text
+
+
+def test_a_slim_heartbeat_leaves_its_defaults_out_and_is_recorded_in_place():
+    """The agent's slim heartbeat omits what is at its default; the intake records it through the
+    detector's short path, with what the whole path would have recorded, in the order a read
+    brought them; a full one, or one the short path does not take, goes the whole way."""
+    slim = encode(Heartbeat(node="n1", seq=2, sent_at=1.0, incarnation="i"))
+    assert b"capabilities" not in slim and b"health" not in slim and b"leaving" not in slim and len(slim) < 100
+    fast, fast_clock, _, fast_intake = make_intake()
+    whole, whole_clock, _, whole_intake = make_intake()
+    whole.beat = lambda hb, now: False  # every heartbeat the whole way
+    first = Heartbeat(node="n1", seq=1, sent_at=1.0, incarnation="i", pid=7, capabilities=CAPS, health=GREEN)
+    later = [Heartbeat(node="n1", seq=s, sent_at=1.0, incarnation="i", pid=8, interval_s=0.5) for s in (2, 3, 5, 4)]
+    for det, clock, intake in ((fast, fast_clock, fast_intake), (whole, whole_clock, whole_intake)):
+        beat(intake, clock, first)
+        clock[0] += 1.0
+        intake([(subjects.heartbeat("n1").encode(), encode(hb)) for hb in later])  # one read: one time
+        beat(intake, clock, Heartbeat(node="n1", seq=6, sent_at=1.0, incarnation="i", pid=8, interval_s=0.5,
+                                      health=HealthSummary(
+            state="YELLOW", reasons=["disk"], findings=[HealthFinding("YELLOW", "disk")])))
+    a, b = fast.nodes["n1"], whole.nodes["n1"]
+    assert (a.seq, a.pid, a.interval_s, a.last_heartbeat_at, a.last_alive_at, list(a.intervals)) == \
+        (b.seq, b.pid, b.interval_s, b.last_heartbeat_at, b.last_alive_at, list(b.intervals)) == \
+        (6, 8, 0.5, 103.0, 103.0, [1.0, 0.0, 0.0, 1.0])
+    assert a.health == b.health == "YELLOW" and a.capabilities == CAPS and fast.attention()[0] == [a]
+    assert fast_intake.received == whole_intake.received == 6  # seq 4, after 5, counted and ignored
+    # A slim heartbeat on another node's subject is refused on the short path too.
+    fast_intake([(subjects.heartbeat("n2").encode(), encode(later[0]))])
+    assert fast_intake.malformed == 1 and "n2" not in fast.nodes

@@ -34,7 +34,7 @@ async def until(predicate, timeout_s: float = 10.0) -> None:
 
 async def test_messages_arrive_whole_and_in_order(nats_url):
     got: list[tuple[bytes, bytes]] = []
-    sub = RawSubscriber(nats_url, "test", "t.*", lambda s, d: got.append((s, d)))
+    sub = RawSubscriber(nats_url, "test", "t.*", got.extend)
     await sub.start()
     try:
         assert sub.connected
@@ -62,7 +62,7 @@ async def test_a_restarted_server_is_found_again(tmp_path):
     async def on_reconnect() -> None:
         back.set()
 
-    sub = RawSubscriber(server.url, "test", "t.>", lambda s, d: got.append(d), ping_interval_s=0.2,
+    sub = RawSubscriber(server.url, "test", "t.>", lambda batch: got.extend(d for _, d in batch), ping_interval_s=0.2,
                         reconnect_wait_s=0.1, on_reconnect=on_reconnect)
     await sub.start()
     try:
@@ -82,7 +82,7 @@ async def test_a_restarted_server_is_found_again(tmp_path):
 
 
 async def test_a_bus_that_is_not_there_is_one_line():
-    sub = RawSubscriber("nats://127.0.0.1:1,nats://127.0.0.1:2", "test", "t.*", lambda s, d: None,
+    sub = RawSubscriber("nats://127.0.0.1:1,nats://127.0.0.1:2", "test", "t.*", lambda batch: None,
                         connect_timeout_s=1)
     with pytest.raises(BusError) as err:
         await sub.start()
@@ -97,7 +97,7 @@ async def test_credentials_are_signed_and_refusals_are_one_line(tmp_path):
     server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log", config_file=conf)
     try:
         got: list[bytes] = []
-        sub = RawSubscriber(server.url, "test", "revenant.hb.*", lambda s, d: got.append(d),
+        sub = RawSubscriber(server.url, "test", "revenant.hb.*", lambda batch: got.extend(d for _, d in batch),
                             creds=str(seeds[security.COORDINATOR]))
         await sub.start()
         try:
@@ -109,7 +109,7 @@ async def test_credentials_are_signed_and_refusals_are_one_line(tmp_path):
         finally:
             await sub.close()
         for creds in (None, str(keyring.ensure("agent-stranger"))):
-            refused = RawSubscriber(server.url, "test", "revenant.hb.*", lambda s, d: None, creds=creds)
+            refused = RawSubscriber(server.url, "test", "revenant.hb.*", lambda batch: None, creds=creds)
             with pytest.raises(BusError) as err:
                 await refused.start()
             assert "authorization violation" in str(err.value).lower() and "\n" not in str(err.value)
@@ -124,7 +124,7 @@ def test_plain_urls_tell_a_bus_the_raw_subscriber_speaks():
 
 async def test_a_server_that_sends_a_broken_frame_is_left_not_looped_on():
     """A negative size, or an INFO that is not JSON: the connection is dropped with the reason."""
-    sub = RawSubscriber("nats://127.0.0.1:1", "test", "t.*", lambda s, d: None)
+    sub = RawSubscriber("nats://127.0.0.1:1", "test", "t.*", lambda batch: None)
     for data in (b"INFO {}\r\nPONG\r\nMSG t.a 1 -100\r\nxx\r\n", b"INFO {not json\r\n"):
         conn = _Connection(sub)
         conn.transport = _Sink()
@@ -155,7 +155,7 @@ async def test_a_tls_bus_gets_its_heartbeats_through_the_client_library(tmp_path
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the clients trust the test's own certificate
     try:
         with pytest.raises(BusError, match="requires TLS"):  # one line, naming the problem
-            await RawSubscriber(server.url, "test", "t.*", lambda s, d: None).start()
+            await RawSubscriber(server.url, "test", "t.*", lambda batch: None).start()
         url = server.url.replace("nats://", "tls://")
         async with running(Coordinator(CoordinatorConfig(nats_url=url, http_port=0))) as coord:
             assert isinstance(coord._hb_sub, ClientSubscription)
@@ -172,3 +172,22 @@ def test_a_second_connection_starts_on_the_first_ones_server():
     assert starting_with("nats://a:1,nats://b:2,nats://c:3", "b:2") == "nats://b:2,nats://a:1,nats://c:3"
     assert starting_with("a:1,b:2", "b:2") == "b:2,a:1"
     assert starting_with("nats://a:1", "x:9") == "nats://a:1"
+
+
+async def test_a_read_delivers_its_whole_messages_however_the_bytes_are_cut():
+    """Frames with and without a reply subject, a payload that looks like a frame, PINGs between
+    them: the same messages in the same order whether the bytes come at once or one by one, each
+    read's whole ones in one call."""
+    framelike = b"MSG t.x 1 3\r\nabc"
+    stream = (b"INFO {}\r\nPONG\r\nMSG t.a 1 3\r\nabc\r\nPING\r\nMSG t.b 1 r.1 16\r\n" + framelike + b"\r\n"
+              b"MSG t.c 1 0\r\n\r\n+OK\r\n")
+    want = [(b"t.a", b"abc"), (b"t.b", framelike), (b"t.c", b"")]
+    for cut in (len(stream), 1, 7):
+        calls: list[list[tuple[bytes, bytes]]] = []
+        conn = _Connection(RawSubscriber("nats://127.0.0.1:1", "test", "t.*", calls.append))
+        conn.transport = _Sink()
+        for i in range(0, len(stream), cut):
+            conn.data_received(stream[i:i + cut])
+        assert [m for batch in calls for m in batch] == want and all(calls), cut
+        assert conn.transport.written.count(b"PONG") == 1 and not conn.closed.done()
+        assert len(calls) == 1 or cut < len(stream)  # all at once: one call
