@@ -38,7 +38,7 @@ MAX_CONTROL_LINE = 4096
 FULL_READ = 256 * 1024
 BACKLOG_S = 0.5
 # MSG <subject> <sid> [reply-to] <#bytes>: one C call per frame for a subscriber's hottest line.
-_MSG = re.compile(rb"MSG ([^ \r\n]+) [^ \r\n]+ (?:[^ \r\n]+ )?([0-9]+)\r\n")
+_MSG = re.compile(rb"MSG[ \t]+([^ \t\r\n]+)[ \t]+[^ \t\r\n]+[ \t]+(?:[^ \t\r\n]+[ \t]+)?([0-9]{1,10})[ \t]*\r\n")
 # What a read delivers: its whole messages, (subject, payload) each.
 Batch = list[tuple[bytes, bytes]]
 
@@ -95,6 +95,10 @@ def _signed_connect(info: dict, name: str, creds: str | None) -> dict:
     return connect
 
 
+class _Broken(Exception):
+    """The server sent what ends the connection (the reason, one line)."""
+
+
 class _Connection(asyncio.Protocol):
     """One connection: the handshake, then MSG frames to ``deliver``."""
 
@@ -128,8 +132,24 @@ class _Connection(asyncio.Protocol):
         elif owner.full_reads_since is None:
             owner.full_reads_since = time.monotonic()
         buf = self.buf + data if self.buf else data
+        batch: Batch = []
+        broken = None
+        try:
+            self.buf = buf[self._frames(buf, batch):]
+        except _Broken as exc:
+            broken = str(exc)
+        if batch:  # the messages before a broken line are delivered all the same
+            try:
+                owner.deliver(batch)
+            except Exception:  # a bug in the handler loses these messages, never the connection
+                log.exception("handling %d message(s) on %r failed", len(batch), batch[0][0])
+        if broken is not None:
+            self._fail(broken)
+
+    def _frames(self, buf: bytes, batch: Batch) -> int:
+        """Append ``buf``'s whole messages to ``batch`` and answer its control lines; returns
+        where the unread rest starts.  Raises :class:`_Broken` for what the server must not send."""
         pos, n, match = 0, len(buf), _MSG.match
-        batch: list[tuple[bytes, bytes]] = []
         while pos < n:
             m = match(buf, pos)
             if m is not None:
@@ -143,12 +163,12 @@ class _Connection(asyncio.Protocol):
             end = buf.find(b"\r\n", pos)
             if end < 0:
                 if n - pos > MAX_CONTROL_LINE:
-                    return self._fail("a protocol line longer than 4096 bytes")
+                    raise _Broken("a protocol line longer than 4096 bytes")
                 break
             line = buf[pos:end]
             pos = end + 2
             if line.startswith(b"MSG"):
-                return self._fail(f"malformed MSG line {line[:80]!r}")
+                raise _Broken(f"malformed MSG line {line[:80]!r}")
             if line.startswith(b"PING"):
                 self.transport.write(b"PONG\r\n")
             elif line.startswith(b"PONG"):
@@ -160,19 +180,14 @@ class _Connection(asyncio.Protocol):
                 try:
                     info = json.loads(line[5:])
                 except ValueError:
-                    return self._fail(f"unreadable INFO from the server: {line[:80]!r}")
+                    raise _Broken(f"unreadable INFO from the server: {line[:80]!r}") from None
                 self._hello(info)
                 if self.closed.done():
-                    return
+                    return n
             elif line.startswith(b"-ERR"):
-                return self._fail(line[5:].strip(b" '").decode(errors="replace") or "-ERR")
+                raise _Broken(line[5:].strip(b" '").decode(errors="replace") or "-ERR")
             # +OK and later INFO lines (cluster changes) need nothing
-        self.buf = buf[pos:]
-        if batch:
-            try:
-                owner.deliver(batch)
-            except Exception:  # a bug in the handler loses these messages, never the connection
-                log.exception("handling %d message(s) on %r failed", len(batch), batch[0][0])
+        return pos
 
     def _hello(self, info: dict) -> None:
         owner = self.owner

@@ -128,3 +128,18 @@ def test_a_slim_heartbeat_leaves_its_defaults_out_and_is_recorded_in_place():
     # A slim heartbeat on another node's subject is refused on the short path too.
     fast_intake([(subjects.heartbeat("n2").encode(), encode(later[0]))])
     assert fast_intake.malformed == 1 and "n2" not in fast.nodes
+
+
+def test_a_heartbeat_whose_handling_fails_loses_only_itself(caplog):
+    detector, clock, _, _ = make_intake()
+
+    def emit(transitions):
+        if any(t.node == "bad" for t in transitions):
+            raise RuntimeError("a bug downstream")
+
+    intake = HeartbeatIntake(detector, lambda: clock[0], emit)
+    beat(intake, clock, Heartbeat(node="a", seq=1, sent_at=1.0, incarnation="i"))
+    intake([(subjects.heartbeat(n).encode(), encode(Heartbeat(node=n, seq=s, sent_at=1.0, incarnation="i")))
+            for n, s in (("a", 2), ("bad", 1), ("a", 3), ("c", 1))])
+    assert detector.nodes["a"].seq == 3 and "c" in detector.nodes
+    assert intake.received == 5 and "a bug downstream" in caplog.text

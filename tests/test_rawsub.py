@@ -123,14 +123,20 @@ def test_plain_urls_tell_a_bus_the_raw_subscriber_speaks():
 
 
 async def test_a_server_that_sends_a_broken_frame_is_left_not_looped_on():
-    """A negative size, or an INFO that is not JSON: the connection is dropped with the reason."""
-    sub = RawSubscriber("nats://127.0.0.1:1", "test", "t.*", lambda batch: None)
-    for data in (b"INFO {}\r\nPONG\r\nMSG t.a 1 -100\r\nxx\r\n", b"INFO {not json\r\n"):
+    """A negative or absurd size, an INFO that is not JSON, an error: the connection is dropped
+    with the reason, and the messages of the read before it are delivered all the same."""
+    got: list[tuple[bytes, bytes]] = []
+    sub = RawSubscriber("nats://127.0.0.1:1", "test", "t.*", got.extend)
+    for data, why in ((b"INFO {}\r\nPONG\r\nMSG t.a 1 -100\r\nxx\r\n", "malformed MSG"),
+                      (b"MSG t.a 1 " + b"9" * 5000 + b"\r\n", "malformed MSG"),
+                      (b"INFO {not json\r\n", "unreadable INFO"),
+                      (b"MSG t.a 1 3\r\nabc\r\n-ERR 'Permissions Violation'\r\n", "Permissions Violation")):
         conn = _Connection(sub)
         conn.transport = _Sink()
         conn.data_received(data)
         assert conn.closed.done() and conn.transport.closed
-        assert "malformed MSG" in conn.closed.result() or "unreadable INFO" in conn.closed.result()
+        assert why in conn.closed.result()
+    assert got == [(b"t.a", b"abc")]
 
 
 class _Sink:
