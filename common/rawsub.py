@@ -292,21 +292,34 @@ class RawSubscriber:
         self._conn = conn
 
     async def _keep(self) -> None:
-        """Ping the server; on a lost or stale connection, connect again (forever)."""
+        """Watch the connection; when it is lost or stale, connect again (forever).  Nothing that
+        goes wrong while watching one connection ends the subscription: it is a lost connection."""
         while True:
             conn = self._conn
             assert conn is not None
             try:
-                why = await asyncio.wait_for(asyncio.shield(conn.closed), self.ping_interval_s)
-            except asyncio.TimeoutError:
-                if conn.outstanding_pings < self.max_outstanding_pings:
-                    conn.outstanding_pings += 1
-                    conn.transport.write(b"PING\r\n")
-                    continue
-                why = f"no PONG to {self.max_outstanding_pings} pings"
+                why = await self._watch(conn)
+            except Exception as exc:
+                log.exception("nats (%s): watching the %s subscription failed", self.name, self.subject)
+                why = repr(exc)
+            if conn.transport is not None and not conn.transport.is_closing():
                 conn.transport.close()
             log.warning("nats (%s): %s subscription lost (%s); reconnecting", self.name, self.subject, why)
             await self._reconnect()
+
+    async def _watch(self, conn: _Connection) -> str:
+        """Ping the server every ``ping_interval_s`` until the connection ends or goes stale: why."""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(conn.closed), self.ping_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            if conn.transport.is_closing():  # closed, and told so in a moment (connection_lost)
+                return "closed"
+            if conn.outstanding_pings >= self.max_outstanding_pings:
+                return f"no PONG to {self.max_outstanding_pings} pings"
+            conn.outstanding_pings += 1
+            conn.transport.write(b"PING\r\n")
 
     async def _reconnect(self) -> None:
         self._conn = None

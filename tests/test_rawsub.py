@@ -197,3 +197,36 @@ async def test_a_read_delivers_its_whole_messages_however_the_bytes_are_cut():
         assert [m for batch in calls for m in batch] == want and all(calls), cut
         assert conn.transport.written.count(b"PONG") == 1 and not conn.closed.done()
         assert len(calls) == 1 or cut < len(stream)  # all at once: one call
+
+
+async def test_a_connection_that_breaks_oddly_is_reconnected_not_given_up(nats_url, caplog):
+    """A transport that fails a write (closed under it, its connection_lost not yet called): the
+    subscription reconnects; it never stops for good, which would leave a coordinator blind."""
+    got: list[tuple[bytes, bytes]] = []
+    sub = RawSubscriber(nats_url, "test", "t.*", got.extend, ping_interval_s=0.1)
+    await sub.start()
+    try:
+        sub._conn.transport = _Unwritable(sub._conn.transport)
+        await until(lambda: sub.reconnects == 1 and sub.connected)
+        nc = await nats.connect(nats_url)
+        await nc.publish("t.a", b"after")
+        await nc.flush()
+        await until(lambda: got == [(b"t.a", b"after")])
+        await nc.close()
+    finally:
+        await sub.close()
+    assert "the handler is closed" in caplog.text and "subscription lost" in caplog.text
+
+
+class _Unwritable:
+    def __init__(self, transport) -> None:
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on a transport: the handler is closed")
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._transport.close()
