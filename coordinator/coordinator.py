@@ -305,7 +305,7 @@ class Coordinator(Service):
         async def reply() -> NodesReply:
             req = decode_as(msg.data, NodesRequest)
             limit = max(1, min(req.limit, NODES_PAGE_MAX))
-            names = sorted(self.detector.nodes)
+            names = self.detector.names()
             page = names[max(0, req.offset):max(0, req.offset) + limit]
             # As many as fit one message: a node with many GPUs takes several kilobytes.
             statuses = self.detector.snapshot(self._clock(), page)

@@ -109,6 +109,7 @@ class FailureDetector:
         self._unwell: set[str] = set()  # alive, and its last full heartbeat was not GREEN
         self._state_of: dict[str, NodeState] = {}
         self._counts = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
+        self._names: list[str] | None = []  # every node's name in order; None: to be sorted again
 
     # ------------------------------------------------------------------ inputs
 
@@ -122,6 +123,8 @@ class FailureDetector:
             if rec is not None:
                 self._index(rec.name, None)
             rec = NodeRecord(name=hb.node, incarnation=hb.incarnation, state_since=now)
+            if hb.node not in self.nodes:
+                self._names = None
             self.nodes[hb.node] = rec
             self._index(rec.name, "alive")
             self._absorb(rec, hb, now, capabilities, capabilities_raw)
@@ -227,6 +230,7 @@ class FailureDetector:
         for rec in self._oldest(self._ended, lambda r: now - r.state_since >= cfg.forget_after_s):
             self._index(rec.name, None)
             del self.nodes[rec.name]
+            self._names = None
         return out, probes
 
     def _oldest(self, order: OrderedDict[str, None], due) -> list[NodeRecord]:
@@ -287,6 +291,13 @@ class FailureDetector:
             )
             for r in records
         ]
+
+    def names(self) -> list[str]:
+        """Every node's name in order (the node table's pages): sorted again only after a node
+        joined or was forgotten, not for each page of 300 that ``revenant nodes`` asks for."""
+        if self._names is None:
+            self._names = sorted(self.nodes)
+        return self._names
 
     def counts(self) -> dict[str, int]:
         return dict(self._counts)
