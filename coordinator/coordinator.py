@@ -364,7 +364,7 @@ class Coordinator(Service):
             self._transition_log.flush()
             if self._storm_dirty and self.leader and self.failover is not None:
                 self._storm_dirty = False
-                self.failover.check_storm(list(self.detector.nodes.values()))
+                self.failover.check_storm_counted(self.detector.counts(), self.detector.state)
             for node in probes:
                 self.spawn(self._probe(node), f"probe-{node}")
 

@@ -292,6 +292,10 @@ class FailureDetector:
             for r in records
         ]
 
+    def state(self, name: str) -> NodeState | None:
+        """The state of node ``name`` (None: not known)."""
+        return self._state_of.get(name)
+
     def names(self) -> list[str]:
         """Every node's name in order (the node table's pages): sorted again only after a node
         joined or was forgotten, not for each page of 300 that ``revenant nodes`` asks for."""

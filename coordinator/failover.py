@@ -74,8 +74,12 @@ class StormGuard:
     def update(self, nodes, pending) -> str | None:
         """Returns "paused" or "resumed" on a change.  Silent: suspect, or dead with failover pending."""
         live = [n for n in nodes if n.state != "left"]
-        self.silent = sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending))
-        self.total = len(live)
+        return self.count(sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)),
+                          len(live))
+
+    def count(self, silent: int, total: int) -> str | None:
+        """:meth:`update` from the counts: ``silent`` nodes of ``total`` (nodes not left)."""
+        self.silent, self.total = silent, total
         self.storm = self.silent >= self.min_silent and self.total > 0 and self.silent / self.total > self.fraction
         if not self.storm:
             self.acknowledged = False
@@ -194,6 +198,13 @@ class Failover:
         """``nodes``: anything with ``name`` and ``state`` (detector records are cheapest)."""
         nodes = self.nodes() if nodes is None else nodes
         self._announce(self.storm.update(nodes, self.pending_nodes))
+
+    def check_storm_counted(self, counts: dict[str, int], state: Callable[[str], str | None]) -> None:
+        """:meth:`check_storm` from the detector's counts of each state and the state of each node
+        whose failover is pending (few): no walk of 100,000 nodes each tick that saw a verdict."""
+        dead_pending = sum(1 for name in self.pending_nodes if state(name) == "dead")
+        self._announce(self.storm.count(counts["suspect"] + dead_pending,
+                                        counts["alive"] + counts["suspect"] + counts["dead"]))
 
     async def operator(self, action: str, nodes: list) -> FailoverReply:
         """``revenant failover pause|resume|status``.  A hold is recorded in the store first, so

@@ -262,6 +262,7 @@ def test_the_ordered_tick_misses_no_verdict_and_keeps_its_indexes(ops):
         # Every node in exactly the index of its state; the alive ones oldest first.
         assert set(det._alive) == {n for n, r in det.nodes.items() if r.state == "alive"}
         assert det.names() == sorted(det.nodes)  # the node table's order, sorted once per change
+        assert all(det.state(n) == r.state for n, r in det.nodes.items()) and det.state("unknown") is None
         assert det._suspect == {n for n, r in det.nodes.items() if r.state == "suspect"}
         assert set(det._ended) == {n for n, r in det.nodes.items() if r.state in ("dead", "left")}
         seen = [det.nodes[n].last_alive_at for n in det._alive]

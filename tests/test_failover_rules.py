@@ -133,3 +133,38 @@ async def test_a_renewal_that_comes_back_past_the_fence_deadline_is_a_fence():
     keeper._renew = renew
     await asyncio.wait_for(keeper.run(until=done), 5)
     assert said == [("renewed",), ("fence", 1.5), ("back",)]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["alive", "suspect", "dead", "left"]), max_size=30), st.data())
+def test_the_storm_counted_from_the_detectors_counts_is_the_storm_of_the_walk(states, data):
+    """What a tick checks (the detector's counts and the pending nodes' states) decides as the walk
+    of every node did, whatever the states and whichever failovers are pending."""
+    from revenant.common.config import CoordinatorConfig
+    from revenant.coordinator.failover import Failover
+
+    cluster = nodes(states)
+    pending = data.draw(st.sets(st.sampled_from([n.name for n in cluster] + ["gone"])) if cluster else st.just(set()))
+    walked = StormGuard(0.3)
+    walked.update(cluster, pending)
+    events = _Events()
+    failover = Failover(CoordinatorConfig(), None, None, events, lambda: [], lambda name: None)
+    failover.pending_nodes = dict.fromkeys(pending, 1)
+    counts = {s: states.count(s) for s in ("alive", "suspect", "dead", "left")}
+    by_name = {n.name: n.state for n in cluster}
+    failover.check_storm_counted(counts, by_name.get)
+    assert (failover.storm.silent, failover.storm.total, failover.storm.paused) == \
+        (walked.silent, walked.total, walked.paused)
+    assert [e.kind for e in events.sent] == (["failover_paused"] if walked.paused else [])
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.sent = []
+
+    def emit(self, subject, event) -> None:
+        self.sent.append(event)
