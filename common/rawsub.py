@@ -8,11 +8,13 @@ socket's data (``asyncio.Protocol.data_received``) and hands every whole message
 a list of ``(subject, payload)``, to a plain function: a microsecond or so a message.
 
 What it keeps from a client: the same URLs (a cluster's, tried in turn), the same credential
-(a seed file or a JWT ``.creds`` file, the server's nonce signed), a PING every
-``ping_interval_s`` with a stale connection dropped after ``max_outstanding_pings`` unanswered,
-and endless reconnects (``on_reconnect`` is called after each).  It sends nothing but CONNECT,
-SUB, PING and PONG.  The first connection must succeed (a one-line :class:`BusError` if not);
-later outages are retried forever, as the main connection's are.
+(a seed file or a JWT ``.creds`` file, the server's nonce signed), PINGs (a connection whose
+PING is unanswered for ``ping_interval_s`` times ``max_outstanding_pings`` is dropped as stale),
+and endless reconnects (``on_reconnect`` is called after each).  A PING goes out every quarter
+second when none is in flight: its PONG comes after every message queued before it, so its
+round trip says how far behind the reader is (``behind_s``).  It sends nothing but CONNECT, SUB,
+PING and PONG.  The first connection must succeed (a one-line :class:`BusError` if not); later
+outages are retried forever, as the main connection's are.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import re
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import nkeys
@@ -33,9 +36,10 @@ from revenant.common.errors import BusError
 log = logging.getLogger(__name__)
 
 MAX_CONTROL_LINE = 4096
-# A read this large means more was waiting in the socket; reads like it for BACKLOG_S, and the
-# reader is behind (``RawSubscriber.backlogged``).
-FULL_READ = 256 * 1024
+# A PING waits behind every message the server has queued for this reader, so its round trip is
+# how far behind the reader is: measured every LAG_PING_S, behind by BACKLOG_S or more is
+# ``RawSubscriber.backlogged``.
+LAG_PING_S = 0.25
 BACKLOG_S = 0.5
 # MSG <subject> <sid> [reply-to] <#bytes>: one C call per frame for a subscriber's hottest line.
 _MSG = re.compile(rb"MSG[ \t]+([^ \t\r\n]+)[ \t]+[^ \t\r\n]+[ \t]+(?:[^ \t\r\n]+[ \t]+)?([0-9]{1,10})[ \t]*\r\n")
@@ -108,7 +112,7 @@ class _Connection(asyncio.Protocol):
         self.buf = b""
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.outstanding_pings = 0
+        self.pings: deque[float] = deque()  # when each PING not yet answered was sent
         self._info_seen = False
 
     def connection_made(self, transport) -> None:
@@ -125,12 +129,12 @@ class _Connection(asyncio.Protocol):
         if not self.closed.done():
             self.closed.set_result(why)
 
+    def ping(self) -> None:
+        self.transport.write(b"PING\r\n")
+        self.pings.append(time.monotonic())
+
     def data_received(self, data: bytes) -> None:
         owner = self.owner
-        if len(data) < FULL_READ:
-            owner.full_reads_since = None
-        elif owner.full_reads_since is None:
-            owner.full_reads_since = time.monotonic()
         buf = self.buf + data if self.buf else data
         batch: Batch = []
         broken = None
@@ -172,7 +176,8 @@ class _Connection(asyncio.Protocol):
             if line.startswith(b"PING"):
                 self.transport.write(b"PONG\r\n")
             elif line.startswith(b"PONG"):
-                self.outstanding_pings = 0
+                if self.pings:
+                    self.owner.lag_s = time.monotonic() - self.pings.popleft()
                 if not self.ready.done():
                     self.ready.set_result(None)
             elif line.startswith(b"INFO ") and not self._info_seen:
@@ -199,7 +204,8 @@ class _Connection(asyncio.Protocol):
         except BusError as exc:
             return self._fail(str(exc))
         self.transport.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\n"
-                             + f"SUB {owner.subject} 1\r\nPING\r\n".encode())
+                             + f"SUB {owner.subject} 1\r\n".encode())
+        self.ping()  # its PONG: connected
 
     def _fail(self, why: str) -> None:
         self._end(why)
@@ -225,17 +231,25 @@ class RawSubscriber:
         self.connect_timeout_s = connect_timeout_s
         self.on_reconnect = on_reconnect
         self.reconnects = 0
-        # Since when every read filled the read buffer (more waited in the socket than was read).
-        self.full_reads_since: float | None = None
+        # The last PING's round trip: how long a message waited for this reader then.
+        self.lag_s = 0.0
         self._conn: _Connection | None = None
         self._next = 0
         self._task: asyncio.Task[None] | None = None
 
     @property
+    def behind_s(self) -> float:
+        """How long messages wait for this reader: the last PING's round trip, or longer if the
+        PING in flight has been out longer (0 while not connected)."""
+        c = self._conn
+        if c is None:
+            return 0.0
+        return max(self.lag_s, time.monotonic() - c.pings[0]) if c.pings else self.lag_s
+
+    @property
     def backlogged(self) -> bool:
-        """Behind for half a second or more: every read for that long came back full."""
-        since = self.full_reads_since
-        return since is not None and time.monotonic() - since >= BACKLOG_S
+        """Behind by half a second or more: messages wait unread that long."""
+        return self.behind_s >= BACKLOG_S
 
     @property
     def connected(self) -> bool:
@@ -308,18 +322,22 @@ class RawSubscriber:
             await self._reconnect()
 
     async def _watch(self, conn: _Connection) -> str:
-        """Ping the server every ``ping_interval_s`` until the connection ends or goes stale: why."""
+        """Until the connection ends or goes stale (why): a PING whenever none is in flight, at
+        most every ``LAG_PING_S`` (how far behind the reader is), and the connection stale when
+        one is unanswered for ``ping_interval_s`` times ``max_outstanding_pings``."""
+        self.lag_s = 0.0
+        stale_s = self.ping_interval_s * self.max_outstanding_pings
         while True:
             try:
-                return await asyncio.wait_for(asyncio.shield(conn.closed), self.ping_interval_s)
+                return await asyncio.wait_for(asyncio.shield(conn.closed), min(LAG_PING_S, self.ping_interval_s))
             except asyncio.TimeoutError:
                 pass
             if conn.transport.is_closing():  # closed, and told so in a moment (connection_lost)
                 return "closed"
-            if conn.outstanding_pings >= self.max_outstanding_pings:
-                return f"no PONG to {self.max_outstanding_pings} pings"
-            conn.outstanding_pings += 1
-            conn.transport.write(b"PING\r\n")
+            if conn.pings and time.monotonic() - conn.pings[0] >= stale_s:
+                return f"no PONG in {stale_s:g} s"
+            if not conn.pings:
+                conn.ping()
 
     async def _reconnect(self) -> None:
         self._conn = None

@@ -230,3 +230,21 @@ class _Unwritable:
 
     def close(self) -> None:
         self._transport.close()
+
+
+async def test_a_pings_round_trip_says_how_far_behind_the_reader_is():
+    """A PONG comes after everything the server queued before it: a PING out for 0.6 s, or
+    answered after 0.6 s, means messages wait that long (backlogged); a quick answer clears it."""
+    sub = RawSubscriber("nats://127.0.0.1:1", "test", "t.*", lambda batch: None)
+    conn = sub._conn = _Connection(sub)
+    conn.transport = _Sink()
+    assert sub.behind_s == 0.0 and not sub.backlogged
+    conn.ping()
+    conn.pings[0] -= 0.6  # sent 0.6 s ago, not answered yet
+    assert sub.backlogged and sub.behind_s >= 0.6
+    conn.data_received(b"MSG t.a 1 1\r\nx\r\nPONG\r\n")
+    assert sub.lag_s >= 0.6 and sub.backlogged and not conn.pings
+    conn.ping()
+    conn.data_received(b"PONG\r\n")
+    assert sub.lag_s < 0.5 and not sub.backlogged
+    assert conn.transport.written == b"PING\r\n" * 2
