@@ -163,9 +163,13 @@ class Leadership:
                 pass
 
     async def _renew(self, kv) -> None:
+        started = self.clock()
         try:
             self._revision = await asyncio.wait_for(kv.update(KEY, self.value, last=self._revision),
                                                     self.lease_s / 3)
+            if self.clock() - self._renewed_at > self.lease_s / 2:  # a warning sign, well before the lease is gone
+                log.warning("leader lease renewed %.2f s after the last renewal (the update took %.2f s; the "
+                            "lease is %.1f s)", self.clock() - self._renewed_at, self.clock() - started, self.lease_s)
             self._renewed_at = self.clock()
             return
         except nats.js.errors.KeyWrongLastSequenceError:
