@@ -8,6 +8,7 @@ import signal
 import sys
 import uvloop
 
+from revenant.common import gcpause
 from revenant.common.service import Service
 
 
@@ -25,6 +26,7 @@ def setup_logging(role: str, name: str = "", level: str = "INFO") -> None:
 
 def run_service(service: Service) -> int:
     """Run until SIGTERM or SIGINT, then stop the service gracefully."""
+    gcpause.install(freeze=True)  # full collections walk what is new, not the whole heap
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

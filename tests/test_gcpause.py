@@ -1,0 +1,51 @@
+"""Full garbage collections in a long-running service (common/gcpause.py): what survives one is
+frozen, so that the next walks only what is new; once every rewalk period everything is walked
+again; a long pause is logged."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+
+from revenant.common import gcpause
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def watched():
+    clock = Clock()
+    yield clock
+    gcpause.uninstall()
+
+
+def test_survivors_of_a_full_collection_are_frozen_until_the_rewalk(watched):
+    gcpause.install(freeze=True, rewalk_s=60.0, clock=watched)
+    survivors = [[i] for i in range(1000)]  # tracked objects that outlive the collection
+    gc.collect()
+    frozen = gc.get_freeze_count()
+    assert frozen >= len(survivors)
+    watched.now = 61.0  # the rewalk is due: released, and the next full collection walks everything
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gc.get_freeze_count() >= len(survivors)
+
+
+def test_without_freezing_collections_are_only_watched(watched, caplog, monkeypatch):
+    monkeypatch.setattr(gcpause, "LONG_PAUSE_S", 0.0)  # every collection is "long"
+    gcpause.install(freeze=False, clock=watched)
+    with caplog.at_level(logging.WARNING, logger="revenant.common.gcpause"):
+        gc.collect()
+    assert gc.get_freeze_count() == 0
+    assert "a full garbage collection paused this process" in caplog.text
