@@ -120,5 +120,5 @@ class LeaseKeeper:
             await asyncio.wait_for(self._kv.put(self.node, value), self.renew_s * 2)
             return True
         except (asyncio.TimeoutError, nats.errors.Error, BusError) as exc:
-            log.debug("lease renewal failed: %s", exc or type(exc).__name__)
+            log.debug("lease renewal failed: %s", str(exc) or type(exc).__name__)
             return False

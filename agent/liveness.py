@@ -240,7 +240,7 @@ class Liveness:
             log.debug("heartbeat %d dropped: not connected", self.seq)
             self._full.force = True
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("heartbeat %d not sent: %s", self.seq, exc or type(exc).__name__)
+            log.warning("heartbeat %d not sent: %s", self.seq, str(exc) or type(exc).__name__)
             self._full.force = True
 
     async def _reconnected(self) -> None:

@@ -148,6 +148,6 @@ class Reporter:
                 await asyncio.wait_for(publish(subject, encode(msg)), self.interval_s)
             except Exception as exc:  # best effort: a lost report changes nothing
                 if not failed:
-                    log.debug("job %s: progress not published: %s", job, exc or type(exc).__name__)
+                    log.debug("job %s: progress not published: %s", job, str(exc) or type(exc).__name__)
                 failed = True
             await asyncio.sleep(self.interval_s)

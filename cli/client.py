@@ -220,7 +220,7 @@ async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float
             await bus.ensure_event_stream(js)
             info = await js.stream_info(subjects.EVENTS_STREAM)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise BusError(f"cannot read the event stream: {exc or type(exc).__name__}") from None
+            raise BusError(f"cannot read the event stream: {str(exc) or type(exc).__name__}") from None
         last = info.state.last_seq
         if not follow and info.state.messages == 0:
             return

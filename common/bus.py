@@ -47,7 +47,7 @@ def map_exceptions(what: str, error: type[BusError] = BusError) -> Iterator[None
     try:
         yield
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        raise error(f"{what}: {exc or type(exc).__name__}") from None
+        raise error(f"{what}: {str(exc) or type(exc).__name__}") from None
 
 
 async def connect(
@@ -78,7 +78,7 @@ async def connect(
     client: list[Client] = []
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats (%s): %s", name, exc or type(exc).__name__)
+        log.warning("nats (%s): %s", name, str(exc) or type(exc).__name__)
         if not client and "authorization violation" in str(exc).lower():
             # Refused at the first connect: a wrong or unknown key stays wrong, so fail now
             # rather than retry forever.  (Later, across a server restart, keep trying.)
@@ -117,7 +117,7 @@ async def connect(
         raise BusError(f"NATS at {url} refused the connection ({exc}): {why}") from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error, nkeys.NkeysError) as exc:
         await nc.close()
-        raise BusError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from None
+        raise BusError(f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from None
     client.append(nc)
     return nc
 
@@ -153,7 +153,7 @@ async def close(nc: Client | None, grace_s: float, what: str = "") -> None:
             await nc.close()
     except (asyncio.TimeoutError, nats.errors.Error) as exc:
         log.warning("nats%s: drain did not finish cleanly: %s", f" ({what})" if what else "",
-                    exc or type(exc).__name__)
+                    str(exc) or type(exc).__name__)
         await nc.close()
 
 
@@ -166,7 +166,7 @@ async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], t
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
         raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from None
     except nats.errors.Error as exc:
-        raise BusError(f"request on {subject} failed: {exc or type(exc).__name__}") from None
+        raise BusError(f"request on {subject} failed: {str(exc) or type(exc).__name__}") from None
     try:
         reply = decode(resp.data)
     except MessageError as exc:

@@ -251,7 +251,7 @@ class Coordinator(Service):
         except (RevenantError, nats.errors.Error) as exc:
             # Leading on a table it could not read would be leading blind: step down, campaign again.
             if self._term is term:
-                self.leadership.step_down(f"cannot take office: {exc or type(exc).__name__}")
+                self.leadership.step_down(f"cannot take office: {str(exc) or type(exc).__name__}")
         finally:
             if not self.stopping:  # a stop drains the connection, answering what already arrived
                 await term.unsubscribe()

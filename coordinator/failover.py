@@ -160,7 +160,7 @@ class Failover:
             except nats.js.errors.NotFoundError:
                 return None
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                log.warning("cannot read node %s's lease (%s); retrying", node, exc or type(exc).__name__)
+                log.warning("cannot read node %s's lease (%s); retrying", node, str(exc) or type(exc).__name__)
                 await asyncio.sleep(0.2 * (attempt + 1))
                 continue
             if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):

@@ -111,7 +111,7 @@ async def ask_full_heartbeats(nc: Client, sender: str, at: float) -> None:
     try:
         await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender=sender, sent_at=at)))
     except nats.errors.Error as exc:
-        log.warning("could not ask the agents for full heartbeats: %s", exc or type(exc).__name__)
+        log.warning("could not ask the agents for full heartbeats: %s", str(exc) or type(exc).__name__)
 
 
 class ClientSubscription:

@@ -181,7 +181,7 @@ class Leadership:
                 self.step_down("the leader key was deleted")
                 return
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                failure = f"the leader key changed and could not be read: {exc or type(exc).__name__}"
+                failure = f"the leader key changed and could not be read: {str(exc) or type(exc).__name__}"
             else:
                 if entry is not None and entry.value == self.value:
                     self._revision = entry.revision or self._revision
@@ -202,7 +202,7 @@ class Leadership:
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
             return  # someone else leads
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.debug("leader election: %s", exc or type(exc).__name__)
+            log.debug("leader election: %s", str(exc) or type(exc).__name__)
             return
         self._renewed_at = self.clock()
         self.leader = True

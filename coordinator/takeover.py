@@ -51,7 +51,7 @@ async def _last_at(js: JetStreamContext, node: str, kind: str) -> float | None:
     except nats.js.errors.NotFoundError:
         return 0.0
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        log.warning("cannot read node %s's last %s event: %s", node, kind, exc or type(exc).__name__)
+        log.warning("cannot read node %s's last %s event: %s", node, kind, str(exc) or type(exc).__name__)
         return None
     try:
         return decode_as(msg.data or b"", NodeEvent).at
