@@ -346,7 +346,7 @@ class RawSubscriber:
             await asyncio.sleep(self.reconnect_wait_s)
             try:
                 await self._connect()
-            except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+            except Exception as exc:  # whatever a connection attempt meets, the next one is made
                 failures += 1
                 if failures & (failures - 1) == 0:  # 1, 2, 4, 8, ...: loud, not a flood
                     log.warning("nats (%s): %s subscription still lost after %d attempt(s): %s", self.name,

@@ -109,7 +109,7 @@ class FailureDetector:
         self._unwell: set[str] = set()  # alive, and its last full heartbeat was not GREEN
         self._state_of: dict[str, NodeState] = {}
         self._counts = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
-        self._names: list[str] | None = []  # every node's name in order; None: to be sorted again
+        self._names: tuple[str, ...] | None = ()  # every node's name in order; None: to be sorted again
 
     # ------------------------------------------------------------------ inputs
 
@@ -296,11 +296,11 @@ class FailureDetector:
         """The state of node ``name`` (None: not known)."""
         return self._state_of.get(name)
 
-    def names(self) -> list[str]:
+    def names(self) -> tuple[str, ...]:
         """Every node's name in order (the node table's pages): sorted again only after a node
         joined or was forgotten, not for each page of 300 that ``revenant nodes`` asks for."""
         if self._names is None:
-            self._names = sorted(self.nodes)
+            self._names = tuple(sorted(self.nodes))
         return self._names
 
     def counts(self) -> dict[str, int]:

@@ -261,7 +261,7 @@ def test_the_ordered_tick_misses_no_verdict_and_keeps_its_indexes(ops):
                     assert now - rec.state_since < cfg.forget_after_s
         # Every node in exactly the index of its state; the alive ones oldest first.
         assert set(det._alive) == {n for n, r in det.nodes.items() if r.state == "alive"}
-        assert det.names() == sorted(det.nodes)  # the node table's order, sorted once per change
+        assert det.names() == tuple(sorted(det.nodes))  # the node table's order, sorted once per change
         assert all(det.state(n) == r.state for n, r in det.nodes.items()) and det.state("unknown") is None
         assert det._suspect == {n for n, r in det.nodes.items() if r.state == "suspect"}
         assert set(det._ended) == {n for n, r in det.nodes.items() if r.state in ("dead", "left")}

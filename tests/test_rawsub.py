@@ -248,3 +248,23 @@ async def test_a_pings_round_trip_says_how_far_behind_the_reader_is():
     conn.data_received(b"PONG\r\n")
     assert sub.lag_s < 0.5 and not sub.backlogged
     assert conn.transport.written == b"PING\r\n" * 2
+
+
+async def test_a_reconnect_attempt_that_fails_oddly_is_followed_by_another(nats_url, caplog):
+    sub = RawSubscriber(nats_url, "test", "t.*", lambda batch: None, reconnect_wait_s=0.05)
+    await sub.start()
+    real, calls = sub._connect, []
+
+    async def odd_first() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a URL that does not parse")
+        await real()
+
+    sub._connect = odd_first
+    try:
+        sub._conn.transport.close()
+        await until(lambda: sub.reconnects == 1 and sub.connected)
+    finally:
+        await sub.close()
+    assert len(calls) == 2 and "a URL that does not parse" in caplog.text
