@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
+from revenant.common.errors import described
 from revenant.common.thresholds import GpuThresholds
 from revenant.messages import GpuHealth, GpuInfo, GpuProcess, HealthState
 
@@ -308,7 +309,7 @@ class GpuMonitor:
             try:
                 readings.append(self._read(info, handle, fresh.get(info.index, [])))
             except Exception as exc:  # GPU lost, driver gone, ...: the node cannot trust this GPU
-                errors[info.index] = str(exc) or type(exc).__name__
+                errors[info.index] = described(exc)
                 readings.append(GpuHealth(index=info.index, uuid=info.uuid, name=info.name,
                                           memory_total_bytes=info.memory_total_bytes,
                                           xids=fresh.get(info.index, [])))

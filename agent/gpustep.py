@@ -30,6 +30,7 @@ from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.gpu import CudaProcess, GpuScan
 from revenant.agent.procs import signal_tree, tree_pids
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
+from revenant.common.errors import described
 from revenant.common.gpufit import gpu_fit
 from revenant.messages import Capabilities, JobGpu
 
@@ -155,7 +156,7 @@ class GpuStep(BaseStep):
             try:
                 await asyncio.to_thread(self.recover, pid)
             except Exception as exc:
-                errors.append(str(exc) or type(exc).__name__)
+                errors.append(described(exc))
         if errors:
             # Its CUDA calls would block for ever: a wedged job is worse than one restored from its epoch.
             await asyncio.to_thread(self.kill, ctx.pid)

@@ -23,7 +23,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from revenant.common.errors import BusError
+from revenant.common.errors import BusError, described
 from revenant.common.kv import open_bucket
 from revenant.messages import LeaseValue, subjects
 
@@ -120,5 +120,5 @@ class LeaseKeeper:
             await asyncio.wait_for(self._kv.put(self.node, value), self.renew_s * 2)
             return True
         except (asyncio.TimeoutError, nats.errors.Error, BusError) as exc:
-            log.debug("lease renewal failed: %s", str(exc) or type(exc).__name__)
+            log.debug("lease renewal failed: %s", described(exc))
             return False

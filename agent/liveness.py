@@ -37,6 +37,7 @@ from nats.aio.msg import Msg
 from revenant.agent.lease import LeaseKeeper
 from revenant.common import bus, security
 from revenant.common.config import AgentConfig
+from revenant.common.errors import described
 from revenant.messages import (
     Capabilities,
     HealthSummary,
@@ -240,7 +241,7 @@ class Liveness:
             log.debug("heartbeat %d dropped: not connected", self.seq)
             self._full.force = True
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("heartbeat %d not sent: %s", self.seq, str(exc) or type(exc).__name__)
+            log.warning("heartbeat %d not sent: %s", self.seq, described(exc))
             self._full.force = True
 
     async def _reconnected(self) -> None:

@@ -25,6 +25,7 @@ from typing import Awaitable, Callable
 
 import psutil
 
+from revenant.common.errors import described
 from revenant.messages import MessageError, Progress, encode, subjects
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,6 @@ class Reporter:
                 await asyncio.wait_for(publish(subject, encode(msg)), self.interval_s)
             except Exception as exc:  # best effort: a lost report changes nothing
                 if not failed:
-                    log.debug("job %s: progress not published: %s", job, str(exc) or type(exc).__name__)
+                    log.debug("job %s: progress not published: %s", job, described(exc))
                 failed = True
             await asyncio.sleep(self.interval_s)

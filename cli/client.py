@@ -22,7 +22,7 @@ from revenant.cli.jobview import _fmt_bytes, _fmt_time, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
-from revenant.common.errors import BusError, RevenantError
+from revenant.common.errors import BusError, RevenantError, described
 from revenant.common.intervals import parse_interval
 from revenant.common.limits import BadRequest, check_submit
 from revenant.messages import (
@@ -220,7 +220,7 @@ async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float
             await bus.ensure_event_stream(js)
             info = await js.stream_info(subjects.EVENTS_STREAM)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise BusError(f"cannot read the event stream: {str(exc) or type(exc).__name__}") from None
+            raise BusError(f"cannot read the event stream: {described(exc)}") from None
         last = info.state.last_seq
         if not follow and info.state.messages == 0:
             return

@@ -20,7 +20,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from nats.aio.msg import Msg
 
-from revenant.common.errors import BusError, NoResponders, RemoteError, RequestTimeout, RevenantError
+from revenant.common.errors import BusError, NoResponders, RemoteError, RequestTimeout, RevenantError, described
 from revenant.messages import ErrorReply, Message, MessageError, decode, decode_as, encode
 from revenant.messages import subjects
 
@@ -47,7 +47,7 @@ def map_exceptions(what: str, error: type[BusError] = BusError) -> Iterator[None
     try:
         yield
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        raise error(f"{what}: {str(exc) or type(exc).__name__}") from None
+        raise error(f"{what}: {described(exc)}") from None
 
 
 async def connect(
@@ -78,7 +78,7 @@ async def connect(
     client: list[Client] = []
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats (%s): %s", name, str(exc) or type(exc).__name__)
+        log.warning("nats (%s): %s", name, described(exc))
         if not client and "authorization violation" in str(exc).lower():
             # Refused at the first connect: a wrong or unknown key stays wrong, so fail now
             # rather than retry forever.  (Later, across a server restart, keep trying.)
@@ -117,7 +117,7 @@ async def connect(
         raise BusError(f"NATS at {url} refused the connection ({exc}): {why}") from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error, nkeys.NkeysError) as exc:
         await nc.close()
-        raise BusError(f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from None
+        raise BusError(f"cannot connect to NATS at {url}: {described(exc)}") from None
     client.append(nc)
     return nc
 
@@ -153,7 +153,7 @@ async def close(nc: Client | None, grace_s: float, what: str = "") -> None:
             await nc.close()
     except (asyncio.TimeoutError, nats.errors.Error) as exc:
         log.warning("nats%s: drain did not finish cleanly: %s", f" ({what})" if what else "",
-                    str(exc) or type(exc).__name__)
+                    described(exc))
         await nc.close()
 
 
@@ -166,7 +166,7 @@ async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], t
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
         raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from None
     except nats.errors.Error as exc:
-        raise BusError(f"request on {subject} failed: {str(exc) or type(exc).__name__}") from None
+        raise BusError(f"request on {subject} failed: {described(exc)}") from None
     try:
         reply = decode(resp.data)
     except MessageError as exc:
@@ -210,7 +210,7 @@ def error_reply(exc: Exception) -> bytes:
     """The wire form of an error, for replying to a request that failed."""
     code = getattr(exc, "code", "internal")
     retriable = bool(getattr(exc, "retriable", False))
-    return encode(ErrorReply(code=code, message=str(exc) or type(exc).__name__, retriable=retriable))
+    return encode(ErrorReply(code=code, message=described(exc), retriable=retriable))
 
 
 async def ensure_event_stream(js: JetStreamContext, replicas: int = 1, *, owner: bool = False) -> None:

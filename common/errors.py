@@ -76,3 +76,9 @@ class CheckpointSkipped(RevenantError):
 
     code = "checkpoint_skipped"
     retriable = True
+
+
+def described(exc: BaseException) -> str:
+    """An exception in a one-line report: its message, or its type's name when it has none (a
+    timeout's message is empty)."""
+    return str(exc) or type(exc).__name__

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 
 import nkeys
 
-from revenant.common.errors import BusError
+from revenant.common.errors import BusError, described
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class RawSubscriber:
                 await self._connect()
                 break
             except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
-                errors.append(f"{self.servers[(self._next - 1) % len(self.servers)]}: {str(exc) or type(exc).__name__}")
+                errors.append(f"{self.servers[(self._next - 1) % len(self.servers)]}: {described(exc)}")
         else:
             raise BusError(f"cannot subscribe to {self.subject}: {'; '.join(errors)}")
         self._task = asyncio.create_task(self._keep(), name=f"rawsub-{self.subject}")
@@ -350,7 +350,7 @@ class RawSubscriber:
                 failures += 1
                 if failures & (failures - 1) == 0:  # 1, 2, 4, 8, ...: loud, not a flood
                     log.warning("nats (%s): %s subscription still lost after %d attempt(s): %s", self.name,
-                                self.subject, failures, str(exc) or type(exc).__name__)
+                                self.subject, failures, described(exc))
                 continue
             self.reconnects += 1
             log.info("nats (%s): %s subscription back", self.name, self.subject)

@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 
 from revenant.common import bus, security
 from revenant.common.config import CoordinatorConfig
-from revenant.common.errors import BusError, RevenantError
+from revenant.common.errors import BusError, RevenantError, described
 from revenant.common.events import EventPublisher
 from revenant.common.httpserver import HttpServer
 from revenant.common.kv import raise_replicas
@@ -251,7 +251,7 @@ class Coordinator(Service):
         except (RevenantError, nats.errors.Error) as exc:
             # Leading on a table it could not read would be leading blind: step down, campaign again.
             if self._term is term:
-                self.leadership.step_down(f"cannot take office: {str(exc) or type(exc).__name__}")
+                self.leadership.step_down(f"cannot take office: {described(exc)}")
         finally:
             if not self.stopping:  # a stop drains the connection, answering what already arrived
                 await term.unsubscribe()

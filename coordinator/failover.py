@@ -32,7 +32,7 @@ import msgspec
 
 
 from revenant.common.config import CoordinatorConfig
-from revenant.common.errors import RevenantError
+from revenant.common.errors import RevenantError, described
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService
 from revenant.messages import ClusterEvent, FailoverReply, JobEvent, LeaseValue, NodeStatus, subjects
@@ -160,7 +160,7 @@ class Failover:
             except nats.js.errors.NotFoundError:
                 return None
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                log.warning("cannot read node %s's lease (%s); retrying", node, str(exc) or type(exc).__name__)
+                log.warning("cannot read node %s's lease (%s); retrying", node, described(exc))
                 await asyncio.sleep(0.2 * (attempt + 1))
                 continue
             if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):

@@ -22,6 +22,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from revenant.common.errors import described
 from revenant.common.rawsub import Batch
 from revenant.coordinator.detector import FailureDetector, Transition
 from revenant.messages import HeartbeatRequest, MessageError, decode_capabilities, decode_heartbeat, encode, subjects
@@ -111,7 +112,7 @@ async def ask_full_heartbeats(nc: Client, sender: str, at: float) -> None:
     try:
         await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender=sender, sent_at=at)))
     except nats.errors.Error as exc:
-        log.warning("could not ask the agents for full heartbeats: %s", str(exc) or type(exc).__name__)
+        log.warning("could not ask the agents for full heartbeats: %s", described(exc))
 
 
 class ClientSubscription:

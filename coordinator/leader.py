@@ -24,7 +24,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from revenant.common.errors import BusError
+from revenant.common.errors import BusError, described
 from revenant.common.kv import open_bucket
 from revenant.messages import subjects
 
@@ -181,7 +181,7 @@ class Leadership:
                 self.step_down("the leader key was deleted")
                 return
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                failure = f"the leader key changed and could not be read: {str(exc) or type(exc).__name__}"
+                failure = f"the leader key changed and could not be read: {described(exc)}"
             else:
                 if entry is not None and entry.value == self.value:
                     self._revision = entry.revision or self._revision
@@ -192,7 +192,7 @@ class Leadership:
                                else "the leader key was deleted")
                 return
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            failure = str(exc) or type(exc).__name__
+            failure = described(exc)
         if self.clock() - self._renewed_at > self.lease_s / 2:
             self.step_down(f"lost the leader lease ({failure})")
 
@@ -202,7 +202,7 @@ class Leadership:
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
             return  # someone else leads
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.debug("leader election: %s", str(exc) or type(exc).__name__)
+            log.debug("leader election: %s", described(exc))
             return
         self._renewed_at = self.clock()
         self.leader = True

@@ -23,7 +23,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from revenant.common.errors import RevenantError
+from revenant.common.errors import RevenantError, described
 from revenant.common.events import EventPublisher
 from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.detector import FailureDetector
@@ -51,7 +51,7 @@ async def _last_at(js: JetStreamContext, node: str, kind: str) -> float | None:
     except nats.js.errors.NotFoundError:
         return 0.0
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        log.warning("cannot read node %s's last %s event: %s", node, kind, str(exc) or type(exc).__name__)
+        log.warning("cannot read node %s's last %s event: %s", node, kind, described(exc))
         return None
     try:
         return decode_as(msg.data or b"", NodeEvent).at

@@ -61,3 +61,12 @@ async def test_the_parasite_s_leftover_proc_mountpoint_is_removed(tmp_path):
     (tmp_path / "proc.crtools").write_text("not criu's")  # not a directory: left alone, and said
     with pytest.raises(NotADirectoryError):
         await criu.clear_stale_proc_dir(tmp_path)
+
+
+def test_an_exception_without_a_message_is_named_by_its_type():
+    import asyncio
+
+    from revenant.common.errors import described
+
+    assert described(asyncio.TimeoutError()) == "TimeoutError"
+    assert described(ValueError("bad interval")) == "bad interval"
