@@ -80,20 +80,6 @@ def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
     return m, []
 
 
-def _served_lazily(m: Manifest) -> bool:
-    """Whether an epoch is restored lazily where the node can: not one stored as a delta (rebuilt
-    first), nor a GPU job's (resuming CUDA copies device memory back from host memory that would
-    still be arriving)."""
-    return not m.recipes and not m.gpus
-
-
-def _lazy_serves(m: Manifest, name: str) -> bool:
-    """criu's page data (``pages-<id>.img``, a pre-dump's too) of an epoch restored lazily: what the
-    lazy restore serves, and checks as it does (left out of the check before criu)."""
-    base = name.rsplit("/", 1)[-1]
-    return _served_lazily(m) and base.startswith("pages-") and base.endswith(".img")
-
-
 @dataclass
 class LazyFetch:
     """The rest of a lazy restore: its page server, until the last page is in (or it fails)."""
@@ -134,6 +120,7 @@ class _Undo:
     """What a dump that does not commit leaves to undo."""
 
     frozen: bool = False  # stopped by --leave-stopped: resume it
+    resume: Callable[[], None] = lambda: None
     tmp: Path | None = None  # the epoch being written: discard it
     follower: Follower | None = None  # reading the images criu writes: stop it first
 
@@ -186,25 +173,30 @@ class Engine:
     # ------------------------------------------------------------------ checkpoint
 
     async def checkpoint(self, job: str, generation: int, pid: int, *, stop: bool, workdir: str = "",
-                         user: str = "", policy: CheckpointPolicy | None = None
+                         user: str = "", policy: CheckpointPolicy | None = None,
+                         spoiled: Callable[[], str] = lambda: "", resume: Callable[[], None] | None = None
                          ) -> tuple[Manifest, list[str], dict[str, float]]:
         """Dump ``job`` (root ``pid``, working directory ``workdir``, owned by ``user``, which the
         manifest records) into a new committed epoch; returns it, notes, and criu's statistics.
 
         ``stop`` (vacate): the job is left stopped after the dump and killed only
-        once the epoch has committed; on any failure it is resumed, unharmed.
+        once the epoch has committed; on any failure it is resumed (``resume``; default:
+        SIGCONT), unharmed.  ``spoiled``, asked once the dump is written and before the
+        commit: why the image must not be kept (the job was frozen meanwhile), or "".
         """
         files = JobFiles(self.storage, job)
         self.pending += 1
         try:
             async with self.slots:
-                return await self._checkpoint(files, job, generation, pid, stop, workdir, user, policy)
+                return await self._checkpoint(files, job, generation, pid, stop, workdir, user, policy,
+                                              spoiled, resume or functools.partial(signal_tree, pid, signal.SIGCONT))
         finally:
             self.pending -= 1
 
     async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool,
-                          job_workdir: str, user: str,
-                          policy: CheckpointPolicy | None) -> tuple[Manifest, list[str], dict[str, float]]:
+                          job_workdir: str, user: str, policy: CheckpointPolicy | None,
+                          spoiled: Callable[[], str],
+                          resume: Callable[[], None]) -> tuple[Manifest, list[str], dict[str, float]]:
         workdir = self._new_dir(self.work_roots, job)
         staging = self._new_dir([self.staging], job) if self.staging is not None else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
@@ -213,7 +205,7 @@ class Engine:
         ctx = DumpContext(job=job, generation=generation, pid=pid, files=files, workdir=workdir, stop=stop,
                           manifest=manifest, job_workdir=job_workdir, policy=policy)
         started = self.clock()
-        undo = _Undo()
+        undo = _Undo(resume=resume)
         committed = False
         durable = watch = None
         try:
@@ -233,6 +225,9 @@ class Engine:
             manifest.dump_s = self.clock() - started
             for step in self.steps:
                 await step.after_dump(ctx)
+            if why := spoiled():
+                raise RevenantError(f"checkpoint of {job} discarded: {why}; its image would restore it "
+                                    f"stopped", code="frozen", retriable=True)
             manifest = await asyncio.to_thread(files.commit, undo.tmp, manifest, staging, self.clock, undo.follower,
                                                durable)
             undo.tmp = None
@@ -308,7 +303,7 @@ class Engine:
 
     async def _undo_dump(self, ctx: DumpContext, undo: _Undo) -> None:
         if undo.frozen:
-            signal_tree(ctx.pid, signal.SIGCONT)
+            undo.resume()
         if undo.follower is not None:  # before the discard: it reads the images
             await asyncio.to_thread(undo.follower.abandon)
         for step in self.steps:  # before the discard: a step may still be writing into the epoch
@@ -342,8 +337,8 @@ class Engine:
 
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
                 manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check,
-                                                          _lazy_serves if lazy_here else None)
-                lazy_here = lazy_here and _served_lazily(manifest)
+                                                          lazy.lazy_serves if lazy_here else None)
+                lazy_here = lazy_here and lazy.served_lazily(manifest)
                 return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked,
                                                   lazy_here)
         finally:

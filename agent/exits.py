@@ -89,5 +89,10 @@ class ExitClassifier:
         return (now - self._reset_at > self.switch_timeout_s * SWITCH_SUSPECT_FRACTION
                 or now - self._gap_ended_at < SWITCH_MEMORY_S)
 
+    def may_have_fired_since(self, since: float) -> bool:
+        """Whether the switches may have fired at any time since ``since`` (this clock's time)."""
+        return (self._gap_ended_at > since
+                or self.clock() - self._reset_at > self.switch_timeout_s * SWITCH_SUSPECT_FRACTION)
+
     def classify(self, end: JobEnd) -> ExitVerdict:
         return classify_exit(end, self.switch_may_have_fired())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import subprocess
@@ -26,9 +27,10 @@ from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
 from revenant.agent.exits import ExitClassifier, JobEnd
 from revenant.agent.fetches import FETCH_WAIT_S, PageFetches
+from revenant.agent.freezing import Freezer
 from revenant.agent.launcher import Launcher, new_stamp, reset_stamp
 from revenant.agent.policy import PolicyRunner
-from revenant.agent.procs import freeze_tree, signal_tree
+from revenant.agent.procs import signal_tree
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.metrics import AgentMetrics
 from revenant.messages import AgentJobReply, JobEvent, JobGpu, JobSpec, Message, subjects
@@ -90,6 +92,7 @@ class Supervisor:
         self.book = CheckpointBook(node, emit, metrics, wall_clock)
         self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
+        self.freezer = Freezer(self.jobs, self.exits, clock)  # the self-fence's SIGSTOP and SIGCONT
         # Starts and restores in flight, one per job: a newer generation or a kill arriving
         # meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
@@ -245,9 +248,12 @@ class Supervisor:
     async def _checkpoint(self, rt: JobRuntime, stop: bool, evict: str, warnings: list[str], why: Why) -> AgentJobReply:
         job, generation = rt.spec.id, rt.generation
         assert self.engine is not None
+        since = self.clock()
         try:
-            manifest, notes, stats = await self.engine.checkpoint(job, generation, rt.pid, stop=stop, user=rt.spec.user,
-                                                                  workdir=rt.spec.workdir, policy=rt.spec.policy)
+            manifest, notes, stats = await self.engine.checkpoint(
+                job, generation, rt.pid, stop=stop, user=rt.spec.user, workdir=rt.spec.workdir, policy=rt.spec.policy,
+                spoiled=functools.partial(self.freezer.spoiled, rt, since),
+                resume=functools.partial(self.freezer.resume, rt))
         except RevenantError as exc:
             self.book.failed(job, generation, exc, **why)
             raise
@@ -320,25 +326,11 @@ class Supervisor:
         flight are superseded, as they were never reported running.  The namespace's init is
         left running: its dead man's switch is the backstop if this agent stops for good."""
         self._supersede_launches(reason)
-        frozen = []
-        for rt in list(self.jobs.values()):
-            if rt.frozen_at is None:
-                rt.frozen_at = self.clock()
-            freeze_tree(rt.pid)
-            frozen.append(rt.spec.id)
-        if frozen:
-            log.error("%s: froze job(s) %s", reason, ", ".join(frozen))
-        return frozen
+        return self.freezer.freeze_all(reason)
 
     def thaw(self, job: str, generation: int) -> bool:
         """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen."""
-        rt = self.jobs.get(job)
-        if rt is None or rt.generation != generation or rt.frozen_at is None:
-            return False
-        reset_stamp(rt.files.stamp)
-        signal_tree(rt.pid, signal.SIGCONT)
-        rt.frozen_at = None
-        return True
+        return self.freezer.thaw(job, generation)
 
     async def expire_frozen(self, max_frozen_s: float) -> None:
         """Kill each job frozen for longer than ``max_frozen_s`` (reported evicted: the leader

@@ -86,7 +86,7 @@ from revenant.agent import procs
 from revenant.agent.epochs import JobFiles
 from revenant.agent.fileio import replace_empty
 from revenant.agent.exits import SWITCH_EXIT
-from revenant.common.config import AgentConfig
+from revenant.common.config import SWITCH_SKEW_S, AgentConfig
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
@@ -104,6 +104,13 @@ log = logging.getLogger(__name__)
 # stamp a new inode first, so a stale copy left behind on a paused node watches a
 # file nobody touches any more, and freezes.  No descriptor leads outside the job's
 # files, so criu dumps it like any other regular file.
+# The init reads its clock before the stamp's mtime (a reset between the two reads looks
+# fresh, never stale), but the mtime comes from the kernel's coarse clock, and the agent
+# resets the stamps a moment after it has timed its renewal.  So the init waits this much
+# longer than the agent's own fence: a switch never fires while the agent believes its lease
+# was held throughout (nothing would ever thaw that job), and still long before the lease
+# runs out (lease_ttl_s) and the job may be restored elsewhere.
+SWITCH_SKEW_MS = round(SWITCH_SKEW_S * 1000)
 INIT_SCRIPT = f"""out=$1; stamp=$2; fence_ms=$3; max_frozen_ms=$4; shift 4
 exec </dev/null >>"$out" 2>&1 3<"$stamp"
 "$@" &
@@ -111,8 +118,8 @@ child=$!
 frozen=0
 while kill -0 $child 2>/dev/null; do
     sleep 0.2
-    m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
     now=$(date +%s%3N)
+    m=$(stat -L -c %.3Y /dev/fd/3 2>/dev/null) || continue
     if [ $((now - ${{m%.*}}${{m#*.}})) -gt "$fence_ms" ]; then
         if [ "$frozen" = 0 ]; then
             kill -STOP -1 2>/dev/null
@@ -270,7 +277,7 @@ def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str
     with ``become`` (:func:`setpriv_argv`), the init and the job run as the job's user."""
     job = ["/bin/sh", "-c", CD_SHIM, CD_NAME, workdir, *argv] if workdir is not None else argv
     init = [*(become or []), "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
-            str(int(switch_timeout_s * 1000)), str(int(max_frozen_s * 1000)), *job]
+            str(int(switch_timeout_s * 1000) + SWITCH_SKEW_MS), str(int(max_frozen_s * 1000)), *job]
     if scratch is None:
         return ["unshare", "--ipc", "--pid", "--fork", "--kill-child", "setsid", *init]
     return ["unshare", "--mount", "--propagation", "private", "--ipc", "--pid", "--fork", "--kill-child", "setsid",

@@ -47,6 +47,21 @@ _EXIT_RE = re.compile(r"uffd: (\d+)--?\d+: EXIT$", re.M)
 EAGER_NEXT = "restore-eagerly"
 
 
+def served_lazily(m: Manifest) -> bool:
+    """Whether an epoch is restored lazily where the node can: not one stored as a delta (rebuilt
+    first), nor a GPU job's (resuming CUDA copies device memory back from host memory that would
+    still be arriving)."""
+    return not m.recipes and not m.gpus
+
+
+def lazy_serves(m: Manifest, name: str) -> bool:
+    """criu's page data (``pages-<id>.img``, a pre-dump's too) of an epoch restored lazily: what the
+    lazy restore serves, and checks as it does (left out of the check before criu)."""
+    base = name.rsplit("/", 1)[-1]
+    return served_lazily(m) and base.startswith("pages-") and base.endswith(".img")
+
+
+
 def eager_next(files: JobFiles) -> bool:
     """Whether this restore of the job must be eager (and so the mark is used up)."""
     try:

@@ -27,6 +27,9 @@ from revenant.messages import FINDING_CODES, SubmitRequest
 
 C = TypeVar("C", bound=msgspec.Struct)
 
+# A job's dead man's switch fires this much later than its agent's fence (agent/launcher.py).
+SWITCH_SKEW_S = 0.1
+
 
 class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node: str = ""
@@ -134,8 +137,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
         if self.lease_renew_s > self.lease_ttl_s / 3:
             raise ValueError("lease_renew_s must be at most lease_ttl_s / 3")
-        if self.fence_timeout_s >= self.lease_ttl_s:
-            raise ValueError("fence_timeout_s must be shorter than lease_ttl_s")
+        if self.fence_timeout_s + SWITCH_SKEW_S >= self.lease_ttl_s:
+            raise ValueError(f"fence_timeout_s must be shorter than lease_ttl_s by more than {SWITCH_SKEW_S} s "
+                             "(the jobs' dead man's switches fire that much later)")
         if not self.max_frozen_s > self.fence_timeout_s:
             raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",

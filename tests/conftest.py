@@ -182,6 +182,26 @@ def gone(proc) -> bool:
         return True
 
 
+def running(root, marker: str) -> list:
+    """The processes below ``root`` (a pid or a ``psutil.Process``) whose command line holds
+    ``marker``, each with its status then: the init's passing children (``sleep``, ``stat``)
+    exit between any two looks, and are left out when they do."""
+    import psutil
+
+    found = []
+    try:
+        below = (root if isinstance(root, psutil.Process) else psutil.Process(root)).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for proc in below:
+        try:
+            if marker in " ".join(proc.cmdline()):
+                found.append((proc, proc.status()))
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 LOG_TAIL_LINES = {"coordinator.log": 40}
 
 

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import COUNTER, Cluster, counter_reference, revenant_cli, wait_until
+from conftest import COUNTER, Cluster, counter_reference, revenant_cli, running, wait_until
 from revenant.common.natsserver import start_nats_server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
@@ -38,7 +38,7 @@ def show(cluster: Cluster, job: str) -> dict:
 
 
 def counter_process(init_pid: int) -> psutil.Process:
-    return next(p for p in psutil.Process(init_pid).children(recursive=True) if str(COUNTER) in " ".join(p.cmdline()))
+    return next(p for p, _ in running(init_pid, str(COUNTER)))
 
 
 @pytest.mark.parametrize("outage_s", [5, 20])

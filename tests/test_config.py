@@ -182,3 +182,12 @@ def test_a_jobs_policy_is_the_sections_defaults_with_the_submits_overrides():
                          load_aware=False)
     assert section.policy(over) == CheckpointPolicy(incremental=False, full_every=2, pre_dump=True,
                                                     pre_dump_delay_s=0.5, load_aware=False, load_threshold_cpu=0.8)
+
+
+def test_the_fence_leaves_room_for_the_dead_mans_switch_within_the_lease(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text("[agent]\nlease_ttl_s = 1.7\nfence_timeout_s = 1.65\n")
+    with pytest.raises(ConfigError, match=r"fence_timeout_s must be shorter than lease_ttl_s by more than 0\.1 s"):
+        load_config(AgentConfig, "agent", f, environ={})
+    f.write_text("[agent]\nlease_ttl_s = 1.7\nfence_timeout_s = 1.5\n")
+    assert load_config(AgentConfig, "agent", f, environ={}).fence_timeout_s == 1.5

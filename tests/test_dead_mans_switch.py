@@ -26,11 +26,12 @@ class FakeClock:
 
 
 def test_the_init_gets_the_switch_timeouts_in_milliseconds_freezes_then_exits_251(tmp_path):
+    # Its switch fires SWITCH_SKEW_MS after the agent's own fence (1.2 s): never first.
     files = JobFiles(tmp_path, "3")
     argv = init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"], max_frozen_s=600)
     assert argv[:6] == ["unshare", "--ipc", "--pid", "--fork", "--kill-child", "setsid"]
     assert argv[6:10] == ["/bin/sh", "-c", INIT_SCRIPT, INIT_NAME]
-    assert argv[10:] == [str(files.output), str(files.stamp), "1200", "600000", "python3", "train.py"]
+    assert argv[10:] == [str(files.output), str(files.stamp), "1300", "600000", "python3", "train.py"]
     assert "kill -STOP -1" in INIT_SCRIPT and f"exit {SWITCH_EXIT}\n" in INIT_SCRIPT
     assert 'fence_ms=$3; max_frozen_ms=$4' in INIT_SCRIPT
 

@@ -101,3 +101,23 @@ def test_the_classifier_starts_with_the_switches_fresh():
     assert not exits.switch_may_have_fired()
     clock.now += 0.2
     assert exits.switch_may_have_fired()
+
+
+def test_whether_the_switches_may_have_fired_during_a_dump():
+    clock = FakeClock(100.0)
+    exits = ExitClassifier(switch_timeout_s=1.0, clock=clock)
+    before_the_gap = clock.now
+    clock.now += 1.5
+    exits.switches_reset()  # a gap that ended before the dump began does not spoil it
+    since = clock.now
+    assert exits.may_have_fired_since(before_the_gap) and not exits.may_have_fired_since(since)
+    for _ in range(5):  # reset regularly through the dump: fine
+        clock.now += 0.5
+        exits.switches_reset()
+        assert not exits.may_have_fired_since(since)
+    clock.now += 0.85  # unreset for most of the timeout now: it may be firing
+    assert exits.may_have_fired_since(since)
+    clock.now += 0.3
+    exits.switches_reset()  # a gap that ended during the dump: it may have fired
+    clock.now += 5
+    assert exits.may_have_fired_since(since)

@@ -14,13 +14,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import COUNTER
+from conftest import COUNTER, running
 from revenant.agent import procs
 from revenant.agent.criu import locate_criu
 from revenant.agent.engine import Engine, NoSpace
 from revenant.agent.epochs import JobFiles
 from revenant.agent.exits import SWITCH_EXIT
 from revenant.agent.jobs import JobNotRunning, Supervisor
+from revenant.agent.steps import BaseStep
 from revenant.common.errors import CriuError, RevenantError, StaleGeneration
 from revenant.messages import JobSpec
 
@@ -88,6 +89,43 @@ async def test_failing_criu_reports_its_error_keeps_its_log_and_the_job_runs_on(
     assert sup.checkpoint_failures == 2
 
 
+class FenceDuringTheDump(BaseStep):
+    """The node self-fences while criu holds the job (after the dump, before the commit)."""
+
+    name = "fence"
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+
+    async def after_dump(self, ctx) -> None:
+        self.sup.freeze_all("self-fenced: test")
+
+
+def states(sup: Supervisor, job: str) -> set[str]:
+    """The states of the job's own processes (below its init)."""
+    return {status for _, status in running(sup.jobs[job].pid, str(COUNTER))}
+
+
+async def test_an_image_dumped_while_the_job_froze_is_discarded_and_the_job_stays_frozen(tmp_path, supervisor_factory):
+    criu = locate_criu()
+    sup, events = supervisor_factory(tmp_path / "storage", criu)
+    await start_counter(sup)
+    first = await sup.checkpoint("1", 1, stop=False)
+    assert sup.engine is not None
+    sup.engine.steps.append(FenceDuringTheDump(sup))
+    for stop in (False, True):  # a checkpoint, then a vacate (criu leaves that one stopped)
+        with pytest.raises(RevenantError, match="discarded: job 1 was frozen during the dump") as info:
+            await sup.checkpoint("1", 1, stop=stop)
+        assert info.value.code == "frozen" and info.value.retriable
+        # Not committed (it would restore the job stopped), the older epoch kept, and the
+        # failed vacate does not resume a job its node froze: only the leader's word thaws it.
+        assert JobFiles(sup.storage, "1").committed() == [first.epoch.n]
+        await asyncio.sleep(0.3)
+        assert states(sup, "1") == {psutil.STATUS_STOPPED} and not await growing(sup, "1")
+        assert sup.thaw("1", 1) and await growing(sup, "1")
+    assert [e.kind for e in events if e.__class__.__name__ == "EpochEvent"] == ["created", "failed", "failed"]
+
+
 async def test_missing_criu_is_one_clear_error(tmp_path, supervisor_factory):
     sup, _ = supervisor_factory(tmp_path / "storage", None)
     await start_counter(sup)
@@ -147,8 +185,8 @@ async def test_dead_mans_switch_freezes_then_kills_a_job_nobody_resets(tmp_path)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not rt1.exited.is_set():
             os.utime(JobFiles(sup.storage, "2").stamp)
-            job = [p for p in psutil.Process(rt1.pid).children(recursive=True) if str(COUNTER) in p.cmdline()]
-            if frozen_size is None and job and all(p.status() == psutil.STATUS_STOPPED for p in job):
+            job = {status for _, status in running(rt1.pid, str(COUNTER))}
+            if frozen_size is None and job == {psutil.STATUS_STOPPED}:
                 frozen_size = output.stat().st_size
             await asyncio.sleep(0.1)
         assert frozen_size is not None, "the switch never froze the job"
