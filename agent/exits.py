@@ -90,9 +90,9 @@ class ExitClassifier:
                 or now - self._gap_ended_at < SWITCH_MEMORY_S)
 
     def may_have_fired_since(self, since: float) -> bool:
-        """Whether the switches may have fired at any time since ``since`` (this clock's time)."""
-        return (self._gap_ended_at > since
-                or self.clock() - self._reset_at > self.switch_timeout_s * SWITCH_SUSPECT_FRACTION)
+        """Whether the switches may have fired at any time since ``since`` (this clock's time): a
+        gap in their resets as long as their timeout ended since, or one is that long now."""
+        return self._gap_ended_at > since or self.clock() - self._reset_at > self.switch_timeout_s
 
     def classify(self, end: JobEnd) -> ExitVerdict:
         return classify_exit(end, self.switch_may_have_fired())
