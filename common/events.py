@@ -28,6 +28,7 @@ import time
 import zlib
 from typing import Callable
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from revenant.common import bus
@@ -69,6 +70,18 @@ class EventPublisher:
         # Attempts that failed and were retried (each with the event's own message id).
         self.retried = 0
         self._stopping = False
+        self._own: Client | None = None  # the connection it publishes on, when it is its own
+
+    @classmethod
+    async def on_own_connection(cls, url: str, name: str, credentials: dict, **kwargs) -> EventPublisher:
+        """A publisher on a NATS connection of its own, closed by :meth:`stop`: a burst of events
+        (100,000 nodes joining) waits in that connection's buffers, not ahead of the caller's
+        latency-bound requests (the coordinator's leader lease, its probes and commands), which a
+        shared connection writes in order behind megabytes of events."""
+        nc = await bus.connect(url, name, **credentials)
+        publisher = cls(nc.jetstream(), **kwargs)
+        publisher._own = nc
+        return publisher
 
     def emit(self, subject: str, msg: Message, msg_id: str = "", acked: bool = True) -> None:
         """Queue ``msg`` for ``subject``.  Its message id is fixed now (``msg_id``, or a new one):
@@ -105,6 +118,8 @@ class EventPublisher:
                 await asyncio.wait_for(asyncio.gather(*(self._drain(q) for q in self._queues)), flush_timeout_s)
             except asyncio.TimeoutError:
                 log.error("%d events not published at shutdown", self.queued)
+            own, self._own = self._own, None
+            await bus.close(own, 3, "event publisher")
             return
         self._stopping = True
         for queue in self._queues:
@@ -117,6 +132,8 @@ class EventPublisher:
             await asyncio.wait(pending, timeout=1.0)
         if self.queued:
             log.error("%d events not published at shutdown", self.queued)
+        own, self._own = self._own, None
+        await bus.close(own, 3, "event publisher")
 
     async def _drain(self, queue: asyncio.Queue) -> None:
         while not queue.empty():

@@ -42,21 +42,8 @@ from revenant.coordinator.sick import ProactiveMoves
 from revenant.coordinator.requests import USER_VERBS, ClientRequests, check_admin, requester_of
 from revenant.coordinator.store import KvJobStore
 from revenant.coordinator.takeover import take_over
-from revenant.messages import (
-    ClusterEvent,
-    HealthSummary,
-    FailoverRequest,
-    Message,
-    MessageError,
-    NodeEvent,
-    NodesReply,
-    NodesRequest,
-    Probe,
-    ProbeReply,
-    ReconcileRequest,
-    decode_as,
-    subjects,
-)
+from revenant.messages import (ClusterEvent, FailoverRequest, HealthSummary, Message, MessageError, NodeEvent,
+                               NodesReply, NodesRequest, Probe, ProbeReply, ReconcileRequest, decode_as, subjects)
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +131,10 @@ class Coordinator(Service):
                                      on_reconnect=on_reconnect,
                                      **security.credentials(security.COORDINATOR, self.config.nats_creds))
         self._js = self._nc.jetstream()
-        self._events = EventPublisher(self._js, timeout_s=self.config.event_publish_timeout_s,
-                                      clock=self._clock)
+        self._events = await EventPublisher.on_own_connection(
+            self.config.nats_url, f"revenant-coordinator-{self.name}-events",
+            security.credentials(security.COORDINATOR, self.config.nats_creds),
+            timeout_s=self.config.event_publish_timeout_s, clock=self._clock)
         replicas = bus.replicas_for(self._nc, self.config.nats_replicas)
         log.info("coordinator %s: streams and buckets with %d replica(s)", self.name, replicas)
         await bus.ensure_event_stream(self._js, replicas, owner=True)

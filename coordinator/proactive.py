@@ -24,7 +24,7 @@ import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Literal
 
 import msgspec
 

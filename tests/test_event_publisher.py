@@ -34,6 +34,37 @@ async def test_event_bursts_are_published_in_order_per_subject(nats_url):
     await nc.close()
 
 
+async def test_a_publisher_on_its_own_connection_keeps_a_burst_off_the_callers(nats_url):
+    """The coordinator's publisher: 20,000 joins go out on its connection, none on the caller's
+    (whose leader-lease renewals must not wait behind them), and it closes that one at stop."""
+    from revenant.common.events import EventPublisher
+
+    nc = await bus.connect(nats_url, "caller", endless_reconnect=False)
+    js = nc.jetstream()
+    await bus.ensure_event_stream(js)
+    pub = await EventPublisher.on_own_connection(nats_url, "caller-events", {})
+    own = pub._own
+    assert own is not None and own is not nc and own.is_connected
+    pub.start()
+    sent_before = nc.stats["out_msgs"]
+    for i in range(20_000):
+        pub.emit(subjects.node_event(f"n{i}", "joined"), NodeEvent(node=f"n{i}", kind="joined", at=float(i)),
+                 acked=False)
+    await nc.flush()
+    await pub.stop(flush_timeout_s=60)
+    assert pub.published == 20_000 and pub.dropped == 0
+    assert nc.stats["out_msgs"] - sent_before < 10 and own.stats["out_msgs"] >= 20_000
+    assert own.is_closed
+    stored = 0
+    for _ in range(100):  # written without acks: the stream stores them a moment later
+        stored = (await js.stream_info(subjects.EVENTS_STREAM)).state.messages
+        if stored >= 20_000:
+            break
+        await asyncio.sleep(0.1)
+    assert stored == 20_000
+    await nc.close()
+
+
 async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url):
     """A publish under way when the publisher stops is finished, not cancelled (which lost the
     event, and could leave a worker that never ended)."""
