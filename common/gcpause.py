@@ -14,6 +14,10 @@ still gets one every few seconds to minutes.
 grows with the churn, not with the cluster.  Objects frozen are never collected as garbage
 cycles, so every ``rewalk_s`` they are released (``gc.unfreeze``) and the next full collection
 walks everything once: one long pause in that time instead of one every few seconds.
+
+A service can choose that pause's moment: after :func:`choose_rewalk`, collections no longer
+release what is frozen, and the service calls :func:`rewalk_if_due` where a pause costs least
+(the coordinator: right after it renewed its leader lease, which then has most of its time left).
 """
 
 from __future__ import annotations
@@ -32,10 +36,30 @@ _state: dict = {}
 
 def install(freeze: bool = False, rewalk_s: float = REWALK_S, clock=time.monotonic) -> None:
     """Watch collections (once per process; a second call changes only ``freeze``)."""
-    _state.update(freeze=freeze, rewalk_s=rewalk_s, clock=clock)
+    _state.update(freeze=freeze, rewalk_s=rewalk_s, clock=clock, chosen=False)
     if "started" not in _state:
         _state.update(started=0.0, released_at=clock())
         gc.callbacks.append(_on_collection)
+
+
+def choose_rewalk() -> None:
+    """The service calls :func:`rewalk_if_due` itself; collections never release what is frozen."""
+    _state["chosen"] = True
+
+
+def rewalk_if_due() -> float | None:
+    """If the rewalk is due: walk everything now (one full collection of the whole heap), then
+    freeze what survived; the pause, or None if it was not due."""
+    if not _state.get("freeze") or _state["clock"]() - _state["released_at"] < _state["rewalk_s"]:
+        return None
+    clock = _state["clock"]
+    started = clock()
+    _state["released_at"] = started
+    gc.unfreeze()
+    gc.collect()  # frozen again by _on_collection, as it ends
+    took = clock() - started
+    log.info("walked every object for garbage cycles (every %.0f s): paused %.2f s", _state["rewalk_s"], took)
+    return took
 
 
 def uninstall() -> None:
@@ -61,7 +85,7 @@ def _on_collection(phase: str, info: dict) -> None:
                     took, gc.get_freeze_count())
     if not _state["freeze"]:
         return
-    if clock() - _state["released_at"] >= _state["rewalk_s"]:
+    if not _state.get("chosen") and clock() - _state["released_at"] >= _state["rewalk_s"]:
         _state["released_at"] = clock()
         gc.unfreeze()  # the next full collection walks everything once
     else:

@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from revenant.common import bus, security
+from revenant.common import bus, gcpause, security
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError, described
 from revenant.common.events import EventPublisher
@@ -153,7 +153,8 @@ class Coordinator(Service):
         await ask_full_heartbeats(self._nc, self.name, self._wall())
         self.leadership = Leadership(self._js, self.name, self.config.leader_lease_s,
                                      on_elected=self._elected, on_deposed=self._deposed, clock=self._clock,
-                                     replicas=replicas)
+                                     replicas=replicas, quiet_moment=gcpause.rewalk_if_due)
+        gcpause.choose_rewalk()  # the whole heap's walk (a second at 100,000 nodes) right after a renewal
         self.jobs = JobService(KvJobStore(self._js, replicas), AgentClient(self._nc, self.leadership.fresh), self.config,
                                self._events, self._nodes, self.leadership, wall=self._wall)
         self._client_requests = ClientRequests(self.jobs)

@@ -86,7 +86,10 @@ class Term:
 class Leadership:
     def __init__(self, js: JetStreamContext, name: str, lease_s: float, *,
                  on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic, replicas: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic, replicas: int = 1,
+                 quiet_moment: Callable[[], object] = lambda: None) -> None:
+        # Called where a pause costs least: right after a renewal, or a campaign someone else won.
+        self.quiet_moment = quiet_moment
         self.js = js
         self.replicas = replicas  # of the leader bucket (an existing one with fewer is raised)
         self.name = name
@@ -171,6 +174,7 @@ class Leadership:
                 log.warning("leader lease renewed %.2f s after the last renewal (the update took %.2f s; the "
                             "lease is %.1f s)", self.clock() - self._renewed_at, self.clock() - started, self.lease_s)
             self._renewed_at = self.clock()
+            self.quiet_moment()
             return
         except nats.js.errors.KeyWrongLastSequenceError:
             # The key changed: another coordinator took it (or deleted it), or an update of ours
@@ -200,6 +204,7 @@ class Leadership:
         try:
             self._revision = await asyncio.wait_for(kv.create(KEY, self.value), self.lease_s / 3)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+            self.quiet_moment()
             return  # someone else leads
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             log.debug("leader election: %s", described(exc))

@@ -49,3 +49,21 @@ def test_without_freezing_collections_are_only_watched(watched, caplog, monkeypa
         gc.collect()
     assert gc.get_freeze_count() == 0
     assert "a full garbage collection paused this process" in caplog.text
+
+
+def test_a_service_that_chooses_the_rewalk_gets_it_only_when_it_asks(watched, caplog):
+    gcpause.install(freeze=True, rewalk_s=60.0, clock=watched)
+    gcpause.choose_rewalk()
+    survivors = [[i] for i in range(1000)]
+    gc.collect()
+    assert gc.get_freeze_count() >= len(survivors)
+    assert gcpause.rewalk_if_due() is None  # not due yet
+    watched.now = 61.0
+    gc.collect()  # due, but a collection no longer releases what is frozen
+    assert gc.get_freeze_count() >= len(survivors)
+    with caplog.at_level(logging.INFO, logger="revenant.common.gcpause"):
+        assert gcpause.rewalk_if_due() == 0.0  # walked everything now (the clock is the test's)
+    assert "walked every object for garbage cycles (every 60 s)" in caplog.text
+    assert gc.get_freeze_count() >= len(survivors)  # and froze the survivors again
+    assert gcpause.rewalk_if_due() is None  # the next one is an hour of the test's clock away
+

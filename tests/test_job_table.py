@@ -157,10 +157,13 @@ async def test_the_leader_lease_says_who_leads_now(nats_url):
     elected: list[str] = []
     deposed: list[str] = []
 
+    quiet: dict[str, int] = {}
+
     def make(name: str) -> Leadership:
         async def on_elected() -> None:
             elected.append(name)
-        return Leadership(js, name, 1.5, on_elected=on_elected, on_deposed=lambda: deposed.append(name))
+        return Leadership(js, name, 1.5, on_elected=on_elected, on_deposed=lambda: deposed.append(name),
+                          quiet_moment=lambda: quiet.__setitem__(name, quiet.get(name, 0) + 1))
 
     # Two coordinators given the same name still hold different terms.
     first, second = make("coordinator"), make("coordinator")
@@ -171,8 +174,12 @@ async def test_the_leader_lease_says_who_leads_now(nats_url):
                 break
             await asyncio.sleep(0.05)
         tasks.append(asyncio.create_task(second.run()))
+        quiet.clear()
         await asyncio.sleep(0.6)
         assert await first.holds() and not await second.holds()
+        # The leader's renewals (every half second here) and the standby's lost campaigns are the
+        # moments it offers for a pause (the coordinator's whole-heap garbage walk).
+        assert quiet.get("coordinator", 0) >= 2
         tasks[0].cancel()  # the leader stops renewing; its entry expires and the standby takes over
         for _ in range(100):
             if second.leader:
