@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import secrets
 import sys
+import time
 from datetime import datetime
 from typing import TypeVar
 
@@ -298,10 +301,34 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
 
 
 def submit(args: argparse.Namespace) -> int:
-    req = submit_request(args)
-    reply = asyncio.run(_coord(_url(args), "submit", req, JobReply, args.timeout))
+    req = msgspec.structs.replace(submit_request(args), request_id=secrets.token_hex(16))
+    reply = asyncio.run(submitted(_url(args), req, args.timeout))
     print(reply.job.spec.id)
     return 0
+
+
+# How long a submit is asked again while no leader answers it (a coordinator failing over, the
+# job table electing a leader): with its request id, a repeat never makes a second job.
+SUBMIT_RETRY_S = 30.0
+SUBMIT_RETRY_CODES = ("no_responders", "timeout", "bus", "not_leader")
+
+
+async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: float = SUBMIT_RETRY_S,
+                    pause_s: float = 1.0) -> JobReply:
+    """Submit ``req`` (with a request id), asking again while no leader could answer, for up to
+    ``retry_s``: the coordinator answers a repeat with the job the first made."""
+    deadline = time.monotonic() + retry_s
+    for attempt in itertools.count():
+        try:
+            return await _coord(url, "submit", req, JobReply, timeout_s)
+        except RevenantError as exc:
+            if exc.code not in SUBMIT_RETRY_CODES or time.monotonic() + pause_s >= deadline:
+                raise
+            if attempt == 0:
+                print(f"revenant: {exc}; asking again for up to {retry_s:g} s (the same request: it makes "
+                      f"one job at most)", file=sys.stderr)
+            await asyncio.sleep(pause_s)
+    raise AssertionError("unreachable")
 
 
 def show_job(args: argparse.Namespace) -> int:

@@ -62,12 +62,14 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     nkey_seed: str | None = None,
     inbox_prefix: str | None = None,
+    in_order: bool = False,
 ) -> Client:
     """Connect with options suited to fast failure detection.
 
     ``nkey_seed`` (a seed file, common/security.py, or a JWT .creds file) authenticates as that
     identity; ``inbox_prefix`` (``_INBOX_<identity>``) is where its replies come, the only
-    inbox its permissions let it subscribe to.
+    inbox its permissions let it subscribe to.  ``in_order``: the servers are tried in the order
+    given (a process's second connection goes to its first one's server), not shuffled.
 
     * a short ping interval, so a dead server is noticed in seconds;
     * endless reconnects: a node agent never gives up on the bus;
@@ -105,6 +107,7 @@ async def connect(
             reconnect_time_wait=reconnect_wait_s,
             connect_timeout=connect_timeout_s,
             allow_reconnect=True,
+            dont_randomize=in_order,
             pending_size=0,
             error_cb=on_error,
             disconnected_cb=on_disconnect,

@@ -73,12 +73,12 @@ class EventPublisher:
         self._own: Client | None = None  # the connection it publishes on, when it is its own
 
     @classmethod
-    async def on_own_connection(cls, url: str, name: str, credentials: dict, **kwargs) -> EventPublisher:
+    async def on_own_connection(cls, url: str, name: str, options: dict, **kwargs) -> EventPublisher:
         """A publisher on a NATS connection of its own, closed by :meth:`stop`: a burst of events
         (100,000 nodes joining) waits in that connection's buffers, not ahead of the caller's
         latency-bound requests (the coordinator's leader lease, its probes and commands), which a
-        shared connection writes in order behind megabytes of events."""
-        nc = await bus.connect(url, name, **credentials)
+        shared connection writes in order behind megabytes of events.  ``options``: bus.connect's."""
+        nc = await bus.connect(url, name, **options)
         publisher = cls(nc.jetstream(), **kwargs)
         publisher._own = nc
         return publisher

@@ -12,6 +12,7 @@ a reason; ``MAX_SPEC_BYTES`` leaves room for them.
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 
@@ -20,6 +21,7 @@ from revenant.messages import MAX_MESSAGE_BYTES, ON_SICK, CheckpointPolicy, JobS
 
 # The job's spec (command line, environment, name, working directory) as stored, encoded.
 MAX_SPEC_BYTES = 128 * 1024
+REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Checkpoints kept per job (--max-epochs): each is a full image on storage and a row in the record.
 MAX_EPOCHS = 100
 # --checkpoint: at least a second, at most a year (longer is "never": leave --checkpoint out).
@@ -62,7 +64,7 @@ def spec_bytes(req: SubmitRequest) -> int:
     """The size of the spec the coordinator would store for ``req``."""
     spec = JobSpec(id=_ID_ROOM, argv=req.argv, name=req.name or default_name(req.argv), workdir=req.workdir,
                    env=req.env, checkpoint_interval_s=req.checkpoint_interval_s, max_epochs=MAX_EPOCHS,
-                   requeue=req.requeue, policy=CheckpointPolicy())
+                   requeue=req.requeue, policy=CheckpointPolicy(), request_id=req.request_id)
     try:
         return len(_encoder.encode(spec))
     except (OverflowError, TypeError, ValueError) as exc:  # an integer past 64 bits, a bad value
@@ -103,6 +105,8 @@ def check_submit(req: SubmitRequest) -> None:
         value = getattr(req, name)
         if value is not None and (problem := policy_problem(name, value, flag)):
             raise BadRequest(problem)
+    if req.request_id and not REQUEST_ID.fullmatch(req.request_id):
+        raise BadRequest(f"a submit's request id is 1 to 64 letters, digits, '-' or '_', got {req.request_id[:80]!r}")
     if req.on_sick and req.on_sick not in ON_SICK:
         raise BadRequest(f"--on-sick must be one of {', '.join(ON_SICK)}, got {req.on_sick!r}")
     every = req.checkpoint_interval_s

@@ -131,9 +131,10 @@ class Coordinator(Service):
                                      on_reconnect=on_reconnect,
                                      **security.credentials(security.COORDINATOR, self.config.nats_creds))
         self._js = self._nc.jetstream()
+        here = self._nc.connected_url.netloc if self._nc.connected_url else ""  # one server's loss: one reconnect
         self._events = await EventPublisher.on_own_connection(
-            self.config.nats_url, f"revenant-coordinator-{self.name}-events",
-            security.credentials(security.COORDINATOR, self.config.nats_creds),
+            starting_with(self.config.nats_url, here), f"revenant-coordinator-{self.name}-events",
+            {**security.credentials(security.COORDINATOR, self.config.nats_creds), "in_order": True},
             timeout_s=self.config.event_publish_timeout_s, clock=self._clock)
         replicas = bus.replicas_for(self._nc, self.config.nats_replicas)
         log.info("coordinator %s: streams and buckets with %d replica(s)", self.name, replicas)
@@ -143,7 +144,7 @@ class Coordinator(Service):
         # A standby tracks every node too, so that it takes over with a warm view.
         if plain_urls(self.config.nats_url):
             # On the main connection's server first: one server's loss is one reconnect for both.
-            urls = starting_with(self.config.nats_url, self._nc.connected_url.netloc if self._nc.connected_url else "")
+            urls = starting_with(self.config.nats_url, here)
             self._hb_sub = RawSubscriber(urls, f"revenant-coordinator-{self.name}-heartbeats", subjects.HEARTBEATS_ALL,
                                          self._intake, creds=self.config.nats_creds or None,
                                          on_reconnect=self._heartbeats_back)

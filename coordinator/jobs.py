@@ -25,19 +25,8 @@ from revenant.coordinator import lifecycle as lc
 from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
 from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, workdir_shared
 from revenant.coordinator.store import JobStore, Unsettled, WriteConflict, patiently
-from revenant.messages import (
-    EpochEvent,
-    JobEvent,
-    JobRecord,
-    JobSpec,
-    LocalJob,
-    NodeStatus,
-    PurgeJob,
-    ReconcileReply,
-    StaleJob,
-    SubmitRequest,
-    subjects,
-)
+from revenant.messages import (EpochEvent, JobEvent, JobRecord, JobSpec, LocalJob, NodeStatus, PurgeJob, ReconcileReply,
+                               StaleJob, SubmitRequest, subjects)
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +161,8 @@ class JobService:
     # ------------------------------------------------------------------ operations
 
     async def submit(self, req: SubmitRequest, user: str = "") -> JobRecord:
-        """Start ``req`` as a job of ``user`` (who asked decided which: coordinator/requests.py)."""
+        """Start ``req`` as a job of ``user`` (who asked decided which: coordinator/requests.py, which
+        also answers a repeat of a submit with the job it made)."""
         check_submit(req)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
@@ -182,7 +172,7 @@ class JobService:
         spec = JobSpec(id=job_id, argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
                        max_epochs=defaults.max_epochs_for(req), requeue=req.requeue, user=user,
-                       policy=defaults.policy(req), on_sick=self.config.on_sick_for(req))
+                       policy=defaults.policy(req), on_sick=self.config.on_sick_for(req), request_id=req.request_id)
         cmd = (await self.step(job_id, lc.Submit(spec, node))).commands[0]
         tried: set[str] = set()
         while True:

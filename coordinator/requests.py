@@ -22,7 +22,9 @@ pure; :class:`ClientRequests` answers the job verbs with them.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 
 from revenant.common.errors import RevenantError, UnknownJob
 from revenant.coordinator.jobs import JobService
@@ -37,6 +39,8 @@ from revenant.messages import (
     decode_as,
     subjects,
 )
+
+log = logging.getLogger(__name__)
 
 # The user an admin's job runs as when the submit names none.
 ROOT_USER = "root"
@@ -117,12 +121,14 @@ class ClientRequests:
     def __init__(self, jobs: JobService) -> None:
         self.jobs = jobs
         self._pages = JobPages()
+        # Submits with a request id under way, by (user, request id): a repeat waits for the first.
+        self._submitting: dict[tuple[str, str], asyncio.Event] = {}
 
     async def answer(self, verb: str, data: bytes, asker: Requester) -> Message:
         jobs = self.jobs
         if verb == "submit":
             req_s = decode_as(data, SubmitRequest)
-            return JobReply(job=await jobs.submit(req_s, user=submit_user(asker, req_s)))
+            return JobReply(job=await self.submit(req_s, submit_user(asker, req_s)))
         if verb == "jobs":
             req_j = decode_as(data, JobsRequest)
             keep = None if asker.admin else (lambda rec: may_see(asker, rec))
@@ -146,3 +152,26 @@ class ClientRequests:
         else:
             rec, notes = await jobs.purge(req.job)
         return JobReply(job=rec, notes=notes, stats=stats)
+
+    async def submit(self, req: SubmitRequest, user: str) -> JobRecord:
+        """A submit; one with a request id that already made a job (its reply was lost, or a
+        leader changed, and the client asked again) is answered with that job, never a second."""
+        if not req.request_id:
+            return await self.jobs.submit(req, user=user)
+        key = (user, req.request_id)
+        while (first := self._submitting.get(key)) is not None:
+            await first.wait()  # the same submit is under way: its job is the answer
+        made = next((r for r in self.jobs.jobs.values() if r.spec.request_id == req.request_id
+                     and r.spec.user == user), None)
+        if made is not None:
+            if made.spec.argv != req.argv:
+                raise RevenantError(f"request id {req.request_id} already made job {made.spec.id}, which runs "
+                                    f"another command", code="request_id_reused")
+            log.info("job %s: its submit %s came again: answered with the job", made.spec.id, req.request_id)
+            return made
+        self._submitting[key] = done = asyncio.Event()
+        try:
+            return await self.jobs.submit(req, user=user)
+        finally:
+            del self._submitting[key]
+            done.set()

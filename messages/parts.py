@@ -191,6 +191,8 @@ class JobSpec(_Body):
     policy: CheckpointPolicy = msgspec.field(default_factory=CheckpointPolicy)
     # What a sick node does to it, decided at submit (docs/configuration.md, "Proactive moves").
     on_sick: OnSick = ""
+    # The submit's request id ("": none given), by which a repeat of it finds this job.
+    request_id: str = ""
 
 
 class EpochFile(_Body):

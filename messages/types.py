@@ -176,6 +176,9 @@ class SubmitRequest(Message, tag="submit.v1"):
     load_aware: bool | None = None
     # What a sick node does to it: "checkpoint", "migrate" or "none" ("": the cluster's default).
     on_sick: str = ""
+    # The client's key for this submit ("": none): a repeat with the same key from the same user
+    # (a reply lost, a leader changed) is answered with the job the first made, not a second one.
+    request_id: str = ""
 
 
 class JobRequest(Message, tag="job_request.v1"):

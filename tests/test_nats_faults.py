@@ -149,13 +149,16 @@ def test_the_job_tables_leader_killed_under_running_jobs(make_cluster, tmp_path)
     untouched(cluster, tmp_path, jobs, before, killed_at)
     assert wait_until(lambda: caught_up(cluster), timeout=60)
     # Last, so as not to hide the checks above: asked during the election, the checkpoint waited
-    # for the job table and was taken; a submit either ran or failed with one line, and then no
-    # job of it appeared later (the CLI's 5 s bound: a submit that outlives it must not run).
+    # for the job table and was taken; the submit, asked again with its request id while no reply
+    # came (the CLI's 5 s bound each time), ran once (one job: `jobs` holds it, and untouched()
+    # checked its output), or failed with one line (after the one saying it asked again), and
+    # then no job of it appeared later.
     assert asked.returncode == 0, right_away
     if submitted.returncode != 0:
-        assert len(submitted.stderr.strip().splitlines()) == 1 and "Traceback" not in submitted.stderr, right_away
-        listed = {j["id"] for j in cluster.json("jobs")}
-        assert listed == set(jobs), (listed, set(jobs), right_away)
+        said = submitted.stderr.strip().splitlines()
+        assert 1 <= len(said) <= 2 and "Traceback" not in submitted.stderr, right_away
+    listed = {j["id"] for j in cluster.json("jobs")}
+    assert listed == set(jobs), (listed, set(jobs), right_away)  # never a second job of one submit
 
 
 def restored_once(cluster, tmp_path, job: str, count: int, first: dict) -> dict:

@@ -1,0 +1,128 @@
+"""A submit asked again (its reply lost, a leader changing) makes one job: the coordinator answers a
+repeat of a request id with the job the first made (coordinator/requests.py), and the CLI asks again
+with the same id while no leader answers (cli/client.py ``submitted``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from revenant.common import bus
+from revenant.common.errors import RemoteError, RevenantError
+from revenant.common.limits import BadRequest, check_submit
+from revenant.coordinator.requests import ClientRequests
+from revenant.messages import ErrorReply, JobRecord, JobReply, JobSpec, SubmitRequest, decode_as, encode, subjects
+from test_lifecycle import Agents, shell
+
+
+class SlowAgents(Agents):
+    """Agents whose starts wait for ``go``: a repeat arrives while the first submit is under way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+
+    async def carry_out(self, cmd, timeout_s: float):
+        await self.go.wait()
+        return await super().carry_out(cmd, timeout_s)
+
+
+def starts(agents: Agents) -> int:
+    return sum(1 for _, verb, _ in agents.sent if verb == "start")
+
+
+@pytest.mark.unit
+async def test_a_repeated_submit_gets_the_job_the_first_made():
+    jobs, _, agents, _ = shell()
+    answers = ClientRequests(jobs)
+    req = SubmitRequest(argv=["sleep", "100"], request_id="a1")
+    first = await answers.submit(req, "alice")
+    again = await answers.submit(req, "alice")
+    assert again.spec.id == first.spec.id and first.spec.request_id == "a1"
+    assert starts(agents) == 1 and len(jobs.jobs) == 1
+    # Another user's request with the same id, and a submit without one, are other jobs.
+    assert (await answers.submit(req, "bob")).spec.id != first.spec.id
+    plain = SubmitRequest(argv=["sleep", "100"])
+    assert (await answers.submit(plain, "alice")).spec.id != (await answers.submit(plain, "alice")).spec.id
+    assert starts(agents) == 4
+    # The same id for another command is a mistake, said so; nothing is started.
+    with pytest.raises(RevenantError, match=f"request id a1 already made job {first.spec.id}") as refused:
+        await answers.submit(SubmitRequest(argv=["true"], request_id="a1"), "alice")
+    assert refused.value.code == "request_id_reused" and starts(agents) == 4
+
+
+@pytest.mark.unit
+async def test_a_repeat_that_comes_while_the_first_is_under_way_waits_for_its_job():
+    jobs, store, _, lease = shell()
+    agents = jobs.agents = SlowAgents()
+    answers = ClientRequests(jobs)
+    req = SubmitRequest(argv=["sleep", "100"], request_id="r-1")
+    first = asyncio.create_task(answers.submit(req, "alice"))
+    await asyncio.sleep(0.05)
+    repeat = asyncio.create_task(answers.submit(req, "alice"))
+    await asyncio.sleep(0.05)
+    assert not repeat.done()
+    agents.go.set()
+    made, again = await asyncio.gather(first, repeat)
+    assert made.spec.id == again.spec.id and starts(agents) == 1 and len(jobs.jobs) == 1
+
+
+@pytest.mark.unit
+async def test_a_new_leader_knows_the_request_ids_from_the_job_table():
+    jobs, store, agents, lease = shell()
+    made = await ClientRequests(jobs).submit(SubmitRequest(argv=["true"], request_id="k"), "alice")
+    successor, _, _, _ = shell()
+    successor.store = store
+    await successor.open()
+    again = await ClientRequests(successor).submit(SubmitRequest(argv=["true"], request_id="k"), "alice")
+    assert again.spec.id == made.spec.id
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", ["", "x" * 65, "a b", "ä", "a/b"])
+def test_a_request_id_is_short_and_plain(bad):
+    check_submit(SubmitRequest(argv=["true"], request_id="Ab_9-" + "x" * 59))
+    if bad:
+        with pytest.raises(BadRequest, match="request id is 1 to 64 letters"):
+            check_submit(SubmitRequest(argv=["true"], request_id=bad))
+    else:
+        check_submit(SubmitRequest(argv=["true"], request_id=bad))  # none given: fine
+
+
+@pytest.mark.nats
+async def test_the_cli_asks_again_with_the_same_id_while_no_leader_answers(nats_url):
+    from revenant.cli.client import submitted
+
+    nc = await bus.connect(nats_url, "fake-coordinator", endless_reconnect=False)
+    seen: list[str] = []
+
+    async def on_submit(msg) -> None:
+        req = decode_as(msg.data, SubmitRequest)
+        seen.append(req.request_id)
+        if len(seen) < 3:  # between terms: the coordinator that got it does not lead
+            await msg.respond(encode(ErrorReply(code="not_leader", message="not the leader", retriable=True)))
+        else:
+            job = JobRecord(spec=JobSpec(id="7", argv=req.argv, request_id=req.request_id), state="running")
+            await msg.respond(encode(JobReply(job=job)))
+
+    await nc.subscribe(subjects.coordinator("submit"), cb=on_submit)
+    await nc.flush()
+    req = SubmitRequest(argv=["true"], request_id="same-1")
+    reply = await submitted(nats_url, req, timeout_s=2, retry_s=10, pause_s=0.05)
+    assert reply.job.spec.id == "7" and seen == ["same-1"] * 3
+    # A refusal that no repeat can change is not asked again.
+    seen.clear()
+
+    async def refuse(msg) -> None:
+        seen.append("x")
+        await msg.respond(encode(ErrorReply(code="bad_request", message="nothing to run")))
+
+    await nc.close()
+    nc = await bus.connect(nats_url, "fake-coordinator-2", endless_reconnect=False)
+    await nc.subscribe(subjects.coordinator("submit"), cb=refuse)
+    await nc.flush()
+    with pytest.raises(RemoteError, match="nothing to run"):
+        await submitted(nats_url, req, timeout_s=2, retry_s=10, pause_s=0.05)
+    assert seen == ["x"]
+    await nc.close()
