@@ -47,24 +47,10 @@ from revenant.common.loopmonitor import LoopMonitor
 from revenant.common.metrics import AgentMetrics, health_routes
 from revenant.common.service import Service
 from revenant.common.version import version
-from revenant.messages import (
-    AgentJobReply,
-    Capabilities,
-    CheckpointJob,
-    CriuInfo,
-    HealthSummary,
-    KillJob,
-    NodeEvent,
-    PurgeJob,
-    RestoreJob,
-    StartJob,
-    decode_as,
-    subjects,
-)
+from revenant.messages import (AgentJobReply, Capabilities, CheckpointJob, CriuInfo, HealthSummary, KillJob, NodeEvent,
+                               PurgeJob, RestoreJob, StartJob, decode_as, subjects)
 
 log = logging.getLogger(__name__)
-
-# How long the leader may take to say which local jobs moved on.
 
 
 class Agent(Service):
@@ -108,6 +94,7 @@ class Agent(Service):
             clock=clock, wall_clock=wall_clock)
         # What the last self-fence did, for the "fenced" event once the lease is back.
         self.fence_report: str = ""
+        self._fenced_since_reset = False  # (the liveness thread's) a fence since the switches were last reset
         self.supervisor: Supervisor | None = None
         self.main_loop: asyncio.AbstractEventLoop | None = None
         self._nc: Client | None = None
@@ -371,14 +358,25 @@ class Agent(Service):
     # ------------------------------------------------------------------ the lease (called on the liveness thread)
 
     def _reset_switches(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.touch_stamps()
+        if self.supervisor is None:
+            return
+        gap = self.supervisor.touch_stamps()
+        if self._fenced_since_reset:  # that gap was the fence's, reconciled already
+            self._fenced_since_reset = False
+        elif gap > self.config.fence_timeout_s:
+            # Renewed in time, but the switches were reset too late (slow storage, a stalled
+            # thread): they may have fired, and only a fence's reconcile thaws what they froze.
+            log.error("dead man's switches reset only after %.1f s (fence %.1f s): treated as a self-fence",
+                      gap, self.config.fence_timeout_s)
+            self._fence(gap, "dead man's switches not reset")
+            self._lease_back()
 
-    def _fence(self, stale_s: float) -> None:
+    def _fence(self, stale_s: float, what: str = "lease not renewed") -> None:
         # Freeze from the liveness thread: the main loop may be the very thing that is stuck.
+        self._fenced_since_reset = True
         sup = self.supervisor
-        frozen = sup.freeze_all(f"self-fenced: lease not renewed for {stale_s:.1f} s") if sup is not None else []
-        self.fence_report = f"lease not renewed for {stale_s:.1f} s; froze {', '.join(frozen) or 'no jobs'}"
+        frozen = sup.freeze_all(f"self-fenced: {what} for {stale_s:.1f} s") if sup is not None else []
+        self.fence_report = f"{what} for {stale_s:.1f} s; froze {', '.join(frozen) or 'no jobs'}"
 
     def _lease_back(self) -> None:
         main = self.main_loop

@@ -77,11 +77,16 @@ class ExitClassifier:
         self._reset_at = clock()
         self._gap_ended_at = -math.inf
 
-    def switches_reset(self) -> None:
+    def switches_reset(self, started: float | None = None) -> float:
+        """The switches were reset, the first at ``started`` (default: now) and the last now; the
+        gap that ended, measured so that no switch's own can be longer: from the first reset of
+        the round before to the last of this one."""
         now = self.clock()
-        if now - self._reset_at > self.switch_timeout_s:
+        gap = now - self._reset_at
+        if gap > self.switch_timeout_s:
             self._gap_ended_at = now
-        self._reset_at = now
+        self._reset_at = now if started is None else started
+        return gap
 
     def switch_may_have_fired(self) -> bool:
         """Whether the switches went unreset long enough to fire, now or a moment ago."""

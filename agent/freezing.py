@@ -50,24 +50,28 @@ class Freezer:
 
     def thaw(self, job: str, generation: int) -> bool:
         """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen."""
+        rt = self.jobs.get(job)
+        if rt is None or rt.generation != generation or rt.frozen_at is None:
+            return False
+        reset_stamp(rt.files.stamp)  # not under the lock: storage may be slow, and the fence must not wait
         with self._lock:
-            rt = self.jobs.get(job)
-            if rt is None or rt.generation != generation or rt.frozen_at is None:
+            if rt.frozen_at is None or self.jobs.get(job) is not rt:
                 return False
-            reset_stamp(rt.files.stamp)
             signal_tree(rt.pid, signal.SIGCONT)
             rt.frozen_at = None
             return True
 
     def resume(self, rt: JobRuntime) -> None:
-        """SIGCONT a job a vacate left stopped, unless the self-fence froze it meanwhile (then
-        only the leader's word thaws it)."""
+        """SIGCONT a job a vacate left stopped, unless its node froze it meanwhile: the self-fence,
+        or its dead man's switch, which may be firing now (unreset for its whole timeout).  Then
+        only the leader's word thaws it (the reconcile after the fence, or after the gap ends)."""
         with self._lock:
-            if rt.frozen_at is None:
+            if rt.frozen_at is None and not self.exits.may_have_fired_since(self.clock()):
                 signal_tree(rt.pid, signal.SIGCONT)
-            else:
-                log.warning("job %s stays frozen after its failed vacate: its node self-fenced meanwhile",
-                            rt.spec.id)
+                return
+            if rt.frozen_at is None:
+                rt.frozen_at = self.clock()
+        log.warning("job %s stays frozen after its failed vacate: its node's lease lapsed meanwhile", rt.spec.id)
 
     def spoiled(self, rt: JobRuntime, since: float) -> str:
         """Why an image of ``rt`` dumped since ``since`` (this clock's time) may hold it frozen,

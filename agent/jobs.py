@@ -397,14 +397,16 @@ class Supervisor:
         for launch in list(self.launching.values()):
             launch.superseded = reason
 
-    def touch_stamps(self) -> None:
-        """The agent holds its lease: every job's dead man's switch is reset (safe from another thread)."""
-        self.exits.switches_reset()
+    def touch_stamps(self) -> float:
+        """The agent holds its lease: every job's dead man's switch is reset (safe from another
+        thread).  The longest any switch may have gone unreset (:meth:`ExitClassifier.switches_reset`)."""
+        started = self.clock()
         for rt in list(self.jobs.values()):
             reset_stamp(rt.files.stamp)
         for launch in list(self.launching.values()):
             if launch.stamp is not None:
                 reset_stamp(launch.stamp)
+        return self.exits.switches_reset(started)
 
     def reap_orphans(self) -> None:
         for pid, code in procs.reap_orphans():

@@ -25,7 +25,7 @@ from revenant.cli.jobview import _fmt_bytes, _fmt_time, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
-from revenant.common.errors import BusError, RevenantError, described
+from revenant.common.errors import BusError, RemoteError, RevenantError, described
 from revenant.common.intervals import parse_interval
 from revenant.common.limits import BadRequest, check_submit
 from revenant.messages import (
@@ -273,7 +273,7 @@ async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout
         await nc.close()
 
 
-def submit_request(args: argparse.Namespace) -> SubmitRequest:
+def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequest:
     """The request ``revenant submit`` sends, checked against every limit the coordinator checks
     (:func:`revenant.common.limits.check_submit`), before anything is sent."""
     command = list(args.command)
@@ -295,22 +295,26 @@ def submit_request(args: argparse.Namespace) -> SubmitRequest:
                         checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue,
                         user=user, incremental=args.incremental, full_every=args.full_every,
                         pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware,
-                        on_sick=getattr(args, "on_sick", None) or "")
+                        on_sick=getattr(args, "on_sick", None) or "", request_id=request_id)
     check_submit(req)
     return req
 
 
 def submit(args: argparse.Namespace) -> int:
-    req = msgspec.structs.replace(submit_request(args), request_id=secrets.token_hex(16))
+    req = submit_request(args, request_id=secrets.token_hex(16))
     reply = asyncio.run(submitted(_url(args), req, args.timeout))
     print(reply.job.spec.id)
     return 0
 
 
 # How long a submit is asked again while no leader answers it (a coordinator failing over, the
-# job table electing a leader): with its request id, a repeat never makes a second job.
+# job table electing a leader): with its request id, a repeat never makes a second job.  Asked
+# again: what this client met on the bus (nothing listening, no reply in time, NATS out of
+# reach), and a coordinator's answer that it does not lead; never another answer (a node that
+# would not start the job answers "timeout" or "no_responders" too).
 SUBMIT_RETRY_S = 30.0
-SUBMIT_RETRY_CODES = ("no_responders", "timeout", "bus", "not_leader")
+SUBMIT_RETRY_LOCAL = ("no_responders", "timeout", "bus")
+SUBMIT_RETRY_REMOTE = ("not_leader",)
 
 
 async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: float = SUBMIT_RETRY_S,
@@ -322,7 +326,8 @@ async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: flo
         try:
             return await _coord(url, "submit", req, JobReply, timeout_s)
         except RevenantError as exc:
-            if exc.code not in SUBMIT_RETRY_CODES or time.monotonic() + pause_s >= deadline:
+            again = SUBMIT_RETRY_REMOTE if isinstance(exc, RemoteError) else SUBMIT_RETRY_LOCAL
+            if exc.code not in again or time.monotonic() + pause_s >= deadline:
                 raise
             if attempt == 0:
                 print(f"revenant: {exc}; asking again for up to {retry_s:g} s (the same request: it makes "

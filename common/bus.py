@@ -117,7 +117,8 @@ async def connect(
     except _Refused as exc:
         await nc.close()
         why = f"the key {nkey_seed} is not one it knows" if nkey_seed else "it wants a credential"
-        raise BusError(f"NATS at {url} refused the connection ({exc}): {why}") from None
+        raise BusError(f"NATS at {url} refused the connection ({exc}): {why}", code="refused",
+                       retriable=False) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error, nkeys.NkeysError) as exc:
         await nc.close()
         raise BusError(f"cannot connect to NATS at {url}: {described(exc)}") from None

@@ -96,6 +96,11 @@ class EventPublisher:
                 log.error("event queue full: %d event(s) dropped so far (latest on %s)", self.dropped, subject)
 
     @property
+    def connected(self) -> bool:
+        """Its own connection is up (always, on the caller's: the caller watches that one)."""
+        return self._own is None or self._own.is_connected
+
+    @property
     def queued(self) -> int:
         return sum(q.qsize() for q in self._queues)
 

@@ -93,7 +93,8 @@ class Coordinator(Service):
         if config.http_port >= 0:
             self.http = HttpServer(health_routes(
                 render_metrics=self._render_metrics,
-                summary=lambda: HealthSummary(nats_connected=self._bus_connected()),
+                summary=lambda: HealthSummary(nats_connected=self._bus_connected() and self._events is not None
+                                              and self._events.connected),
                 stuck_for=lambda: self.loop_monitor.stuck_for(self._clock()),
                 stuck_after_s=config.live_stuck_after_s,
                 started=self.ready.is_set,
@@ -106,7 +107,7 @@ class Coordinator(Service):
     def malformed_heartbeats(self) -> int:
         return self._intake.malformed
 
-    def _bus_connected(self) -> bool:
+    def _bus_connected(self) -> bool:  # what verdicts need: the main and the heartbeat connection
         return self._nc is not None and self._nc.is_connected and self._hb_sub is not None and self._hb_sub.connected
 
     def _render_metrics(self) -> bytes:

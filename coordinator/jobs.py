@@ -173,7 +173,7 @@ class JobService:
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
                        max_epochs=defaults.max_epochs_for(req), requeue=req.requeue, user=user,
                        policy=defaults.policy(req), on_sick=self.config.on_sick_for(req), request_id=req.request_id)
-        cmd = (await self.step(job_id, lc.Submit(spec, node))).commands[0]
+        cmd = (await self.record(job_id, lc.Submit(spec, node))).commands[0]  # a write that timed out may have landed
         tried: set[str] = set()
         while True:
             try:

@@ -164,9 +164,11 @@ class ClientRequests:
         made = next((r for r in self.jobs.jobs.values() if r.spec.request_id == req.request_id
                      and r.spec.user == user), None)
         if made is not None:
-            if made.spec.argv != req.argv:
+            if (made.spec.argv, made.spec.workdir, made.spec.env) != (req.argv, req.workdir, req.env):
                 raise RevenantError(f"request id {req.request_id} already made job {made.spec.id}, which runs "
                                     f"another command", code="request_id_reused")
+            if made.state == "failed" and not made.pid:  # it never started: as the first answer said
+                raise RevenantError(f"job {made.spec.id} could not start: {made.reason}", code="start_failed")
             log.info("job %s: its submit %s came again: answered with the job", made.spec.id, req.request_id)
             return made
         self._submitting[key] = done = asyncio.Event()

@@ -75,3 +75,56 @@ def test_the_lease_resets_every_switch_and_the_supervisor_keeps_the_timing(tmp_p
     clock.now += 1.0
     assert sup.exits.switch_may_have_fired()
     assert sup.exits.classify(JobEnd(code=SWITCH_EXIT)).kind == "evicted"
+
+
+def test_a_gap_is_measured_from_the_first_reset_of_a_round_to_the_last_of_the_next():
+    """Resetting many stamps on slow storage takes a while: a switch reset last in one round and
+    first in the next went unreset longer than the rounds' starts say."""
+    clock = FakeClock(100.0)
+    sup = Supervisor("n1", Path("/nonexistent"), None, lambda subject, msg: None, switch_timeout_s=1.2, clock=clock)
+    started = clock.now
+    clock.now += 0.3  # this round's resets took 0.3 s
+    assert sup.exits.switches_reset(started) == pytest.approx(0.3)
+    clock.now += 0.9
+    started = clock.now
+    clock.now += 0.2
+    assert sup.exits.switches_reset(started) == pytest.approx(1.4)  # from 100.0 to 101.4
+    assert sup.exits.may_have_fired_since(100.5)
+
+
+class Stamps:
+    """A supervisor whose switches went unreset for ``gap`` seconds at the next reset."""
+
+    def __init__(self) -> None:
+        self.gap = 0.35
+        self.frozen: list[str] = []
+
+    def touch_stamps(self) -> float:
+        return self.gap
+
+    def freeze_all(self, reason: str) -> list[str]:
+        self.frozen.append(reason)
+        return ["1"]
+
+
+def test_switches_reset_too_late_are_a_self_fence_even_when_the_lease_was_renewed(tmp_path):
+    from revenant.agent.agent import Agent
+    from revenant.common.config import AgentConfig
+
+    agent = Agent(AgentConfig(node="n1", storage=str(tmp_path), http_port=-1))
+    stamps, asked = Stamps(), []
+    agent.supervisor = stamps  # type: ignore[assignment]
+    agent._lease_back = lambda: asked.append("reconcile")  # type: ignore[method-assign]
+    agent._reset_switches()
+    assert stamps.frozen == [] and asked == []
+    stamps.gap = 1.5  # past the fence timeout (1.2 s): the switches may have fired
+    agent._reset_switches()
+    assert stamps.frozen == ["self-fenced: dead man's switches not reset for 1.5 s"] and asked == ["reconcile"]
+    assert "froze 1" in agent.fence_report
+    # The next reset ends that fence's own gap: not a second fence.
+    agent._reset_switches()
+    assert len(stamps.frozen) == 1
+    # A fence of the lease's (renewed too late) is not counted twice either.
+    agent._fence(2.0)
+    agent._reset_switches()
+    assert len(stamps.frozen) == 2 and asked == ["reconcile"]

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from revenant.common import bus
-from revenant.common.errors import RemoteError, RevenantError
+from revenant.common.errors import BusError, RemoteError, RevenantError
 from revenant.common.limits import BadRequest, check_submit
 from revenant.coordinator.requests import ClientRequests
 from revenant.messages import ErrorReply, JobRecord, JobReply, JobSpec, SubmitRequest, decode_as, encode, subjects
@@ -66,6 +66,22 @@ async def test_a_repeat_that_comes_while_the_first_is_under_way_waits_for_its_jo
     agents.go.set()
     made, again = await asyncio.gather(first, repeat)
     assert made.spec.id == again.spec.id and starts(agents) == 1 and len(jobs.jobs) == 1
+
+
+@pytest.mark.unit
+async def test_a_repeat_of_a_submit_that_could_not_start_says_so_again():
+    jobs, _, agents, _ = shell()
+    answers = ClientRequests(jobs)
+    agents.refuse["node-1"] = agents.refuse["node-2"] = RevenantError("no reply within 10 s", code="timeout")
+    req = SubmitRequest(argv=["true"], node="node-1", request_id="once")
+    with pytest.raises(RevenantError, match="could not start on node-1"):
+        await answers.submit(req, "alice")
+    with pytest.raises(RevenantError, match="could not start: start on node-1 failed") as again:
+        await answers.submit(req, "alice")  # not "submitted": the same failure, the same job
+    assert again.value.code == "start_failed" and len(jobs.jobs) == 1
+    # The same id from another working directory is another request: refused, not merged.
+    with pytest.raises(RevenantError, match="already made job"):
+        await answers.submit(SubmitRequest(argv=["true"], node="node-1", workdir="/tmp", request_id="once"), "alice")
 
 
 @pytest.mark.unit
@@ -126,3 +142,39 @@ async def test_the_cli_asks_again_with_the_same_id_while_no_leader_answers(nats_
         await submitted(nats_url, req, timeout_s=2, retry_s=10, pause_s=0.05)
     assert seen == ["x"]
     await nc.close()
+    # Nor a coordinator's answer that carries a bus code (a node that did not answer the start):
+    # only what this client met on the bus is asked again.
+    seen.clear()
+
+    async def node_timed_out(msg) -> None:
+        seen.append("t")
+        await msg.respond(encode(ErrorReply(code="timeout", message="job 3 could not start on node-1", retriable=True)))
+
+    nc = await bus.connect(nats_url, "fake-coordinator-3", endless_reconnect=False)
+    await nc.subscribe(subjects.coordinator("submit"), cb=node_timed_out)
+    await nc.flush()
+    with pytest.raises(RemoteError, match="could not start on node-1"):
+        await submitted(nats_url, req, timeout_s=2, retry_s=10, pause_s=0.05)
+    assert seen == ["t"]
+    await nc.close()
+
+
+@pytest.mark.unit
+async def test_a_submit_whose_first_write_landed_but_timed_out_is_one_job(monkeypatch):
+    """The job table stored the new record but its answer was lost: the write is asked again
+    (it meets the record it made, which stands), and the job starts once, as one job."""
+    from revenant.coordinator import store
+
+    monkeypatch.setattr(store, "PATIENCE_DELAYS_S", (0.001, 0.001))
+    jobs, table, agents, _ = shell()
+    save, saves = table.save, []
+
+    async def lost_answer(rec):
+        saves.append(rec.state)
+        await save(rec)
+        if len(saves) == 1:
+            raise BusError("cannot save job 1: nats: timeout")
+    monkeypatch.setattr(table, "save", lost_answer)
+    made = await ClientRequests(jobs).submit(SubmitRequest(argv=["true"], request_id="lost"), "alice")
+    assert made.state == "running" and list(jobs.jobs) == [made.spec.id] and starts(agents) == 1
+    assert list((await store.MemoryJobStore.load(table))) == [made.spec.id]
