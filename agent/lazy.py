@@ -61,7 +61,6 @@ def lazy_serves(m: Manifest, name: str) -> bool:
     return served_lazily(m) and base.startswith("pages-") and base.endswith(".img")
 
 
-
 def eager_next(files: JobFiles) -> bool:
     """Whether this restore of the job must be eager (and so the mark is used up)."""
     try:
