@@ -175,3 +175,18 @@ async def test_a_submit_whose_first_write_landed_but_timed_out_is_one_job(monkey
     made = await ClientRequests(jobs).submit(SubmitRequest(argv=["true"], request_id="lost"), "alice")
     assert made.state == "running" and list(jobs.jobs) == [made.spec.id] and starts(agents) == 1
     assert list((await store.MemoryJobStore.load(table))) == [made.spec.id]
+
+
+@pytest.mark.unit
+async def test_the_request_ids_are_known_again_when_a_new_term_loads_the_table():
+    jobs, store, agents, _ = shell()
+    answers = ClientRequests(jobs)
+    await answers.submit(SubmitRequest(argv=["true"], request_id="mine"), "alice")
+    # Another leader made a job of a request while this one stood by; this one leads again.
+    other = JobRecord(spec=JobSpec(id="9", argv=["true"], user="alice", request_id="theirs"), state="running",
+                      node="node-2", generation=1, pid=7)
+    store.write_behind_my_back(other)
+    await jobs.open()
+    assert (await answers.submit(SubmitRequest(argv=["true"], request_id="theirs"), "alice")).spec.id == "9"
+    assert (await answers.submit(SubmitRequest(argv=["true"], request_id="mine"), "alice")).spec.id == "1"
+    assert starts(agents) == 1
