@@ -51,8 +51,12 @@ def starting_with(url: str, netloc: str) -> str:
     """``url``'s servers with the one at ``netloc`` (host:port) first, if it is one of them: a
     second connection of a process goes to the server its first one uses."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
-    mine = [u for u in servers if urllib.parse.urlsplit(u if "://" in u else f"nats://{u}").netloc == netloc]
+    mine = [u for u in servers if _netloc(u) == netloc]
     return ",".join(mine + [u for u in servers if u not in mine])
+
+
+def _netloc(url: str) -> str:
+    return urllib.parse.urlsplit(url if "://" in url else f"nats://{url}").netloc
 
 
 def plain_urls(url: str) -> bool:
@@ -180,18 +184,23 @@ class _Connection(asyncio.Protocol):
                     self.owner.lag_s = time.monotonic() - self.pings.popleft()
                 if not self.ready.done():
                     self.ready.set_result(None)
-            elif line.startswith(b"INFO ") and not self._info_seen:
-                self._info_seen = True
+            elif line.startswith(b"INFO "):
                 try:
                     info = json.loads(line[5:])
                 except ValueError:
+                    if self._info_seen:
+                        continue  # a later one (a change in the cluster) is only advice
                     raise _Broken(f"unreadable INFO from the server: {line[:80]!r}") from None
-                self._hello(info)
-                if self.closed.done():
-                    return n
+                if isinstance(info, dict):
+                    self.owner.discovered(info.get("connect_urls"))
+                if not self._info_seen:
+                    self._info_seen = True
+                    self._hello(info)
+                    if self.closed.done():
+                        return n
             elif line.startswith(b"-ERR"):
                 raise _Broken(line[5:].strip(b" '").decode(errors="replace") or "-ERR")
-            # +OK and later INFO lines (cluster changes) need nothing
+            # +OK needs nothing
         return pos
 
     def _hello(self, info: dict) -> None:
@@ -236,6 +245,19 @@ class RawSubscriber:
         self._conn: _Connection | None = None
         self._next = 0
         self._task: asyncio.Task[None] | None = None
+
+    def discovered(self, urls: object) -> None:
+        """The servers a server says its cluster has (INFO ``connect_urls``): tried, after the
+        ones given, when the connection is lost.  A ``nats_url`` naming one server of a cluster
+        then survives that server, as the client library's connections do."""
+        if not isinstance(urls, list):
+            return
+        known = {_netloc(u) for u in self.servers}
+        for url in urls:
+            if isinstance(url, str) and url and _netloc(url) not in known:
+                known.add(_netloc(url))
+                self.servers.append(url if "://" in url else f"nats://{url}")
+                log.info("nats (%s): the cluster has server %s too", self.name, url)
 
     @property
     def behind_s(self) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import urllib.parse
 
 import nats
 import pytest
@@ -15,7 +16,7 @@ from helpers import running
 from revenant.common import security
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError
-from revenant.common.natsserver import start_nats_server, write_server_config
+from revenant.common.natsserver import start_nats_cluster, start_nats_server, write_server_config
 from revenant.common.rawsub import RawSubscriber, _Connection, plain_urls, starting_with
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.heartbeats import ClientSubscription
@@ -79,6 +80,44 @@ async def test_a_restarted_server_is_found_again(tmp_path):
     finally:
         await sub.close()
         server.stop()
+
+
+async def test_a_url_naming_one_server_of_a_cluster_survives_that_server(tmp_path):
+    """The cluster's other servers are learnt from the server's INFO (connect_urls): when the one
+    named is lost, the subscription moves to another, as the client library's connections do."""
+    servers = start_nats_cluster(tmp_path / "nats", 3, log_dir=tmp_path)
+    got: list[bytes] = []
+    back = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        back.set()
+
+    first = servers[0]
+    sub = RawSubscriber(first.url, "test", "t.>", lambda batch: got.extend(d for _, d in batch), ping_interval_s=0.2,
+                        reconnect_wait_s=0.1, on_reconnect=on_reconnect)
+    await sub.start()
+    nc = None
+    try:
+        # The routes form after the servers start: the cluster's INFO comes once they have.
+        await until(lambda: len(sub.servers) == 3, 20)
+        assert {urllib.parse.urlsplit(u).port for u in sub.servers} == {s.port for s in servers}
+        first.stop()
+        await asyncio.wait_for(back.wait(), 15)
+        assert sub.connected
+        nc = await nats.connect(servers[2].url)
+        for _ in range(150):  # until the subscription's interest has reached that server
+            await nc.publish("t.a", b"after")
+            await nc.flush()
+            if b"after" in got:
+                break
+            await asyncio.sleep(0.1)
+        assert b"after" in got
+    finally:
+        if nc is not None:
+            await nc.close()
+        await sub.close()
+        for server in servers:
+            server.stop()
 
 
 async def test_a_bus_that_is_not_there_is_one_line():
