@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import secrets
@@ -322,18 +321,19 @@ async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: flo
     """Submit ``req`` (with a request id), asking again while no leader could answer, for up to
     ``retry_s``: the coordinator answers a repeat with the job the first made."""
     deadline = time.monotonic() + retry_s
-    for attempt in itertools.count():
+    said = False
+    while True:
         try:
             return await _coord(url, "submit", req, JobReply, timeout_s)
         except RevenantError as exc:
             again = SUBMIT_RETRY_REMOTE if isinstance(exc, RemoteError) else SUBMIT_RETRY_LOCAL
             if exc.code not in again or time.monotonic() + pause_s >= deadline:
                 raise
-            if attempt == 0:
+            if not said:
                 print(f"revenant: {exc}; asking again for up to {retry_s:g} s (the same request: it makes "
                       f"one job at most)", file=sys.stderr)
+                said = True
             await asyncio.sleep(pause_s)
-    raise AssertionError("unreachable")
 
 
 def show_job(args: argparse.Namespace) -> int:

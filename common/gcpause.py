@@ -50,7 +50,7 @@ def choose_rewalk() -> None:
 def rewalk_if_due() -> float | None:
     """If the rewalk is due: walk everything now (one full collection of the whole heap), then
     freeze what survived; the pause, or None if it was not due."""
-    if not _state.get("freeze") or _state["clock"]() - _state["released_at"] < _state["rewalk_s"]:
+    if not _state.get("freeze") or not _rewalk_due():
         return None
     clock = _state["clock"]
     started = clock()
@@ -60,6 +60,10 @@ def rewalk_if_due() -> float | None:
     took = clock() - started
     log.info("walked every object for garbage cycles (every %.0f s): paused %.2f s", _state["rewalk_s"], took)
     return took
+
+
+def _rewalk_due() -> bool:
+    return _state["clock"]() - _state["released_at"] >= _state["rewalk_s"]
 
 
 def uninstall() -> None:
@@ -85,7 +89,7 @@ def _on_collection(phase: str, info: dict) -> None:
                     took, gc.get_freeze_count())
     if not _state["freeze"]:
         return
-    if not _state.get("chosen") and clock() - _state["released_at"] >= _state["rewalk_s"]:
+    if not _state.get("chosen") and _rewalk_due():
         _state["released_at"] = clock()
         gc.unfreeze()  # the next full collection walks everything once
     else:

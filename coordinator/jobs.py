@@ -57,12 +57,20 @@ class JobService:
         self.wall = wall
         self.jobs: dict[str, JobRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # (user, submit request id) -> the job it made, kept with the table (checked on use).
+        self._by_request: dict[tuple[str, str], str] = {}
 
     # ------------------------------------------------------------------ the table
 
     async def open(self) -> None:
         self.jobs = await self.store.load()
+        self._by_request = {(r.spec.user, r.spec.request_id): j for j, r in self.jobs.items() if r.spec.request_id}
         log.info("job table: %d job(s)", len(self.jobs))
+
+    def made_by(self, user: str, request_id: str) -> JobRecord | None:
+        """The live job that ``user``'s submit with ``request_id`` made, if any."""
+        rec = self.jobs.get(self._by_request.get((user, request_id), ""))
+        return rec if rec is not None and (rec.spec.user, rec.spec.request_id) == (user, request_id) else None
 
     def lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
@@ -94,6 +102,8 @@ class JobService:
         except WriteConflict as conflict:
             await self._resolve(conflict, rec)
         self.jobs[rec.spec.id] = rec
+        if rec.spec.request_id:
+            self._by_request[(rec.spec.user, rec.spec.request_id)] = rec.spec.id
 
     async def _resolve(self, conflict: WriteConflict, mine: JobRecord) -> None:
         """Someone else wrote the job since this coordinator last did.  If the store says this

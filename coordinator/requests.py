@@ -123,9 +123,6 @@ class ClientRequests:
         self._pages = JobPages()
         # Submits with a request id under way, by (user, request id): a repeat waits for the first.
         self._submitting: dict[tuple[str, str], asyncio.Event] = {}
-        # (user, request id) -> the job it made, for the live table it was built from.
-        self._by_request: dict[tuple[str, str], str] = {}
-        self._indexed: dict[str, JobRecord] | None = None
 
     async def answer(self, verb: str, data: bytes, asker: Requester) -> Message:
         jobs = self.jobs
@@ -164,7 +161,7 @@ class ClientRequests:
         key = (user, req.request_id)
         while (first := self._submitting.get(key)) is not None:
             await first.wait()  # the same submit is under way: its job is the answer
-        made = self._made(user, req.request_id)
+        made = self.jobs.made_by(user, req.request_id)
         if made is not None:
             if (made.spec.argv, made.spec.workdir, made.spec.env) != (req.argv, req.workdir, req.env):
                 raise RevenantError(f"request id {req.request_id} already made job {made.spec.id}, which runs "
@@ -175,22 +172,7 @@ class ClientRequests:
             return made
         self._submitting[key] = done = asyncio.Event()
         try:
-            rec = await self.jobs.submit(req, user=user)
-            self._by_request[key] = rec.spec.id
-            return rec
-        except BaseException:
-            self._indexed = None  # the job may be in the table all the same (it could not start): index it all again
-            raise
+            return await self.jobs.submit(req, user=user)
         finally:
             del self._submitting[key]
             done.set()
-
-    def _made(self, user: str, request_id: str) -> JobRecord | None:
-        """The live job this user's request id made, if any, by an index of the live table's ids
-        (built again whenever the table is loaded again: a new term)."""
-        table = self.jobs.jobs
-        if table is not self._indexed:
-            self._by_request = {(r.spec.user, r.spec.request_id): j for j, r in table.items() if r.spec.request_id}
-            self._indexed = table
-        rec = table.get(self._by_request.get((user, request_id), ""))
-        return rec if rec is not None and (rec.spec.user, rec.spec.request_id) == (user, request_id) else None
