@@ -138,7 +138,7 @@ class Supervisor:
     async def _start(self, spec: JobSpec, generation: int, fresh: bool, launch: Launch) -> AgentJobReply:
         user = self.launcher.user(spec)  # as its user: never root unless allowed
         env = self.launcher.check(spec, user)
-        files = await self.launcher.prepare(spec.id, fresh, user)
+        files = await self.launcher.prepare(spec.id, fresh, user, env)
         launch.stamp = files.stamp
         started = await self.launcher.spawn(spec, files, env, user)
         rt = JobRuntime(spec=spec, generation=generation, pid=started.pid or 0, files=files)

@@ -69,11 +69,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pwd
 import shlex
 import shutil
 import signal
-import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -85,9 +83,12 @@ import psutil
 from revenant.agent import procs
 from revenant.agent.epochs import JobFiles
 from revenant.agent.fileio import replace_empty
+from revenant.agent.jobuser import (ENV_FILE, SYS_PATH, JobUser, LaunchError, can_checkpoint_other_users, env_script,
+                                    own_job_files, write_job_env,
+                                    job_env, resolve_user, setpriv_argv, within, workdir_problem)
 from revenant.agent.exits import SWITCH_EXIT
 from revenant.common.config import SWITCH_SKEW_S, AgentConfig
-from revenant.common.errors import RevenantError
+from revenant.common.limits import env_problem
 from revenant.messages import JobSpec
 
 log = logging.getLogger(__name__)
@@ -136,12 +137,11 @@ wait $child
 INIT_NAME = "revenant-init"
 
 
-class LaunchError(RevenantError):
-    code = "launch_failed"
-
-
-# Runs the job in its workdir while the init stays in the job's own directory (see above).
-CD_SHIM = 'cd -- "$1" && shift && exec "$@"'
+# Runs the job in its workdir while the init stays in the job's own directory (see above), with
+# the job's environment: the file ``$1`` (in the job's directory, written by :func:`write_job_env`)
+# is read here, as the job's user, after every root process of the launch is behind it.
+CD_SHIM = ('. "./$1" || { echo "revenant: cannot read the job\'s environment $1" >&2; exit 126; }; '
+           'shift; cd -- "$1" && shift && exec "$@"')
 CD_NAME = "revenant-cd"
 
 
@@ -149,84 +149,21 @@ CD_NAME = "revenant-cd"
 SCRATCH_NAME = "revenant-scratch"
 SCRATCH_EXIT = 125
 DEFAULT_SCRATCH: dict[str, str] = AgentConfig().job_scratch()
-# The tools the setup runs, wherever the job's own PATH points.
-_SYS_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def _within(path: str, mountpoint: str) -> bool:
-    return path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
-
-
-@dataclass(frozen=True)
-class JobUser:
-    """Whom a job runs as, resolved on this node."""
-
-    name: str
-    uid: int
-    gid: int
-    groups: tuple[int, ...]
-    home: str
-
-    def env(self) -> dict[str, str]:
-        return {"USER": self.name, "LOGNAME": self.name, "HOME": self.home}
-
-
-def resolve_user(job: str, name: str, node: str, allow_root: bool) -> JobUser:
-    """The user ``name`` of ``job`` on ``node`` ("": root, for records from before jobs had
-    users); a user unknown here, or root where ``allow_root`` is false, is refused."""
-    name = name or "root"
-    try:
-        pw = pwd.getpwnam(name)
-    except KeyError:
-        raise LaunchError(f"job {job}'s user {name!r} is unknown on {node}") from None
-    if pw.pw_uid == 0 and not allow_root:
-        raise LaunchError(f"job {job} would run as root ({name!r} is uid 0 on {node}): set allow_root_jobs = true "
-                          f"in the agent's config to allow it", code="root_refused")
-    try:
-        groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
-    except OSError as exc:
-        raise LaunchError(f"job {job}: cannot list the groups of {name!r} on {node}: {exc}") from None
-    return JobUser(pw.pw_name, pw.pw_uid, pw.pw_gid, tuple(dict.fromkeys(groups)), pw.pw_dir or "/")
-
-
-def setpriv_argv(setpriv: str, user: JobUser) -> list[str]:
-    """Runs the rest of the command line as ``user``: its uid, gid and groups, no_new_privs,
-    no inheritable capabilities, and the parent-death signal kept across the change."""
-    return [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}",
-            f"--groups={','.join(map(str, user.groups))}" if user.groups else "--clear-groups",
-            "--no-new-privs", "--inh-caps=-all", "--pdeathsig=keep", "--"]
-
-
-_CAP_SYS_RESOURCE = 24
-
-
-def can_checkpoint_other_users() -> bool:
-    """Whether criu, run by this process, can dump a job of another user: it reads each task's
-    rlimits with prlimit(2), which needs CAP_SYS_RESOURCE for a task whose uids are not its own."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> _CAP_SYS_RESOURCE & 1)
-    return False
-
-
-def own_job_files(files: JobFiles, user: JobUser) -> None:
-    """The job's directory (0700) and output (0600) belong to ``user``; the output is never opened
-    through a symlink the user left there (replaced by an empty file instead; blocking I/O)."""
-    os.chown(files.dir, user.uid, user.gid, follow_symlinks=False)
-    os.chmod(files.dir, 0o700, follow_symlinks=False)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(files.output, flags, 0o600)
-    except OSError:  # a symlink (ELOOP), a fifo without reader (ENXIO), ...
-        replace_empty(files.output)
-        fd = os.open(files.output, flags, 0o600)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise LaunchError(f"job {files.job}: its output {files.output} is not a regular file")
-        os.fchown(fd, user.uid, user.gid)
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+_SYS_PATH = SYS_PATH
+# The root part of a launch runs with this environment and nothing else: nothing of the job's
+# reaches unshare, setsid, the scratch's shell, mount or setpriv (a PATH or an LD_PRELOAD of the
+# user's would run the user's code as root).  Its tools are named by absolute paths (:func:`tools`).
+ROOT_ENV = {"PATH": _SYS_PATH, "LC_ALL": "C"}
+# The tools of a launch's root part, found on _SYS_PATH once per agent (never on a job's PATH).
+TOOLS = ("unshare", "setsid", "setpriv", "mount")
+def tools(path: str = _SYS_PATH) -> dict[str, str]:
+    """The absolute path of each of the launch's root tools (:data:`TOOLS`) found on ``path``."""
+    found = {}
+    for name in TOOLS:
+        where = shutil.which(name, path=path)
+        if where is not None:
+            found[name] = os.path.realpath(where)
+    return found
 
 
 def given_paths(argv: list[str], env: Mapping[str, str]) -> list[str]:
@@ -243,7 +180,7 @@ def scratch_plan(scratch: Mapping[str, str], needed: list[str]) -> tuple[dict[st
     paths = sorted({q for p in needed for q in (os.path.abspath(p), os.path.realpath(p))})
     mounts, shared = {}, []
     for mountpoint, size in scratch.items():
-        hidden = [p for p in paths if _within(p, mountpoint) or _within(p, os.path.realpath(mountpoint))]
+        hidden = [p for p in paths if within(p, mountpoint) or within(p, os.path.realpath(mountpoint))]
         if hidden:
             shared.append(f"{mountpoint} stays the host's: the job needs {hidden[0]}, which a private "
                           f"{mountpoint} would hide")
@@ -252,35 +189,40 @@ def scratch_plan(scratch: Mapping[str, str], needed: list[str]) -> tuple[dict[st
     return mounts, shared
 
 
-def scratch_script(mounts: Mapping[str, str], output: str, proc: bool = False) -> str:
-    """revenant-scratch: mounts the job's tmpfs (mountpoint -> size), with ``proc`` a /proc of its
-    PID namespace's, and ``exec``s its arguments (revenant-init); why it failed goes to the job's
-    ``output``."""
+def scratch_script(mounts: Mapping[str, str], output: str, proc: bool = False, mount: str = "/bin/mount") -> str:
+    """revenant-scratch: mounts (with the tool ``mount``) the job's tmpfs (mountpoint -> size), with
+    ``proc`` a /proc of its PID namespace's, and ``exec``s its arguments (revenant-init); why it
+    failed goes to the job's ``output``."""
     q = shlex.quote
-    lines = [f"exec 2>>{q(output)}", f"sys={_SYS_PATH}",
+    lines = [f"exec 2>>{q(output)}",
              'fail() { echo "revenant: cannot set up this job\'s private $1" >&2; exit %d; }' % SCRATCH_EXIT]
     for mountpoint, size in mounts.items():
         name = "revenant-" + (os.path.basename(mountpoint.rstrip("/")) or "root")
-        lines.append(f"PATH=$sys mount -t tmpfs -o {q(f'size={size},mode=1777,nosuid,nodev')} {name} "
+        lines.append(f"{q(mount)} -t tmpfs -o {q(f'size={size},mode=1777,nosuid,nodev')} {name} "
                      f"{q(mountpoint)} || fail {q(mountpoint)}")
     if proc:
-        lines.append("PATH=$sys mount -t proc -o nosuid,nodev,noexec revenant-proc /proc || fail /proc")
+        lines.append(f"{q(mount)} -t proc -o nosuid,nodev,noexec revenant-proc /proc || fail /proc")
     return "\n".join(lines + ['exec "$@"']) + "\n"
 
 
 def init_argv(output: Path, stamp: Path, switch_timeout_s: float, argv: list[str],
               workdir: str | None = None, max_frozen_s: float = 600.0, scratch: str | None = None,
-              become: list[str] | None = None) -> list[str]:
+              become: list[str] | None = None, tool: Mapping[str, str] | None = None,
+              env_file: str = ENV_FILE) -> list[str]:
     """The command line that runs ``argv`` under revenant-init in a PID and an IPC namespace of its own;
-    with ``workdir``, the job runs there whatever directory the init is started in; with
-    ``scratch`` (:func:`scratch_script`), in a mount namespace of its own, set up by that script;
-    with ``become`` (:func:`setpriv_argv`), the init and the job run as the job's user."""
-    job = ["/bin/sh", "-c", CD_SHIM, CD_NAME, workdir, *argv] if workdir is not None else argv
+    with ``workdir``, the job runs there, with the environment of ``env_file`` (relative to the
+    init's directory), whatever directory the init is started in; with ``scratch``
+    (:func:`scratch_script`), in a mount namespace of its own, set up by that script; with
+    ``become`` (:func:`setpriv_argv`), the init and the job run as the job's user.  ``tool``: the
+    absolute paths of unshare and setsid (:func:`tools`)."""
+    tool = tool or {}
+    job = ["/bin/sh", "-c", CD_SHIM, CD_NAME, env_file, workdir, *argv] if workdir is not None else argv
     init = [*(become or []), "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME, str(output), str(stamp),
             str(int(switch_timeout_s * 1000) + SWITCH_SKEW_MS), str(int(max_frozen_s * 1000)), *job]
+    unshare, setsid = tool.get("unshare", "unshare"), tool.get("setsid", "setsid")
     if scratch is None:
-        return ["unshare", "--ipc", "--pid", "--fork", "--kill-child", "setsid", *init]
-    return ["unshare", "--mount", "--propagation", "private", "--ipc", "--pid", "--fork", "--kill-child", "setsid",
+        return [unshare, "--ipc", "--pid", "--fork", "--kill-child", setsid, *init]
+    return [unshare, "--mount", "--propagation", "private", "--ipc", "--pid", "--fork", "--kill-child", setsid,
             "/bin/sh", "-c", scratch, SCRATCH_NAME, *init]
 
 
@@ -291,9 +233,9 @@ def new_stamp(files: JobFiles) -> None:
 
 
 def reset_stamp(path: Path) -> None:
-    """Reset one dead man's switch (safe from any thread)."""
+    """Reset one dead man's switch (safe from any thread); a link in its place is never followed."""
     try:
-        os.utime(path)
+        os.utime(path, follow_symlinks=False)
     except OSError as exc:
         log.warning("cannot reset the dead man's switch %s: %s", path, exc)
 
@@ -326,26 +268,33 @@ class Launcher:
         self.max_frozen_s = max_frozen_s
         self.start_timeout_s = start_timeout_s
         self.clock = clock
+        self.tools = tools()
 
     def user(self, spec: JobSpec) -> JobUser:
         """Whom ``spec`` runs as here (:func:`resolve_user`); refused: root unless allowed, or unknown."""
         return resolve_user(spec.id, spec.user, self.node, self.allow_root_jobs)
 
     def check(self, spec: JobSpec, user: JobUser | None = None) -> dict[str, str]:
-        """Refuse a job that cannot start here; its environment if it can."""
+        """Refuse a job that cannot start here (one line); the job's own environment if it can."""
         if not spec.argv:
             raise LaunchError("empty command")
-        if not os.path.isdir(spec.workdir):
-            raise LaunchError(f"workdir {spec.workdir} does not exist on {self.node}")
-        env = {**os.environ, **(user or self.user(spec)).env(), **spec.env}
+        user = user or self.user(spec)
+        if (why := workdir_problem(spec.workdir, user.uid, self.storage, spec.id)) is not None:
+            raise LaunchError(f"job {spec.id} cannot run in {spec.workdir} on {self.node}: {why}", code="bad_workdir")
+        for name, value in spec.env.items():  # checked by the coordinator; a record from before, here
+            if (problem := env_problem(name, value, user.uid == 0)) is not None:
+                raise LaunchError(f"job {spec.id}: {problem}", code="bad_env")
+        env = job_env(spec, user)
+        env_script(env)  # refused here, before anything is made, if it cannot be passed
         if shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
                 os.path.isfile(os.path.join(spec.workdir, spec.argv[0])) and "/" in spec.argv[0]):
             raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
         return env
 
-    async def prepare(self, job: str, fresh: bool, user: JobUser | None = None) -> JobFiles:
-        """The job's files for a start: its output (emptied for a ``fresh`` rerun) and a new stamp;
-        with ``user``, its directory and output are the user's."""
+    async def prepare(self, job: str, fresh: bool, user: JobUser | None = None,
+                      env: Mapping[str, str] | None = None) -> JobFiles:
+        """The job's files for a start: its directory (root's), its output (emptied for a ``fresh``
+        rerun; with ``user``, the user's), its environment file (``env``) and a new stamp."""
         files = JobFiles(self.storage, job)
         files.dir.mkdir(parents=True, exist_ok=True)
         if fresh:
@@ -354,29 +303,39 @@ class Launcher:
             files.output.touch()
         else:
             await asyncio.to_thread(own_job_files, files, user)
+        if env is not None:
+            await asyncio.to_thread(write_job_env, files, env, user)
         await asyncio.to_thread(new_stamp, files)
         return files
 
+    def _tool(self, name: str) -> str:
+        found = self.tools.get(name)
+        if found is None:
+            raise LaunchError(f"{name} (util-linux) is missing from {_SYS_PATH} on {self.node}: jobs cannot start")
+        return found
+
     async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str], user: JobUser | None = None) -> Launched:
-        """Start ``spec`` (as ``user``: see the module's docstring; None, as this process)."""
+        """Start ``spec`` (as ``user``: see the module's docstring; None, as this process).  Its root
+        part runs with :data:`ROOT_ENV` and tools named by absolute paths; ``env`` (the job's own,
+        written by :meth:`prepare`) is only looked at here for where the program is."""
         workdir = os.path.abspath(spec.workdir)
         become = None
+        tool = {name: self._tool(name) for name in ("unshare", "setsid")}
         if user is not None:
-            setpriv = shutil.which("setpriv", path=_SYS_PATH)
-            if setpriv is None:
-                raise LaunchError(f"setpriv (util-linux) is missing on {self.node}: jobs cannot run as their user")
-            become = setpriv_argv(setpriv, user)
+            become = setpriv_argv(self._tool("setpriv"), user)
             if user.uid != 0 and not can_checkpoint_other_users():
                 log.warning("job %s runs as %s, but this agent lacks CAP_SYS_RESOURCE: criu cannot checkpoint "
                             "it (it reads the job's rlimits with prlimit)", spec.id, user.name)
         # The init opens its output and stamp as the user, by paths relative to its cwd (the job's
-        # directory, the user's): the storage above it need not be searchable by the user.
+        # directory): the storage above it need not be searchable by the user.
         argv = init_argv(Path(files.output.name), Path(files.stamp.name), self.switch_timeout_s, spec.argv, workdir,
                          self.max_frozen_s, self._scratch(spec.id, [workdir, str(files.dir), *given_paths(spec.argv, env)],
-                                                          files.output, user is not None and user.uid != 0), become)
+                                                          files.output, user is not None and user.uid != 0),
+                         become, tool)
         # The init's cwd is the job's own directory: criu's parasite mounts its proc there.
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=files.dir, env=env, preexec_fn=procs.die_with_parent, start_new_session=True)
+                              cwd=files.dir, env=dict(ROOT_ENV), preexec_fn=procs.die_with_parent,
+                              start_new_session=True)
         pid = await self._namespace_init(wrapper)
         if pid is None:
             procs.WATCHED.discard(wrapper.pid)  # reaped by poll(): nobody waits for it
@@ -389,7 +348,9 @@ class Launcher:
         mounts, shared = scratch_plan(self.scratch, needed)
         for why in shared:
             log.warning("job %s: %s", job, why)
-        return scratch_script(mounts, str(output), proc=True) if mounts or unprivileged else None
+        if not (mounts or unprivileged):
+            return None
+        return scratch_script(mounts, str(output), proc=True, mount=self._tool("mount"))
 
     async def _namespace_init(self, wrapper: subprocess.Popen[bytes]) -> int | None:
         """The host pid of the namespace's init, or None if the whole job has already exited."""

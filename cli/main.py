@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "node, or nothing (default: the cluster's on_sick for a job with --checkpoint, else none)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
     p.add_argument("--workdir", help="working directory (default: the current one)")
+    p.add_argument("--export", metavar="ALL|NONE|[ALL,]NAME[=VALUE],...",
+                   help="which of this shell's environment variables the job gets, as sbatch --export: ALL "
+                   "(the default: all of them but REVENANT_* and those no job may get, which are named on "
+                   "stderr), NONE, or the NAMEs listed (NAME=VALUE sets one), after ALL, if given")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set one variable in the job's environment (repeatable); applied after --export")
     p.add_argument("--user", help="admin (root) only: submit for this user, who owns the job and whom it runs as "
                    "(default: the caller; root for admin)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")

@@ -42,6 +42,22 @@ POLICY_RANGES: dict[str, tuple[float, float, bool]] = {
 }
 # The submit's flag for each option it may override (the thresholds are the cluster's).
 POLICY_FLAGS = {"full_every": "--full-every", "pre_dump_delay_s": "--pre-dump-delay"}
+# A job's environment variable: a shell identifier (agent/launcher.py writes them as `export` lines).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Variables that the dynamic loader, libc or a shell act on before (or besides) the job's own
+# code: never passed to a job, whoever it runs as (``LD_*`` and exported shell functions by prefix).
+REFUSED_ENV_PREFIXES = ("LD_", "BASH_FUNC_")
+REFUSED_ENV = frozenset({
+    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS", "CDPATH", "GLOBIGNORE", "PROMPT_COMMAND",
+    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_CHECK_",
+    "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"})
+# ... and, for a job that runs as root, what an interpreter or runtime acts on as it starts.
+ROOT_REFUSED_ENV = frozenset({
+    "PYTHONSTARTUP", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONINSPECT", "PYTHONBREAKPOINT",
+    "PERL5LIB", "PERL5OPT", "PERLLIB", "PERL5DB", "RUBYLIB", "RUBYOPT", "NODE_OPTIONS", "NODE_PATH",
+    "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "TCLLIBPATH", "LUA_INIT", "LUA_PATH", "LUA_CPATH",
+    "GIT_CONFIG_GLOBAL", "GIT_EXEC_PATH", "PAGER", "EDITOR", "VISUAL"})
+ROOT_USERS = ("", "root")
 # The longest job id the spec is measured with (ids are decimal counters).
 _ID_ROOM = "9" * 20
 
@@ -92,11 +108,35 @@ def policy_problem(name: str, value: object, shown: str | None = None) -> str | 
     return None
 
 
-def check_submit(req: SubmitRequest) -> None:
+def env_problem(name: str, value: str, root: bool) -> str | None:
+    """Why the variable ``name=value`` may not be in a job's environment (``root``: the job runs as
+    root), or None."""
+    shown = name[:80]
+    if not ENV_NAME.fullmatch(name):
+        return f"environment variable {shown!r}: a name is letters, digits and '_', not starting with a digit"
+    if "\0" in value:
+        return f"environment variable {shown}: its value holds a NUL byte"
+    if name.startswith(REFUSED_ENV_PREFIXES) or name in REFUSED_ENV:
+        return f"environment variable {shown} is refused: the dynamic loader or a shell acts on it"
+    if root and name in ROOT_REFUSED_ENV:
+        return f"environment variable {shown} is refused for a job that runs as root: an interpreter acts on it"
+    return None
+
+
+def check_env(env: dict[str, str], root: bool) -> None:
+    """:class:`BadRequest` naming the first variable of ``env`` a job may not get (:func:`env_problem`)."""
+    for name, value in env.items():
+        if (problem := env_problem(name, value, root)) is not None:
+            raise BadRequest(problem)
+
+
+def check_submit(req: SubmitRequest, user: str | None = None) -> None:
     """Raise :class:`BadRequest` (one line, naming the limit) unless ``req`` can become a job
-    whose record can be stored and replied to."""
+    whose record can be stored and replied to, and whose environment a job of ``user`` (default:
+    ``req.user``; "" or "root": root's) may get."""
     if not req.argv:
         raise BadRequest("nothing to run: give a command after --")
+    check_env(req.env, (req.user if user is None else user) in ROOT_USERS)
     if req.max_epochs is not None:  # None: the cluster's default
         if not isinstance(req.max_epochs, int) or isinstance(req.max_epochs, bool):
             raise BadRequest(f"--max-epochs must be a whole number, got {req.max_epochs!r}")

@@ -110,8 +110,8 @@ def test_the_scratch_script_mounts_each_tmpfs_then_becomes_the_init(tmp_path):
     script = scratch_script({"/tmp": "1G", "/dev/shm": "10%"}, str(out))
     lines = script.splitlines()
     assert lines[0] == f"exec 2>>{out}" and lines[-1] == 'exec "$@"'
-    assert "PATH=$sys mount -t tmpfs -o size=1G,mode=1777,nosuid,nodev revenant-tmp /tmp || fail /tmp" in lines
-    assert "PATH=$sys mount -t tmpfs -o size=10%,mode=1777,nosuid,nodev revenant-shm /dev/shm || fail /dev/shm" \
+    assert "/bin/mount -t tmpfs -o size=1G,mode=1777,nosuid,nodev revenant-tmp /tmp || fail /tmp" in lines
+    assert "/bin/mount -t tmpfs -o size=10%,mode=1777,nosuid,nodev revenant-shm /dev/shm || fail /dev/shm" \
         in lines
     files = JobFiles(tmp_path, "1")
     argv = init_argv(files.output, files.stamp, 1.2, ["python3", "train.py"], "/w", 600, script)

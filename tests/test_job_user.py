@@ -31,6 +31,7 @@ from revenant.agent import procs
 from revenant.agent.agent import Agent
 from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
+from revenant.agent.jobuser import job_env
 from revenant.agent.launcher import LaunchError, Launcher, can_checkpoint_other_users, resolve_user, setpriv_argv
 from revenant.common import bus
 from revenant.common.config import AgentConfig, load_config
@@ -65,7 +66,7 @@ def test_an_unknown_user_is_refused_and_a_known_one_resolves_with_its_groups():
     user = resolve_user("7", "nobody", "n1", allow_root=False)
     assert (user.uid, user.gid, user.groups) == (nobody.pw_uid, nobody.pw_gid,
                                                  tuple(dict.fromkeys(os.getgrouplist("nobody", nobody.pw_gid))))
-    assert user.env() == {"USER": "nobody", "LOGNAME": "nobody", "HOME": nobody.pw_dir}
+    assert user.env() == {"USER": "nobody", "LOGNAME": "nobody", "HOME": nobody.pw_dir, "SHELL": nobody.pw_shell}
     assert setpriv_argv("/usr/bin/setpriv", user) == [
         "/usr/bin/setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
         "--groups=" + ",".join(map(str, user.groups)), "--no-new-privs", "--inh-caps=-all", "--pdeathsig=keep", "--"]
@@ -73,9 +74,9 @@ def test_an_unknown_user_is_refused_and_a_known_one_resolves_with_its_groups():
 
 @pytest.mark.unit
 def test_the_job_environment_names_its_user_and_the_spec_has_the_last_word(tmp_path):
-    launcher = Launcher("n1", tmp_path, 1.2, allow_root_jobs=False)
-    env = launcher.check(JobSpec(id="1", argv=["true"], user="nobody", env={"HOME": "/scratch"}))
-    assert (env["USER"], env["LOGNAME"], env["HOME"]) == ("nobody", "nobody", "/scratch")
+    nobody = resolve_user("1", "nobody", "n1", allow_root=False)
+    env = job_env(JobSpec(id="1", argv=["true"], user="nobody", env={"HOME": "/scratch"}), nobody)
+    assert (env["USER"], env["LOGNAME"], env["HOME"], env["REVENANT_JOB_ID"]) == ("nobody", "nobody", "/scratch", "1")
 
 
 @pytest.mark.unit
@@ -103,9 +104,10 @@ async def test_the_jobs_directory_and_output_are_the_users_and_never_followed_th
     await launcher.prepare("5", fresh=False, user=nobody)
     assert not files.output.is_symlink() and files.output.read_bytes() == b""
     assert (target.stat().st_uid, target.read_bytes()) == (0, b"root's\n")
-    for path, mode in ((files.dir, 0o700), (files.output, 0o600)):
-        st = path.lstat()
-        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (nobody.uid, nobody.gid, mode), path
+    st = files.dir.lstat()  # root's: nothing in it can be swapped for a link by the user
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o711)
+    st = files.output.lstat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (nobody.uid, nobody.gid, 0o600)
     assert files.stamp.stat().st_uid == 0
     files.output.write_bytes(b"kept\n")
     await launcher.prepare("5", fresh=False, user=nobody)
@@ -211,11 +213,11 @@ async def test_a_job_runs_as_its_user_in_its_own_files(tmp_path, nodes, test_use
     assert int(uid) == test_user.uid and sorted(map(int, groups.split())) == sorted(test_user.groups)
     assert (names, hello) == (f"{USER} {USER} /nonexistent", "hello")
     assert (workdir / "made").stat().st_uid == test_user.uid
-    # Its directory (where criu's parasite mounts its proc) and its output are the user's; its
-    # stamp (the dead man's switch) stays root's.
-    for path, mode in ((files.dir, 0o700), (files.output, 0o600)):
-        st = path.stat()
-        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (test_user.uid, test_user.gid, mode), path
+    # Its output is the user's; its directory and its stamp (the dead man's switch) stay root's.
+    st = files.output.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (test_user.uid, test_user.gid, 0o600)
+    st = files.dir.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o711)
     assert files.stamp.stat().st_uid == 0
     # Its credentials changed, which clears a parent-death signal: setpriv set it again, so the
     # namespace still dies with unshare (and unshare with the agent).

@@ -7,6 +7,7 @@ import os
 import psutil
 import pytest
 
+from revenant.agent.jobuser import SYS_PATH
 from revenant.agent.launcher import LaunchError, Launcher
 from revenant.messages import JobSpec
 
@@ -14,18 +15,19 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_job_that_cannot_start_here_is_refused_with_why(tmp_path):
-    launcher = Launcher("n1", tmp_path, 1.2)
+    launcher = Launcher("n1", tmp_path / "storage", 1.2)
     with pytest.raises(LaunchError, match="empty command"):
         launcher.check(JobSpec(id="1", argv=[], workdir="/"))
-    with pytest.raises(LaunchError, match="workdir /nope does not exist on n1"):
+    with pytest.raises(LaunchError, match=r"job 1 cannot run in /nope on n1: it cannot be read \(No such file"):
         launcher.check(JobSpec(id="1", argv=["true"], workdir="/nope"))
     with pytest.raises(LaunchError, match="command not found on n1: no-such-command-here"):
         launcher.check(JobSpec(id="1", argv=["no-such-command-here"], workdir="/"))
     env = launcher.check(JobSpec(id="1", argv=["true"], workdir="/", env={"SEED": "7"}))
-    assert env["SEED"] == "7" and env["PATH"] == os.environ["PATH"]
+    assert env["SEED"] == "7" and env["PATH"] == SYS_PATH  # nothing of the agent's own environment
     # A script in the workdir, named by a relative path.
-    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
-    launcher.check(JobSpec(id="1", argv=["./run.sh"], workdir=str(tmp_path)))
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "wd" / "run.sh").write_text("#!/bin/sh\n")
+    launcher.check(JobSpec(id="1", argv=["./run.sh"], workdir=str(tmp_path / "wd")))
 
 
 async def test_a_fresh_start_empties_the_output_and_gives_a_new_stamp(tmp_path):
