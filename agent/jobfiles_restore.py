@@ -17,6 +17,10 @@ Two phases, so a refused epoch changes nothing and the engine can try an older o
   owner and mode it had at the dump.  Then :func:`move_aside` moves whatever
   appeared or changed in the working directory after the epoch into
   ``<workdir>/revenant-after-epoch-<N>/`` (never deleted).
+
+The job's user controls these directories and may swap any of them for a link while root
+works there: every change is made through descriptors reached without following a link
+(agent/beneath.py), never by path.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from typing import Collection
 
 import msgspec
 
+from revenant.agent import beneath
 from revenant.agent.epochs import EpochError, FilesChanged, JobFile, Manifest
-from revenant.agent.fileio import copy_bytes, fsync_path
+from revenant.agent.fileio import copy_bytes
 from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, fingerprint, scan_workdir
 
 # Notes name every file; past this many moved-aside entries, the rest are counted.
@@ -47,16 +52,23 @@ class PutBack:
     note: str
     new_inode: bool = False  # the job's output in revenant's storage (see put_back)
     make_parent: bool = False  # its directory is gone, and lies in the job's working directory
+    workdir: str = ""  # that working directory (make_parent only)
 
 
 def _stat(path: str, n: int) -> os.stat_result | None:
     """The file as it is now (None if gone); refuses what the epoch's file cannot be put back over."""
     try:
-        st = os.lstat(path)
+        fd, name = beneath.open_parent(path)
     except FileNotFoundError:
-        st = None
+        return None
+    except beneath.Unsafe:
+        raise FilesChanged(f"a directory on the path of {path} is now a symlink; refusing epoch {n}") from None
     except OSError as exc:
         raise FilesChanged(f"cannot look at {path}: {exc.strerror}; refusing epoch {n}") from None
+    try:
+        st = beneath.lstat_in(fd, name)
+    finally:
+        os.close(fd)
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
             "not a regular file"
@@ -67,7 +79,11 @@ def _stat(path: str, n: int) -> os.stat_result | None:
 
 
 def _sample(path: str, size: int) -> str:
-    fd = os.open(path, os.O_RDONLY)
+    parent, name = beneath.open_parent(path)
+    try:
+        fd = beneath.open_file(parent, name, os.O_RDONLY)
+    finally:
+        os.close(parent)
     try:
         return fingerprint(fd, size)
     finally:
@@ -94,7 +110,8 @@ def _decide(path: str, e: JobFile, n: int, epoch_dir: Path, workdir: str) -> Put
         make_parent = not os.path.isdir(parent)
         if make_parent and not (workdir and parent.startswith(workdir + "/")):
             raise FilesChanged(f"{path} cannot be put back: its directory {parent} is gone; refusing epoch {n}")
-        return PutBack(path, e.size, str(epoch_dir / e.copy), e, note, _in_storage(path, epoch_dir), make_parent)
+        return PutBack(path, e.size, str(epoch_dir / e.copy), e, note, _in_storage(path, epoch_dir), make_parent,
+                       workdir if make_parent else "")
     why = f"epoch {n} holds no copy of it: {e.no_copy}" if e.no_copy else f"epoch {n} holds no copy of it"
     if st is None:
         raise FilesChanged(f"{path} is gone since epoch {n} and {why}")
@@ -146,20 +163,46 @@ def put_back(p: PutBack) -> None:
     refuses to write a database whose path now names another inode, "attempt to write a
     readonly database").  The job's output under revenant's storage gets a new inode
     instead: a stale copy of the job still running somewhere keeps writing into the old one,
-    never into the restored job's output (the fence at the resource)."""
-    path = Path(p.path)
-    if p.make_parent:
-        path.parent.mkdir(parents=True, exist_ok=True)  # a copied file whose directory went too
-    if p.new_inode or not path.exists():
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    else:
-        tmp, flags = path, os.O_WRONLY | os.O_NOFOLLOW
-    src = os.open(p.source, os.O_RDONLY | os.O_NOFOLLOW)
+    never into the restored job's output (the fence at the resource).  Every step goes through
+    descriptors reached without following a link (agent/beneath.py); a directory that went
+    (``p.make_parent``) is made again below ``p.workdir``, with the working directory's owner."""
+    parent, name = _parent(p)
     try:
-        dst = os.open(tmp, flags, 0o600)
+        _put_back_in(p, parent, name)
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
+def _parent(p: PutBack) -> tuple[int, str]:
+    if not p.make_parent:
+        return beneath.open_parent(p.path)
+    workdir = p.workdir
+    top = beneath.open_dir(workdir)
+    try:
+        st = os.fstat(top)
+        rel = os.path.relpath(os.path.dirname(p.path), workdir).split("/")
+        return beneath.walk(top, rel, p.path, make=(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))), \
+            os.path.basename(p.path)
+    finally:
+        os.close(top)
+
+
+def _put_back_in(p: PutBack, parent: int, name: str) -> None:
+    existing = beneath.lstat_in(parent, name)
+    in_place = not p.new_inode and existing is not None
+    if p.source == p.path:  # cut back: the file is its own source
+        src = beneath.open_file(parent, name, os.O_RDONLY)
+    else:
+        src = os.open(p.source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    tmp = name if in_place else f".{name}.{secrets.token_hex(4)}"
+    try:
+        dst = beneath.open_file(parent, tmp, os.O_WRONLY if in_place else os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            if tmp != path or p.source != p.path:  # a new file, or from the epoch's copy
+            if in_place and p.entry is not None and os.fstat(dst).st_uid != p.entry.uid:
+                raise beneath.Unsafe(0, f"it is now owned by uid {os.fstat(dst).st_uid}, not uid {p.entry.uid} "
+                                        "as at the dump", p.path)
+            if not in_place or p.source != p.path:  # a new file, or from the epoch's copy
                 copy_bytes(src, dst, p.size)
             os.ftruncate(dst, p.size)
             st = os.fstat(src)
@@ -170,15 +213,17 @@ def put_back(p: PutBack) -> None:
             os.fsync(dst)
         finally:
             os.close(dst)
+        if not in_place:
+            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
     except BaseException:
-        if tmp != path:
-            tmp.unlink(missing_ok=True)
+        if not in_place:
+            try:
+                os.unlink(tmp, dir_fd=parent)
+            except OSError:
+                pass
         raise
     finally:
         os.close(src)
-    if tmp != path:
-        os.replace(tmp, path)
-    fsync_path(path.parent, directory=True)
 
 
 def apply(plan: list[PutBack]) -> list[str]:
@@ -195,13 +240,41 @@ def apply(plan: list[PutBack]) -> list[str]:
 
 # ------------------------------------------------------------------ the working directory
 
-def _aside_dir(workdir: str, n: int) -> Path:
-    base = Path(workdir) / f"{ASIDE_PREFIX}{n}"
-    path, i = base, 1
-    while path.exists():
-        i += 1
-        path = base.with_name(f"{base.name}-{i}")
-    return path
+def _aside_dir(top: int, n: int) -> str:
+    """A new folder's name in the working directory (``top``, a descriptor), made there with the
+    working directory's owner."""
+    base, i = f"{ASIDE_PREFIX}{n}", 1
+    st = os.fstat(top)
+    while True:
+        name = base if i == 1 else f"{base}-{i}"
+        try:
+            os.mkdir(name, 0o700, dir_fd=top)
+        except FileExistsError:
+            i += 1
+            continue
+        fd = beneath.walk(top, [name], name)
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o7777 | 0o700)
+        finally:
+            os.close(fd)
+        return name
+
+
+def _move(top: int, rel: str, aside: str) -> None:
+    """Rename ``rel`` (below the working directory ``top``) to the same place below ``aside``,
+    through descriptors reached without following a link."""
+    *dirs, name = rel.split("/")
+    st = os.fstat(top)
+    src = beneath.walk(top, dirs, rel)
+    try:
+        dst = beneath.walk(top, [aside, *dirs], rel, make=(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode) | 0o700))
+        try:
+            os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)  # a rename, never a copy and delete
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 def _inside(rel: str, dirs: set[str]) -> bool:
@@ -259,6 +332,27 @@ def _holders(workdir: str, covered: Collection[str]) -> frozenset[str]:
     return frozenset(holds)
 
 
+def _move_all(workdir: str, moved: list[str], n: int) -> str:
+    """Move each of ``moved`` into a new folder of ``workdir``; the folder's path."""
+    try:
+        top = beneath.open_dir(workdir)
+    except OSError as exc:
+        raise EpochError(f"cannot move entries of {workdir} aside: {exc.strerror or exc}") from None
+    try:
+        aside = _aside_dir(top, n)
+        for rel in moved:
+            try:
+                _move(top, rel, aside)
+            except OSError as exc:
+                raise EpochError(f"cannot move {os.path.join(workdir, rel)} aside to "
+                                 f"{os.path.join(workdir, aside, rel)}: {exc.strerror or exc}") from None
+    except OSError as exc:
+        raise EpochError(f"cannot make a folder in {workdir} to move entries aside: {exc.strerror or exc}") from None
+    finally:
+        os.close(top)
+    return os.path.join(workdir, aside)
+
+
 def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str = "") -> list[str]:
     """Move what appeared or changed in the workdir after the epoch into a folder named after it;
     ``leave``: why the workdir must be left as it is (another job uses it)."""
@@ -288,15 +382,7 @@ def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str
                          "a process on this node holds it open")
             moved = [rel for rel in moved if rel not in set(busy)]
     if moved:
-        aside = _aside_dir(workdir, n)
-        for rel in moved:
-            dst = aside / rel
-            try:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(os.path.join(workdir, rel), dst)  # a rename, never a copy and delete
-            except OSError as exc:
-                raise EpochError(f"cannot move {os.path.join(workdir, rel)} aside to {dst}: "
-                                 f"{exc.strerror or exc}") from None
+        aside = _move_all(workdir, moved, n)
         named = ", ".join(moved[:MAX_NAMED]) + (f" and {len(moved) - MAX_NAMED} more" if len(moved) > MAX_NAMED else "")
         notes.append(f"moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} of {workdir} that appeared or "
                      f"changed after epoch {n} to {aside}: {named}")

@@ -1,0 +1,115 @@
+"""Root's file operations in directories a user controls, safe against links and races.
+
+A restore runs as root and changes files in the job's working directory and wherever else the
+job held a file open for writing: it puts files back, cuts them back, makes their lost
+directories and moves entries aside.  The job's user owns those directories and may rename
+anything in them at any moment (``renameat2(RENAME_EXCHANGE)`` swaps a directory for a link to
+``/root`` between any two system calls), so a path that was checked is no guarantee for the next
+call that uses it.
+
+The one mechanism used everywhere: every path is walked from ``/`` one component at a time,
+each opened relative to the descriptor of the one before with ``O_NOFOLLOW | O_DIRECTORY``, so
+a link anywhere on the way is refused (ELOOP or ENOTDIR) instead of followed, whenever it was
+swapped in; the last component is opened with ``O_NOFOLLOW`` too.  Everything after that goes
+through descriptors: ``fchown``, ``fchmod``, ``fstat``, ``mkdirat``, ``renameat`` and
+``unlinkat`` relative to the directory's descriptor, never by path.  A swap can then only put
+another real directory in the place of one; and only a directory that the user could move there,
+which lies in the user's own tree.  Paths are absolute and normal (no ``.``, ``..``, ``//``).
+
+Blocking: run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Unsafe(OSError):
+    """A path that leads through a link, or is not what it must be."""
+
+
+def _parts(path: str) -> list[str]:
+    if not path.startswith("/") or os.path.normpath(path) != path or path.startswith("//"):
+        raise Unsafe(errno.EINVAL, "not an absolute, normal path", path)
+    return [p for p in path.split("/") if p]
+
+
+def _open_in(dir_fd: int, name: str, path: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Unsafe(exc.errno, f"{name} on its path is a link or not a directory", path) from None
+        raise
+
+
+def walk(dir_fd: int, names: list[str], path: str, make: tuple[int, int, int] | None = None) -> int:
+    """A new descriptor of the directory ``names`` below ``dir_fd`` (which stays open), each
+    component opened without following a link; with ``make`` (uid, gid, mode) the missing ones are
+    made, and given that owner and mode through their descriptors."""
+    fd = os.dup(dir_fd)
+    try:
+        for name in names:
+            try:
+                nxt = _open_in(fd, name, path)
+            except FileNotFoundError:
+                if make is None:
+                    raise
+                try:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nxt = _open_in(fd, name, path)
+                uid, gid, mode = make
+                os.fchown(nxt, uid, gid)
+                os.fchmod(nxt, mode)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_dir(path: str, make: tuple[int, int, int] | None = None) -> int:
+    """A descriptor of the directory ``path``, reached from ``/`` without following a link."""
+    root = os.open("/", _DIR_FLAGS)
+    try:
+        return walk(root, _parts(path), path, make)
+    finally:
+        os.close(root)
+
+
+def open_parent(path: str) -> tuple[int, str]:
+    """(a descriptor of ``path``'s directory, its last component), reached without following a link."""
+    parts = _parts(path)
+    if not parts:
+        raise Unsafe(errno.EINVAL, "the root has no parent", path)
+    head, _, name = path.rpartition("/")
+    return open_dir(head or "/"), name
+
+
+def lstat_in(dir_fd: int, name: str) -> os.stat_result | None:
+    """The entry ``name`` of ``dir_fd`` itself (a link is not followed); None if it is missing."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o600) -> int:
+    """Open the regular file ``name`` of ``dir_fd``: never through a link, never blocking on a FIFO
+    (``O_NONBLOCK``, cleared once it is known to be a regular file)."""
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Unsafe(errno.EINVAL, "not a regular file", name)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
