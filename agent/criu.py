@@ -115,10 +115,11 @@ def incremental_args(parent: str = PREDUMP_DIR) -> list[str]:
 
 
 def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path) -> list[str]:
-    """Restore as the caller's own child (--restore-sibling keeps the saved PDEATHSIG alive)."""
+    """Restore as the caller's own child (--restore-sibling keeps the saved PDEATHSIG alive), left
+    stopped: the agent checks what criu opened before the job runs (agent/engine.py)."""
     return [criu, "restore", "-D", str(images), "-W", str(workdir), "-o", RESTORE_LOG,
-            "-v4", "--restore-detached", "--restore-sibling", "--pidfile", str(pidfile), "--file-locks",
-            *RESTORE_MOUNTS]
+            "-v4", "--restore-detached", "--restore-sibling", "--leave-stopped", "--pidfile", str(pidfile),
+            "--file-locks", *RESTORE_MOUNTS]
 
 
 def action_script(post_dump: list[str]) -> str:

@@ -389,6 +389,9 @@ class Engine:
             raise CriuError(f"criu restore failed: {criu.error_line(text)}{kept}")
         ctx.pid = int(pidfile.read_text().strip())
         try:
+            for step in self.steps:  # the job is still stopped: a step may refuse what criu made
+                await step.before_resume(ctx)
+            signal_tree(ctx.pid, signal.SIGCONT)
             for step in self.steps:
                 await step.after_restore(ctx)
         except BaseException:  # half restored (its GPU not resumed, say): it must not run on as the job

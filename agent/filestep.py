@@ -97,6 +97,16 @@ class JobFilesStep(BaseStep):
         def put_back() -> list[str]:
             todo = planned if planned is not None else jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir)
             notes = jobfiles_restore.apply(todo)
+            ctx.checked[self.name] = todo  # with each file's inode: checked before the job resumes
             return notes + jobfiles_restore.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries,
                                                        leave=ctx.leave_workdir)
         ctx.notes += await asyncio.to_thread(put_back)
+
+    async def before_resume(self, ctx: RestoreContext) -> None:
+        done = ctx.checked.get(self.name)
+        if not ctx.manifest.job_files or not done:  # an epoch from before job_files: its output only
+            return
+        path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done)
+        if path is not None:
+            raise EpochError(f"restore of job {ctx.job} refused: criu opened {path}, which is not a file the job "
+                             "had open at the dump (a directory on its path was swapped while it restored)")

@@ -37,7 +37,7 @@ import msgspec
 from revenant.agent import beneath
 from revenant.agent.epochs import EpochError, FilesChanged, JobFile, Manifest
 from revenant.agent.fileio import copy_bytes
-from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, fingerprint, scan_workdir
+from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, fingerprint, open_for_writing, scan_workdir
 
 # Notes name every file; past this many moved-aside entries, the rest are counted.
 MAX_NAMED = 50
@@ -53,6 +53,7 @@ class PutBack:
     new_inode: bool = False  # the job's output in revenant's storage (see put_back)
     make_parent: bool = False  # its directory is gone, and lies in the job's working directory
     workdir: str = ""  # that working directory (make_parent only)
+    inode: tuple[int, int] | None = None  # (device, inode) of the file put back, once it is
 
 
 def _stat(path: str, n: int) -> os.stat_result | None:
@@ -211,6 +212,8 @@ def _put_back_in(p: PutBack, parent: int, name: str) -> None:
             os.fchown(dst, uid, gid)
             os.fchmod(dst, mode)  # after chown, which clears set-id bits
             os.fsync(dst)
+            done = os.fstat(dst)
+            p.inode = (done.st_dev, done.st_ino)
         finally:
             os.close(dst)
         if not in_place:
@@ -236,6 +239,18 @@ def apply(plan: list[PutBack]) -> list[str]:
     if len(notes) > MAX_NAMED:  # a reply stays small: the rest are counted
         notes = notes[:MAX_NAMED] + [f"and {len(notes) - MAX_NAMED} more files cut back or restored"]
     return notes
+
+
+def swapped(root: int, done: list[PutBack]) -> str | None:
+    """A file the restored job (its init ``root``, still stopped) holds open for writing that is
+    none of the files put back (``done``), or None.  criu opens the job's files by path, following
+    links: a directory the user swapped for a link after the put-back would hand the job a
+    descriptor of a file outside its tree, opened by root."""
+    expected = {p.inode for p in done if p.inode is not None}
+    for path, of in open_for_writing(root).items():
+        if (of.st.st_dev, of.st.st_ino) not in expected:
+            return path
+    return None
 
 
 # ------------------------------------------------------------------ the working directory

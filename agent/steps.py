@@ -74,6 +74,8 @@ class Step(Protocol):
     # what it returns for the epoch chosen reaches before_restore as ctx.checked[name].
     def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any: ...
     async def before_restore(self, ctx: RestoreContext) -> None: ...
+    # criu has restored the job, which is still stopped (--leave-stopped): raise to kill it instead of resuming it.
+    async def before_resume(self, ctx: RestoreContext) -> None: ...
     async def after_restore(self, ctx: RestoreContext) -> None: ...
 
 
@@ -93,6 +95,9 @@ class BaseStep:
         return None
 
     async def before_restore(self, ctx: RestoreContext) -> None:
+        pass
+
+    async def before_resume(self, ctx: RestoreContext) -> None:
         pass
 
     async def after_restore(self, ctx: RestoreContext) -> None:

@@ -27,8 +27,8 @@ def test_dump_command_line():
 def test_restore_command_line_makes_the_job_our_child():
     argv = criu.restore_argv("criu", images=Path("/s/jobs/1/epochs/3"), workdir=Path("/w"), pidfile=Path("/w/pid"))
     assert argv == ["criu", "restore", "-D", "/s/jobs/1/epochs/3", "-W", "/w", "-o", "restore.log", "-v4",
-                    "--restore-detached", "--restore-sibling", "--pidfile", "/w/pid", "--file-locks",
-                    "--root", "/", "--external", "mnt[]"]
+                    "--restore-detached", "--restore-sibling", "--leave-stopped", "--pidfile", "/w/pid",
+                    "--file-locks", "--root", "/", "--external", "mnt[]"]
 
 
 def test_check_command_lines():

@@ -107,6 +107,7 @@ class Dumped:
         if self.pidfile.exists():
             self.restored.append(int(self.pidfile.read_text()))
         assert done.returncode == 0, criu.log_error(self.workdir / criu.RESTORE_LOG, done.output)
+        procs.signal_tree(self.restored[-1], signal.SIGCONT)  # restored stopped (--leave-stopped), as the engine does
         return self.restored[-1]
 
 
