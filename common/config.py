@@ -259,6 +259,12 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     proactive_hold_s: float = 2.0
     proactive_cooldown_s: float = 300.0
     proactive_pause_fraction: float = 0.3
+    # Per-user limits on submits (coordinator/userlimits.py; root's jobs have none), 0: no limit.
+    # The jobs a user may have that are not finished ...
+    max_jobs_per_user: int = 1000
+    # ... and a token bucket per user: this many submits a second, up to the burst at once.
+    submit_rate_per_user: float = 10.0
+    submit_burst_per_user: int = 50
 
     def on_sick_for(self, req: SubmitRequest) -> str:
         """A job's policy on a sick node: the submit's, else the default for a job with a schedule."""
@@ -284,6 +290,12 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              "or every tick would count as a stall and no node would ever be declared dead")
         _port(self.http_port)
         _replicas(self.nats_replicas)
+        for name in ("max_jobs_per_user", "submit_rate_per_user", "submit_burst_per_user"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number, 0 or more, got {getattr(self, name)!r}")
+        if self.submit_rate_per_user and self.submit_burst_per_user < 1:
+            raise ValueError("submit_burst_per_user must be at least 1 while submit_rate_per_user is set "
+                             f"(0 would refuse every submit), got {self.submit_burst_per_user}")
 
 
 _TMPFS_SIZE = re.compile(r"[1-9][0-9]*[kmgt]?|([1-9][0-9]?|100)%", re.I)

@@ -21,7 +21,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import CheckpointSkipped, RevenantError, UnknownJob
 from revenant.common.events import EventPublisher
 from revenant.common.limits import check_submit
-from revenant.coordinator import lifecycle as lc
+from revenant.coordinator import lifecycle as lc, userlimits
 from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
 from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, workdir_shared
 from revenant.coordinator.store import JobStore, Unsettled, WriteConflict, patiently
@@ -55,7 +55,7 @@ class JobService:
         self.nodes = nodes
         self.leader = leader
         self.wall = wall
-        self.jobs: dict[str, JobRecord] = {}
+        self.jobs = userlimits.JobTable()  # it counts each user's unfinished jobs too
         self._locks: dict[str, asyncio.Lock] = {}
         # (user, submit request id) -> the job it made, kept with the table (checked on use).
         self._by_request: dict[tuple[str, str], str] = {}
@@ -63,7 +63,7 @@ class JobService:
     # ------------------------------------------------------------------ the table
 
     async def open(self) -> None:
-        self.jobs = await self.store.load()
+        self.jobs = userlimits.JobTable(await self.store.load())
         self._by_request = {(r.spec.user, r.spec.request_id): j for j, r in self.jobs.items() if r.spec.request_id}
         log.info("job table: %d job(s)", len(self.jobs))
 
@@ -173,7 +173,7 @@ class JobService:
     async def submit(self, req: SubmitRequest, user: str = "") -> JobRecord:
         """Start ``req`` as a job of ``user`` (who asked decided which: coordinator/requests.py, which
         also answers a repeat of a submit with the job it made)."""
-        check_submit(req)  # before anything happens: a record that could not be stored or replied to
+        check_submit(req, user)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
         node = place(self.nodes(), self.jobs_per_node(), req.node)

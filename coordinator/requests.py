@@ -17,7 +17,8 @@ that no one learns which ids are taken.  A record stored before jobs had users
 jobs are admin's.
 
 :func:`requester_of`, :func:`may_see`, :func:`visible` and :func:`submit_user` are the rules,
-pure; :class:`ClientRequests` answers the job verbs with them.
+pure; :class:`ClientRequests` answers the job verbs with them, and holds a submit to its user's
+limits (coordinator/userlimits.py) once it is not a repeat.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 from revenant.common.errors import RevenantError, UnknownJob
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.paging import JobPages, shown
+from revenant.coordinator.userlimits import UserLimits
 from revenant.messages import (
     JobRecord,
     JobReply,
@@ -123,6 +125,8 @@ class ClientRequests:
         self._pages = JobPages()
         # Submits with a request id under way, by (user, request id): a repeat waits for the first.
         self._submitting: dict[tuple[str, str], asyncio.Event] = {}
+        # A submit under way whose job is in the table already is told by its request id.
+        self.limits = UserLimits.of(jobs.config, made=jobs.made_by)
 
     async def answer(self, verb: str, data: bytes, asker: Requester) -> Message:
         jobs = self.jobs
@@ -155,9 +159,12 @@ class ClientRequests:
 
     async def submit(self, req: SubmitRequest, user: str) -> JobRecord:
         """A submit; one with a request id that already made a job (its reply was lost, or a
-        leader changed, and the client asked again) is answered with that job, never a second."""
+        leader changed, and the client asked again) is answered with that job, never a second.
+        Only a submit that is not such a repeat meets its user's limits: a repeat is never
+        refused, and takes no token."""
         if not req.request_id:
-            return await self.jobs.submit(req, user=user)
+            with self.limits.admitting(user, self.jobs.jobs):
+                return await self.jobs.submit(req, user=user)
         key = (user, req.request_id)
         while (first := self._submitting.get(key)) is not None:
             await first.wait()  # the same submit is under way: its job is the answer
@@ -172,7 +179,8 @@ class ClientRequests:
             return made
         self._submitting[key] = done = asyncio.Event()
         try:
-            return await self.jobs.submit(req, user=user)
+            with self.limits.admitting(user, self.jobs.jobs, req.request_id):
+                return await self.jobs.submit(req, user=user)
         finally:
             del self._submitting[key]
             done.set()
