@@ -347,6 +347,13 @@ def _holders(workdir: str, covered: Collection[str]) -> frozenset[str]:
     return frozenset(holds)
 
 
+def _dev(workdir: str, rel: str) -> int | None:
+    try:
+        return os.lstat(os.path.join(workdir, rel)).st_dev
+    except OSError:  # gone since the scan
+        return None
+
+
 def _move_all(workdir: str, moved: list[str], n: int) -> str:
     """Move each of ``moved`` into a new folder of ``workdir``; the folder's path."""
     try:
@@ -358,6 +365,8 @@ def _move_all(workdir: str, moved: list[str], n: int) -> str:
         for rel in moved:
             try:
                 _move(top, rel, aside)
+            except FileNotFoundError:
+                continue  # gone since the scan: nothing to move
             except OSError as exc:
                 raise EpochError(f"cannot move {os.path.join(workdir, rel)} aside to "
                                  f"{os.path.join(workdir, aside, rel)}: {exc.strerror or exc}") from None
@@ -390,8 +399,7 @@ def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str
     notes = []
     if moved:
         held = _held_open()
-        busy = [rel for rel in moved if not now[rel][3] and (os.lstat(os.path.join(workdir, rel)).st_dev,
-                                                              now[rel][0]) in held]
+        busy = [rel for rel in moved if not now[rel][3] and (_dev(workdir, rel), now[rel][0]) in held]
         if busy:
             notes.append(f"left {', '.join(busy[:MAX_NAMED])} in {workdir}, though changed after epoch {n}: "
                          "a process on this node holds it open")

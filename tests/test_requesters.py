@@ -286,14 +286,17 @@ async def _started(coord: Coordinator) -> bool:
 @pytest.mark.criu
 async def test_a_submit_records_who_asked_and_admin_may_submit_for_a_user(nats_url, tmp_path):
     agent = Agent(agent_config(nats_url, tmp_path, criu_path=str(VENV_BIN / "criu")))
+    wd = tmp_path / "nobodys"  # a job's workdir is its user's own (agent/jobuser.py workdir_problem)
+    wd.mkdir()
+    os.chown(wd, 65534, 65534)
     async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord, running(agent):
         await wait_for(lambda: _started(coord), timeout=30)
         nc = await bus.connect(nats_url, "test", endless_reconnect=False)
         try:
-            own = await _ask(nc, Requester("nobody"), "submit", SubmitRequest(argv=["true"], workdir="/"), JobReply)
+            own = await _ask(nc, Requester("nobody"), "submit", SubmitRequest(argv=["true"], workdir=str(wd)), JobReply)
             assert own.job.spec.user == "nobody"
             # Root's CLI asks as admin, which may name the user.
-            out = await asyncio.to_thread(revenant_cli, "submit", "--user", "nobody", "--workdir", "/", "--", "true",
+            out = await asyncio.to_thread(revenant_cli, "submit", "--user", "nobody", "--workdir", str(wd), "--", "true",
                                           env={"REVENANT_NATS": nats_url})
             assert out.returncode == 0, out.stderr
             job = out.stdout.strip()

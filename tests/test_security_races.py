@@ -1,0 +1,243 @@
+"""Root's file operations in a directory a user controls, raced by that user (docs/security.md,
+"Root in a user's directory").
+
+The case that broke: a root job whose files lie in a directory an unprivileged user owns.  That
+user loops ``renameat2(RENAME_EXCHANGE)``, swapping the directory with a symlink to a root-only
+directory, while root restores the job (puts files back, cuts them back, moves entries aside,
+and criu opens them).  Root must never touch anything outside the job's tree: the root-only
+directory is compared, entry by entry (bytes, owner, mode, times, inode), before and after.
+The victim's files have the names and the sizes of the job's, so that criu's size check would
+not stop a swap on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, FilesChanged, JobFile, JobFiles, Manifest
+from revenant.agent.jobfiles import scan_workdir
+from revenant.agent.jobfiles_restore import apply, move_aside, plan
+from revenant.agent.launcher import reset_stamp
+from revenant.common.errors import RevenantError
+from revenant.messages import JobSpec
+
+RACE_S = 10.0
+NOBODY = pwd.getpwnam("nobody")
+# A python nobody may run (the suite's own may live under root's home).
+PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+# Swaps ``a`` (a real directory) and ``b`` (a symlink to the victim) until ``seconds`` have passed,
+# then leaves ``a`` the real directory again; prints how many swaps it made.  A restore moves
+# aside what appeared after the epoch, the link included: it makes the link again.
+ATTACKER = textwrap.dedent("""
+    import ctypes, os, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    a, b, target, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    swap = lambda: libc.renameat2(-100, a.encode(), -100, b.encode(), 2)  # AT_FDCWD, RENAME_EXCHANGE
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        if swap() == 0:
+            n += 1
+        elif not os.path.lexists(b):
+            try:
+                os.symlink(target, b)
+            except OSError:
+                pass
+    if os.path.islink(a):
+        swap()
+    print(n)
+""")
+
+
+def as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY.pw_gid)
+    os.setuid(NOBODY.pw_uid)
+
+
+def attack(deeper: Path, victim: Path, seconds: float) -> subprocess.Popen:
+    evil = deeper.with_name("evil")
+    subprocess.run([PYTHON, "-c", f"import os; os.symlink({str(victim)!r}, {str(evil)!r})"],
+                   preexec_fn=as_nobody, check=True, timeout=30)
+    return subprocess.Popen([PYTHON, "-c", ATTACKER, str(deeper), str(evil), str(victim), str(seconds)],
+                            preexec_fn=as_nobody, stdout=subprocess.PIPE, text=True)
+
+
+def snapshot(tree: Path) -> dict[str, tuple]:
+    """Everything about every entry of ``tree`` that root could change."""
+    seen = {}
+    for root, dirs, files in os.walk(tree):
+        for name in [".", *dirs, *files]:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            data = Path(path).read_bytes() if stat.S_ISREG(st.st_mode) else b""
+            seen[os.path.relpath(path, tree)] = (st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
+                                                 st.st_mtime_ns, st.st_ctime_ns, data)
+    return seen
+
+
+@pytest.fixture
+def stage():
+    """/var/tmp/<base>: ``wd`` (root's 0755: a valid root job's workdir), ``wd/sub`` and
+    ``wd/sub/deeper`` (nobody's), and ``victim`` (root's 0700), which nobody can name through a
+    symlink of theirs but never read or write."""
+    base = Path(tempfile.mkdtemp(prefix="revenant-race-", dir="/var/tmp"))
+    base.chmod(0o755)
+    deeper = base / "wd" / "sub" / "deeper"
+    deeper.mkdir(parents=True)
+    (base / "wd").chmod(0o755)
+    for d in (deeper.parent, deeper):
+        os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
+        d.chmod(0o755)
+    victim = base / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / "precious").write_text("root's own\n")
+    yield base, deeper, victim
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _entry(path: Path, **kw) -> JobFile:
+    st = path.stat()
+    return JobFile(size=st.st_size, mode=st.st_mode & 0o7777, uid=st.st_uid, gid=st.st_gid, ino=st.st_ino,
+                   mtime_ns=st.st_mtime_ns, **kw)
+
+
+@pytest.mark.criu
+def test_put_back_cut_back_and_move_aside_touch_nothing_outside_the_job_while_the_user_swaps(stage):
+    base, deeper, victim = stage
+    wd = base / "wd"
+    state, log = deeper / "state.bin", deeper / "log.txt"
+    state.write_bytes(b"S" * 4096)
+    log.write_bytes(b"line\n" * 100)
+    epoch = base / "storage" / "jobs" / "1" / "epochs" / "3"
+    (epoch / FILES_DIR).mkdir(parents=True)
+    shutil.copyfile(state, epoch / FILES_DIR / "0")
+    (epoch / LISTING).write_bytes(msgspec.json.encode(scan_workdir(str(wd), 1000)))
+    m = Manifest(job="1", epoch=3, generation=1, node="n", created_at=0, criu_version="4.2.1", kernel="k",
+                 workdir=str(wd), job_files={str(state): _entry(state, copy=f"{FILES_DIR}/0"),
+                                             str(log): _entry(log, append=True)})
+    (victim / "state.bin").write_bytes(b"V" * 4096)  # the same names and sizes as the job's files
+    (victim / "log.txt").write_bytes(b"root\n" * 100)
+    before = snapshot(victim)
+    held = os.open(deeper, os.O_RDONLY | os.O_DIRECTORY)  # the real directory, wherever it is renamed to
+    attacker = attack(deeper, victim, RACE_S)
+    done = refused = 0
+    try:
+        end = time.monotonic() + RACE_S
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            # The job ran on after the epoch: its files changed, and it made a new one.
+            fd = os.open("log.txt", os.O_WRONLY | os.O_APPEND, dir_fd=held)
+            os.write(fd, b"after\n")
+            os.close(fd)
+            fd = os.open("state.bin", os.O_WRONLY, dir_fd=held)
+            os.write(fd, b"X" * 100)
+            os.close(fd)
+            os.close(os.open(f"new-{i}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=held))
+            try:
+                apply(plan(m, epoch))
+                move_aside(m, epoch, 1000)
+                done += 1
+            except (FilesChanged, EpochError):
+                refused += 1
+    finally:
+        swaps = int(attacker.communicate(timeout=RACE_S + 30)[0])
+        os.close(held)
+    assert snapshot(victim) == before
+    assert swaps > 1000 and done + refused > 100, (swaps, done, refused)
+    assert done > 0, f"no restore got through in {done + refused} tries against {swaps} swaps"
+    print(f"{swaps} swaps; {done} put-backs and moves done, {refused} refused")
+
+
+JOB = textwrap.dedent("""
+    import os, sys, time
+    d = sys.argv[1]
+    state = open(os.path.join(d, "state.bin"), "r+b")
+    log = open(os.path.join(d, "log.txt"), "ab", buffering=0)
+    i = 0
+    while True:
+        i += 1
+        state.seek(0); state.write(b"%08d" % i); state.flush()
+        log.write(b"step %08d\\n" % i)
+        print(i, flush=True)
+        time.sleep(0.02)
+""")
+
+
+@pytest.mark.criu
+async def test_a_restore_with_real_criu_touches_nothing_outside_the_job_while_the_user_swaps(stage, supervisors):
+    base, deeper, victim = stage
+    wd = base / "wd"
+    (deeper / "state.bin").write_bytes(b"S" * 4096)
+    (deeper / "log.txt").write_bytes(b"")
+    (wd / "job.py").write_text(JOB)
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(wd / "job.py"), str(deeper)], workdir=str(wd), user="root")
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    while out.read_bytes().count(b"\n") < 20:
+        await asyncio.sleep(0.05)
+    await sup.checkpoint("1", 1, stop=True)  # vacate
+    files = JobFiles(sup.storage, "1")
+    m = files.read_manifest(files.committed()[-1])
+    sizes = {Path(p).name: e.size for p, e in m.job_files.items() if p.startswith(str(deeper))}
+    assert set(sizes) == {"state.bin", "log.txt"}, m.job_files
+    for name, size in sizes.items():  # what criu's size check would let through
+        (victim / name).write_bytes(b"R" * size)
+    before = snapshot(victim)
+    attacker = attack(deeper, victim, RACE_S)
+    generation, restored, refused = 1, 0, []
+    try:
+        end = time.monotonic() + RACE_S
+        while time.monotonic() < end:
+            generation += 1
+            try:
+                await sup.restore(spec, generation)
+            except RevenantError as exc:
+                refused.append(str(exc))
+                continue
+            restored += 1
+            await asyncio.sleep(0.2)
+            await sup.kill("1", generation)
+            await asyncio.wait_for(sup.jobs["1"].exited.wait(), 30) if "1" in sup.jobs else None
+    finally:
+        swaps = int(attacker.communicate(timeout=RACE_S + 60)[0])
+    assert snapshot(victim) == before, (restored, refused[:3])
+    assert swaps > 100 and restored + len(refused) >= 3, (swaps, restored, refused[:3])
+    print(f"{swaps} swaps; {restored} restores, {len(refused)} refused: {sorted(set(refused))[:5]}")
+
+
+@pytest.mark.unit
+def test_the_users_cannot_touch_the_stamp_and_a_link_in_its_place_is_never_followed(tmp_path):
+    files = JobFiles(tmp_path / "storage", "1")
+    files.dir.mkdir(parents=True)
+    files.dir.chmod(0o711)  # as the launcher leaves it (agent/jobuser.py own_job_files)
+    (tmp_path).chmod(0o755)
+    (tmp_path / "storage").chmod(0o755)
+    (tmp_path / "storage" / "jobs").chmod(0o755)
+    files.stamp.write_text("")
+    target = tmp_path / "roots-file"
+    target.write_text("root's\n")
+    before = target.stat().st_mtime_ns
+    tried = subprocess.run([PYTHON, "-c", "import os, sys; os.unlink(sys.argv[1])", str(files.stamp)],
+                           preexec_fn=as_nobody, capture_output=True, text=True, timeout=30)
+    assert tried.returncode != 0 and "PermissionError" in tried.stderr
+    files.stamp.unlink()
+    files.stamp.symlink_to(target)  # had it been possible
+    time.sleep(0.01)
+    reset_stamp(files.stamp)
+    assert target.stat().st_mtime_ns == before and target.read_text() == "root's\n"
