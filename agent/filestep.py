@@ -8,7 +8,7 @@ import logging
 import threading
 from pathlib import Path
 
-from revenant.agent import jobfiles_restore
+from revenant.agent import aside, jobfiles_restore
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
@@ -98,15 +98,15 @@ class JobFilesStep(BaseStep):
             todo = planned if planned is not None else jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir)
             notes = jobfiles_restore.apply(todo)
             ctx.checked[self.name] = todo  # with each file's inode: checked before the job resumes
-            return notes + jobfiles_restore.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries,
+            return notes + aside.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries,
                                                        leave=ctx.leave_workdir)
         ctx.notes += await asyncio.to_thread(put_back)
 
     async def before_resume(self, ctx: RestoreContext) -> None:
-        done = ctx.checked.get(self.name)
-        if not ctx.manifest.job_files or not done:  # an epoch from before job_files: its output only
+        done = ctx.checked.get(self.name) or []
+        if not ctx.manifest.job_files:  # an epoch from before job_files: its output only
             return
-        path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done)
+        path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir)
         if path is not None:
             raise EpochError(f"restore of job {ctx.job} refused: criu opened {path}, which is not a file the job "
                              "had open at the dump (a directory on its path was swapped while it restored)")

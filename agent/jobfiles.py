@@ -39,18 +39,20 @@ from pathlib import Path
 
 import msgspec
 
+from revenant.agent import beneath
 from revenant.agent.epochs import FILES_DIR, LISTING, JobFile
 from revenant.agent.fileio import copy_bytes, reflink
+from revenant.agent.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
 
 ASIDE_PREFIX = "revenant-after-epoch-"
+# In an epoch: every path the job held at the dump (held_paths), what its restore may open.
+HELD = "held.json"
 # Workdirs whose changes are never moved aside: shared by everything on the node.
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
                          "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
                          "/var/tmp", "/var/lib"})
 # Caches the workdir may hold that are nobody's output (hidden entries are skipped too).
 UNTRACKED = frozenset({"__pycache__"})
-# Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
-PSEUDO = ("/proc/", "/sys/", "/dev/")
 _SAMPLE = 64 * 1024
 _SAMPLE_BLOCKS = 16
 _BLOCK = 4096
@@ -70,95 +72,6 @@ def fingerprint(fd: int, size: int) -> str:
     for offset, length in spans:
         crc = zlib.crc32(os.pread(fd, length, offset), crc)
     return f"{crc:08x}:{size}"
-
-
-# ------------------------------------------------------------------ the job's processes and descriptors
-
-def job_pids(root: int) -> list[int]:
-    """``root`` and all its descendants (every thread's children)."""
-    pids, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-    return pids
-
-
-def _mount_devs(mountinfo: str) -> set[str]:
-    return {line.split()[2] for line in mountinfo.splitlines() if line.strip()}
-
-
-def private_devs(root: int) -> set[int]:
-    """Devices of filesystems mounted in the job's own mount namespace and nowhere in ours
-    (its private tmpfs ``/tmp`` and ``/dev/shm``): criu dumps their contents itself."""
-    try:
-        theirs = Path(f"/proc/{root}/mountinfo").read_text()
-        ours = Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return set()
-    devs = set()
-    for majmin in _mount_devs(theirs) - _mount_devs(ours):
-        major, _, minor = majmin.partition(":")
-        devs.add(os.makedev(int(major), int(minor)))
-    return devs
-
-
-@dataclass
-class OpenFile:
-    path: str
-    source: str  # /proc/<pid>/fd/<n>: opens the very file, whatever namespace the path is in
-    st: os.stat_result
-    append: bool
-
-
-def _fd_flags(pid: int, fd: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            for line in f:
-                if line.startswith("flags:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def open_for_writing(root: int) -> dict[str, OpenFile]:
-    """Regular files the job's processes hold open for writing, by path."""
-    skip = private_devs(root)
-    found: dict[str, OpenFile] = {}
-    for pid in job_pids(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            flags = _fd_flags(pid, fd)
-            if flags is None or flags & os.O_ACCMODE == os.O_RDONLY:
-                continue
-            source = f"/proc/{pid}/fd/{fd}"
-            try:
-                st = os.stat(source)
-                path = os.readlink(source)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_dev in skip or not path.startswith("/") \
-                    or path.endswith(" (deleted)") or path.startswith(PSEUDO):
-                continue  # criu keeps unlinked files (ghosts) itself; /proc, /sys: not data
-            append = bool(flags & os.O_APPEND)
-            if path in found:
-                found[path].append = found[path].append and append
-            else:
-                found[path] = OpenFile(path, source, st, append)
-    return found
 
 
 # ------------------------------------------------------------------ the working directory
@@ -189,34 +102,47 @@ def eligible_workdir(workdir: str, storage: Path) -> str | None:
 def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozenset()) -> dict[str, list[int]] | None:
     """``relative path: [inode, size, mtime_ns, is_dir]`` of everything under ``workdir`` on its
     own filesystem, revenant's moved-aside folders and ``skip`` (absolute paths) excepted; None
-    if there are more than ``max_entries``."""
-    root = os.path.realpath(workdir)
-    dev = os.stat(root).st_dev
+    if there are more than ``max_entries``.  Walked through descriptors, from ``/``, never
+    through a link (agent/beneath.py): a working directory, or a directory in it, swapped for a
+    link is never listed (the walk raises OSError, or leaves the entry out)."""
+    top = beneath.open_dir(workdir)
     listing: dict[str, list[int]] = {}
-    todo = [""]
-    while todo:
-        rel = todo.pop()
-        try:
-            entries = list(os.scandir(os.path.join(root, rel) if rel else root))
-        except OSError:
-            continue
-        for entry in entries:
-            name = f"{rel}/{entry.name}" if rel else entry.name
-            if (not rel and entry.name.startswith(ASIDE_PREFIX)) or entry.path in skip or entry.name in UNTRACKED \
-                    or entry.name.startswith("."):
-                continue  # hidden entries (.git, .venv, caches) and __pycache__ are never tracked
+    try:
+        dev = os.fstat(top).st_dev
+        todo: list[tuple[str, int]] = [("", os.dup(top))]
+        while todo:
+            rel, fd = todo.pop()
             try:
-                st = entry.stat(follow_symlinks=False)
+                entries = list(os.scandir(fd))
             except OSError:
-                continue
-            if st.st_dev != dev:
-                continue  # a mount point: another filesystem, never listed nor moved
-            is_dir = stat.S_ISDIR(st.st_mode)
-            listing[name] = [st.st_ino, st.st_size, st.st_mtime_ns, int(is_dir)]
-            if len(listing) > max_entries:
-                return None
-            if is_dir:
-                todo.append(name)
+                entries = []
+            try:
+                for entry in entries:
+                    name = f"{rel}/{entry.name}" if rel else entry.name
+                    if (not rel and entry.name.startswith(ASIDE_PREFIX)) or os.path.join(workdir, name) in skip \
+                            or entry.name in UNTRACKED or entry.name.startswith("."):
+                        continue  # hidden entries (.git, .venv, caches) and __pycache__ are never tracked
+                    try:
+                        st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if st.st_dev != dev:
+                        continue  # a mount point: another filesystem, never listed nor moved
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    listing[name] = [st.st_ino, st.st_size, st.st_mtime_ns, int(is_dir)]
+                    if len(listing) > max_entries:
+                        for _, left in todo:
+                            os.close(left)
+                        return None
+                    if is_dir:
+                        try:
+                            todo.append((name, beneath.walk(fd, [entry.name], name)))
+                        except OSError:
+                            pass  # swapped for a link, or gone, since: not entered
+            finally:
+                os.close(fd)
+    finally:
+        os.close(top)
     return listing
 
 
@@ -326,8 +252,12 @@ class Snapshot:
             except OSError as exc:
                 self.result.error = f"cannot snapshot {path}: {exc.strerror or exc}"
                 raise
-        self.result.workdir = os.path.realpath(self.workdir) if self.workdir else ""
+        with open(os.open(self.epoch_tmp / HELD, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(msgspec.json.encode(held_paths(self.root)))
+        self.result.workdir = self.workdir
         why = eligible_workdir(self.workdir, self.storage)
+        if why is None and os.path.realpath(self.workdir) != self.workdir:
+            why = f"the working directory {self.workdir} leads through a link now: its changes are not tracked"
         listing = None
         if why is None:
             try:

@@ -14,7 +14,7 @@ Two phases, so a refused epoch changes nothing and the engine can try an older o
   ==========================================  =========================================
 
 * :func:`apply` carries the plan out (:func:`put_back`), giving each file the
-  owner and mode it had at the dump.  Then :func:`move_aside` moves whatever
+  owner and mode it had at the dump.  Then :func:`revenant.agent.aside.move_aside` moves whatever
   appeared or changed in the working directory after the epoch into
   ``<workdir>/revenant-after-epoch-<N>/`` (never deleted).
 
@@ -26,18 +26,19 @@ works there: every change is made through descriptors reached without following 
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection
 
 import msgspec
 
 from revenant.agent import beneath
 from revenant.agent.epochs import EpochError, FilesChanged, JobFile, Manifest
 from revenant.agent.fileio import copy_bytes
-from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, fingerprint, open_for_writing, scan_workdir
+from revenant.agent.jobfiles import HELD, fingerprint
+from revenant.agent.jobprocs import held_paths, open_for_writing
 
 # Notes name every file; past this many moved-aside entries, the rest are counted.
 MAX_NAMED = 50
@@ -138,9 +139,28 @@ def _how(st: os.stat_result | None, e: JobFile) -> str:
     return "grown" if st.st_size > e.size else "rewritten"
 
 
+def _users_uid(manifest: Manifest) -> int | None:
+    """The uid of the job's user here, None for root's job (or a record from before jobs had users)."""
+    if manifest.user in ("", "root"):
+        return None
+    try:
+        uid = pwd.getpwnam(manifest.user).pw_uid
+    except KeyError:
+        raise FilesChanged(f"the job's user {manifest.user!r} is unknown here; refusing epoch {manifest.epoch}") from None
+    return uid or None
+
+
 def plan(manifest: Manifest, epoch_dir: Path) -> list[PutBack]:
-    """What putting the epoch's files back takes; raises FilesChanged if it cannot be done exactly."""
+    """What putting the epoch's files back takes; raises FilesChanged if it cannot be done exactly.
+    A user's job gets back only its user's own files: root never writes, nor gives its old mode
+    back to, a file of another user's that the job could write at the dump (its owner may have
+    taken that right away since)."""
     n = manifest.epoch
+    uid = _users_uid(manifest)
+    for path, e in sorted(manifest.job_files.items()):
+        if uid is not None and e.uid != uid:
+            raise FilesChanged(f"{path} belongs to uid {e.uid}, not to the job's user {manifest.user} (uid {uid}): "
+                               f"a restore puts back only its user's own files; refusing epoch {n}")
     plan = [_check(path, e, n, epoch_dir, manifest.workdir) for path, e in sorted(manifest.job_files.items())]
     for path, size in manifest.outputs.items():  # an epoch from before job_files: its output only
         if path in manifest.job_files:
@@ -241,178 +261,25 @@ def apply(plan: list[PutBack]) -> list[str]:
     return notes
 
 
-def swapped(root: int, done: list[PutBack]) -> str | None:
-    """A file the restored job (its init ``root``, still stopped) holds open for writing that is
-    none of the files put back (``done``), or None.  criu opens the job's files by path, following
-    links: a directory the user swapped for a link after the put-back would hand the job a
-    descriptor of a file outside its tree, opened by root."""
+def swapped(root: int, done: list[PutBack], epoch_dir: Path) -> str | None:
+    """A path the restored job (its init ``root``, still stopped) holds that it did not hold at
+    the dump (its descriptors of every kind, its mapped files, its working directory and
+    program: the epoch's HELD), or a file it holds open for writing that is none of the files
+    put back (``done``); None if there is none.  criu opens all of them again as root, by path,
+    following links: a directory swapped for a link meanwhile would hand the job root's
+    descriptor (or mapping) of a file outside its tree."""
+    try:
+        recorded = set(msgspec.json.decode((epoch_dir / HELD).read_bytes(), type=list[str]))
+    except FileNotFoundError:
+        recorded = None  # an epoch from before HELD: its writable files are checked
+    except (OSError, msgspec.DecodeError) as exc:
+        raise EpochError(f"epoch {epoch_dir.name}: unreadable {HELD}: {exc}") from None
+    if recorded is not None:
+        for path in held_paths(root):
+            if path not in recorded:
+                return path
     expected = {p.inode for p in done if p.inode is not None}
     for path, of in open_for_writing(root).items():
         if (of.st.st_dev, of.st.st_ino) not in expected:
             return path
     return None
-
-
-# ------------------------------------------------------------------ the working directory
-
-def _aside_dir(top: int, n: int) -> str:
-    """A new folder's name in the working directory (``top``, a descriptor), made there with the
-    working directory's owner."""
-    base, i = f"{ASIDE_PREFIX}{n}", 1
-    st = os.fstat(top)
-    while True:
-        name = base if i == 1 else f"{base}-{i}"
-        try:
-            os.mkdir(name, 0o700, dir_fd=top)
-        except FileExistsError:
-            i += 1
-            continue
-        fd = beneath.walk(top, [name], name)
-        try:
-            os.fchown(fd, st.st_uid, st.st_gid)
-            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o7777 | 0o700)
-        finally:
-            os.close(fd)
-        return name
-
-
-def _move(top: int, rel: str, aside: str) -> None:
-    """Rename ``rel`` (below the working directory ``top``) to the same place below ``aside``,
-    through descriptors reached without following a link."""
-    *dirs, name = rel.split("/")
-    st = os.fstat(top)
-    src = beneath.walk(top, dirs, rel)
-    try:
-        dst = beneath.walk(top, [aside, *dirs], rel, make=(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode) | 0o700))
-        try:
-            os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)  # a rename, never a copy and delete
-        finally:
-            os.close(dst)
-    finally:
-        os.close(src)
-
-
-def _inside(rel: str, dirs: set[str]) -> bool:
-    parts = rel.split("/")
-    return any("/".join(parts[:i]) in dirs for i in range(1, len(parts)))
-
-
-def changed_since(listing: dict[str, list[int]], now: dict[str, list[int]],
-                  holds: frozenset[str] = frozenset()) -> list[str]:
-    """Entries (relative paths) that appeared or changed after the listing was taken: new, replaced
-    (another inode: renamed into place), or, for a file, another size or mtime (written after the
-    dump; a file renamed into place can even get the old one's inode number back, which ext4
-    reuses at once).  Outermost only: a new or replaced directory moves whole, unless it ``holds``
-    one of the job's covered files (those are put back where they were: it is entered instead).
-    Directories' own mtimes are not changes."""
-    moved: list[str] = []
-    dirs: set[str] = set()
-    for rel in sorted(now):
-        if _inside(rel, dirs) or rel in holds:
-            continue
-        ino, size, mtime, is_dir = now[rel]
-        then = listing.get(rel)
-        if then is None or then[0] != ino or then[3] != is_dir or (not is_dir and (then[1], then[2]) != (size, mtime)):
-            moved.append(rel)
-            dirs.add(rel)
-    return moved
-
-
-def _held_open() -> set[tuple[int, int]]:
-    """(device, inode) of every file a process on this node holds open: never moved away from it."""
-    held = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            held.add((st.st_dev, st.st_ino))
-    return held
-
-
-def _holders(workdir: str, covered: Collection[str]) -> frozenset[str]:
-    """Relative paths of the directories in ``workdir`` that hold a covered file."""
-    holds = set()
-    for path in covered:
-        if path.startswith(workdir + "/"):
-            parts = path[len(workdir) + 1:].split("/")
-            holds.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    return frozenset(holds)
-
-
-def _dev(workdir: str, rel: str) -> int | None:
-    try:
-        return os.lstat(os.path.join(workdir, rel)).st_dev
-    except OSError:  # gone since the scan
-        return None
-
-
-def _move_all(workdir: str, moved: list[str], n: int) -> str:
-    """Move each of ``moved`` into a new folder of ``workdir``; the folder's path."""
-    try:
-        top = beneath.open_dir(workdir)
-    except OSError as exc:
-        raise EpochError(f"cannot move entries of {workdir} aside: {exc.strerror or exc}") from None
-    try:
-        aside = _aside_dir(top, n)
-        for rel in moved:
-            try:
-                _move(top, rel, aside)
-            except FileNotFoundError:
-                continue  # gone since the scan: nothing to move
-            except OSError as exc:
-                raise EpochError(f"cannot move {os.path.join(workdir, rel)} aside to "
-                                 f"{os.path.join(workdir, aside, rel)}: {exc.strerror or exc}") from None
-    except OSError as exc:
-        raise EpochError(f"cannot make a folder in {workdir} to move entries aside: {exc.strerror or exc}") from None
-    finally:
-        os.close(top)
-    return os.path.join(workdir, aside)
-
-
-def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str = "") -> list[str]:
-    """Move what appeared or changed in the workdir after the epoch into a folder named after it;
-    ``leave``: why the workdir must be left as it is (another job uses it)."""
-    n, workdir = manifest.epoch, manifest.workdir
-    if not workdir:
-        return []
-    if manifest.workdir_note or leave:
-        return [f"the working directory's changes after epoch {n} were left in place: {manifest.workdir_note or leave}"]
-    try:
-        listing = msgspec.json.decode((epoch_dir / LISTING).read_bytes(), type=dict[str, list[int]])
-    except (OSError, msgspec.DecodeError) as exc:
-        raise EpochError(f"epoch {n}: unreadable {LISTING}: {exc}") from None
-    if not os.path.isdir(workdir):
-        return [f"the working directory {workdir} is not there: nothing moved aside"]
-    now = scan_workdir(workdir, max_entries, frozenset(manifest.job_files))
-    if now is None:
-        return [f"the working directory's changes after epoch {n} were left in place: it now has more than "
-                f"{max_entries} entries (workdir_scan_max_entries)"]
-    moved = changed_since(listing, now, _holders(workdir, manifest.job_files))
-    notes = []
-    if moved:
-        held = _held_open()
-        busy = [rel for rel in moved if not now[rel][3] and (_dev(workdir, rel), now[rel][0]) in held]
-        if busy:
-            notes.append(f"left {', '.join(busy[:MAX_NAMED])} in {workdir}, though changed after epoch {n}: "
-                         "a process on this node holds it open")
-            moved = [rel for rel in moved if rel not in set(busy)]
-    if moved:
-        aside = _move_all(workdir, moved, n)
-        named = ", ".join(moved[:MAX_NAMED]) + (f" and {len(moved) - MAX_NAMED} more" if len(moved) > MAX_NAMED else "")
-        notes.append(f"moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} of {workdir} that appeared or "
-                     f"changed after epoch {n} to {aside}: {named}")
-    moved_set = set(moved)
-    gone_all = {rel for rel in listing if rel not in now and not _inside(rel, moved_set)}
-    gone = [rel for rel in gone_all if not _inside(rel, gone_all)]
-    if gone:
-        notes.append(f"{len(gone)} entr{'y' if len(gone) == 1 else 'ies'} of {workdir} at epoch {n} "
-                     f"are gone since: {', '.join(sorted(gone)[:MAX_NAMED])}")
-    return notes

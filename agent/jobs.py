@@ -284,7 +284,8 @@ class Supervisor:
                        epoch: int) -> AgentJobReply:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
-        self.launcher.user(spec)  # criu restores the credentials it dumped: root's only where allowed
+        user = self.launcher.user(spec)  # criu restores the credentials it dumped: root's only where allowed
+        self.launcher.check_workdir(spec, user)  # a restore puts files back there as root
         files = JobFiles(self.storage, spec.id)
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(new_stamp, files)

@@ -16,7 +16,8 @@ from typing import Mapping
 
 from revenant.agent.epochs import JobFiles
 from revenant.agent.fileio import replace_empty
-from revenant.agent.jobfiles import PSEUDO, SYSTEM_DIRS
+from revenant.agent.jobfiles import SYSTEM_DIRS
+from revenant.agent.jobprocs import PSEUDO
 from revenant.common.errors import RevenantError
 from revenant.common.limits import ENV_NAME
 from revenant.messages import JobSpec

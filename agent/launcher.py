@@ -274,19 +274,28 @@ class Launcher:
         """Whom ``spec`` runs as here (:func:`resolve_user`); refused: root unless allowed, or unknown."""
         return resolve_user(spec.id, spec.user, self.node, self.allow_root_jobs)
 
+    def check_workdir(self, spec: JobSpec, user: JobUser) -> None:
+        """Refuse, in one line, a workdir ``spec`` may not have here (at every start and restore:
+        a restore changes files there as root)."""
+        if (why := workdir_problem(spec.workdir, user.uid, self.storage, spec.id)) is not None:
+            raise LaunchError(f"job {spec.id} cannot run in {spec.workdir} on {self.node}: {why}", code="bad_workdir")
+
     def check(self, spec: JobSpec, user: JobUser | None = None) -> dict[str, str]:
         """Refuse a job that cannot start here (one line); the job's own environment if it can."""
         if not spec.argv:
             raise LaunchError("empty command")
         user = user or self.user(spec)
-        if (why := workdir_problem(spec.workdir, user.uid, self.storage, spec.id)) is not None:
-            raise LaunchError(f"job {spec.id} cannot run in {spec.workdir} on {self.node}: {why}", code="bad_workdir")
+        self.check_workdir(spec, user)
         for name, value in spec.env.items():  # checked by the coordinator; a record from before, here
             if (problem := env_problem(name, value, user.uid == 0)) is not None:
                 raise LaunchError(f"job {spec.id}: {problem}", code="bad_env")
         env = job_env(spec, user)
         env_script(env)  # refused here, before anything is made, if it cannot be passed
-        if shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
+        if any("\0" in arg for arg in spec.argv):
+            raise LaunchError(f"job {spec.id}: its command line holds a NUL byte")
+        # Looked up here only for root's job: for a user's, root's lookup would tell the user
+        # whether a file exists where they may not look; their job's shell says "not found".
+        if user.uid == 0 and shutil.which(spec.argv[0], path=env.get("PATH")) is None and not (
                 os.path.isfile(os.path.join(spec.workdir, spec.argv[0])) and "/" in spec.argv[0]):
             raise LaunchError(f"command not found on {self.node}: {spec.argv[0]}")
         return env

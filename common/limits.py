@@ -137,6 +137,10 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
     if not req.argv:
         raise BadRequest("nothing to run: give a command after --")
     check_env(req.env, (req.user if user is None else user) in ROOT_USERS)
+    for what, values in (("the command line", req.argv), ("the working directory", [req.workdir]),
+                         ("the job's name", [req.name])):
+        if any("\0" in v for v in values):
+            raise BadRequest(f"{what} holds a NUL byte")
     if req.max_epochs is not None:  # None: the cluster's default
         if not isinstance(req.max_epochs, int) or isinstance(req.max_epochs, bool):
             raise BadRequest(f"--max-epochs must be a whole number, got {req.max_epochs!r}")

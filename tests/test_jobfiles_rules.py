@@ -23,7 +23,8 @@ from revenant.agent.jobfiles import (
     open_for_writing,
     scan_workdir,
 )
-from revenant.agent.jobfiles_restore import apply, changed_since, move_aside, plan
+from revenant.agent.aside import changed_since, move_aside
+from revenant.agent.jobfiles_restore import apply, plan
 
 pytestmark = pytest.mark.unit
 

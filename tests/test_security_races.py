@@ -29,7 +29,8 @@ import pytest
 
 from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, FilesChanged, JobFile, JobFiles, Manifest
 from revenant.agent.jobfiles import scan_workdir
-from revenant.agent.jobfiles_restore import apply, move_aside, plan
+from revenant.agent.aside import move_aside
+from revenant.agent.jobfiles_restore import apply, plan
 from revenant.agent.launcher import reset_stamp
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec

@@ -1,0 +1,128 @@
+"""What a job's processes hold, read from /proc: its processes (the namespace's init and
+everything below it), the filesystems mounted in its own mount namespace, the regular files it
+holds open for writing, and every path it holds at all (descriptors, mappings, working and root
+directories, programs).  Read while the job is frozen at a dump (agent/jobfiles.py) and while
+it is still stopped after a restore (agent/jobfiles_restore.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+# Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
+PSEUDO = ("/proc/", "/sys/", "/dev/")
+
+
+def job_pids(root: int) -> list[int]:
+    """``root`` and all its descendants (every thread's children)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def _mount_devs(mountinfo: str) -> set[str]:
+    return {line.split()[2] for line in mountinfo.splitlines() if line.strip()}
+
+
+def private_devs(root: int) -> set[int]:
+    """Devices of filesystems mounted in the job's own mount namespace and nowhere in ours
+    (its private tmpfs ``/tmp`` and ``/dev/shm``): criu dumps their contents itself."""
+    try:
+        theirs = Path(f"/proc/{root}/mountinfo").read_text()
+        ours = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return set()
+    devs = set()
+    for majmin in _mount_devs(theirs) - _mount_devs(ours):
+        major, _, minor = majmin.partition(":")
+        devs.add(os.makedev(int(major), int(minor)))
+    return devs
+
+
+@dataclass
+class OpenFile:
+    path: str
+    source: str  # /proc/<pid>/fd/<n>: opens the very file, whatever namespace the path is in
+    st: os.stat_result
+    append: bool
+
+
+def _fd_flags(pid: int, fd: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def open_for_writing(root: int) -> dict[str, OpenFile]:
+    """Regular files the job's processes hold open for writing, by path."""
+    skip = private_devs(root)
+    found: dict[str, OpenFile] = {}
+    for pid in job_pids(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            flags = _fd_flags(pid, fd)
+            if flags is None or flags & os.O_ACCMODE == os.O_RDONLY:
+                continue
+            source = f"/proc/{pid}/fd/{fd}"
+            try:
+                st = os.stat(source)
+                path = os.readlink(source)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_dev in skip or not path.startswith("/") \
+                    or path.endswith(" (deleted)") or path.startswith(PSEUDO):
+                continue  # criu keeps unlinked files (ghosts) itself; /proc, /sys: not data
+            append = bool(flags & os.O_APPEND)
+            if path in found:
+                found[path].append = found[path].append and append
+            else:
+                found[path] = OpenFile(path, source, st, append)
+    return found
+
+
+def held_paths(root: int) -> list[str]:
+    """Every path the job's processes hold: their descriptors, their mapped files, their working
+    and root directories and programs (what criu opens again, by path, when it restores)."""
+    held: set[str] = set()
+    for pid in job_pids(root):
+        links = [f"/proc/{pid}/{name}" for name in ("cwd", "root", "exe")]
+        try:
+            links += [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            pass
+        for link in links:
+            try:
+                held.add(os.readlink(link))
+            except OSError:
+                continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6:
+                        held.add(fields[5].rstrip("\n"))
+        except OSError:
+            pass
+    return sorted(p for p in held if p.startswith("/") and not p.endswith(" (deleted)"))
