@@ -28,9 +28,10 @@ import msgspec
 import pytest
 
 from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, FilesChanged, JobFile, JobFiles, Manifest
-from revenant.agent.jobfiles import scan_workdir
+from revenant.agent.jobfiles import HELD, scan_workdir
+from revenant.agent.jobprocs import held_paths
 from revenant.agent.aside import move_aside
-from revenant.agent.jobfiles_restore import apply, plan
+from revenant.agent.jobfiles_restore import apply, plan, swapped
 from revenant.agent.launcher import reset_stamp
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
@@ -242,3 +243,90 @@ def test_the_users_cannot_touch_the_stamp_and_a_link_in_its_place_is_never_follo
     time.sleep(0.01)
     reset_stamp(files.stamp)
     assert target.stat().st_mtime_ns == before and target.read_text() == "root's\n"
+
+
+# A job that holds a file open read-only and another mapped shared and writable (its descriptor
+# closed): criu opens both again by path when it restores.
+HOLDER = textwrap.dedent("""
+    import ctypes, os, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    d = sys.argv[1]
+    ro = os.open(os.path.join(d, "ro.txt"), os.O_RDONLY)
+    fd = os.open(os.path.join(d, "mm.txt"), os.O_RDWR)
+    addr = libc.mmap(None, 4096, 3, 1, fd, 0)  # PROT_READ | PROT_WRITE, MAP_SHARED
+    os.close(fd)  # mapped only: no descriptor of it is left
+    i = 0
+    while True:
+        i += 1
+        print(i, os.pread(ro, 8, 0), ctypes.string_at(addr, 8), flush=True)
+        if os.path.exists(os.path.join(sys.argv[2], "write")):
+            ctypes.memmove(addr, b"PWNED!", 6)
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.criu
+async def test_a_file_held_read_only_or_mapped_through_a_swapped_directory_is_never_handed_to_the_job(
+        stage, supervisors):
+    """The user swaps, before the restore, a directory of theirs in which the job holds a file
+    open read-only and maps another, for a link to a root-only directory with files of the same
+    names, sizes and modes.  Without the check, the job would read the one and write the other."""
+    base, deeper, victim = stage
+    wd = base / "wd"
+    for name, data in (("ro.txt", b"users ro data\n"), ("mm.txt", b"users mm data\n")):
+        (deeper / name).write_bytes(data)
+        (victim / name).write_bytes(b"ROOTS" + data[5:])
+        os.chown(deeper / name, NOBODY.pw_uid, NOBODY.pw_gid)
+    (wd / "holder.py").write_text(HOLDER)
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(wd / "holder.py"), str(deeper), str(wd)], workdir=str(wd),
+                   user="root")
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    while out.read_bytes().count(b"\n") < 5:
+        await asyncio.sleep(0.05)
+    await sup.checkpoint("1", 1, stop=True)
+    before = snapshot(victim)
+    moved = deeper.with_name("deeper.orig")
+    # A relative link: it leads to the victim whatever root criu resolves it from.
+    link = os.path.relpath(victim, deeper.parent)
+    script = f"import os; os.rename({str(deeper)!r}, {str(moved)!r}); os.symlink({link!r}, {str(deeper)!r})"
+    subprocess.run([PYTHON, "-c", script], preexec_fn=as_nobody, check=True, timeout=30)
+    (wd / "write").touch()  # the job would write through its mapping at once
+    # Refused: by criu itself when it cannot resolve the link from where it restores the job's
+    # mounts, else by the agent before the job resumes (criu opened a file the job did not hold).
+    with pytest.raises(RevenantError, match=r"criu opened .*victim/(ro|mm)\.txt, which is not a file the job had|"
+                                            r"Can't open file .*deeper/(ro|mm)\.txt on restore"):
+        await sup.restore(spec, 2)
+    await asyncio.sleep(0.5)
+    assert snapshot(victim) == before
+    assert b"ROOTS" not in out.read_bytes()
+    assert "1" not in sup.jobs or sup.jobs["1"].exited.is_set()
+
+
+@pytest.mark.criu
+def test_a_stopped_job_holding_a_path_it_did_not_hold_at_the_dump_is_caught(tmp_path):
+    """The check itself, on a live process standing for a restored job: a descriptor opened
+    read-only and a file mapped shared and writable (no descriptor left) that the epoch's HELD
+    does not list are each named; what it lists passes."""
+    (tmp_path / "ro.txt").write_text("ro\n")
+    (tmp_path / "mm.txt").write_text("mm\n")
+    job = subprocess.Popen([sys.executable, "-c", HOLDER.replace("while True:", "while i < 2000:"),
+                            str(tmp_path), str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        job.stdout.readline()  # both held now
+        held = held_paths(job.pid)
+        assert {str(tmp_path / "ro.txt"), str(tmp_path / "mm.txt")} <= set(held)
+        epoch = tmp_path / "epoch"
+        epoch.mkdir()
+        (epoch / HELD).write_bytes(msgspec.json.encode(held))
+        assert swapped(job.pid, [], epoch) is None
+        for path in ("ro.txt", "mm.txt"):
+            (epoch / HELD).write_bytes(msgspec.json.encode([p for p in held if p != str(tmp_path / path)]))
+            assert swapped(job.pid, [], epoch) == str(tmp_path / path)
+    finally:
+        job.kill()
+        job.wait()
+        job.stdout.close()

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from revenant.agent.epochs import FilesChanged, JobFile, Manifest
+from revenant.agent.jobfiles import scan_workdir
+from revenant.agent.jobfiles_restore import plan
 from revenant.agent.jobuser import env_script, workdir_problem
 from revenant.agent.launcher import CD_NAME, CD_SHIM, ROOT_ENV, init_argv
 from revenant.cli.client import exported_env
@@ -121,3 +124,41 @@ def test_a_workdir_must_be_the_users_real_directory_outside_system_and_storage(t
     assert "lies in revenant's storage" in workdir_problem(str(storage / "jobs" / "8"), 0, storage, "7")
     assert workdir_problem(str(storage / "jobs" / "7"), 0, storage, "7") is None
     assert "cannot be read" in workdir_problem(str(tmp_path / "nope"), 0, storage, "7")
+
+
+def test_a_users_job_gets_back_only_its_users_own_files(tmp_path):
+    """A user's job held another user's file open for writing (mode 0666 then): its owner has
+    since taken the right away; root must not write it back, nor give it its old mode."""
+    theirs = tmp_path / "shared.txt"
+    theirs.write_text("v2, private now\n")
+    os.chown(theirs, 1, 1)
+    theirs.chmod(0o600)
+    st = theirs.stat()
+    entry = JobFile(size=3, mode=0o666, uid=1, gid=1, ino=st.st_ino, mtime_ns=0, copy="files/0")
+    m = Manifest(job="1", epoch=2, generation=1, node="n", created_at=0, criu_version="4.2.1", kernel="k",
+                 user="nobody", job_files={str(theirs): entry})
+    with pytest.raises(FilesChanged, match=r"shared.txt belongs to uid 1, not to the job's user nobody \(uid 65534\)"):
+        plan(m, tmp_path)
+    assert theirs.read_text() == "v2, private now\n" and theirs.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_workdir_that_leads_through_a_link_is_never_listed(tmp_path):
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (real / "sub" / "f").write_text("x")
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(OSError):
+        scan_workdir(str(tmp_path / "link"), 100)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "salary.xlsx").write_text("y")
+    (real / "inner").symlink_to(secret)  # a directory in it swapped for a link: not entered
+    assert set(scan_workdir(str(real), 100)) == {"sub", "sub/f", "inner"}
+
+
+def test_nul_bytes_in_what_reaches_a_command_line_are_refused():
+    for req, what in ((SubmitRequest(argv=["sh", "-c", "a\0b"]), "the command line"),
+                      (SubmitRequest(argv=["true"], workdir="/w\0x"), "the working directory"),
+                      (SubmitRequest(argv=["true"], name="n\0"), "the job's name")):
+        with pytest.raises(BadRequest, match=f"^{what} holds a NUL byte$"):
+            check_submit(req, "alice")
