@@ -173,6 +173,8 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeou
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.default_int_handler)
     logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    logs.chmod(0o700)  # they name every user's jobs: root's, as the keys are
     storage = root / "storage"
     storage.mkdir(parents=True, exist_ok=True)
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
