@@ -61,7 +61,8 @@ class Job:
         self.step = GpuStep(_mechanism(fake, kind), "", lambda: _scan(fake), lambda: self.caps, lock_timeout_s=1.0)
         sup.engine.steps.insert(0, self.step)
         self.spec = JobSpec(id=job, argv=[sys.executable, str(GPUCOUNTER), "--inbox", str(self.inbox),
-                                          "--device-mib", "2"], workdir=str(tmp_path / "wd"))
+                                          "--device-mib", "2"], workdir=str(tmp_path / "wd"),
+                            env={"REVENANT_FAKEGPU_DIR": fake.env()["REVENANT_FAKEGPU_DIR"]})
         self.generation = 1
 
     async def start(self) -> None:

@@ -20,17 +20,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 GPUCOUNTER = Path(__file__).parent / "jobs" / "gpucounter.py"
 
 
-def _submit(cluster, inbox: Path, workdir: Path) -> str:
-    return cluster.cli("submit", "--node", "node-1", "--workdir", str(workdir), "--", sys.executable,
+def _submit(cluster, inbox: Path, workdir: Path, fake) -> str:
+    # The job finds the fake driver's state where a CUDA program finds its driver: through what its
+    # submit gives it (the agent's own environment never reaches a job).
+    return cluster.cli("submit", "--node", "node-1", "--workdir", str(workdir),
+                       "--env", f"REVENANT_FAKEGPU_DIR={fake.env()['REVENANT_FAKEGPU_DIR']}", "--", sys.executable,
                        str(GPUCOUNTER), "--inbox", str(inbox), "--device-mib", "2").stdout.strip()
 
 
-def _running_counter(cluster, tmp_path: Path) -> tuple[str, Path]:
+def _running_counter(cluster, tmp_path: Path, fake) -> tuple[str, Path]:
     """The fake CUDA counter submitted to node-1, running, asked once (101); its id and inbox."""
     inbox, workdir = tmp_path / "inbox", tmp_path / "wd"
     inbox.mkdir()
     workdir.mkdir()
-    job = _submit(cluster, inbox, workdir)
+    job = _submit(cluster, inbox, workdir, fake)
     _wait(cluster, job, lambda j: j["state"] == "running", "start")
     assert counter_request(inbox, "inc", timeout=30) == "101"
     return job, inbox
@@ -51,7 +54,7 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
     nodes = wait_until(lambda: (n := cluster.json("nodes", "--json")) and len(n) == 2 and n, timeout=30)
     caps = nodes[0]["capabilities"]
     assert caps["gpu"] == "nvml" and caps["gpu_checkpoint"] == mechanism, caps
-    job, inbox = _running_counter(cluster, tmp_path)
+    job, inbox = _running_counter(cluster, tmp_path, fake)
 
     cluster.cli("checkpoint", "vacate", job)
     vacated = _wait(cluster, job, lambda j: j["state"] == "vacated", "vacate")
@@ -74,7 +77,7 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
 def test_a_failed_gpu_suspend_fails_the_vacate_and_the_job_runs_on(make_cluster, tmp_path):
     fake = build(tmp_path / "fakegpu")
     cluster = make_cluster(1, env=fake.env())
-    job, inbox = _running_counter(cluster, tmp_path)
+    job, inbox = _running_counter(cluster, tmp_path, fake)
     fake.fail("checkpoint")
     out = cluster.cli("checkpoint", "vacate", job, check=False)
     assert out.returncode != 0 and "CUDA_ERROR_UNKNOWN" in out.stderr, out
