@@ -78,7 +78,7 @@ async def test_epochs_are_root_only_whatever_the_umask(tmp_path, storage, superv
     try:
         sup = supervisor(staging=tmp_path / "staging" if staged else None)
         wd = tmp_path / "wd"
-        wd.mkdir()
+        wd.mkdir(mode=0o755)  # a root job's workdir no one else may write (0777 under this umask)
         spec = JobSpec(id="1", argv=[sys.executable, str(WRITER), "100000", "0.02", "1000"], workdir=str(wd),
                        max_epochs=3)
         await sup.start(spec, 1)
