@@ -35,6 +35,8 @@ def _aside_dir(top: int, n: int) -> str:
             continue
         fd = beneath.walk(top, [name], name)
         try:
+            if os.fstat(fd).st_uid != os.geteuid():  # swapped since it was made: never given away
+                raise beneath.Unsafe(0, "it was replaced as it was made", name)
             os.fchown(fd, st.st_uid, st.st_gid)
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o7777 | 0o700)
         finally:

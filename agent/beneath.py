@@ -61,12 +61,14 @@ def walk(dir_fd: int, names: list[str], path: str, make: tuple[int, int, int] | 
                     raise
                 try:
                     os.mkdir(name, 0o700, dir_fd=fd)
-                except FileExistsError:
-                    pass
+                    made = True
+                except FileExistsError:  # made meanwhile, by someone else: never given away
+                    made = False
                 nxt = _open_in(fd, name, path)
-                uid, gid, mode = make
-                os.fchown(nxt, uid, gid)
-                os.fchmod(nxt, mode)
+                if made:
+                    uid, gid, mode = make
+                    os.fchown(nxt, uid, gid)
+                    os.fchmod(nxt, mode)
             os.close(fd)
             fd = nxt
         return fd

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from revenant.agent import aside, jobfiles_restore
 from revenant.agent.epochs import EpochError, Manifest
-from revenant.agent.jobfiles import Snapshot, SnapshotResult
+from revenant.agent.jobfiles import HELD, Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class JobFilesStep(BaseStep):
 
     async def before_resume(self, ctx: RestoreContext) -> None:
         done = ctx.checked.get(self.name) or []
-        if not ctx.manifest.job_files:  # an epoch from before job_files: its output only
+        if not ctx.manifest.job_files and not (ctx.epoch_dir / HELD).exists():  # from before either
             return
         path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir)
         if path is not None:

@@ -262,21 +262,21 @@ def apply(plan: list[PutBack]) -> list[str]:
 
 
 def swapped(root: int, done: list[PutBack], epoch_dir: Path) -> str | None:
-    """A path the restored job (its init ``root``, still stopped) holds that it did not hold at
-    the dump (its descriptors of every kind, its mapped files, its working directory and
-    program: the epoch's HELD), or a file it holds open for writing that is none of the files
-    put back (``done``); None if there is none.  criu opens all of them again as root, by path,
+    """A path the restored job (its init ``root``, still stopped) holds where it held another at
+    the dump (each descriptor, mapping, working and root directory and program, by what holds
+    it: the epoch's HELD), or a file it holds open for writing that is none of the files put
+    back (``done``); None if there is none.  criu opens all of them again as root, by path,
     following links: a directory swapped for a link meanwhile would hand the job root's
     descriptor (or mapping) of a file outside its tree."""
     try:
-        recorded = set(msgspec.json.decode((epoch_dir / HELD).read_bytes(), type=list[str]))
+        recorded = msgspec.json.decode((epoch_dir / HELD).read_bytes(), type=dict[str, str])
     except FileNotFoundError:
         recorded = None  # an epoch from before HELD: its writable files are checked
     except (OSError, msgspec.DecodeError) as exc:
         raise EpochError(f"epoch {epoch_dir.name}: unreadable {HELD}: {exc}") from None
     if recorded is not None:
-        for path in held_paths(root):
-            if path not in recorded:
+        for key, path in held_paths(root).items():
+            if recorded.get(key) != path:
                 return path
     expected = {p.inode for p in done if p.inode is not None}
     for path, of in open_for_writing(root).items():

@@ -102,27 +102,43 @@ def open_for_writing(root: int) -> dict[str, OpenFile]:
     return found
 
 
-def held_paths(root: int) -> list[str]:
-    """Every path the job's processes hold: their descriptors, their mapped files, their working
-    and root directories and programs (what criu opens again, by path, when it restores)."""
-    held: set[str] = set()
+def _nspid(pid: int) -> str:
+    """``pid`` as its own PID namespace numbers it: what criu gives it again at a restore."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("NSpid:"):
+                return line.split()[-1]
+    return str(pid)
+
+
+def held_paths(root: int) -> dict[str, str]:
+    """Every path the job's processes hold, by what holds it: ``"<pid> fd <n>"``, ``"<pid> map
+    <path>"`` (a mapping needs the right to read the file: the process's own set of mapped files
+    is what binds it), ``"<pid> cwd"``, ``"<pid> root"``, ``"<pid> exe"`` (pids as the job's
+    namespace numbers them).  criu opens each again, by path, when it restores: each must lead where it did
+    at the dump (a path merely held elsewhere in the job proves nothing: an O_PATH descriptor of
+    a file the job may not read would put its path in the set)."""
+    held: dict[str, str] = {}
     for pid in job_pids(root):
-        links = [f"/proc/{pid}/{name}" for name in ("cwd", "root", "exe")]
         try:
-            links += [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+            ns = _nspid(pid)
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            pass
-        for link in links:
+            continue
+        links = {f"{ns} {name}": f"/proc/{pid}/{name}" for name in ("cwd", "root", "exe")}
+        links.update({f"{ns} fd {fd}": f"/proc/{pid}/fd/{fd}" for fd in fds})
+        for key, link in links.items():
             try:
-                held.add(os.readlink(link))
+                held[key] = os.readlink(link)
             except OSError:
                 continue
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
-                    if len(fields) == 6:
-                        held.add(fields[5].rstrip("\n"))
+                    if len(fields) == 6:  # by file, not by range: a restore may split or merge them
+                        path = fields[5].rstrip("\n")
+                        held[f"{ns} map {path}"] = path
         except OSError:
             pass
-    return sorted(p for p in held if p.startswith("/") and not p.endswith(" (deleted)"))
+    return {key: path for key, path in held.items() if path.startswith("/") and not path.endswith(" (deleted)")}

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 
 from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, FilesChanged, JobFile, JobFiles, Manifest
@@ -306,27 +307,59 @@ async def test_a_file_held_read_only_or_mapped_through_a_swapped_directory_is_ne
     assert "1" not in sup.jobs or sup.jobs["1"].exited.is_set()
 
 
+def _holder(tmp_path: Path, *files: str) -> subprocess.Popen:
+    """A process, pid 1 of a PID namespace of its own as a job's init is, holding ``files`` (of
+    ``tmp_path``) open: the first with O_PATH, the others read-only."""
+    code = textwrap.dedent("""
+        import os, sys, time
+        d, first, *rest = sys.argv[1:]
+        fds = [os.open(os.path.join(d, first), os.O_PATH)] + [os.open(os.path.join(d, f), os.O_RDONLY) for f in rest]
+        print(*fds, flush=True)
+        time.sleep(60)
+    """)
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code, str(tmp_path), *files],
+                            stdout=subprocess.PIPE)
+
+
+def _init_of(unshare: subprocess.Popen) -> int:
+    unshare.stdout.readline()  # all held now
+    return psutil.Process(unshare.pid).children()[0].pid
+
+
 @pytest.mark.criu
-def test_a_stopped_job_holding_a_path_it_did_not_hold_at_the_dump_is_caught(tmp_path):
-    """The check itself, on a live process standing for a restored job: a descriptor opened
-    read-only and a file mapped shared and writable (no descriptor left) that the epoch's HELD
-    does not list are each named; what it lists passes."""
+def test_a_stopped_job_holding_a_path_where_it_held_another_at_the_dump_is_caught(tmp_path):
+    """The check itself, on live processes standing for a restored job.  A read-only descriptor
+    and a file mapped shared and writable (no descriptor left) are each named when the epoch's
+    HELD says they led elsewhere.  And a path the job held at the dump in another way (O_PATH,
+    which needs no right to read the file) does not let a descriptor that led elsewhere pass."""
     (tmp_path / "ro.txt").write_text("ro\n")
     (tmp_path / "mm.txt").write_text("mm\n")
     job = subprocess.Popen([sys.executable, "-c", HOLDER.replace("while True:", "while i < 2000:"),
                             str(tmp_path), str(tmp_path)], stdout=subprocess.PIPE)
+    epoch = tmp_path / "epoch"
+    epoch.mkdir()
     try:
         job.stdout.readline()  # both held now
         held = held_paths(job.pid)
-        assert {str(tmp_path / "ro.txt"), str(tmp_path / "mm.txt")} <= set(held)
-        epoch = tmp_path / "epoch"
-        epoch.mkdir()
+        assert {str(tmp_path / "ro.txt"), str(tmp_path / "mm.txt")} <= set(held.values())
         (epoch / HELD).write_bytes(msgspec.json.encode(held))
         assert swapped(job.pid, [], epoch) is None
         for path in ("ro.txt", "mm.txt"):
-            (epoch / HELD).write_bytes(msgspec.json.encode([p for p in held if p != str(tmp_path / path)]))
+            elsewhere = {k: (str(tmp_path / "other") if p == str(tmp_path / path) else p) for k, p in held.items()}
+            (epoch / HELD).write_bytes(msgspec.json.encode(elsewhere))
             assert swapped(job.pid, [], epoch) == str(tmp_path / path)
     finally:
         job.kill()
         job.wait()
         job.stdout.close()
+    (tmp_path / "key").write_text("root's secret\n")
+    (tmp_path / "mine").write_text("user's own \n")
+    at_dump, now = _holder(tmp_path, "key", "mine"), _holder(tmp_path, "key", "key")
+    try:
+        (epoch / HELD).write_bytes(msgspec.json.encode(held_paths(_init_of(at_dump))))
+        assert swapped(_init_of(now), [], epoch) == str(tmp_path / "key")
+    finally:
+        for p in (at_dump, now):
+            p.kill()
+            p.wait()
+            p.stdout.close()
