@@ -16,16 +16,13 @@ import msgspec
 from revenant.agent import beneath
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.jobfiles import ASIDE_PREFIX, LISTING, scan_workdir
-
-# Notes name every file; past this many moved-aside entries, the rest are counted.
-MAX_NAMED = 50
+from revenant.agent.jobfiles_restore import MAX_NAMED
 
 
-def _aside_dir(top: int, n: int) -> str:
-    """A new folder's name in the working directory (``top``, a descriptor), made there with the
-    working directory's owner."""
+def _aside_dir(top: int, n: int, owner: tuple[int, int, int]) -> str:
+    """A new folder's name in the working directory (``top``, a descriptor), made there with
+    ``owner`` (uid, gid, mode: the working directory's)."""
     base, i = f"{ASIDE_PREFIX}{n}", 1
-    st = os.fstat(top)
     while True:
         name = base if i == 1 else f"{base}-{i}"
         try:
@@ -37,21 +34,20 @@ def _aside_dir(top: int, n: int) -> str:
         try:
             if os.fstat(fd).st_uid != os.geteuid():  # swapped since it was made: never given away
                 raise beneath.Unsafe(0, "it was replaced as it was made", name)
-            os.fchown(fd, st.st_uid, st.st_gid)
-            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o7777 | 0o700)
+            os.fchown(fd, owner[0], owner[1])
+            os.fchmod(fd, owner[2])
         finally:
             os.close(fd)
         return name
 
 
-def _move(top: int, rel: str, aside: str) -> None:
+def _move(top: int, rel: str, aside: str, owner: tuple[int, int, int]) -> None:
     """Rename ``rel`` (below the working directory ``top``) to the same place below ``aside``,
-    through descriptors reached without following a link."""
+    through descriptors reached without following a link; directories made there get ``owner``."""
     *dirs, name = rel.split("/")
-    st = os.fstat(top)
     src = beneath.walk(top, dirs, rel)
     try:
-        dst = beneath.walk(top, [aside, *dirs], rel, make=(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode) | 0o700))
+        dst = beneath.walk(top, [aside, *dirs], rel, make=owner)
         try:
             os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)  # a rename, never a copy and delete
         finally:
@@ -129,10 +125,12 @@ def _move_all(workdir: str, moved: list[str], n: int) -> str:
     except OSError as exc:
         raise EpochError(f"cannot move entries of {workdir} aside: {exc.strerror or exc}") from None
     try:
-        aside = _aside_dir(top, n)
+        st = os.fstat(top)
+        owner = (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode) | 0o700)  # the working directory's, once
+        aside = _aside_dir(top, n, owner)
         for rel in moved:
             try:
-                _move(top, rel, aside)
+                _move(top, rel, aside, owner)
             except FileNotFoundError:
                 continue  # gone since the scan: nothing to move
             except OSError as exc:

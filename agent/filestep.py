@@ -10,7 +10,7 @@ from pathlib import Path
 
 from revenant.agent import aside, jobfiles_restore
 from revenant.agent.epochs import EpochError, Manifest
-from revenant.agent.jobfiles import HELD, Snapshot, SnapshotResult
+from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,8 @@ class JobFilesStep(BaseStep):
 
     async def before_resume(self, ctx: RestoreContext) -> None:
         done = ctx.checked.get(self.name) or []
-        if not ctx.manifest.job_files and not (ctx.epoch_dir / HELD).exists():  # from before either
-            return
-        path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir)
+        path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir,
+                                       bool(ctx.manifest.job_files))
         if path is not None:
             raise EpochError(f"restore of job {ctx.job} refused: criu opened {path}, which is not a file the job "
                              "had open at the dump (a directory on its path was swapped while it restored)")

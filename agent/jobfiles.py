@@ -252,8 +252,7 @@ class Snapshot:
             except OSError as exc:
                 self.result.error = f"cannot snapshot {path}: {exc.strerror or exc}"
                 raise
-        with open(os.open(self.epoch_tmp / HELD, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(msgspec.json.encode(held_paths(self.root)))
+        self._write(HELD, held_paths(self.root))
         self.result.workdir = self.workdir
         why = eligible_workdir(self.workdir, self.storage)
         if why is None and os.path.realpath(self.workdir) != self.workdir:
@@ -269,8 +268,12 @@ class Snapshot:
                     why = f"the working directory has more than {self.max_entries} entries (workdir_scan_max_entries)"
         self.result.workdir_note = why or ""
         if listing is not None:
-            with open(os.open(self.epoch_tmp / LISTING, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(msgspec.json.encode(listing))  # private, as the images are (agent/private.py)
+            self._write(LISTING, listing)
+
+    def _write(self, name: str, value: object) -> None:
+        """``value`` as JSON in the epoch, private as the images are (agent/private.py)."""
+        with open(os.open(self.epoch_tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(msgspec.json.encode(value))
 
     def _record(self, of: OpenFile, copies: Path, i: int) -> JobFile:
         st = of.st

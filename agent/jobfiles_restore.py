@@ -261,11 +261,12 @@ def apply(plan: list[PutBack]) -> list[str]:
     return notes
 
 
-def swapped(root: int, done: list[PutBack], epoch_dir: Path) -> str | None:
+def swapped(root: int, done: list[PutBack], epoch_dir: Path, covers_writable: bool = True) -> str | None:
     """A path the restored job (its init ``root``, still stopped) holds where it held another at
     the dump (each descriptor, mapping, working and root directory and program, by what holds
     it: the epoch's HELD), or a file it holds open for writing that is none of the files put
-    back (``done``); None if there is none.  criu opens all of them again as root, by path,
+    back (``done``; unless the epoch, from before job_files, does not ``covers_writable``);
+    None if there is none.  criu opens all of them again as root, by path,
     following links: a directory swapped for a link meanwhile would hand the job root's
     descriptor (or mapping) of a file outside its tree."""
     try:
@@ -278,6 +279,8 @@ def swapped(root: int, done: list[PutBack], epoch_dir: Path) -> str | None:
         for key, path in held_paths(root).items():
             if recorded.get(key) != path:
                 return path
+    if not covers_writable:
+        return None
     expected = {p.inode for p in done if p.inode is not None}
     for path, of in open_for_writing(root).items():
         if (of.st.st_dev, of.st.st_ino) not in expected:

@@ -60,7 +60,6 @@ class JobUser:
     gid: int
     groups: tuple[int, ...]
     home: str
-
     shell: str = "/bin/sh"
 
     def env(self) -> dict[str, str]:

@@ -83,12 +83,11 @@ import psutil
 from revenant.agent import procs
 from revenant.agent.epochs import JobFiles
 from revenant.agent.fileio import replace_empty
-from revenant.agent.jobuser import (ENV_FILE, SYS_PATH, JobUser, LaunchError, can_checkpoint_other_users, env_script,
-                                    own_job_files, write_job_env,
-                                    job_env, resolve_user, setpriv_argv, within, workdir_problem)
+from revenant.agent.jobuser import (ENV_FILE, SYS_PATH, JobUser, LaunchError, can_checkpoint_other_users, job_env,
+                                    own_job_files, resolve_user, setpriv_argv, within, workdir_problem, write_job_env)
 from revenant.agent.exits import SWITCH_EXIT
 from revenant.common.config import SWITCH_SKEW_S, AgentConfig
-from revenant.common.limits import env_problem
+from revenant.common.limits import BadRequest, check_env
 from revenant.messages import JobSpec
 
 log = logging.getLogger(__name__)
@@ -149,14 +148,15 @@ CD_NAME = "revenant-cd"
 SCRATCH_NAME = "revenant-scratch"
 SCRATCH_EXIT = 125
 DEFAULT_SCRATCH: dict[str, str] = AgentConfig().job_scratch()
-_SYS_PATH = SYS_PATH
 # The root part of a launch runs with this environment and nothing else: nothing of the job's
 # reaches unshare, setsid, the scratch's shell, mount or setpriv (a PATH or an LD_PRELOAD of the
 # user's would run the user's code as root).  Its tools are named by absolute paths (:func:`tools`).
-ROOT_ENV = {"PATH": _SYS_PATH, "LC_ALL": "C"}
-# The tools of a launch's root part, found on _SYS_PATH once per agent (never on a job's PATH).
+ROOT_ENV = {"PATH": SYS_PATH, "LC_ALL": "C"}
+# The tools of a launch's root part, found on SYS_PATH once per agent (never on a job's PATH).
 TOOLS = ("unshare", "setsid", "setpriv", "mount")
-def tools(path: str = _SYS_PATH) -> dict[str, str]:
+
+
+def tools(path: str = SYS_PATH) -> dict[str, str]:
     """The absolute path of each of the launch's root tools (:data:`TOOLS`) found on ``path``."""
     found = {}
     for name in TOOLS:
@@ -286,11 +286,11 @@ class Launcher:
             raise LaunchError("empty command")
         user = user or self.user(spec)
         self.check_workdir(spec, user)
-        for name, value in spec.env.items():  # checked by the coordinator; a record from before, here
-            if (problem := env_problem(name, value, user.uid == 0)) is not None:
-                raise LaunchError(f"job {spec.id}: {problem}", code="bad_env")
+        try:  # checked by the coordinator; a record from before, here
+            check_env(spec.env, root=user.uid == 0)
+        except BadRequest as exc:
+            raise LaunchError(f"job {spec.id}: {exc}", code="bad_env") from None
         env = job_env(spec, user)
-        env_script(env)  # refused here, before anything is made, if it cannot be passed
         if any("\0" in arg for arg in spec.argv):
             raise LaunchError(f"job {spec.id}: its command line holds a NUL byte")
         # Looked up here only for root's job: for a user's, root's lookup would tell the user
@@ -320,7 +320,7 @@ class Launcher:
     def _tool(self, name: str) -> str:
         found = self.tools.get(name)
         if found is None:
-            raise LaunchError(f"{name} (util-linux) is missing from {_SYS_PATH} on {self.node}: jobs cannot start")
+            raise LaunchError(f"{name} (util-linux) is missing from {SYS_PATH} on {self.node}: jobs cannot start")
         return found
 
     async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str], user: JobUser | None = None) -> Launched:

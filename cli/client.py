@@ -13,20 +13,21 @@ import secrets
 import sys
 import time
 from datetime import datetime
-from typing import Mapping, TypeVar
+from typing import TypeVar
 
 import msgspec
 import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.cli import asking
+from revenant.cli.exports import exported_env
 from revenant.cli.jobview import _fmt_bytes, _fmt_time, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.errors import BusError, RemoteError, RevenantError, described
 from revenant.common.intervals import parse_interval
-from revenant.common.limits import ROOT_USERS, BadRequest, check_submit, env_problem
+from revenant.common.limits import ROOT_USERS, BadRequest, check_submit
 from revenant.messages import (
     AnomalyEvent,
     EpochEvent,
@@ -272,43 +273,6 @@ async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout
         await nc.close()
 
 
-def exported_env(export: str | None, pairs: list[str], environ: Mapping[str, str],
-                 root: bool) -> tuple[dict[str, str], list[str]]:
-    """The job's environment from ``--export`` (``ALL`` by default, as sbatch; ``NONE``; ``NAME``s
-    and ``NAME=VALUE``s, after ``ALL`` if it is listed) and ``--env NAME=VALUE``s, over
-    ``environ``; and the names ``ALL`` left out because no job may get them (:func:`env_problem`).
-    REVENANT_* (this client's own settings, its credential) are never exported by ``ALL``."""
-    items = [item for item in (export if export is not None else "ALL").split(",") if item]
-    words = [item.upper() for item in items if "=" not in item]
-    if "NONE" in words and len(items) > 1:
-        raise BadRequest("--export NONE stands alone; to pass a few variables, list them: --export NAME,NAME=VALUE")
-    env: dict[str, str] = {}
-    dropped: list[str] = []
-    if "ALL" in words:
-        for name, value in environ.items():
-            if name.startswith("REVENANT_"):
-                continue
-            if env_problem(name, value, root) is not None:
-                dropped.append(name)
-            else:
-                env[name] = value
-    for item in items:
-        if item.upper() in ("ALL", "NONE"):
-            continue
-        name, eq, value = item.partition("=")
-        if not eq:
-            if name not in environ:
-                raise BadRequest(f"--export {name}: it is not set in this environment (give {name}=VALUE)")
-            value = environ[name]
-        env[name] = value
-    for pair in pairs:
-        name, eq, value = pair.partition("=")
-        if not eq or not name:
-            raise BadRequest(f"--env takes NAME=VALUE, got {pair[:80]!r}")
-        env[name] = value
-    return env, dropped
-
-
 def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequest:
     """The request ``revenant submit`` sends, checked against every limit the coordinator checks
     (:func:`revenant.common.limits.check_submit`), before anything is sent."""
@@ -328,9 +292,10 @@ def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequ
     except OSError as exc:
         raise BadRequest(f"cannot read the current directory ({exc.strerror}): give --workdir") from None
     try:
-        root = (user or asking_user()) in (None, *ROOT_USERS)
+        job_user = user or asking_user() or "root"  # admin's own job is root's
     except RevenantError:
-        root = True  # the stricter rules; the credential's own error comes with the request
+        job_user = "root"  # the stricter rules; the credential's own error comes with the request
+    root = job_user in ROOT_USERS
     env, dropped = exported_env(getattr(args, "export", None), getattr(args, "env", None) or [], os.environ, root)
     if dropped:
         print(f"revenant: not exported to the job (no job may get them{' as root' if root else ''}; set what it "
@@ -340,7 +305,7 @@ def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequ
                         user=user, incremental=args.incremental, full_every=args.full_every,
                         pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware,
                         on_sick=getattr(args, "on_sick", None) or "", request_id=request_id)
-    check_submit(req, "root" if root else "-")
+    check_submit(req, job_user)
     return req
 
 

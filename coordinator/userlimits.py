@@ -27,11 +27,10 @@ from typing import Callable, Iterator, Mapping
 
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
+from revenant.common.limits import ROOT_USERS
 from revenant.coordinator import lifecycle as lc
 from revenant.messages import JobRecord
 
-# Admin's jobs: root's, and those from before jobs had users (the agent runs them as root).
-UNLIMITED_USERS = frozenset({"root", ""})
 # Past this many buckets, those of users idle long enough to be full again are dropped.
 BUCKETS_KEPT = 1024
 
@@ -173,7 +172,7 @@ class UserLimits:
     def admitting(self, user: str, table: JobTable, request_id: str = "") -> Iterator[None]:
         """Refuse ``user``'s submit past a limit (:class:`TooManyJobs` first, which takes no
         token; then :class:`SubmitRateExceeded`); else count it as under way until the block ends."""
-        if user in UNLIMITED_USERS:
+        if user in ROOT_USERS:  # admin's: root's, and those from before jobs had users
             yield
             return
         self.check_jobs(user, table)

@@ -16,7 +16,7 @@ from revenant.agent.jobfiles import scan_workdir
 from revenant.agent.jobfiles_restore import plan
 from revenant.agent.jobuser import env_script, workdir_problem
 from revenant.agent.launcher import CD_NAME, CD_SHIM, ROOT_ENV, init_argv
-from revenant.cli.client import exported_env
+from revenant.cli.exports import exported_env
 from revenant.common.limits import BadRequest, check_env, check_submit, env_problem
 from revenant.messages import SubmitRequest
 
