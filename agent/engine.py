@@ -40,17 +40,19 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Callable
 
 from revenant.agent import criu, criustats, lazy, packs, procs, progress
 from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
 from revenant.agent.fileio import Durable
+from revenant.agent.lazy import LazyFetch
 from revenant.agent.guard import resident_bytes
+from revenant.agent.handshake import Handshake
 from revenant.agent.filestep import JobFilesStep
 from revenant.agent.imagesum import Follower
 from revenant.agent.private import DUMP_UMASK, private_dir
 from revenant.agent.procs import signal_tree
-from revenant.agent.steps import DumpContext, RestoreContext, Step
+from revenant.agent.steps import DumpContext, RestoreContext, Step, check_before_resume
 from revenant.common.errors import CriuError, RevenantError
 from revenant.messages import CheckpointPolicy
 
@@ -78,35 +80,6 @@ def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
     except (CorruptEpoch, FilesChanged) as exc:
         raise NoEpoch(f"job {files.job}: epoch {epoch} cannot be restored: {exc}") from None
     return m, []
-
-
-@dataclass
-class LazyFetch:
-    """The rest of a lazy restore: its page server, until the last page is in (or it fails)."""
-
-    pages: lazy.LazyPages
-    manifest: Manifest
-    images: Path
-    workdir: Path
-    keep_log: Callable[[str], Awaitable[str]]  # the daemon's log kept beside criu's: a pointer to it
-
-    async def wait(self) -> lazy.LazyResult:
-        """Every page fetched and the page data verified, or why not: the caller kills the job at
-        once, then calls :meth:`failed`."""
-        return await self.pages.finished(self.manifest, self.images)
-
-    async def failed(self) -> str:
-        """The daemon stopped and its log kept beside criu's: a pointer to the log."""
-        await self.pages.abort()
-        text = await asyncio.to_thread(criu.read_log, self.pages.log_path, "")
-        return (await self.keep_log(text)).replace("criu log", "lazy-pages log")
-
-    async def abort(self) -> None:
-        await self.pages.abort()
-        await self.close()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(_remove, self.workdir)
 
 
 def _remove(*paths: Path | None) -> None:
@@ -375,22 +348,36 @@ class Engine:
         for step in self.steps:
             await step.before_restore(ctx)
         pidfile = ctx.workdir / "pid"
-        argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile)
+        shake = Handshake(ctx.workdir, "resume", self.criu_timeout_s)
+        script = ctx.workdir / "action.sh"
+        script.write_text(criu.action_script(shake.script_lines("restored $CRTOOLS_INIT_PID"), "post-restore"))
+        script.chmod(0o755)
+        argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile,
+                                 action_script=script)
         argv += ctx.lazy.restore_args if ctx.lazy is not None else []
         total = 0 if ctx.lazy is not None else ctx.manifest.total_bytes  # a lazy restore reads its pages later
         watch = self.reporter.watch(ctx.job, ctx.manifest.user, "restore", progress.RestoredBytes(ctx.workdir), total)
+        verdict: list[BaseException | None] = []
+        checking = asyncio.ensure_future(check_before_resume(self.steps, ctx, shake, verdict))
         try:
             done = await procs.run(argv, self.criu_timeout_s)
         finally:
             watch.stop()
+            checking.cancel()
+            await asyncio.gather(checking, return_exceptions=True)
+            shake.close()
+        if verdict and verdict[0] is not None:
+            if ctx.pid > 0:  # criu kills it on the refusal: this is only in case criu could not
+                signal_tree(ctx.pid, signal.SIGKILL)
+            raise verdict[0]  # refused before it ever ran
         if done.returncode != 0:
             text = criu.read_log(ctx.workdir / criu.RESTORE_LOG, done.output)
             kept = await self._keep_log(ctx.files, "restore", ctx.generation, text)
             raise CriuError(f"criu restore failed: {criu.error_line(text)}{kept}")
         ctx.pid = int(pidfile.read_text().strip())
         try:
-            for step in self.steps:  # the job is still stopped: a step may refuse what criu made
-                await step.before_resume(ctx)
+            if not verdict:
+                raise EpochError(f"restore of job {ctx.job} refused: criu let it go without the agent's check")
             signal_tree(ctx.pid, signal.SIGCONT)
             for step in self.steps:
                 await step.after_restore(ctx)

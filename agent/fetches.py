@@ -30,7 +30,7 @@ from revenant.agent.procs import signal_tree
 from revenant.common.errors import JobNotRunning, RevenantError
 
 if TYPE_CHECKING:
-    from revenant.agent.engine import LazyFetch
+    from revenant.agent.lazy import LazyFetch
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import asyncio
 import mmap
 import os
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -24,6 +25,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 from pathlib import Path
 
 from revenant.agent import criu, procs
@@ -307,3 +309,32 @@ class LazyPages:
 
     def _elapsed(self) -> float:
         return time.monotonic() - self._started
+
+
+@dataclass
+class LazyFetch:
+    """The rest of a lazy restore: its page server, until the last page is in (or it fails)."""
+
+    pages: LazyPages
+    manifest: Manifest
+    images: Path
+    workdir: Path
+    keep_log: Callable[[str], Awaitable[str]]  # the daemon's log kept beside criu's: a pointer to it
+
+    async def wait(self) -> LazyResult:
+        """Every page fetched and the page data verified, or why not: the caller kills the job at
+        once, then calls :meth:`failed`."""
+        return await self.pages.finished(self.manifest, self.images)
+
+    async def failed(self) -> str:
+        """The daemon stopped and its log kept beside criu's: a pointer to the log."""
+        await self.pages.abort()
+        text = await asyncio.to_thread(criu.read_log, self.pages.log_path, "")
+        return (await self.keep_log(text)).replace("criu log", "lazy-pages log")
+
+    async def abort(self) -> None:
+        await self.pages.abort()
+        await self.close()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.workdir, ignore_errors=True)
