@@ -114,18 +114,22 @@ def incremental_args(parent: str = PREDUMP_DIR) -> list[str]:
     return ["--track-mem", "--prev-images-dir", parent]
 
 
-def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path) -> list[str]:
+def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path,
+                 action_script: Path | None = None) -> list[str]:
     """Restore as the caller's own child (--restore-sibling keeps the saved PDEATHSIG alive), left
-    stopped: the agent checks what criu opened before the job runs (agent/engine.py)."""
+    stopped.  ``action_script``: its post-restore action lets the agent check what criu opened
+    before the processes get the job's credentials (agent/engine.py)."""
+    script = ["--action-script", str(action_script)] if action_script is not None else []
     return [criu, "restore", "-D", str(images), "-W", str(workdir), "-o", RESTORE_LOG,
             "-v4", "--restore-detached", "--restore-sibling", "--leave-stopped", "--pidfile", str(pidfile),
-            "--file-locks", *RESTORE_MOUNTS]
+            "--file-locks", *script, *RESTORE_MOUNTS]
 
 
-def action_script(post_dump: list[str]) -> str:
-    """An --action-script that runs ``post_dump`` (shell lines) while the tree is still frozen."""
-    return ("#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n"
-            + "\n".join(post_dump) + "\n")
+def action_script(lines: list[str], action: str = "post-dump") -> str:
+    """An --action-script that runs ``lines`` (shell) at criu's ``action`` only: post-dump (the
+    tree is still frozen) or post-restore (restored, its processes still criu's: root's)."""
+    return (f"#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = {action} ] || exit 0\n"
+            + "\n".join(lines) + "\n")
 
 
 # ------------------------------------------------------------------ what criu says

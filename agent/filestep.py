@@ -105,7 +105,7 @@ class JobFilesStep(BaseStep):
     async def before_resume(self, ctx: RestoreContext) -> None:
         done = ctx.checked.get(self.name) or []
         path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir,
-                                       bool(ctx.manifest.job_files))
+                                       bool(ctx.manifest.job_files), str(ctx.workdir))
         if path is not None:
             raise EpochError(f"restore of job {ctx.job} refused: criu opened {path}, which is not a file the job "
                              "had open at the dump (a directory on its path was swapped while it restored)")

@@ -261,14 +261,17 @@ def apply(plan: list[PutBack]) -> list[str]:
     return notes
 
 
-def swapped(root: int, done: list[PutBack], epoch_dir: Path, covers_writable: bool = True) -> str | None:
-    """A path the restored job (its init ``root``, still stopped) holds where it held another at
+def swapped(root: int, done: list[PutBack], epoch_dir: Path, covers_writable: bool = True,
+            scratch: str = "") -> str | None:
+    """A path the restored job (its init ``root``, still criu's) holds where it held another at
     the dump (each descriptor, mapping, working and root directory and program, by what holds
     it: the epoch's HELD), or a file it holds open for writing that is none of the files put
     back (``done``; unless the epoch, from before job_files, does not ``covers_writable``);
     None if there is none.  criu opens all of them again as root, by path,
     following links: a directory swapped for a link meanwhile would hand the job root's
-    descriptor (or mapping) of a file outside its tree."""
+    descriptor (or mapping) of a file outside its tree.  Checked at criu's post-restore action,
+    while criu's restorer still holds descriptors of its own (its /proc, its log in ``scratch``),
+    which it closes before the job runs: a descriptor the job did not have at the dump is one."""
     try:
         recorded = msgspec.json.decode((epoch_dir / HELD).read_bytes(), type=dict[str, str])
     except FileNotFoundError:
@@ -277,12 +280,14 @@ def swapped(root: int, done: list[PutBack], epoch_dir: Path, covers_writable: bo
         raise EpochError(f"epoch {epoch_dir.name}: unreadable {HELD}: {exc}") from None
     if recorded is not None:
         for key, path in held_paths(root).items():
+            if key not in recorded and " fd " in key:
+                continue  # criu's own, closed before the job runs
             if recorded.get(key) != path:
-                return path
+                return f"{path} (process {key.replace(' ', ': ', 1)}, {recorded.get(key, 'nothing')} at the dump)"
     if not covers_writable:
         return None
     expected = {p.inode for p in done if p.inode is not None}
     for path, of in open_for_writing(root).items():
-        if (of.st.st_dev, of.st.st_ino) not in expected:
+        if (of.st.st_dev, of.st.st_ino) not in expected and not (scratch and path.startswith(scratch + "/")):
             return path
     return None

@@ -7,11 +7,14 @@ deduplicated storage are steps of the same shape.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from revenant.agent.epochs import JobFiles, Manifest
+from revenant.agent.epochs import EpochError, JobFiles, Manifest
+from revenant.agent.handshake import Handshake
+from revenant.common.errors import RevenantError
 
 if TYPE_CHECKING:
     from revenant.messages import CheckpointPolicy
@@ -74,7 +77,8 @@ class Step(Protocol):
     # what it returns for the epoch chosen reaches before_restore as ctx.checked[name].
     def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any: ...
     async def before_restore(self, ctx: RestoreContext) -> None: ...
-    # criu has restored the job, which is still stopped (--leave-stopped): raise to kill it instead of resuming it.
+    # criu has restored the job, whose processes are still root's (criu's post-restore action,
+    # agent/handshake.py): raise to have criu kill them instead of letting them run.
     async def before_resume(self, ctx: RestoreContext) -> None: ...
     async def after_restore(self, ctx: RestoreContext) -> None: ...
 
@@ -102,3 +106,24 @@ class BaseStep:
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         pass
+
+
+async def check_before_resume(steps: list[Step], ctx: RestoreContext, shake: Handshake,
+                              verdict: list[BaseException | None]) -> None:
+    """criu's post-restore action: every step's before_resume while the restored processes are
+    still criu's (root's, not yet given the job's credentials: the job's user cannot signal
+    them); a refusal is the restore's error, and criu kills them before they ever run."""
+    said = await shake.heard()
+    try:
+        ctx.pid = int(said.split()[-1])
+        for step in steps:  # a step may refuse what criu made
+            await step.before_resume(ctx)
+    except BaseException as exc:
+        verdict.append(exc if isinstance(exc, RevenantError) else
+                       EpochError(f"restore of job {ctx.job} refused: its check failed: {exc}"))
+        shake.answer("no")
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return
+    verdict.append(None)
+    shake.answer("ok")
