@@ -115,3 +115,33 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o600) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def changeable(path: str, root_fd: int, private: frozenset[int] | set[int] = frozenset()) -> str | None:
+    """The first directory on the way to ``path``'s parent (from ``root_fd``, the root its holder
+    sees) whose entries someone other than root could rename or replace, or that is a link;
+    None if there is none, or once the way enters a filesystem of ``private`` (devices only
+    the job's mount namespace has, which nobody else reaches while criu restores it as root).
+    A directory is safe when root owns it and no one else may write to it, or it is sticky
+    (``/tmp``: its entries can only be moved by their owner, and the next one must be root's)."""
+    names = _parts(path)[:-1]
+    fd = os.dup(root_fd)
+    try:
+        for depth in range(len(names) + 1):
+            st = os.fstat(fd)
+            where = "/" + "/".join(names[:depth])
+            if st.st_dev in private:
+                return None
+            if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+                return where
+            if depth == len(names):
+                return None
+            try:
+                nxt = os.open(names[depth], _DIR_FLAGS, dir_fd=fd)
+            except OSError:  # a link, not a directory, or gone: nothing to rely on
+                return where.rstrip("/") + "/" + names[depth]
+            os.close(fd)
+            fd = nxt
+        return None
+    finally:
+        os.close(fd)

@@ -13,6 +13,9 @@ from pathlib import Path
 
 # Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
 PSEUDO = ("/proc/", "/sys/", "/dev/")
+# Names the kernel gives what no directory holds (memfd_create, SysV shared memory): criu dumps
+# and makes them again by their own means, never at a path.
+UNNAMED = ("/memfd:", "/SYSV")
 
 
 def job_pids(root: int) -> list[int]:
@@ -142,3 +145,71 @@ def held_paths(root: int) -> dict[str, str]:
         except OSError:
             pass
     return {key: path for key, path in held.items() if path.startswith("/") and not path.endswith(" (deleted)")}
+
+
+def _unix_names(pid: int, cache: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The names unix sockets are bound to in ``pid``'s network namespace, by socket inode."""
+    try:
+        netns = os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return {}
+    if netns not in cache:
+        names: dict[str, str] = {}
+        try:
+            with open(f"/proc/{pid}/net/unix") as table:
+                next(table, None)
+                for line in table:
+                    fields = line.split(maxsplit=7)
+                    if len(fields) == 8:
+                        names[fields[6]] = fields[7].rstrip("\n")
+        except OSError:
+            pass
+        cache[netns] = names
+    return cache[netns]
+
+
+def _deleted(path: str) -> str | None:
+    if not path.startswith("/") or not path.endswith(" (deleted)") or path.startswith(PSEUDO + UNNAMED):
+        return None
+    return path[: -len(" (deleted)")]
+
+
+def made_again_by_path(root: int) -> list[tuple[str, str, int]]:
+    """What criu makes again, as root, at a path of the job's when it restores it, rather than
+    merely opening it: (what, path, pid) for each unix socket bound to a name in the filesystem
+    (bound again there, then given its owner and mode by path), each named FIFO, and each
+    file that was deleted while held (a "ghost": written again next to its old path).  Paths
+    are as the holder's mount namespace sees them (``/proc/<pid>/root`` reaches them); a relative
+    socket name is taken from the holder's working directory, as it was bound."""
+    found: list[tuple[str, str, int]] = []
+    sockets: dict[str, dict[str, str]] = {}
+    for pid in job_pids(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                name = _unix_names(pid, sockets).get(target[len("socket:["):-1], "")
+                if name and not name.startswith("@"):
+                    found.append(("a unix socket bound to", os.path.join(cwd, name), pid))
+            elif (gone := _deleted(target)) is not None:
+                found.append(("a deleted file,", gone, pid))
+            elif stat.S_ISFIFO(st.st_mode) and target.startswith("/"):
+                found.append(("a named FIFO,", target, pid))
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    gone = _deleted(fields[5].rstrip("\n")) if len(fields) == 6 else None
+                    if gone is not None:
+                        found.append(("a deleted file,", gone, pid))
+        except OSError:
+            pass
+    return found

@@ -1,0 +1,163 @@
+"""What criu makes again by path, as root, at a restore (docs/security.md, "Root in a user's
+directory"): a unix socket bound to a name (bound again, then given its owner and mode by path),
+a named FIFO, a deleted file (written again beside its old path).  criu follows links there,
+so a job holding one in a directory that a user can change is refused at the dump, with one
+line; in a directory only root can change, or in the job's own /tmp, it checkpoints and comes
+back whole.  And the restore's check of what criu opened runs while criu still holds the job
+under ptrace: nothing, not even the user's SIGCONT, runs it first."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import socket
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from helpers import until
+
+from revenant.agent import beneath
+from revenant.agent.epochs import EpochError, JobFiles
+from revenant.agent.steps import BaseStep, RestoreContext
+from revenant.common.errors import RevenantError
+from revenant.messages import JobSpec
+
+JOB = REPO / "tests" / "jobs" / "remade.py"
+NOBODY = pwd.getpwnam("nobody")
+
+
+@pytest.fixture
+def base():
+    """/var/tmp/<base> (root's 0755), with ``wd`` (root's 0755) and ``wd/users`` (nobody's)."""
+    base = Path(tempfile.mkdtemp(prefix="revenant-remade-", dir="/var/tmp"))
+    base.chmod(0o755)
+    (base / "wd" / "users").mkdir(parents=True)
+    (base / "wd").chmod(0o755)
+    os.chown(base / "wd" / "users", NOBODY.pw_uid, NOBODY.pw_gid)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def lines(out: Path) -> list[str]:
+    return out.read_text().splitlines()
+
+
+def ping(path: Path) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(path))
+        return s.recv(16)
+
+
+@pytest.mark.unit
+def test_a_directory_is_changeable_unless_root_owns_it_and_no_one_else_may_write_it(tmp_path):
+    root_fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tmp_path.chmod(0o755)
+        (tmp_path / "a" / "b").mkdir(parents=True)
+        assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) is None
+        (tmp_path / "a").chmod(0o775)
+        assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) == str(tmp_path / "a")
+        (tmp_path / "a").chmod(0o1777)  # sticky: only the entries' owners move them, and b is root's
+        assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) is None
+        os.chown(tmp_path / "a" / "b", NOBODY.pw_uid, NOBODY.pw_gid)
+        assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) == str(tmp_path / "a" / "b")
+        (tmp_path / "l").symlink_to(tmp_path / "a")
+        assert beneath.changeable(str(tmp_path / "l" / "b" / "sock"), root_fd) == str(tmp_path / "l")
+        dev = os.stat(tmp_path / "a").st_dev  # a filesystem only the job has: nobody else reaches it
+        assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd, {dev}) is None
+    finally:
+        os.close(root_fd)
+
+
+@pytest.mark.criu
+async def test_a_job_holding_a_socket_fifo_or_deleted_file_where_a_user_writes_is_refused_and_runs_on(
+        base, supervisors):
+    users = base / "wd" / "users"
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), str(users)], workdir=str(base / "wd"), user="root")
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    await until(lambda: len(lines(out)) >= 5)
+    with pytest.raises(RevenantError) as refused:
+        await sup.checkpoint("1", 1, stop=True)
+    why = str(refused.value)
+    assert f"{users} can be changed by a user other than root" in why, why
+    assert len(why.splitlines()) == 1
+    assert JobFiles(sup.storage, "1").committed() == []
+    at = len(lines(out))
+    await until(lambda: len(lines(out)) >= at + 10)  # the vacate's dump failed: the job was resumed
+    assert ping(users / "sock") == b"pong\n"
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("where", ["root's directory", "the job's own /tmp"])
+async def test_a_job_holding_them_where_only_root_writes_comes_back_whole(base, supervisors, where):
+    held = base / "wd" if where == "root's directory" else Path("/tmp")
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), str(held)], workdir=str(base / "wd"), user="root")
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    await until(lambda: len(lines(out)) >= 5)
+    reply = await sup.checkpoint("1", 1, stop=True)
+    assert reply.epoch is not None
+    await until(lambda: "1" not in sup.jobs)
+    at = len(lines(out))
+    await sup.restore(spec, 2)
+    await until(lambda: len(lines(out)) >= at + 10)
+    got = lines(out)
+    assert [int(ln.split()[0]) for ln in got] == list(range(1, len(got) + 1))  # one unbroken count
+    assert got[-1].endswith("kept after unlink")  # the deleted file, back with its content
+    if held != Path("/tmp"):
+        assert stat.S_ISSOCK(os.lstat(held / "sock").st_mode) and ping(held / "sock") == b"pong\n"
+        assert not [p for p in os.listdir(held) if "ghost" in p]
+
+
+class _Watch(BaseStep):
+    """Records, when the restore's check runs, whether criu has written its pidfile yet (it does
+    so right after its post-restore action, before it gives the processes the job's credentials
+    and lets them run); refuses if told."""
+
+    name = "watch"
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+        self.pidfile_written: list[bool] = []
+
+    async def before_resume(self, ctx: RestoreContext) -> None:
+        self.pidfile_written.append((ctx.workdir / "pid").exists())
+        if self.refuse:
+            raise EpochError(f"restore of job {ctx.job} refused by the watch")
+
+
+@pytest.mark.criu
+async def test_the_restore_check_runs_before_the_job_is_its_users_and_a_refusal_kills_it_unrun(
+        tmp_path, supervisors):
+    sup = supervisors("n1", allow_root_jobs=True)
+    counter = REPO / "tests" / "jobs" / "counter.py"
+    spec = JobSpec(id="1", argv=[sys.executable, str(counter), "100000", "0.02"], workdir=str(tmp_path))
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    await until(lambda: len(lines(out)) >= 3)
+    await sup.checkpoint("1", 1, stop=True)
+    await until(lambda: "1" not in sup.jobs)
+    at = len(lines(out))
+    watch = _Watch(refuse=True)
+    sup.engine.steps.append(watch)
+    with pytest.raises(RevenantError, match="refused by the watch"):
+        await sup.restore(spec, 2)
+    assert watch.pidfile_written == [False]  # criu still held the processes as root's
+    await asyncio.sleep(1.0)
+    assert len(lines(out)) == at  # killed before it ever ran: not one more line
+    assert "1" not in sup.jobs or sup.jobs["1"].exited.is_set()
+    watch.refuse = False
+    await sup.restore(spec, 3)
+    await until(lambda: len(lines(out)) >= at + 3)
+    assert watch.pidfile_written == [False, False]
