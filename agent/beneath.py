@@ -119,11 +119,13 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o600) -> int:
 
 def changeable(path: str, root_fd: int, private: frozenset[int] | set[int] = frozenset()) -> str | None:
     """The first directory on the way to ``path``'s parent (from ``root_fd``, the root its holder
-    sees) whose entries someone other than root could rename or replace, or that is a link;
-    None if there is none, or once the way enters a filesystem of ``private`` (devices only
-    the job's mount namespace has, which nobody else reaches while criu restores it as root).
-    A directory is safe when root owns it and no one else may write to it, or it is sticky
-    (``/tmp``: its entries can only be moved by their owner, and the next one must be root's)."""
+    sees) whose entries someone other than root could rename or replace, or that is a link or
+    missing; None if there is none, or once the way enters a filesystem of ``private`` (devices
+    only the job's mount namespace has, which nobody else reaches while criu restores it as
+    root).  A directory is safe when root owns it and no one else may write to it; on the way, a
+    sticky one (``/tmp``) too, as no one else may move root's entry in it (checked next).  Not as
+    the last: once criu has given the entry it makes there to the user, the user may replace
+    it, and criu goes on by path (unless fs.protected_symlinks, which a node may not set)."""
     names = _parts(path)[:-1]
     fd = os.dup(root_fd)
     try:
@@ -132,7 +134,7 @@ def changeable(path: str, root_fd: int, private: frozenset[int] | set[int] = fro
             where = "/" + "/".join(names[:depth])
             if st.st_dev in private:
                 return None
-            if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            if st.st_uid != 0 or (st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and depth < len(names))):
                 return where
             if depth == len(names):
                 return None

@@ -8,7 +8,7 @@ import logging
 import threading
 from pathlib import Path
 
-from revenant.agent import aside, jobfiles_restore
+from revenant.agent import aside, jobfiles_restore, remade
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
@@ -92,6 +92,9 @@ class JobFilesStep(BaseStep):
         return jobfiles_restore.plan(manifest, epoch_dir)
 
     async def before_restore(self, ctx: RestoreContext) -> None:
+        why = await asyncio.to_thread(remade.recheck_epoch, ctx.epoch_dir)
+        if why:
+            raise EpochError(f"restore of job {ctx.job} refused: {why}")
         planned = ctx.checked.get(self.name)  # what check_restore found for this epoch, moments ago
 
         def put_back() -> list[str]:

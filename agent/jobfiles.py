@@ -39,14 +39,17 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent import beneath
+from revenant.agent import beneath, remade
 from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, JobFile
 from revenant.agent.fileio import copy_bytes, reflink
-from revenant.agent.jobprocs import PSEUDO, OpenFile, held_paths, made_again_by_path, open_for_writing, private_devs
+from revenant.agent.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
+from revenant.agent.remade import REMADE
 
 ASIDE_PREFIX = "revenant-after-epoch-"
 # In an epoch: every path the job held at the dump (held_paths), what its restore may open.
 HELD = "held.json"
+# Its key saying that every descriptor is in it (not only those of paths), with its format.
+HELD_FORMAT = "format"
 # Workdirs whose changes are never moved aside: shared by everything on the node.
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
                          "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
@@ -82,30 +85,6 @@ def _is_home(real: str) -> bool:
         return os.path.realpath(pwd.getpwuid(os.stat(real).st_uid).pw_dir) == real
     except (OSError, KeyError):
         return False
-
-
-def remade_where_users_write(root: int) -> str:
-    """Why the job (its init ``root``, frozen) cannot be restored safely, or "": criu makes some
-    things again by path, as root, following links (agent/jobprocs.py made_again_by_path); in a
-    directory that a user can change, a swap at the right moment would make them wherever the user
-    points (a socket chowned to the user in /etc, a deleted file's content written anywhere)."""
-    private = private_devs(root)
-    for what, path, pid in made_again_by_path(root):
-        try:
-            root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue  # gone since: it holds nothing any more
-        try:
-            where = beneath.changeable(os.path.normpath(path), root_fd, private)
-        except OSError as exc:
-            where = f"{path} ({exc.strerror or exc})"
-        finally:
-            os.close(root_fd)
-        if where is not None:
-            return (f"the job holds {what} {path}, and {where} can be changed by a user other than root: "
-                    "criu would make it again there as root at a restore; keep it in a root-owned directory, "
-                    "the job's own /tmp, or (a socket) the abstract namespace")
-    return ""
 
 
 def eligible_workdir(workdir: str, storage: Path) -> str | None:
@@ -268,10 +247,11 @@ class Snapshot:
 
     def take(self) -> None:
         """The snapshot itself (the job is frozen): open files, their copies, the workdir listing."""
-        why = remade_where_users_write(self.root)
+        why, again = remade.refusal(self.root, self.epoch_tmp)
         if why:
             self.result.error = why
             raise EpochError(why)
+        self._write(REMADE, again)
         files = open_for_writing(self.root)
         copies = self.epoch_tmp / FILES_DIR
         for i, (path, of) in enumerate(sorted(files.items())):
@@ -280,7 +260,7 @@ class Snapshot:
             except OSError as exc:
                 self.result.error = f"cannot snapshot {path}: {exc.strerror or exc}"
                 raise
-        self._write(HELD, held_paths(self.root))
+        self._write(HELD, {HELD_FORMAT: "2", **held_paths(self.root)})
         self.result.workdir = self.workdir
         why = eligible_workdir(self.workdir, self.storage)
         if why is None and os.path.realpath(self.workdir) != self.workdir:

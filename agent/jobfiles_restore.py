@@ -37,7 +37,7 @@ import msgspec
 from revenant.agent import beneath
 from revenant.agent.epochs import EpochError, FilesChanged, JobFile, Manifest
 from revenant.agent.fileio import copy_bytes
-from revenant.agent.jobfiles import HELD, fingerprint
+from revenant.agent.jobfiles import HELD, HELD_FORMAT, fingerprint
 from revenant.agent.jobprocs import held_paths, open_for_writing
 
 # Notes name every file; past this many moved-aside entries, the rest are counted.
@@ -261,6 +261,28 @@ def apply(plan: list[PutBack]) -> list[str]:
     return notes
 
 
+_DELETED = " (deleted)"
+
+
+def _same(was: str, now: str) -> bool:
+    """A held path as at the dump; a file held deleted comes back as criu's ghost of it, deleted
+    again, in the same directory (where the dump made sure no one but root can change a thing)."""
+    return was == now or (was.endswith(_DELETED) and now.endswith(_DELETED)
+                          and os.path.dirname(was) == os.path.dirname(now))
+
+
+def _criu_own(link: str, path: str, scratch: str) -> bool:
+    """One of the two descriptors criu's restorer still holds at its post-restore action: its
+    log, in its scratch directory, and its /proc (a procfs root: a directory, inode 1)."""
+    if scratch and path.startswith(scratch + "/"):
+        return True
+    try:
+        st = os.stat(link)
+    except OSError:
+        return False
+    return path == "/" and stat.S_ISDIR(st.st_mode) and st.st_ino == 1
+
+
 def swapped(root: int, done: list[PutBack], epoch_dir: Path, covers_writable: bool = True,
             scratch: str = "") -> str | None:
     """A path the restored job (its init ``root``, still criu's) holds where it held another at
@@ -279,11 +301,17 @@ def swapped(root: int, done: list[PutBack], epoch_dir: Path, covers_writable: bo
     except (OSError, msgspec.DecodeError) as exc:
         raise EpochError(f"epoch {epoch_dir.name}: unreadable {HELD}: {exc}") from None
     if recorded is not None:
-        for key, path in held_paths(root).items():
-            if key not in recorded and " fd " in key:
-                continue  # criu's own, closed before the job runs
-            if recorded.get(key) != path:
-                return f"{path} (process {key.replace(' ', ': ', 1)}, {recorded.get(key, 'nothing')} at the dump)"
+        # Epochs from before HELD_FORMAT recorded only descriptors of paths, never deleted ones.
+        complete = recorded.pop(HELD_FORMAT, "") == "2"
+        links: dict[str, str] = {}
+        for key, path in held_paths(root, links).items():
+            was = recorded.get(key)
+            if was is None and " fd " in key and _criu_own(links[key], path, scratch):
+                continue  # closed by criu's restorer before the job runs
+            if was is None and not complete and (not path.startswith("/") or path.endswith(_DELETED)):
+                continue
+            if was is None or not _same(was, path):
+                return f"{path} (process {key.replace(' ', ': ', 1)}, {was or 'nothing'} at the dump)"
     if not covers_writable:
         return None
     expected = {p.inode for p in done if p.inode is not None}

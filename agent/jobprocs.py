@@ -7,15 +7,13 @@ it is still stopped after a restore (agent/jobfiles_restore.py)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 # Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
 PSEUDO = ("/proc/", "/sys/", "/dev/")
-# Names the kernel gives what no directory holds (memfd_create, SysV shared memory): criu dumps
-# and makes them again by their own means, never at a path.
-UNNAMED = ("/memfd:", "/SYSV")
 
 
 def job_pids(root: int) -> list[int]:
@@ -37,20 +35,32 @@ def job_pids(root: int) -> list[int]:
     return pids
 
 
+def _launcher_tmpfs(mountinfo: str) -> set[str]:
+    """The tmpfs mounted on /tmp and /dev/shm in a mountinfo, by device."""
+    devs = set()
+    for line in mountinfo.splitlines():
+        fields, _, fs = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 4 and parts[4] in ("/tmp", "/dev/shm") and fs.split()[:1] == ["tmpfs"]:
+            devs.add(parts[2])
+    return devs
+
+
 def _mount_devs(mountinfo: str) -> set[str]:
     return {line.split()[2] for line in mountinfo.splitlines() if line.strip()}
 
 
 def private_devs(root: int) -> set[int]:
-    """Devices of filesystems mounted in the job's own mount namespace and nowhere in ours
-    (its private tmpfs ``/tmp`` and ``/dev/shm``): criu dumps their contents itself."""
+    """Devices of the job's private tmpfs ``/tmp`` and ``/dev/shm`` (agent/launcher.py), mounted in
+    its own mount namespace and nowhere in ours: criu dumps their contents itself.  (Only those:
+    a host filesystem unmounted from the host since the job started is no private one.)"""
     try:
         theirs = Path(f"/proc/{root}/mountinfo").read_text()
         ours = Path("/proc/self/mountinfo").read_text()
     except OSError:
         return set()
     devs = set()
-    for majmin in _mount_devs(theirs) - _mount_devs(ours):
+    for majmin in _launcher_tmpfs(theirs) - _mount_devs(ours):
         major, _, minor = majmin.partition(":")
         devs.add(os.makedev(int(major), int(minor)))
     return devs
@@ -114,13 +124,21 @@ def _nspid(pid: int) -> str:
     return str(pid)
 
 
-def held_paths(root: int) -> dict[str, str]:
-    """Every path the job's processes hold, by what holds it: ``"<pid> fd <n>"``, ``"<pid> map
-    <path>"`` (a mapping needs the right to read the file: the process's own set of mapped files
-    is what binds it), ``"<pid> cwd"``, ``"<pid> root"``, ``"<pid> exe"`` (pids as the job's
-    namespace numbers them).  criu opens each again, by path, when it restores: each must lead where it did
-    at the dump (a path merely held elsewhere in the job proves nothing: an O_PATH descriptor of
-    a file the job may not read would put its path in the set)."""
+def _kind(target: str) -> str:
+    """What a descriptor leads to, as a restore can reproduce it: a path as it is (`` (deleted)``
+    included), anything else by its kind only (``socket:[]``, ``pipe:[]``, ``anon_inode:[eventfd]``:
+    inode numbers change)."""
+    return target if target.startswith("/") else re.sub(r"\[\d+\]$", "[]", target)
+
+
+def held_paths(root: int, links: dict[str, str] | None = None) -> dict[str, str]:
+    """Everything the job's processes hold, by what holds it: ``"<pid> fd <n>"`` (every
+    descriptor, whatever it leads to: _kind), ``"<pid> map <path>"`` (a mapping needs the right
+    to read the file: the process's own set of mapped files is what binds it), ``"<pid> cwd"``,
+    ``"<pid> root"``, ``"<pid> exe"`` (pids as the job's namespace numbers them).  criu opens
+    each again, by path, when it restores: each must lead where it did at the dump (a path
+    merely held elsewhere in the job proves nothing: an O_PATH descriptor of a file the job may
+    not read would put its path in the set).  ``links``: filled with each key's /proc link."""
     held: dict[str, str] = {}
     for pid in job_pids(root):
         try:
@@ -128,88 +146,24 @@ def held_paths(root: int) -> dict[str, str]:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
-        links = {f"{ns} {name}": f"/proc/{pid}/{name}" for name in ("cwd", "root", "exe")}
-        links.update({f"{ns} fd {fd}": f"/proc/{pid}/fd/{fd}" for fd in fds})
-        for key, link in links.items():
+        proc = {f"{ns} {name}": f"/proc/{pid}/{name}" for name in ("cwd", "root", "exe")}
+        proc.update({f"{ns} fd {fd}": f"/proc/{pid}/fd/{fd}" for fd in fds})
+        for key, link in proc.items():
             try:
-                held[key] = os.readlink(link)
+                held[key] = _kind(os.readlink(link))
             except OSError:
                 continue
+            if links is not None:
+                links[key] = link
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
-                    if len(fields) == 6:  # by file, not by range: a restore may split or merge them
-                        path = fields[5].rstrip("\n")
+                    path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                    # By file, not by range: a restore may split or merge them.  Not deleted ones:
+                    # criu's restorer maps /dev/zero of its own (agent/remade.py checks ghosts).
+                    if path.startswith("/") and not path.endswith(" (deleted)"):
                         held[f"{ns} map {path}"] = path
         except OSError:
             pass
-    return {key: path for key, path in held.items() if path.startswith("/") and not path.endswith(" (deleted)")}
-
-
-def _unix_names(pid: int, cache: dict[str, dict[str, str]]) -> dict[str, str]:
-    """The names unix sockets are bound to in ``pid``'s network namespace, by socket inode."""
-    try:
-        netns = os.readlink(f"/proc/{pid}/ns/net")
-    except OSError:
-        return {}
-    if netns not in cache:
-        names: dict[str, str] = {}
-        try:
-            with open(f"/proc/{pid}/net/unix") as table:
-                next(table, None)
-                for line in table:
-                    fields = line.split(maxsplit=7)
-                    if len(fields) == 8:
-                        names[fields[6]] = fields[7].rstrip("\n")
-        except OSError:
-            pass
-        cache[netns] = names
-    return cache[netns]
-
-
-def _deleted(path: str) -> str | None:
-    if not path.startswith("/") or not path.endswith(" (deleted)") or path.startswith(PSEUDO + UNNAMED):
-        return None
-    return path[: -len(" (deleted)")]
-
-
-def made_again_by_path(root: int) -> list[tuple[str, str, int]]:
-    """What criu makes again, as root, at a path of the job's when it restores it, rather than
-    merely opening it: (what, path, pid) for each unix socket bound to a name in the filesystem
-    (bound again there, then given its owner and mode by path), each named FIFO, and each
-    file that was deleted while held (a "ghost": written again next to its old path).  Paths
-    are as the holder's mount namespace sees them (``/proc/<pid>/root`` reaches them); a relative
-    socket name is taken from the holder's working directory, as it was bound."""
-    found: list[tuple[str, str, int]] = []
-    sockets: dict[str, dict[str, str]] = {}
-    for pid in job_pids(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                name = _unix_names(pid, sockets).get(target[len("socket:["):-1], "")
-                if name and not name.startswith("@"):
-                    found.append(("a unix socket bound to", os.path.join(cwd, name), pid))
-            elif (gone := _deleted(target)) is not None:
-                found.append(("a deleted file,", gone, pid))
-            elif stat.S_ISFIFO(st.st_mode) and target.startswith("/"):
-                found.append(("a named FIFO,", target, pid))
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    gone = _deleted(fields[5].rstrip("\n")) if len(fields) == 6 else None
-                    if gone is not None:
-                        found.append(("a deleted file,", gone, pid))
-        except OSError:
-            pass
-    return found
+    return held

@@ -4,9 +4,12 @@ criu's action script (played here by a thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -207,22 +210,35 @@ def rendezvous(snap: Snapshot) -> tuple[bytes, SnapshotResult]:
     return answer[0], result
 
 
+@contextlib.contextmanager
+def holder(path: Path):
+    """A process standing for the job: it holds ``path`` open for writing, rewritten in place
+    (pytest itself holds deleted files in /tmp, which the dump would refuse: agent/remade.py)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'r+'); "
+                             "print('held', flush=True); time.sleep(60)", str(path)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.readline() == b"held\n"
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
 def test_the_rendezvous_snapshots_while_the_script_waits_and_a_release_ends_it(tmp_path):
     scratch, epoch = tmp_path / "scratch", tmp_path / "epoch"
     scratch.mkdir()
     epoch.mkdir()
     wd = tmp_path / "wd"
     wd.mkdir()
-    held = open(wd / "metrics.csv", "w")
-    held.write("0,1\n")
-    held.flush()
-    snap = Snapshot(os.getpid(), epoch, scratch, workdir=str(wd), storage=tmp_path / "storage",
-                    max_bytes=1024, max_entries=100)
-    answer, result = rendezvous(snap)
-    held.close()
+    (wd / "metrics.csv").write_text("0,1\n")
+    with holder(wd / "metrics.csv") as pid:
+        snap = Snapshot(pid, epoch, scratch, workdir=str(wd), storage=tmp_path / "storage",
+                        max_bytes=1024, max_entries=100)
+        answer, result = rendezvous(snap)
     assert answer == b"ok\n" and not result.error
     e = result.files[str(wd / "metrics.csv")]
-    # (pytest itself may hold other files open for writing: they are listed too, under other numbers)
     assert e.copy.startswith("files/") and (epoch / e.copy).read_text() == "0,1\n" and e.size == 4
     assert msgspec.json.decode((epoch / LISTING).read_bytes()) == {}  # an open file is covered, not listed
     assert result.workdir == str(wd) and result.workdir_note == ""
@@ -264,12 +280,13 @@ def test_show_job_lists_the_newest_epoch_s_files_and_those_it_could_not_copy(cap
 def test_a_snapshot_that_fails_answers_error_at_once_naming_why(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    snap = Snapshot(os.getpid(), tmp_path / "no-such-epoch", scratch, workdir="", storage=tmp_path,
-                    max_bytes=1024, max_entries=10)
-    with open(tmp_path / "w.csv", "w") as held:  # a copy is due, into an epoch directory that is not there
+    (tmp_path / "w.csv").write_text("1\n")
+    with holder(tmp_path / "w.csv") as pid:  # a copy is due, into an epoch directory that is not there
+        snap = Snapshot(pid, tmp_path / "no-such-epoch", scratch, workdir="", storage=tmp_path,
+                        max_bytes=1024, max_entries=10)
         answer, result = rendezvous(snap)
     assert answer == b"error\n"
-    assert held.closed and result.ran and result.done
+    assert result.ran and result.done
     assert result.error.startswith("cannot snapshot ") and "No such file or directory" in result.error
     assert snap.why_failed() == result.error
 

@@ -65,10 +65,14 @@ def test_a_directory_is_changeable_unless_root_owns_it_and_no_one_else_may_write
         assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) is None
         (tmp_path / "a").chmod(0o775)
         assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) == str(tmp_path / "a")
-        (tmp_path / "a").chmod(0o1777)  # sticky: only the entries' owners move them, and b is root's
+        (tmp_path / "a").chmod(0o1777)  # sticky: no one else moves root's b in it
         assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) is None
+        # but not as the last: an entry criu gave the user there, the user may replace
+        assert beneath.changeable(str(tmp_path / "a" / "sock"), root_fd) == str(tmp_path / "a")
+        (tmp_path / "a").chmod(0o755)
         os.chown(tmp_path / "a" / "b", NOBODY.pw_uid, NOBODY.pw_gid)
         assert beneath.changeable(str(tmp_path / "a" / "b" / "sock"), root_fd) == str(tmp_path / "a" / "b")
+        assert beneath.changeable(str(tmp_path / "gone" / "sock"), root_fd) == str(tmp_path / "gone")
         (tmp_path / "l").symlink_to(tmp_path / "a")
         assert beneath.changeable(str(tmp_path / "l" / "b" / "sock"), root_fd) == str(tmp_path / "l")
         dev = os.stat(tmp_path / "a").st_dev  # a filesystem only the job has: nobody else reaches it
@@ -97,12 +101,74 @@ async def test_a_job_holding_a_socket_fifo_or_deleted_file_where_a_user_writes_i
     assert ping(users / "sock") == b"pong\n"
 
 
+# Jobs that reach the same by other ways (an independent review's): each sets up in ``d`` (the
+# user's directory), then counts.
+OTHER_WAYS = {
+    "a deleted working directory": "os.makedirs(d + '/x/tgt'); os.chdir(d + '/x/tgt'); os.rmdir(d + '/x/tgt')",
+    "a socket bound by a relative name, then a chdir away":
+        "os.chdir(d); s = socket.socket(socket.AF_UNIX); s.bind('sock'); s.listen(); os.chdir('/')",
+    "a socket bound to a relative name that looks abstract":
+        "os.chdir(d); s = socket.socket(socket.AF_UNIX); s.bind('@x'); s.listen(); os.chdir('/')",
+    "a descriptor in flight in a socket's queue":
+        "a, b = socket.socketpair(); f = os.open(d + '/f', os.O_RDWR | os.O_CREAT); "
+        "socket.send_fds(a, [b'x'], [f]); os.close(f)",
+}
+COUNT = "import os, socket, sys, time\nd = sys.argv[1]\n{setup}\nn = 0\nwhile True:\n" \
+        "    n += 1\n    print(n, flush=True)\n    time.sleep(0.02)\n"
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("way", sorted(OTHER_WAYS))
+async def test_other_ways_to_the_same_are_refused_at_the_dump_too(base, supervisors, way):
+    users = base / "wd" / "users"
+    (base / "wd" / "job.py").write_text(COUNT.format(setup=OTHER_WAYS[way]))
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(base / "wd" / "job.py"), str(users)], workdir=str(base / "wd"),
+                   user="root")
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    await until(lambda: len(lines(out)) >= 5)
+    with pytest.raises(RevenantError) as refused:
+        await sup.checkpoint("1", 1, stop=True)
+    why = str(refused.value)
+    if "in flight" in way:
+        assert "descriptors in flight in a unix socket's queue (1 message(s) carrying SCM_RIGHTS)" in why, why
+    else:
+        assert f"can be changed by a user other than root" in why and str(users) in why, why
+    assert JobFiles(sup.storage, "1").committed() == []
+    at = len(lines(out))
+    await until(lambda: len(lines(out)) >= at + 5)  # resumed, unharmed
+
+
+@pytest.mark.criu
+async def test_the_restoring_node_checks_those_paths_again_before_criu_runs(base, supervisors):
+    """Root's at the dump, a user's on the node that restores: refused there before criu runs."""
+    wd = base / "wd"
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), str(wd / "held")], workdir=str(wd), user="root")
+    (wd / "held").mkdir()
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    await until(lambda: len(lines(out)) >= 5)
+    await sup.checkpoint("1", 1, stop=True)
+    await until(lambda: "1" not in sup.jobs)
+    os.chown(wd / "held", NOBODY.pw_uid, NOBODY.pw_gid)
+    with pytest.raises(RevenantError, match=rf"restore of job 1 refused: the job held a unix socket bound to "
+                                            rf"{wd}/held/sock, and {wd}/held can be changed by a user other than root"):
+        await sup.restore(spec, 2)
+    os.chown(wd / "held", 0, 0)
+    await sup.restore(spec, 3)
+    at = len(lines(out))
+    await until(lambda: len(lines(out)) >= at + 5)
+
+
 @pytest.mark.criu
 @pytest.mark.parametrize("where", ["root's directory", "the job's own /tmp"])
 async def test_a_job_holding_them_where_only_root_writes_comes_back_whole(base, supervisors, where):
     held = base / "wd" if where == "root's directory" else Path("/tmp")
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
-    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), str(held)], workdir=str(base / "wd"), user="root")
+    arg = str(held) if held != Path("/tmp") else "own-tmp"
+    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), arg], workdir=str(base / "wd"), user="root")
     await sup.start(spec, 1)
     out = JobFiles(sup.storage, "1").output
     await until(lambda: len(lines(out)) >= 5)

@@ -1,7 +1,8 @@
 """A job holding what criu makes again by path at a restore: a unix socket bound in ``dir``
 (answers "pong" to each connection), a named FIFO there (held open), and a file there that it
 deleted while holding it; plus an abstract socket.  Prints a counter and what its deleted file
-holds, every 20 ms.  Usage: remade.py DIR"""
+holds, every 20 ms.  Usage: remade.py DIR (``own-tmp``: /tmp, without naming it in the job's
+arguments, which would keep the host's /tmp for it: agent/launcher.py)"""
 
 import os
 import select
@@ -9,7 +10,7 @@ import socket
 import sys
 import time
 
-d = sys.argv[1]
+d = "/tmp" if sys.argv[1] == "own-tmp" else sys.argv[1]
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock_path = os.path.join(d, "sock")
 if os.path.lexists(sock_path):
