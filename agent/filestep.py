@@ -92,7 +92,7 @@ class JobFilesStep(BaseStep):
         return jobfiles_restore.plan(manifest, epoch_dir)
 
     async def before_restore(self, ctx: RestoreContext) -> None:
-        why = await asyncio.to_thread(remade.recheck_epoch, ctx.epoch_dir)
+        why = await asyncio.to_thread(remade.recheck_epoch, ctx.epoch_dir, ctx.manifest.user)
         if why:
             raise EpochError(f"restore of job {ctx.job} refused: {why}")
         planned = ctx.checked.get(self.name)  # what check_restore found for this epoch, moments ago

@@ -131,9 +131,25 @@ def _kind(target: str) -> str:
     return target if target.startswith("/") else re.sub(r"\[\d+\]$", "[]", target)
 
 
+def _watches(pid: int, fd: str) -> str:
+    """An inotify or fanotify descriptor's watches, as device and inode each (its fdinfo): criu
+    adds each again as root, by the path it finds for it, following links."""
+    marks = []
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+            for line in info:
+                if line.startswith(("inotify ", "fanotify ")):
+                    fields = dict(f.split(":", 1) for f in line.split()[1:] if ":" in f)
+                    marks.append(f"{fields.get('sdev', '?')}:{fields.get('ino', '?')}")
+    except OSError:
+        return " ?"
+    return "".join(" " + m for m in sorted(marks))
+
+
 def held_paths(root: int, links: dict[str, str] | None = None) -> dict[str, str]:
     """Everything the job's processes hold, by what holds it: ``"<pid> fd <n>"`` (every
-    descriptor, whatever it leads to: _kind), ``"<pid> map <path>"`` (a mapping needs the right
+    descriptor, whatever it leads to: _kind; an inotify or fanotify one with its watches),
+    ``"<pid> map <path>"`` (a mapping needs the right
     to read the file: the process's own set of mapped files is what binds it), ``"<pid> cwd"``,
     ``"<pid> root"``, ``"<pid> exe"`` (pids as the job's namespace numbers them).  criu opens
     each again, by path, when it restores: each must lead where it did at the dump (a path
@@ -153,6 +169,8 @@ def held_paths(root: int, links: dict[str, str] | None = None) -> dict[str, str]
                 held[key] = _kind(os.readlink(link))
             except OSError:
                 continue
+            if held[key] in ("anon_inode:inotify", "anon_inode:[fanotify]"):
+                held[key] += _watches(pid, key.rsplit(" ", 1)[-1])
             if links is not None:
                 links[key] = link
         try:

@@ -21,8 +21,10 @@ checks them again before criu runs (:func:`recheck`): its directories are its ow
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
+import socket
 import stat
 import struct
 from pathlib import Path
@@ -46,28 +48,46 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _deleted(path: str) -> str | None:
-    if not path.startswith("/") or not path.endswith(_DELETED) or path.startswith(PSEUDO + UNNAMED):
+    """The path of a file held deleted, or None (not deleted, or a kernel interface's: /proc,
+    /sys, /dev, but for /dev/shm, a filesystem like any other)."""
+    if not path.startswith("/") or not path.endswith(_DELETED) or path.startswith(UNNAMED):
+        return None
+    if path.startswith(PSEUDO) and not path.startswith("/dev/shm/"):
         return None
     return path[: -len(_DELETED)]
 
 
+class Unreadable(OSError):
+    """A socket of the job's that the agent could not inspect: as good as unsafe."""
+
+
 def _socket_file(pidfd: int, fd: int) -> str | None:
-    """The path (as /proc shows it) of the file the socket ``fd`` of the process is bound to, or
-    None: not a unix socket, unbound, or abstract.  Asks the kernel (SIOCUNIXFILE) rather than
-    /proc/net/unix, which shows a relative name as bound and cannot tell a file named ``@x``
-    from an abstract socket."""
+    """The path criu binds the socket ``fd`` of the process to again at a restore, or None: not a
+    unix socket, unbound, or abstract.  The kernel says where the socket's file is (SIOCUNIXFILE:
+    /proc/net/unix shows a relative name as bound, and cannot tell a file named ``@x`` from an
+    abstract socket); criu binds it again at the name it was bound to (getsockname) when that is
+    absolute, links on its way followed, and from the file's own directory when it is relative."""
     mine = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
     if mine < 0:
-        return None
+        raise Unreadable(ctypes.get_errno(), f"cannot inspect the job's socket (descriptor {fd})")
     try:
+        with socket.socket(fileno=os.dup(mine)) as sk:
+            if sk.family != socket.AF_UNIX:
+                return None
+            name = sk.getsockname()
+        if not name or not isinstance(name, str) or name.startswith("\0"):
+            return None  # unbound, or abstract
         try:
             opath = fcntl.ioctl(mine, _SIOCUNIXFILE)
-        except OSError:
-            return None
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise Unreadable(exc.errno, f"cannot inspect the job's socket bound to {name!r}") from None
+            return name if name.startswith("/") else None
         try:
-            return os.readlink(f"/proc/self/fd/{opath}")
+            real = os.readlink(f"/proc/self/fd/{opath}").removesuffix(_DELETED)
         finally:
             os.close(opath)
+        return name if name.startswith("/") else real
     finally:
         os.close(mine)
 
@@ -95,7 +115,7 @@ def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
             if target.startswith("socket:["):
                 bound = _socket_file(pidfd, int(fd))
                 if bound is not None:
-                    found.append(("a unix socket bound to", bound.removesuffix(_DELETED), pid))
+                    found.append(("a unix socket bound to", bound, pid))
             elif (gone := _deleted(target)) is not None:
                 found.append(("a deleted file,", gone, pid))
             elif stat.S_ISFIFO(st.st_mode) and target.startswith("/"):
@@ -185,7 +205,11 @@ def refusal(root: int, images: Path) -> tuple[str, list[list[str]]]:
                 "SCM_RIGHTS): criu would open them again as root, by path, at a restore"), []
     private = private_devs(root)
     recheck: list[list[str]] = []
-    for what, path, pid in made_again_by_path(root):
+    try:
+        found = made_again_by_path(root)
+    except Unreadable as exc:
+        return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", []
+    for what, path, pid in found:
         try:
             root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
@@ -211,11 +235,18 @@ def _on(path: str, pid: int, private: set[int]) -> bool:
         return False
 
 
-def recheck_epoch(epoch_dir: Path) -> str:
-    """:func:`recheck` of an epoch's REMADE (an epoch from before it has none)."""
+def recheck_epoch(epoch_dir: Path, user: str) -> str:
+    """:func:`recheck` of an epoch's REMADE, and its queued descriptors again.  An epoch from
+    before REMADE was checked for none of it: a ``user``'s (not root's) is refused."""
+    n = queued_descriptors(epoch_dir)
+    if n:
+        return f"its epoch has descriptors in flight in a unix socket's queue ({n} message(s) carrying SCM_RIGHTS)"
     try:
         paths = msgspec.json.decode((epoch_dir / REMADE).read_bytes(), type=list[list[str]])
     except FileNotFoundError:
+        if user and user != "root":
+            return (f"epoch {epoch_dir.name} was taken before revenant checked what criu makes again by path "
+                    "(no remade.json): a user's job needs a newer epoch")
         return ""
     except (OSError, msgspec.DecodeError) as exc:
         return f"epoch {epoch_dir.name}: unreadable {REMADE}: {exc}"

@@ -109,6 +109,9 @@ OTHER_WAYS = {
         "os.chdir(d); s = socket.socket(socket.AF_UNIX); s.bind('sock'); s.listen(); os.chdir('/')",
     "a socket bound to a relative name that looks abstract":
         "os.chdir(d); s = socket.socket(socket.AF_UNIX); s.bind('@x'); s.listen(); os.chdir('/')",
+    "a socket bound through a link to the job's own /tmp":
+        "os.symlink('/tmp', d + '/l'); s = socket.socket(socket.AF_UNIX); s.bind(d + '/l/sock'); s.listen()",
+    "a deleted file in the host's /dev/shm": "f = open(d + '/gone', 'w'); os.unlink(d + '/gone')",
     "a descriptor in flight in a socket's queue":
         "a, b = socket.socketpair(); f = os.open(d + '/f', os.O_RDWR | os.O_CREAT); "
         "socket.send_fds(a, [b'x'], [f]); os.close(f)",
@@ -121,6 +124,11 @@ COUNT = "import os, socket, sys, time\nd = sys.argv[1]\n{setup}\nn = 0\nwhile Tr
 @pytest.mark.parametrize("way", sorted(OTHER_WAYS))
 async def test_other_ways_to_the_same_are_refused_at_the_dump_too(base, supervisors, way):
     users = base / "wd" / "users"
+    if "/dev/shm" in way:  # named in the job's arguments: it keeps the host's /dev/shm
+        users = Path(tempfile.mkdtemp(prefix="revenant-remade-", dir="/dev/shm")) / "users"
+        users.mkdir()
+        os.chown(users, NOBODY.pw_uid, NOBODY.pw_gid)
+        users.parent.chmod(0o755)
     (base / "wd" / "job.py").write_text(COUNT.format(setup=OTHER_WAYS[way]))
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
     spec = JobSpec(id="1", argv=[sys.executable, str(base / "wd" / "job.py"), str(users)], workdir=str(base / "wd"),
@@ -138,6 +146,52 @@ async def test_other_ways_to_the_same_are_refused_at_the_dump_too(base, supervis
     assert JobFiles(sup.storage, "1").committed() == []
     at = len(lines(out))
     await until(lambda: len(lines(out)) >= at + 5)  # resumed, unharmed
+    if "/dev/shm" in way:
+        shutil.rmtree(users.parent, ignore_errors=True)
+
+
+WATCHER = """import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init()
+assert libc.inotify_add_watch(fd, sys.argv[1].encode(), 0x100) >= 0  # IN_CREATE
+n = 0
+while True:
+    n += 1
+    print(n, flush=True)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.criu
+async def test_an_inotify_watch_that_criu_adds_again_through_a_swapped_directory_is_caught(base, supervisors):
+    """criu adds each watch again as root, by path, following links: a directory of the user's
+    swapped for a link to a root-only one would let the job watch names it may not see."""
+    users, wd = base / "outside", base / "wd"  # outside the workdir: a restore moves nothing aside there
+    watched, victim = users / "w", base / "victim"
+    watched.mkdir(parents=True)
+    for d in (users, watched):
+        os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
+    victim.mkdir(mode=0o700)
+    (wd / "watcher.py").write_text(WATCHER)
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    spec = JobSpec(id="1", argv=[sys.executable, str(wd / "watcher.py"), str(watched)], workdir=str(wd), user="root")
+    await sup.start(spec, 1)
+    out = JobFiles(sup.storage, "1").output
+    await until(lambda: len(lines(out)) >= 5)
+    await sup.checkpoint("1", 1, stop=True)
+    await until(lambda: "1" not in sup.jobs)
+    os.rename(watched, users / "w.orig")
+    os.symlink(os.path.relpath(victim, users), watched)  # relative: it leads there from criu's root too
+    # Refused by criu itself where it cannot follow the link from the root it restores the job's
+    # mounts in, else by the agent's check while criu still holds the job.
+    with pytest.raises(RevenantError, match=r"criu opened anon_inode:inotify \S+ \(process \d+: fd \d+, "
+                                            r"anon_inode:inotify \S+ at the dump\)|fsnotify: Unable to open .*/outside/w"):
+        await sup.restore(spec, 2)
+    os.unlink(watched)
+    os.rename(users / "w.orig", watched)
+    await sup.restore(spec, 3)
+    at = len(lines(out))
+    await until(lambda: len(lines(out)) >= at + 5)
 
 
 @pytest.mark.criu
@@ -227,3 +281,37 @@ async def test_the_restore_check_runs_before_the_job_is_its_users_and_a_refusal_
     await sup.restore(spec, 3)
     await until(lambda: len(lines(out)) >= at + 3)
     assert watch.pidfile_written == [False, False]
+
+
+@pytest.mark.criu
+def test_the_restore_check_tells_watches_of_different_directories_apart(tmp_path):
+    """The check itself, on two live watchers standing for the job at the dump and restored (each
+    pid 1 of a PID namespace of its own, as a job's init is)."""
+    from revenant.agent.jobfiles import HELD, HELD_FORMAT
+    from revenant.agent.jobfiles_restore import swapped
+    from revenant.agent.jobprocs import held_paths
+    import msgspec
+    import subprocess
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    epoch = tmp_path / "epoch"
+    epoch.mkdir()
+    procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", WATCHER,
+                               str(tmp_path / d)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL) for d in ("a", "b")]
+    try:
+        for p in procs:
+            p.stdout.readline()
+        init = [int(Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()[0]) for p in procs]
+        (epoch / HELD).write_bytes(msgspec.json.encode({HELD_FORMAT: "2", **held_paths(init[0])}))
+        assert swapped(init[0], [], epoch) is None
+        why = swapped(init[1], [], epoch)
+        assert why is not None and why.startswith("anon_inode:inotify "), why
+        b, a = os.stat(tmp_path / "b"), os.stat(tmp_path / "a")
+        assert f"{b.st_ino:x}" in why and f"{a.st_ino:x} at the dump" in why
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
