@@ -24,7 +24,7 @@ import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from revenant.agent import cuda, procs, progress
+from revenant.agent import cuda, netprobe, procs, progress
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
@@ -195,7 +195,8 @@ class Agent(Service):
                       workdir_scan_max_entries=cfg.workdir_scan_max_entries,
                       file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
                       clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore,
-                      reporter=progress.Reporter(self.node, self._publish))
+                      reporter=progress.Reporter(self.node, self._publish),
+                      network_lock=netprobe.network_lock(criu.features) if criu.features.get("tcp_established") else "")
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
         # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
         # The GPU's state is suspended before a pre-dump or the dump read the job's memory.
@@ -242,6 +243,8 @@ class Agent(Service):
     async def _inspect(self) -> Capabilities:
         cfg = self.config
         criu: CriuInfo = await inspect_criu(cfg.criu_path, cfg.criu_check_timeout_s)
+        if criu.ok:
+            await netprobe.inspect(criu, self._work_roots()[0], cfg.criu_check_timeout_s)
         await asyncio.to_thread(self.gpu_monitor.start)
         self.cuda, self.cuda_why = await asyncio.to_thread(cuda.detect, cfg.gpu_checkpoint, cfg.gpu_libcuda,
                                                            cfg.gpu_cuda_checkpoint)

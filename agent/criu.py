@@ -22,7 +22,8 @@ from revenant.messages import CriuInfo
 MIN_VERSION = (4, 1)
 # Features revenant decides on: soft-dirty tracking gates incremental dumps and
 # pre-dump; the rest are reported so operators see what the kernel offers.
-FEATURES = ("mem_dirty_track", "uffd", "uffd-noncoop", "pidfd_store", "clone3_set_tid", "timens")
+FEATURES = ("mem_dirty_track", "uffd", "uffd-noncoop", "pidfd_store", "clone3_set_tid", "timens",
+            "network_lock_nftables")
 
 _VERSION_RE = re.compile(r"^Version:\s*(\S+)", re.M)
 _FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")
@@ -83,16 +84,38 @@ DUMP_MOUNTS = ("--external", "mnt[]")
 RESTORE_MOUNTS = ("--root", "/", "--external", "mnt[]")
 
 
+def network_dump_args(lock: str, leave_running: bool) -> list[str]:
+    """A job's sockets (docs/cli.md, "Jobs that use the network").  ``--ext-unix-sk``: a unix
+    datagram socket connected to a daemon outside the job (syslog's /dev/log).  With a network
+    lock (``lock``: "nftables" or "iptables"; "" where this criu has none, agent/netprobe.py),
+    ``--tcp-established``: a job's established TCP connections are dumped.  A checkpoint that
+    leaves the job running locks each connection while the job is frozen, so no packet is lost
+    or answered meanwhile, and criu unlocks them when it lets the job go: they go on unharmed.
+    A vacate needs no lock: its connections stay in repair mode, silent, until the job is
+    killed, and a restore brings them back closed (RESTORE_NETWORK)."""
+    if not lock:
+        return ["--ext-unix-sk"]
+    return ["--ext-unix-sk", "--tcp-established", "--network-lock", lock if leave_running else "skip"]
+
+
+# A restore brings a job's established connections back closed, wherever it runs: its peers saw
+# nothing since the epoch was taken but the job's silence, and a well-written client reconnects
+# after the reset its next use gets.
+RESTORE_NETWORK = ("--tcp-close", "--ext-unix-sk")
+
+
 def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script: Path,
-              leave_running: bool, extra: list[str] | None = None) -> list[str]:
+              leave_running: bool, extra: list[str] | None = None, network_lock: str = "") -> list[str]:
     """Dump the tree rooted at ``pid`` into ``images``; its log goes to ``workdir``/DUMP_LOG.
     ``leave_running`` False: the tree is left stopped (a vacate kills it after the commit).
-    ``extra``: arguments a pipeline step adds (a pre-dump's ``incremental_args``)."""
+    ``extra``: arguments a pipeline step adds (a pre-dump's ``incremental_args``).
+    ``network_lock``: see network_dump_args."""
     # -v2: errors and warnings only; a verbose log is written while the job is frozen.
     # --file-locks: the job's POSIX and flock locks (SQLite holds them) are dumped and taken again.
     return [criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", DUMP_LOG,
             "-v2", "--display-stats", "--action-script", str(action_script), "--file-locks",
-            *DUMP_MOUNTS, *(extra or []), "--leave-running" if leave_running else "--leave-stopped"]
+            *DUMP_MOUNTS, *network_dump_args(network_lock, leave_running), *(extra or []),
+            "--leave-running" if leave_running else "--leave-stopped"]
 
 
 # A pre-dump's images, inside the epoch they precede: criu links ``<images>/parent`` to the
@@ -122,7 +145,7 @@ def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path,
     script = ["--action-script", str(action_script)] if action_script is not None else []
     return [criu, "restore", "-D", str(images), "-W", str(workdir), "-o", RESTORE_LOG,
             "-v4", "--restore-detached", "--restore-sibling", "--leave-stopped", "--pidfile", str(pidfile),
-            "--file-locks", *script, *RESTORE_MOUNTS]
+            "--file-locks", *script, *RESTORE_MOUNTS, *RESTORE_NETWORK]
 
 
 def action_script(lines: list[str], action: str = "post-dump") -> str:

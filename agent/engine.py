@@ -104,8 +104,10 @@ class Engine:
                  criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
                  workdir_scan_max_entries: int = 20_000, file_snapshot_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False,
-                 reporter: progress.Reporter | None = None) -> None:
+                 reporter: progress.Reporter | None = None, network_lock: str = "nftables") -> None:
         self.criu = criu_path
+        # How criu locks a job's connections while it is frozen (agent/criu.py network_dump_args).
+        self.network_lock = network_lock
         # Tells whoever watches how far each dump and restore has come (agent/progress.py).
         self.reporter = reporter or progress.Reporter(node)
         # Restore lazily (criu lazy-pages; the agent's restore_mode and criu's uffd features).
@@ -232,7 +234,7 @@ class Engine:
         script.write_text(criu.action_script(ctx.post_dump_script))
         script.chmod(0o755)
         argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
-                              leave_running=not ctx.stop, extra=ctx.dump_args)
+                              leave_running=not ctx.stop, extra=ctx.dump_args, network_lock=self.network_lock)
         follower = undo.follower.start() if undo.follower is not None else None
         try:
             done = await procs.run(argv, self.criu_timeout_s, umask=DUMP_UMASK)  # images 0600 from the start

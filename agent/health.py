@@ -29,6 +29,7 @@ class HealthSample:
     storage_free_bytes: int | None = None
     criu_ok: bool = True
     criu_error: str | None = None
+    criu_network_error: str | None = None
     nats_connected: bool = True
     # Checkpoints that failed in a row (reset by a success), and the supervisor's queue.
     checkpoint_failures: int = 0
@@ -60,6 +61,8 @@ def _findings(sample: HealthSample, t: HealthThresholds) -> list[Finding]:
                          f"event loop stalled ({sample.recent_stalls} recent, lag {sample.loop_lag_s:.2f} s)"))
     if not sample.criu_ok:
         findings.append(("RED", "criu", f"criu unusable: {sample.criu_error or 'unknown error'}"))
+    elif sample.criu_network_error:
+        findings.append(("YELLOW", "criu_network", f"criu cannot checkpoint sockets: {sample.criu_network_error}"))
     if not sample.nats_connected:
         findings.append(("YELLOW", "nats", "NATS disconnected"))
     failures = sample.checkpoint_failures

@@ -62,6 +62,7 @@ class HealthProbes:
             storage_free_bytes=free,
             criu_ok=criu.ok,
             criu_error=criu.error,
+            criu_network_error=criu.network_error,
             nats_connected=nats_connected,
             checkpoint_failures=checkpoint_failures,
             pending_ops=pending_ops,

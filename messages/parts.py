@@ -36,8 +36,11 @@ class CriuInfo(_Body):
     ok: bool = False
     # `criu check` failed or criu is missing: criu's own last error line.
     error: str | None = None
-    # `criu check --feature NAME` results, e.g. {"mem_dirty_track": False}.
+    # `criu check --feature NAME` results, e.g. {"mem_dirty_track": False}, and the socket probe's
+    # (agent/netprobe.py): inet_sockets, tcp_established, ext_unix_sk.
     features: dict[str, bool] = {}
+    # The socket probe failed: why (criu's line), or None.  Jobs with sockets cannot be checkpointed.
+    network_error: str | None = None
 
 
 class GpuInfo(_Body):

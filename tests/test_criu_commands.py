@@ -18,17 +18,31 @@ def test_dump_command_line():
     assert argv == ["/usr/sbin/criu", "dump", "-t", "42", "-D", "/s/jobs/1/epochs/.tmp-n1-ab", "-W", "/dev/shm/w",
                     "-o", "dump.log", "-v2", "--display-stats", "--action-script", "/dev/shm/w/action.sh",
                     # The job's locks (SQLite's); every mount it inherited from the node is the node's.
-                    "--file-locks", "--external", "mnt[]", "--leave-running"]
+                    "--file-locks", "--external", "mnt[]", "--ext-unix-sk", "--leave-running"]
     stopped = criu.dump_argv("criu", pid=42, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                              leave_running=False)
     assert stopped[-1] == "--leave-stopped" and "--leave-running" not in stopped
+
+
+def test_connections_are_locked_only_while_a_running_job_is_frozen():
+    """With a network lock, established connections are dumped: a checkpoint that leaves the job
+    running locks them while it is frozen; a vacate needs no lock (they stay silent until the
+    job is killed); a restore brings them back closed."""
+    running = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
+                             leave_running=True, network_lock="nftables")
+    assert running[-5:] == ["--ext-unix-sk", "--tcp-established", "--network-lock", "nftables", "--leave-running"]
+    vacate = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
+                            leave_running=False, network_lock="nftables")
+    assert vacate[-5:] == ["--ext-unix-sk", "--tcp-established", "--network-lock", "skip", "--leave-stopped"]
+    restore = criu.restore_argv("criu", images=Path("i"), workdir=Path("w"), pidfile=Path("p"))
+    assert restore[-2:] == ["--tcp-close", "--ext-unix-sk"]
 
 
 def test_restore_command_line_makes_the_job_our_child():
     argv = criu.restore_argv("criu", images=Path("/s/jobs/1/epochs/3"), workdir=Path("/w"), pidfile=Path("/w/pid"))
     assert argv == ["criu", "restore", "-D", "/s/jobs/1/epochs/3", "-W", "/w", "-o", "restore.log", "-v4",
                     "--restore-detached", "--restore-sibling", "--leave-stopped", "--pidfile", "/w/pid",
-                    "--file-locks", "--root", "/", "--external", "mnt[]"]
+                    "--file-locks", "--root", "/", "--external", "mnt[]", "--tcp-close", "--ext-unix-sk"]
 
 
 def test_check_command_lines():

@@ -47,6 +47,9 @@ def state(**changes) -> tuple[str, list[str]]:
         ({"loop_stalls": 50}, "GREEN", None),  # old stalls are history, not health
         ({"criu_ok": False, "criu_error": "criu check failed: vdso"}, "RED", "criu unusable: criu check failed"),
         ({"criu_ok": False}, "RED", "criu unusable: unknown error"),
+        ({"criu_network_error": "inet_sockets: Can't get 1:16 opt"}, "YELLOW",
+         "criu cannot checkpoint sockets: inet_sockets: Can't get 1:16 opt"),
+        ({"criu_ok": False, "criu_network_error": "x"}, "RED", "criu unusable"),
         ({"nats_connected": False}, "YELLOW", "NATS disconnected"),
         ({"checkpoint_failures": 1}, "YELLOW", "1 checkpoint failed in a row"),
         ({"checkpoint_failures": 2}, "YELLOW", "2 checkpoints failed in a row"),

@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Install a working CRIU (4.1 or later) for this machine, idempotently.
+# Install a criu that can checkpoint revenant's jobs on this machine, idempotently.
 #
-#   Debian 13+ : apt-get install criu (4.1.1 works on kernels >= 6.13).
-#   Debian 12  : bookworm's criu 3.17 fails on kernels >= 6.13 ("Unexpected rt vDSO
-#                area bounds"), and installing trixie's criu with apt would upgrade the
-#                host libc.  Instead build a minimal trixie root with debootstrap and run
-#                criu through that root's own dynamic loader.  The host is untouched.
+# criu 4.2 or later: Linux 6.16 refuses SO_PASSCRED on anything but unix, netlink and
+# bluetooth sockets, and criu 4.1 asks every socket for it, so it dumps no UDP or TCP socket
+# there (criu issue #2705, fixed in 4.2).  Debian 12's criu (3.17) fails on kernels >= 6.13
+# ("Unexpected rt vDSO area bounds"); Debian 13's is 4.1.1.  So, unless the host's own criu is
+# 4.2 or later and passes the socket probe below, build a minimal Debian forky root with
+# debootstrap (criu 4.2.1 and the libnftables its network lock uses) and run criu through that
+# root's own dynamic loader: the host's libc is untouched.
 #
-# Writes a launcher to $1 (default: .venv/bin/criu) and verifies it with `criu check`.
+# Beyond `criu check`, the probe (python -m revenant.agent.netprobe) dumps and restores a
+# process holding a UDP socket, a listening TCP socket, an established loopback TCP pair and a
+# unix datagram socket connected to the outside; the agent runs the same at start-up.
+#
+# Writes a launcher to $1 (default: .venv/bin/criu).
 set -euo pipefail
 
 launcher=${1:-.venv/bin/criu}
-root=${REVENANT_CRIU_ROOT:-/opt/revenant/criu-trixie}
-min_version=4.1
+root=${REVENANT_CRIU_ROOT:-/opt/revenant/criu-forky}
+suite=${REVENANT_CRIU_SUITE:-forky}
+min_version=4.2
 
 log() { printf 'install-criu: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -40,7 +47,7 @@ debian_mirror() {
         | awk '{print $2}' | grep -v -- '-security' | head -1 || true)
     if [ -z "$m" ]; then
         m=$(grep -h '^deb ' /etc/apt/sources.list 2>/dev/null \
-            | awk '{print $2}' | grep -v -- '-security' | head -1 || true)
+            | awk '{print $2}' | grep -v -- '-security' | grep debian | head -1 || true)
     fi
     [ -n "$m" ] || die "no Debian mirror found in /etc/apt/sources.list{,.d}"
     printf '%s\n' "$m"
@@ -53,37 +60,51 @@ write_launcher() {
     mv "$launcher.tmp" "$launcher"
 }
 
+# The socket probe, where revenant is installed next to the launcher (set-up's venv).
+probe() {
+    local py
+    py="$(dirname "$launcher")/python"
+    if ! [ -x "$py" ] || ! "$py" -c 'import revenant.agent.netprobe' 2>/dev/null; then
+        log "revenant is not installed next to $launcher: the socket probe is left to the agent"
+        return 0
+    fi
+    "$py" -m revenant.agent.netprobe "$launcher" >&2
+}
+
 [ "$(id -u)" = 0 ] || die "must run as root (criu needs CAP_SYS_ADMIN)"
 
-codename=$( . /etc/os-release; echo "${VERSION_CODENAME:-}" )
-major=$(cut -d. -f1 /etc/debian_version 2>/dev/null || echo 0)
-case "$major" in (*[!0-9]*|'') major=0 ;; esac
-
-if [ "$major" -ge 13 ] || [ "$codename" = trixie ] || [ "$codename" = forky ]; then
-    command -v criu >/dev/null && version_ok criu || apt_install criu
-    target=$(command -v criu)
+host=$(command -v criu || true)
+if [ -n "$host" ] && [ "$host" != "$(readlink -f "$launcher" 2>/dev/null)" ] && version_ok "$host"; then
     write_launcher "#!/bin/sh
-exec $target \"\$@\""
-else
-    loader=$root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2
-    if ! [ -x "$root/usr/sbin/criu" ] || ! version_ok "$loader" --library-path "$root/usr/lib/x86_64-linux-gnu" "$root/usr/sbin/criu"; then
-        command -v debootstrap >/dev/null || apt_install debootstrap
-        mirror=$(debian_mirror)
-        log "building a trixie root with criu in $root (about 30 s)"
-        rm -rf "$root.partial"
-        mkdir -p "$(dirname "$root")"
-        debootstrap --variant=minbase --include=criu trixie "$root.partial" "$mirror" >"$root.log" 2>&1 \
-            || die "debootstrap failed; see $root.log"
-        rm -rf "$root"
-        mv "$root.partial" "$root"
+exec $host \"\$@\""
+    if "$launcher" check >/dev/null 2>&1 && probe; then
+        log "$("$launcher" --version | head -1) (the host's) at $launcher: criu check and the socket probe passed"
+        exit 0
     fi
-    write_launcher "#!/bin/sh
-# criu from a trixie root, run through that root's own loader (host libc untouched).
-exec $loader --library-path $root/usr/lib/x86_64-linux-gnu $root/usr/sbin/criu \"\$@\""
+    log "the host's criu ($host) fails the checks: building a $suite root instead"
 fi
 
-version_ok "$launcher" || die "$launcher is not criu >= $min_version"
+loader=$root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2
+if ! [ -x "$root/usr/sbin/criu" ] || ! version_ok "$loader" --library-path "$root/usr/lib/x86_64-linux-gnu" "$root/usr/sbin/criu"; then
+    command -v debootstrap >/dev/null || apt_install debootstrap
+    mirror=$(debian_mirror)
+    script=/usr/share/debootstrap/scripts/$suite
+    [ -e "$script" ] || script=/usr/share/debootstrap/scripts/sid  # Debian 12's debootstrap knows no forky
+    log "building a $suite root with criu in $root (about a minute)"
+    rm -rf "$root.partial"
+    mkdir -p "$(dirname "$root")"
+    debootstrap --variant=minbase --include=criu "$suite" "$root.partial" "$mirror" "$script" >"$root.log" 2>&1 \
+        || die "debootstrap failed; see $root.log"
+    rm -rf "$root"
+    mv "$root.partial" "$root"
+fi
+write_launcher "#!/bin/sh
+# criu from a $suite root, run through that root's own loader (host libc untouched).
+exec $loader --library-path $root/usr/lib/x86_64-linux-gnu $root/usr/sbin/criu \"\$@\""
+
+version_ok "$launcher" || die "$launcher is not criu >= $min_version ($suite's criu: $("$launcher" --version 2>&1 | head -1))"
 if ! out=$("$launcher" check 2>&1); then
     die "criu check failed: $(printf '%s\n' "$out" | grep -v RLIMIT_NOFILE | tail -1)"
 fi
-log "$("$launcher" --version | head -1) at $launcher: criu check passed"
+probe || die "$("$launcher" --version | head -1) at $launcher cannot checkpoint sockets on this kernel (above)"
+log "$("$launcher" --version | head -1) at $launcher: criu check and the socket probe passed"

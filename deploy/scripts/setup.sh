@@ -60,6 +60,10 @@ fi
 if ! command -v systemd-analyze >/dev/null 2>&1; then
     apt_install systemd
 fi
+# The network workloads (tests/workloads/) run a real redis-server, checked with its own protocol.
+if ! command -v redis-server >/dev/null 2>&1; then
+    apt_install redis-server
+fi
 # The TLS test makes a certificate for its nats-server with openssl.
 if ! command -v openssl >/dev/null 2>&1; then
     apt_install openssl

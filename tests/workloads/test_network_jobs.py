@@ -1,0 +1,218 @@
+"""Jobs that use the network, on a 2-node `revenant up` with real criu, each checked through its
+own client (docs/cli.md, "Jobs that use the network"):
+
+- the seed's UDP counter: the count goes on from the epoch after a create, a vacate and restart
+  on the other node, and a failover;
+- an HTTP/1.1 server: a keep-alive connection held across `checkpoint create` goes on unharmed;
+  after a move it is closed (the client sees it at its next use) and a new one finds the
+  server's state as the epoch had it;
+- a TCP client job: its connection to a server outside the cluster stays across a create, with
+  not a byte lost or duplicated; after a move it reconnects and goes on from the epoch;
+- redis over TCP: keys written before, read after, through a connection held across a create.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import REPO, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.workloads]
+
+JOBS = REPO / "tests" / "jobs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def submit(cluster, *argv: str, node: str = "node-1", extra: tuple[str, ...] = ()) -> str:
+    return cluster.cli("submit", "--node", node, *extra, "--", *argv).stdout.strip()
+
+
+def show(cluster, job: str) -> dict:
+    out = cluster.cli("show", "job", job, "--json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def running_on(cluster, job: str, node: str, timeout: float = 60) -> dict:
+    info = wait_until(lambda: (j := show(cluster, job)) and j["state"] == "running" and j["node"] == node and j,
+                      timeout=timeout, interval=0.2)
+    assert info, f"job {job} is not running on {node}: {show(cluster, job)}"
+    return info
+
+
+def output(cluster, job: str) -> str:
+    return (cluster.storage / "jobs" / job / "output.log").read_text()
+
+
+def udp(port: int, timeout: float = 10) -> int:
+    """One packet to the counter, its answer (retried: a restored job may still be starting)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(0.5)
+        end = time.monotonic() + timeout
+        while True:
+            s.sendto(b"hello", ("127.0.0.1", port))
+            try:
+                return int(s.recv(16))
+            except socket.timeout:
+                if time.monotonic() > end:
+                    raise
+
+
+def kill_node(cluster, node: str, job_pid: int) -> None:
+    os.kill(cluster.pids()[node], signal.SIGKILL)
+    os.kill(job_pid, signal.SIGKILL)
+
+
+def test_the_seeds_udp_counter_counts_on_from_each_epoch(make_cluster):
+    cluster = make_cluster(2)
+    port = free_port()
+    job = submit(cluster, sys.executable, str(JOBS / "udp_counter.py"), str(port))
+    running_on(cluster, job, "node-1")
+    assert [udp(port), udp(port)] == [101, 102]
+    cluster.cli("checkpoint", "create", job)
+    assert udp(port) == 103  # the socket went on working through the dump
+    cluster.cli("checkpoint", "vacate", job)  # epoch 2, at 103
+    cluster.cli("checkpoint", "restart", job, "--node", "node-2")
+    running_on(cluster, job, "node-2")
+    assert udp(port) == 104
+    cluster.cli("checkpoint", "create", job)  # epoch 3, at 104
+    first = show(cluster, job)
+    kill_node(cluster, "node-2", first["pid"])
+    running_on(cluster, job, "node-1")
+    assert udp(port) == 105  # from epoch 3
+    # Its output as an uninterrupted run's: each value once (printed after its answer went).
+    want = ["101", "102", "103", "104", "105"]
+    assert wait_until(lambda: output(cluster, job).split() == want, timeout=10), output(cluster, job)
+
+
+def get(conn: http.client.HTTPConnection) -> int:
+    conn.request("GET", "/")
+    return int(conn.getresponse().read())
+
+
+def test_an_http_server_keeps_a_client_connection_across_a_create_and_closes_it_on_a_move(make_cluster):
+    cluster = make_cluster(2)
+    port = free_port()
+    job = submit(cluster, sys.executable, str(JOBS / "http_counter.py"), str(port))
+    running_on(cluster, job, "node-1")
+    assert wait_until(lambda: "listening" in output(cluster, job), timeout=30)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    assert [get(conn), get(conn)] == [1, 2]
+    local = conn.sock.getsockname()
+    cluster.cli("checkpoint", "create", job)
+    assert get(conn) == 3 and conn.sock.getsockname() == local  # the same connection, unharmed
+    cluster.cli("checkpoint", "vacate", job)  # at 3
+    cluster.cli("checkpoint", "restart", job, "--node", "node-2")
+    running_on(cluster, job, "node-2")
+    with pytest.raises((ConnectionError, http.client.RemoteDisconnected, BrokenPipeError)):
+        get(conn)  # closed by the move: seen at its next use
+    conn.close()
+    again = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        assert get(again) == 4  # the server's state as the epoch had it
+    finally:
+        again.close()
+    restored = [e for e in cluster.events() if e.get("kind") == "restored"]
+    assert restored and restored[-1]["node"] == "node-2"
+
+
+class LineServer:
+    """A TCP server outside the cluster: what each connection sent, line by line."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections: list[list[int]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            lines: list[int] = []
+            self.connections.append(lines)
+            threading.Thread(target=self._read, args=(conn, lines), daemon=True).start()
+
+    @staticmethod
+    def _read(conn: socket.socket, lines: list[int]) -> None:
+        with conn, conn.makefile("rb") as f:
+            for raw in f:
+                lines.append(int(raw))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_tcp_client_job_keeps_its_connection_across_a_create_and_reconnects_after_a_move(make_cluster):
+    server = LineServer()
+    try:
+        cluster = make_cluster(2)
+        job = submit(cluster, sys.executable, str(JOBS / "tcp_sender.py"), str(server.port))
+        running_on(cluster, job, "node-1")
+        assert wait_until(lambda: server.connections and len(server.connections[0]) > 20, timeout=30)
+        cluster.cli("checkpoint", "create", job)
+        seen = len(server.connections[0])
+        assert wait_until(lambda: len(server.connections[0]) > seen + 20, timeout=30)
+        # Through the dump, on the one connection: not a line lost or repeated.
+        first = server.connections[0]
+        assert len(server.connections) == 1 and first == list(range(1, len(first) + 1))
+        cluster.cli("checkpoint", "vacate", job)
+        at_epoch = len(server.connections[0])
+        cluster.cli("checkpoint", "restart", job, "--node", "node-2")
+        running_on(cluster, job, "node-2")
+        assert wait_until(lambda: len(server.connections) == 2 and len(server.connections[1]) > 10, timeout=30)
+        # The vacate stopped it at its epoch: the new connection goes on exactly from there.
+        assert server.connections[1][:5] == list(range(at_epoch + 1, at_epoch + 6))
+        assert "reconnecting after" in output(cluster, job)
+    finally:
+        server.close()
+
+
+def redis(sock: socket.socket, *words: str) -> bytes:
+    sock.sendall(b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w.encode()) for w in words))
+    return sock.recv(4096)
+
+
+def test_redis_keeps_its_keys_and_a_client_connection_across_a_create_and_its_keys_across_a_move(make_cluster):
+    cluster = make_cluster(2)
+    port = free_port()
+    server = shutil.which("redis-server")
+    assert server, "redis-server is missing: make setup installs it (Debian package redis-server)"
+    job = submit(cluster, server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--daemonize", "no")
+    running_on(cluster, job, "node-1")
+    client = None
+    deadline = time.monotonic() + 30
+    while client is None:
+        try:
+            client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        except OSError:
+            assert time.monotonic() < deadline, output(cluster, job)
+            time.sleep(0.1)
+    assert redis(client, "SET", "before", "1") == b"+OK\r\n"
+    cluster.cli("checkpoint", "create", job)
+    assert redis(client, "GET", "before") == b"$1\r\n1\r\n"  # the same connection
+    assert redis(client, "SET", "after", "2") == b"+OK\r\n"
+    cluster.cli("checkpoint", "vacate", job)
+    cluster.cli("checkpoint", "restart", job, "--node", "node-2")
+    running_on(cluster, job, "node-2")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as again:
+        assert redis(again, "GET", "before") == b"$1\r\n1\r\n"
+        assert redis(again, "GET", "after") == b"$1\r\n2\r\n"
+    client.close()
