@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from revenant.agent import criu, criustats, lazy, packs, procs, progress
-from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch, cpu_flags
+from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch
 from revenant.agent.fileio import Durable
 from revenant.agent.lazy import LazyFetch
 from revenant.agent.guard import resident_bytes
@@ -61,6 +61,16 @@ log = logging.getLogger(__name__)
 
 class NoSpace(RevenantError):
     code = "no_space"
+
+
+@functools.cache
+def cpu_flags() -> list[str]:
+    """The host's CPU flags (read once: they do not change while the agent runs)."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted(flags.split(":", 1)[1].split()) if flags else []
 
 
 def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -137,21 +136,15 @@ class Manifest(msgspec.Struct, kw_only=True):
     gpus: list[JobGpu] = []
     gpu_driver: str = ""
     cuda_pids: dict[int, list[str]] = {}
+    # The job's internet sockets at the dump (agent/netstate.py): what it listened on, and its
+    # established TCP connections ("local -> peer"), which a restore brings back closed.
+    listening: list[str] = []
+    connections: list[str] = []
 
     @property
     def total_bytes(self) -> int:  # what a restore reads: converted images at their original size
         plain = (f.size for n, f in self.files.items() if n not in {r.recipe for r in self.recipes.values()})
         return sum(plain) + sum(r.size for r in self.recipes.values())
-
-
-@functools.cache
-def cpu_flags() -> list[str]:
-    """The host's CPU flags (read once: they do not change while the agent runs)."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return []
-    return sorted(flags.split(":", 1)[1].split()) if flags else []
 
 
 def checksum_file(path: Path, algo: str = "crc32") -> str:
@@ -256,7 +249,8 @@ class JobFiles:
                          files=[EpochFile(path=path, size=f.size, copied=bool(f.copy), not_copied=f.no_copy)
                                 for path, f in files[:MAX_EPOCH_FILES]],
                          files_total=len(m.job_files), files_copied=sum(1 for f in m.job_files.values() if f.copy),
-                         workdir_note=m.workdir_note, gpus=m.gpus, gpu_driver=m.gpu_driver)
+                         workdir_note=m.workdir_note, gpus=m.gpus, gpu_driver=m.gpu_driver,
+                         listening=m.listening, connections=m.connections)
 
     # ------------------------------------------------------------------ commit
 

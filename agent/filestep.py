@@ -78,6 +78,7 @@ class JobFilesStep(BaseStep):
         m = ctx.manifest
         m.job_files, m.workdir, m.workdir_note, m.files_s = result.files, result.workdir, result.workdir_note, \
             result.seconds
+        m.listening, m.connections = result.listening, result.connections
         # The output's size as well, as epochs had it before job_files: an older agent restoring
         # this epoch still cuts the output back.
         out = str(ctx.files.output)

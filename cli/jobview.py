@@ -41,7 +41,8 @@ def job_view(rec: JobRecord) -> dict:
                               for f in e.files],
                     "files_total": e.files_total, "files_copied": e.files_copied,
                     "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental,
-                    "gpus": msgspec.to_builtins(e.gpus), "gpu_driver": e.gpu_driver}
+                    "gpus": msgspec.to_builtins(e.gpus), "gpu_driver": e.gpu_driver,
+                    "listening": e.listening, "connections": e.connections}
                    for e in rec.epochs],
         "gpus": msgspec.to_builtins(rec.gpus),
         "gpu_driver": rec.gpu_driver,
@@ -85,6 +86,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),
         ("epochs", epochs),
         *_epoch_files(rec),
+        *_network(rec),
         ("output", v["output"] or "-"),
         ("exit_code", "-" if v["exit_code"] is None else str(v["exit_code"])),
         ("command", " ".join(rec.spec.argv)),
@@ -113,6 +115,19 @@ def _storage_cell(rec: JobRecord) -> str:
     if rec.storage_bytes:
         return f"{_fmt_bytes(rec.storage_bytes)} on disk (data shared between epochs counted once)"
     return "none" if not rec.epochs else "not reported"
+
+
+def _network(rec: JobRecord) -> list[tuple[str, str]]:
+    """What the job listened on at its newest epoch (where a restore listens again, on its node),
+    and the connections a restore of it closes."""
+    if not rec.epochs or not (rec.epochs[-1].listening or rec.epochs[-1].connections):
+        return []
+    e = rec.epochs[-1]
+    rows = [("listening", ", ".join(e.listening) + f" (epoch #{e.n})")] if e.listening else []
+    if e.connections:
+        rows.append(("connections", f"{len(e.connections)} at epoch #{e.n}, closed by a restore of it: "
+                                    + ", ".join(e.connections)))
+    return rows
 
 
 def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:

@@ -359,6 +359,9 @@ class Failover:
                     kind, extra = "migrated", {"cause": "health", "reasons": list(moved)}
                 else:
                     extra = {}
+                restored = next((e for e in rec.epochs if e.n == epoch), None) if kind != "requeued" else None
+                if restored is not None:  # its clients find it again; its connections came back closed
+                    extra.update(listening=list(restored.listening), closed=list(restored.connections))
                 self._event(job, kind, dead, node=rec.node, generation=rec.generation, pid=rec.pid, epoch=epoch,
                             reason="; ".join(notes), **extra)
                 log.warning("job %s %s on %s (generation %d) %s", job, kind, rec.node or "-", rec.generation,

@@ -185,7 +185,9 @@ def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
     events = []
     if inp.announce:
         events.append(Emit("restored", {"pid": inp.pid, "epoch": inp.epoch.n if inp.epoch else None,
-                                        "reason": inp.announce if isinstance(inp.announce, str) else ""}))
+                                        "reason": inp.announce if isinstance(inp.announce, str) else "",
+                                        "listening": list(inp.epoch.listening) if inp.epoch else [],
+                                        "closed": list(inp.epoch.connections) if inp.epoch else []}))
     return Decision(new, events=events)
 
 

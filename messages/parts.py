@@ -243,6 +243,10 @@ class EpochInfo(_Body):
     # A GPU job's GPUs at this epoch and the driver it ran under (a restore needs fitting GPUs).
     gpus: list[JobGpu] = []
     gpu_driver: str = ""
+    # The job's internet sockets at this epoch: what it listened on ("tcp 0.0.0.0:6379"), and its
+    # established TCP connections ("local -> peer"), which a restore of this epoch closes.
+    listening: list[str] = []
+    connections: list[str] = []
 
 
 class JobRecord(_Body):

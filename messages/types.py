@@ -340,6 +340,10 @@ class JobEvent(Message, tag="job_event.v1"):
     # migrated / migration_failed / migration_skipped: "health" and the sick node's findings.
     cause: str = ""
     reasons: list[str] = []
+    # restored: what the job listens on again (its epoch's sockets), and the connections the
+    # restore closed ("local -> peer"), which the job sees reset at their next use.
+    listening: list[str] = []
+    closed: list[str] = []
 
 
 class EpochEvent(Message, tag="epoch_event.v1"):

@@ -13,11 +13,12 @@ from revenant.agent import netprobe
 from revenant.agent.criu import inspect_criu, locate_criu
 from revenant.messages import CriuInfo
 
-pytestmark = pytest.mark.criu
+
 
 SO_PASSCRED = "Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not supported"
 
 
+@pytest.mark.criu
 async def test_this_nodes_criu_carries_every_kind_of_socket(tmp_path):
     info = await inspect_criu(locate_criu())
     assert info.ok, info.error
@@ -26,6 +27,7 @@ async def test_this_nodes_criu_carries_every_kind_of_socket(tmp_path):
     assert list(tmp_path.iterdir()) == []  # its scratch cleaned up
 
 
+@pytest.mark.criu
 async def test_a_criu_that_cannot_dump_sockets_is_named_with_its_own_line(tmp_path):
     fake = tmp_path / "criu"
     fake.write_text(f"#!/bin/sh\ncat >&2 <<'EOF'\n{SO_PASSCRED}\nDumping FAILED.\nEOF\nexit 1\n")
@@ -36,3 +38,13 @@ async def test_a_criu_that_cannot_dump_sockets_is_named_with_its_own_line(tmp_pa
     assert {f: info.features[f] for f in netprobe.FEATURES} == dict.fromkeys(netprobe.FEATURES, False)
     assert info.network_error == f"inet_sockets: {SO_PASSCRED}"
     assert list(Path(scratch).iterdir()) == []
+
+
+@pytest.mark.unit
+def test_proc_net_addresses_read_as_written():
+    from revenant.agent.netstate import _address
+    import socket
+
+    assert _address("0100007F:1F90", socket.AF_INET) == "127.0.0.1:8080"
+    assert _address("00000000:18EB", socket.AF_INET) == "0.0.0.0:6379"
+    assert _address("00000000000000000000000001000000:0050", socket.AF_INET6) == "[::1]:80"

@@ -86,6 +86,7 @@ def test_the_seeds_udp_counter_counts_on_from_each_epoch(make_cluster):
     cluster.cli("checkpoint", "create", job)
     assert udp(port) == 103  # the socket went on working through the dump
     cluster.cli("checkpoint", "vacate", job)  # epoch 2, at 103
+    assert cluster.job(job)["epochs"][-1]["listening"] == [f"udp 127.0.0.1:{port}"]
     cluster.cli("checkpoint", "restart", job, "--node", "node-2")
     running_on(cluster, job, "node-2")
     assert udp(port) == 104
@@ -120,6 +121,9 @@ def test_an_http_server_keeps_a_client_connection_across_a_create_and_closes_it_
     running_on(cluster, job, "node-2")
     with pytest.raises((ConnectionError, http.client.RemoteDisconnected, BrokenPipeError)):
         get(conn)  # closed by the move: seen at its next use
+    restored = [e for e in cluster.events() if e.get("kind") == "restored"][-1]
+    assert restored["listening"] == [f"tcp 127.0.0.1:{port}"]
+    assert restored["closed"] == [f"127.0.0.1:{port} -> 127.0.0.1:{local[1]}"]  # named, with its peer
     conn.close()
     again = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -180,6 +184,8 @@ def test_a_tcp_client_job_keeps_its_connection_across_a_create_and_reconnects_af
         # The vacate stopped it at its epoch: the new connection goes on exactly from there.
         assert server.connections[1][:5] == list(range(at_epoch + 1, at_epoch + 6))
         assert "reconnecting after" in output(cluster, job)
+        restored = [e for e in cluster.events() if e.get("kind") == "restored"][-1]
+        assert len(restored["closed"]) == 1 and restored["closed"][0].endswith(f" -> 127.0.0.1:{server.port}")
     finally:
         server.close()
 
