@@ -1,8 +1,9 @@
 """Jobs that use the network, on a 2-node `revenant up` with real criu, each checked through its
 own client (docs/cli.md, "Jobs that use the network"):
 
-- the seed's UDP counter: the count goes on from the epoch after a create, a vacate and restart
-  on the other node, and a failover;
+- each through `checkpoint create`, a vacate and restart on the other node, and a failover
+  (the node's agent and the job SIGKILLed: restored on the other from its newest epoch);
+- the seed's UDP counter: the count goes on from the epoch;
 - an HTTP/1.1 server: a keep-alive connection held across `checkpoint create` goes on unharmed;
   after a move it is closed (the client sees it at its next use) and a new one finds the
   server's state as the epoch had it;
@@ -128,10 +129,21 @@ def test_an_http_server_keeps_a_client_connection_across_a_create_and_closes_it_
     again = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         assert get(again) == 4  # the server's state as the epoch had it
+        cluster.cli("checkpoint", "create", job)  # at 4, with this connection open
+        assert get(again) == 5
+        kill_node(cluster, "node-2", show(cluster, job)["pid"])
+        running_on(cluster, job, "node-1")
+        with pytest.raises((ConnectionError, http.client.RemoteDisconnected, BrokenPipeError)):
+            get(again)  # the failover closed it too
     finally:
         again.close()
+    third = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        assert get(third) == 5  # from the epoch at 4: the GET the epoch never saw is counted again
+    finally:
+        third.close()
     restored = [e for e in cluster.events() if e.get("kind") == "restored"]
-    assert restored and restored[-1]["node"] == "node-2"
+    assert [e["node"] for e in restored] == ["node-2", "node-1"]  # the move, then the failover
 
 
 class LineServer:
@@ -186,6 +198,16 @@ def test_a_tcp_client_job_keeps_its_connection_across_a_create_and_reconnects_af
         assert "reconnecting after" in output(cluster, job)
         restored = [e for e in cluster.events() if e.get("kind") == "restored"][-1]
         assert len(restored["closed"]) == 1 and restored["closed"][0].endswith(f" -> 127.0.0.1:{server.port}")
+        # A failover, from a create: the job goes on from that epoch on a new connection (what it
+        # sent after the epoch, its peer has seen once already: a restore replays from the epoch).
+        cluster.cli("checkpoint", "create", job)
+        epoch_at = len(server.connections[1])
+        kill_node(cluster, "node-2", show(cluster, job)["pid"])
+        running_on(cluster, job, "node-1")
+        assert wait_until(lambda: len(server.connections) == 3 and len(server.connections[2]) > 10, timeout=30)
+        resumed = server.connections[2][0]
+        assert at_epoch < resumed <= at_epoch + epoch_at + 1, (at_epoch, epoch_at, resumed)
+        assert server.connections[2][:5] == list(range(resumed, resumed + 5))
     finally:
         server.close()
 
@@ -221,4 +243,10 @@ def test_redis_keeps_its_keys_and_a_client_connection_across_a_create_and_its_ke
     with socket.create_connection(("127.0.0.1", port), timeout=10) as again:
         assert redis(again, "GET", "before") == b"$1\r\n1\r\n"
         assert redis(again, "GET", "after") == b"$1\r\n2\r\n"
+        assert redis(again, "SET", "moved", "3") == b"+OK\r\n"
     client.close()
+    cluster.cli("checkpoint", "create", job)
+    kill_node(cluster, "node-2", show(cluster, job)["pid"])
+    running_on(cluster, job, "node-1")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+        assert redis(third, "GET", "moved") == b"$1\r\n3\r\n"  # every key, as the last epoch had them

@@ -1,0 +1,138 @@
+"""Freeze time of a checkpoint of a job holding established TCP connections, against the same job
+holding none, through revenant (`checkpoint create`: criu's --tcp-established, each connection
+locked with nftables while the job is frozen), and bytes lost or duplicated on those connections.
+
+On a fresh `revenant up --nodes 1` under /var/tmp, alternating: submit
+bench/workloads/hold_connections.py with 0 and with N (100) connections to a server in this
+process, `checkpoint create` it --creates times, and read each epoch's `freeze_s` (criu's
+"Frozen time").  The server checks every connection's lines: each one the next number, none
+missing, none twice, across every create.  Goal: median freeze with N connections at most 1.2x
+the median with none, and 0 bytes lost or duplicated.
+
+    .venv/bin/python bench/connections.py                      # 100 connections, 3 runs x 3 creates
+    .venv/bin/python bench/connections.py --conns 20 --runs 1
+
+Prints a table and writes bench/results/connections.json (or --out).  A benchmark, not a timed
+test: compare the ratio within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from failover import REVENANT, rv  # noqa: E402  (bench/ is not a package)
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOAD = REPO / "bench" / "workloads" / "hold_connections.py"
+GOAL_RATIO = 1.2
+
+
+class Server:
+    """Accepts connections and checks each one's numbers: 1, 2, 3, ... nothing lost or repeated."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.port = self.sock.getsockname()[1]
+        self.bad: list[str] = []
+        self.lines = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        expect = 1
+        with conn, conn.makefile("rb") as f:
+            for raw in f:
+                got = int(raw)
+                if got != expect:
+                    self.bad.append(f"expected {expect}, got {got}")
+                expect = got + 1
+                self.lines += 1
+
+
+def run_once(d: Path, server: Server, conns: int, creates: int) -> list[float]:
+    job = _submit(d, conns, server.port)
+    out = d / "storage" / "jobs" / job / "output.log"
+    deadline = time.monotonic() + 60
+    while "ready" not in (out.read_text() if out.exists() else ""):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"job {job} not ready: {out.read_text() if out.exists() else 'no output'}")
+        time.sleep(0.1)
+    freezes = []
+    for _ in range(creates):
+        time.sleep(0.5)
+        _cli(d, "checkpoint", "create", job)
+        epochs = json.loads(_cli(d, "show", "job", job, "--json").stdout)["epochs"]
+        freezes.append(epochs[-1]["freeze_s"])
+    _cli(d, "checkpoint", "vacate", job, check=False)  # stops it
+    return freezes
+
+
+def _cli(d: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """The CLI against the cluster in ``d``, from ``d`` (a job's workdir: not the repository)."""
+    doc = json.loads((d / "cluster.json").read_text())
+    env = {**os.environ, "REVENANT_NATS": doc["nats_url"], "REVENANT_CREDS": doc.get("creds", "")}
+    proc = subprocess.run([REVENANT, *args], capture_output=True, text=True, timeout=120, env=env, cwd=d)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"revenant {' '.join(args)} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+    return proc
+
+
+def _submit(d: Path, conns: int, port: int) -> str:
+    return _cli(d, "submit", "--", sys.executable, str(WORKLOAD), str(conns), str(port)).stdout.strip()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conns", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--creates", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "connections.json")
+    args = ap.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="revenant-bench-conns-", dir="/var/tmp")) / "cluster"
+    env = {**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}  # the job runs as its submitter: root here
+    rv("up", "--nodes", "1", "--dir", str(d), "--detach", timeout=120, env=env)
+    server = Server()
+    freezes: dict[int, list[float]] = {0: [], args.conns: []}
+    try:
+        for _ in range(args.runs):
+            for conns in (0, args.conns):
+                freezes[conns] += run_once(d, server, conns, args.creates)
+    finally:
+        rv("down", "--dir", str(d), check=False, timeout=120)
+    base, loaded = statistics.median(freezes[0]), statistics.median(freezes[args.conns])
+    ratio = loaded / base if base else float("inf")
+    result = {"conns": args.conns, "runs": args.runs, "creates": args.creates,
+              "freeze_s": {str(k): v for k, v in freezes.items()},
+              "median_freeze_s": {"0": base, str(args.conns): loaded}, "ratio": ratio, "goal_ratio": GOAL_RATIO,
+              "lines_checked": server.lines, "lost_or_duplicated": server.bad[:20],
+              "ok": ratio <= GOAL_RATIO and not server.bad}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'connections':>12} {'median freeze (s)':>18} {'creates':>8}")
+    print(f"{0:>12} {base:>18.4f} {len(freezes[0]):>8}")
+    print(f"{args.conns:>12} {loaded:>18.4f} {len(freezes[args.conns]):>8}")
+    print(f"ratio {ratio:.2f} (goal <= {GOAL_RATIO}); {server.lines} lines checked, "
+          f"{len(server.bad)} lost or duplicated; wrote {args.out}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
