@@ -60,10 +60,15 @@ fi
 if ! command -v systemd-analyze >/dev/null 2>&1; then
     apt_install systemd
 fi
-# The network workloads (tests/workloads/) run a real redis-server, checked with its own protocol.
+# The workloads (tests/workloads/) run a real redis-server, checked with its own protocol, and
+# a JVM program (compiled there with javac).
 if ! command -v redis-server >/dev/null 2>&1; then
     apt_install redis-server
 fi
+if ! command -v javac >/dev/null 2>&1; then
+    apt_install default-jdk-headless
+fi
+command -v make >/dev/null 2>&1 || apt_install make
 # The TLS test makes a certificate for its nats-server with openssl.
 if ! command -v openssl >/dev/null 2>&1; then
     apt_install openssl
