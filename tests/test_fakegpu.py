@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fakegpu import (CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE,
-                     CUDA_ERROR_TIMEOUT, GPUCOUNTER, FakeGpu, FakeGpuError, build, counter_request)
+                     CUDA_ERROR_TIMEOUT, GPUCOUNTER, FakeGpu, FakeGpuError, build, counter_request, free_port)
 
 pytestmark = pytest.mark.criu
 
@@ -39,27 +39,6 @@ def gpu(build_dir, tmp_path, monkeypatch) -> FakeGpu:
     return fake
 
 
-def free_port(span: int = 1) -> int:
-    for _ in range(50):
-        socks = []
-        try:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            port = s.getsockname()[1]
-            for i in range(1, span):
-                t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                t.bind(("127.0.0.1", port + i))
-                socks.append(t)
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no free UDP port")
-
-
 def send(port: int, message: str = "inc", timeout: float = 10) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(timeout)
@@ -80,14 +59,12 @@ def wait_for(cond, timeout: float = 30, what: str = "condition"):
 class App:
     """gpucounter.py in a session of its own, stdio to files (so criu needs no --shell-job)."""
 
-    def __init__(self, gpu: FakeGpu, tmp: Path, *args: str, inbox: Path | None = None) -> None:
+    def __init__(self, gpu: FakeGpu, tmp: Path, *args: str) -> None:
         self.port = free_port(4)
-        self.inbox = inbox
         self.out = tmp / f"app-{self.port}.out"
         self.err = tmp / f"app-{self.port}.err"
-        where = ["--inbox", str(inbox)] if inbox else ["--port", str(self.port)]
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(GPUCOUNTER), *where, *args],
+            self.proc = subprocess.Popen([sys.executable, str(GPUCOUNTER), "--port", str(self.port), *args],
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                          start_new_session=True, env={**os.environ, **gpu.env()})
         self.pid = self.proc.pid
@@ -114,8 +91,8 @@ class App:
 def apps(gpu, tmp_path):
     started: list[App] = []
 
-    def start(*args: str, inbox: Path | None = None) -> App:
-        app = App(gpu, tmp_path, *args, inbox=inbox)
+    def start(*args: str) -> App:
+        app = App(gpu, tmp_path, *args)
         started.append(app)
         return app
 
@@ -349,11 +326,10 @@ def _criu(images: Path, *args: str) -> None:
 
 
 def test_criu_dump_and_restore_of_a_checkpointed_cuda_process(gpu, apps, tmp_path):
-    # Requests as files: criu 4.1 cannot dump an inet socket on Linux >= 6.16 (SO_PASSCRED).
-    inbox = tmp_path / "inbox"
-    app = apps("--device-mib", "4", inbox=inbox)
+    # Requests over UDP, as the seed's counter takes them: criu (4.2 or later) carries the socket.
+    app = apps("--device-mib", "4")
     cuda, pid = gpu.api(), app.pid
-    assert counter_request(inbox) == "101"
+    assert counter_request(app.port) == "101"
     assert cuda.lock(pid, 5000) == 0 and cuda.checkpoint(pid) == 0
     assert gpu.device_processes()[GPU_A[0]] == []
     images = tmp_path / "images"
@@ -368,6 +344,6 @@ def test_criu_dump_and_restore_of_a_checkpointed_cuda_process(gpu, apps, tmp_pat
     assert cuda.get_state(new_pid) == (0, "checkpointed")
     assert gpu.device_memory()[GPU_A[0]] == []
     assert cuda.restore(new_pid) == 0 and cuda.unlock(new_pid) == 0
-    assert counter_request(inbox) == "102"
+    assert counter_request(app.port) == "102"
     assert [pid for pid, _ in gpu.device_processes()[GPU_A[0]]] == [new_pid]
     assert app.out.read_text().split() == ["101", "102"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fakegpu import build, counter_request
+from fakegpu import build, counter_request, free_port
 from revenant.agent import cuda
 from revenant.agent.epochs import JobFiles
 from revenant.agent.gpu import CudaProcess, GpuScan
@@ -54,13 +54,12 @@ def _mechanism(fake, kind: str) -> cuda.Mechanism:
 class Job:
     def __init__(self, sup, fake, tmp_path: Path, kind: str, remap: bool = True, job: str = "g1") -> None:
         self.sup, self.fake, self.job = sup, fake, job
-        self.inbox = tmp_path / "inbox"
-        self.inbox.mkdir(exist_ok=True)
+        self.port = free_port()
         (tmp_path / "wd").mkdir(exist_ok=True)
         self.caps = _caps(fake, remap)
         self.step = GpuStep(_mechanism(fake, kind), "", lambda: _scan(fake), lambda: self.caps, lock_timeout_s=1.0)
         sup.engine.steps.insert(0, self.step)
-        self.spec = JobSpec(id=job, argv=[sys.executable, str(GPUCOUNTER), "--inbox", str(self.inbox),
+        self.spec = JobSpec(id=job, argv=[sys.executable, str(GPUCOUNTER), "--port", str(self.port),
                                           "--device-mib", "2"], workdir=str(tmp_path / "wd"),
                             env={"REVENANT_FAKEGPU_DIR": fake.env()["REVENANT_FAKEGPU_DIR"]})
         self.generation = 1
@@ -70,7 +69,7 @@ class Job:
         assert self.ask("peek", 30) == "100"
 
     def ask(self, command: str = "inc", timeout: float = 20) -> str:
-        return counter_request(self.inbox, command, timeout=timeout)
+        return counter_request(self.port, command, timeout=timeout)
 
     def pid(self) -> int:
         return self.sup.jobs[self.job].pid

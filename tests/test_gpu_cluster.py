@@ -13,30 +13,29 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from fakegpu import build, counter_request
+from fakegpu import build, counter_request, free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
 GPUCOUNTER = Path(__file__).parent / "jobs" / "gpucounter.py"
 
 
-def _submit(cluster, inbox: Path, workdir: Path, fake) -> str:
+def _submit(cluster, port: int, workdir: Path, fake) -> str:
     # The job finds the fake driver's state where a CUDA program finds its driver: through what its
     # submit gives it (the agent's own environment never reaches a job).
     return cluster.cli("submit", "--node", "node-1", "--workdir", str(workdir),
                        "--env", f"REVENANT_FAKEGPU_DIR={fake.env()['REVENANT_FAKEGPU_DIR']}", "--", sys.executable,
-                       str(GPUCOUNTER), "--inbox", str(inbox), "--device-mib", "2").stdout.strip()
+                       str(GPUCOUNTER), "--port", str(port), "--device-mib", "2").stdout.strip()
 
 
-def _running_counter(cluster, tmp_path: Path, fake) -> tuple[str, Path]:
-    """The fake CUDA counter submitted to node-1, running, asked once (101); its id and inbox."""
-    inbox, workdir = tmp_path / "inbox", tmp_path / "wd"
-    inbox.mkdir()
+def _running_counter(cluster, tmp_path: Path, fake) -> tuple[str, int]:
+    """The fake CUDA counter submitted to node-1, running, asked once over UDP (101); its id and port."""
+    port, workdir = free_port(), tmp_path / "wd"
     workdir.mkdir()
-    job = _submit(cluster, inbox, workdir, fake)
+    job = _submit(cluster, port, workdir, fake)
     _wait(cluster, job, lambda j: j["state"] == "running", "start")
-    assert counter_request(inbox, "inc", timeout=30) == "101"
-    return job, inbox
+    assert counter_request(port, "inc", timeout=30) == "101"
+    return job, port
 
 
 def _wait(cluster, job: str, predicate, what: str, timeout: float = 60) -> dict:
@@ -54,7 +53,7 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
     nodes = wait_until(lambda: (n := cluster.json("nodes", "--json")) and len(n) == 2 and n, timeout=30)
     caps = nodes[0]["capabilities"]
     assert caps["gpu"] == "nvml" and caps["gpu_checkpoint"] == mechanism, caps
-    job, inbox = _running_counter(cluster, tmp_path, fake)
+    job, port = _running_counter(cluster, tmp_path, fake)
 
     cluster.cli("checkpoint", "vacate", job)
     vacated = _wait(cluster, job, lambda j: j["state"] == "vacated", "vacate")
@@ -62,7 +61,7 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
     assert fake.device_processes() == {} or all(not v for v in fake.device_processes().values())
     cluster.cli("checkpoint", "restart", job, "--node", "node-2")
     _wait(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-2", "restart")
-    assert counter_request(inbox, "inc", timeout=30) == "102"
+    assert counter_request(port, "inc", timeout=30) == "102"
 
     cluster.cli("checkpoint", "create", job)
     first = _wait(cluster, job, lambda j: j["state"] == "running" and j["epochs"][-1]["n"] >= 2, "checkpoint")
@@ -71,17 +70,17 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
     moved = _wait(cluster, job, lambda j: j["state"] == "running" and j["node"] == "node-1"
                   and j["generation"] > first["generation"], "failover", timeout=90)
     assert moved["gpus"] and moved["gpus"][0]["name"] == fake.gpus[0][1]
-    assert counter_request(inbox, "inc", timeout=30) == "103"
+    assert counter_request(port, "inc", timeout=30) == "103"
 
 
 def test_a_failed_gpu_suspend_fails_the_vacate_and_the_job_runs_on(make_cluster, tmp_path):
     fake = build(tmp_path / "fakegpu")
     cluster = make_cluster(1, env=fake.env())
-    job, inbox = _running_counter(cluster, tmp_path, fake)
+    job, port = _running_counter(cluster, tmp_path, fake)
     fake.fail("checkpoint")
     out = cluster.cli("checkpoint", "vacate", job, check=False)
     assert out.returncode != 0 and "CUDA_ERROR_UNKNOWN" in out.stderr, out
     assert len(out.stderr.strip().splitlines()) == 1  # one line, no traceback
     info = _wait(cluster, job, lambda j: j["state"] == "running", "running on")
     assert "CUDA_ERROR_UNKNOWN" in info["last_checkpoint_error"] and not info["epochs"]
-    assert counter_request(inbox, "inc", timeout=30) == "102"
+    assert counter_request(port, "inc", timeout=30) == "102"

@@ -310,23 +310,47 @@ class CudaApi:
         return rc, tid.value
 
 
-def counter_request(inbox: Path, command: str = "inc", timeout: float = 10) -> str:
-    """One command to a gpucounter.py started with --inbox, and its reply ("101", ...);
-    raises TimeoutError (the request withdrawn) when none comes in time."""
+def free_port(span: int = 1) -> int:
+    """A UDP port on 127.0.0.1 free now, with the ``span - 1`` above it (a counter's children)."""
+    import socket
+
+    for _ in range(50):
+        socks = []
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            port = s.getsockname()[1]
+            for i in range(1, span):
+                t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                t.bind(("127.0.0.1", port + i))
+                socks.append(t)
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no free UDP port")
+
+
+def counter_request(port: int, command: str = "inc", timeout: float = 10) -> str:
+    """One command to a gpucounter.py on 127.0.0.1:``port``, and its reply ("101", ...).  Sent
+    with a request id and sent again every half second until answered: the counter answers a
+    retried request again and never runs it twice (a restore drops a datagram queued at the
+    dump: criu keeps no UDP queue).  Raises TimeoutError when none comes in time."""
+    import socket
     import time
     import uuid
 
-    inbox = Path(inbox)
     rid = uuid.uuid4().hex
-    tmp, req, resp = inbox / f".req-{rid}", inbox / f"req-{rid}", inbox / f"resp-{rid}"
-    tmp.write_text(command + "\n")
-    tmp.rename(req)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if resp.exists():
-            text = resp.read_text().strip()
-            resp.unlink()
-            return text
-        time.sleep(0.01)
-    req.unlink(missing_ok=True)
-    raise TimeoutError(f"gpucounter in {inbox} did not answer {command!r} within {timeout:g}s")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(0.5)
+        while time.monotonic() < deadline:
+            s.sendto(f"{command} {rid}".encode(), ("127.0.0.1", port))
+            try:
+                return s.recv(64).decode().strip()
+            except (socket.timeout, ConnectionRefusedError):
+                continue
+    raise TimeoutError(f"gpucounter on port {port} did not answer {command!r} within {timeout:g}s")

@@ -1,17 +1,16 @@
 """A fake CUDA application for tests: a UDP counter whose value lives in fake GPU memory.
 
-    python3 gpucounter.py (--port P | --inbox DIR) [--device-mib N] [--children K] [--cpu]
+    python3 gpucounter.py --port P [--device-mib N] [--children K] [--cpu]
 
 "cuInit" registers the process with the fake driver in $REVENANT_FAKEGPU_DIR (tests/fakegpu)
 and puts the counter (100) and N MiB of payload in device memory on the first configured GPU:
 the file <dir>/gpu-<uuid>/<ctx>.mem.  Each datagram on 127.0.0.1:P is a kernel: it increments
 the counter, replies "<value>\\n" and prints the value.  "peek" replies the value unchanged,
 "hang" starts a kernel that never finishes (a lock then times out), "unhang" ends it.
---inbox DIR takes the same commands as files instead: DIR/req-<id> holds the command, the reply
-goes to DIR/resp-<id> (tests/fakegpu.counter_request).  criu cannot dump inet sockets on every
-kernel (4.1 fails on Linux >= 6.16: getsockopt SO_PASSCRED), files it always can.
---children K starts K more CUDA processes (ports P+1..P+K, inboxes DIR/child-1..K), each its own
-context.  --cpu: the same counter in host memory, no GPU at all (a control).
+A datagram may carry a request id after the command ("inc 7f3a..."): a retried request (its
+answer lost, or the request dropped from the socket's queue by a restore: criu keeps no UDP
+queue) is answered again, never run twice (tests/fakegpu.counter_request retries so).
+--children K starts K more CUDA processes (ports P+1..P+K), each its own context.  --cpu: the same counter in host memory, no GPU at all (a control).
 
 The thread "cuda-restore" is the in-process half of the fake driver, as the real driver keeps
 a process's CUDA state inside the process: it serves the fake libcuda's requests from
@@ -239,10 +238,7 @@ def start_children(args: argparse.Namespace) -> list[subprocess.Popen]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REVENANT_FAKEGPU_CTX")}
     env["GPUCOUNTER_CHILD"] = "1"
     extra = ["--cpu"] if args.cpu else []
-    def where(i: int) -> list[str]:
-        return ["--port", str(args.port + i)] if args.port else ["--inbox", os.path.join(args.inbox, f"child-{i}")]
-
-    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), *where(i),
+    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--port", str(args.port + i),
                               "--device-mib", str(args.device_mib), *extra], env=env)
             for i in range(1, args.children + 1)]
 
@@ -257,37 +253,9 @@ def udp_requests(port: int):
         yield data.strip().decode(errors="replace"), lambda text, peer=peer: sock.sendto(f"{text}\n".encode(), peer)
 
 
-def file_requests(inbox: str):
-    """(command, reply) pairs from files inbox/req-<id>; replies go to inbox/resp-<id>."""
-    os.makedirs(inbox, exist_ok=True)
-    yield None
-    while True:
-        names = sorted(n for n in os.listdir(inbox) if n.startswith("req-"))
-        if not names:
-            time.sleep(POLL_S)
-        for name in names:
-            rid, claimed = name[len("req-"):], os.path.join(inbox, f".claimed-{name}")
-            try:
-                os.rename(os.path.join(inbox, name), claimed)
-                with open(claimed) as f:
-                    cmd = f.read().strip()
-                os.unlink(claimed)
-            except FileNotFoundError:
-                continue
-
-            def reply(text: str, rid: str = rid) -> None:
-                tmp = os.path.join(inbox, f".resp-{rid}")
-                with open(tmp, "w") as f:
-                    f.write(f"{text}\n")
-                os.rename(tmp, os.path.join(inbox, f"resp-{rid}"))
-            yield cmd, reply
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="a fake CUDA counter served over UDP")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--port", type=int, help="serve UDP datagrams on 127.0.0.1:PORT")
-    where.add_argument("--inbox", help="serve request files in this directory")
+    parser.add_argument("--port", type=int, required=True, help="serve UDP datagrams on 127.0.0.1:PORT")
     parser.add_argument("--device-mib", type=int, default=1)
     parser.add_argument("--children", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="no GPU: the counter in host memory")
@@ -304,7 +272,7 @@ def main() -> None:
                  "no fake GPU; use --cpu for a CPU-only run)")
     if not args.cpu:
         own_context()
-    requests = udp_requests(args.port) if args.port else file_requests(os.path.abspath(args.inbox))
+    requests = udp_requests(args.port)
     next(requests)
     if args.cpu:
         device: FakeDriver | HostCounter = HostCounter()
@@ -312,8 +280,13 @@ def main() -> None:
         device = FakeDriver(state_dir, os.environ["REVENANT_FAKEGPU_CTX"], args.device_mib)
         device.cu_init()
     start_children(args)
-    print(f"gpucounter: ready on {f'port {args.port}' if args.port else args.inbox}", file=sys.stderr, flush=True)
-    for cmd, reply in requests:
+    print(f"gpucounter: ready on port {args.port}", file=sys.stderr, flush=True)
+    answered: dict[str, str] = {}  # request id -> its answer (the latest few)
+    for said, reply in requests:
+        cmd, _, rid = said.partition(" ")
+        if rid and rid in answered:
+            reply(answered[rid])
+            continue
         if cmd in ("hang", "unhang"):
             device.hang(cmd == "hang")
             reply(cmd)
@@ -321,6 +294,10 @@ def main() -> None:
         value = device.launch(0 if cmd == "peek" else 1)
         if cmd != "peek":
             print(value, flush=True)
+        if rid:
+            answered[rid] = str(value)
+            while len(answered) > 64:
+                answered.pop(next(iter(answered)))
         reply(str(value))
 
 
