@@ -92,10 +92,13 @@ def network_dump_args(lock: str, leave_running: bool) -> list[str]:
     leaves the job running locks each connection while the job is frozen, so no packet is lost
     or answered meanwhile, and criu unlocks them when it lets the job go: they go on unharmed.
     A vacate needs no lock: its connections stay in repair mode, silent, until the job is
-    killed, and a restore brings them back closed (RESTORE_NETWORK)."""
+    killed, and a restore brings them back closed (RESTORE_NETWORK).  ``--skip-in-flight``: a
+    connection a listening socket has not accepted yet (a busy server's) is left out of the
+    epoch rather than failing the dump; the running job still has it, a restore does not."""
     if not lock:
-        return ["--ext-unix-sk"]
-    return ["--ext-unix-sk", "--tcp-established", "--network-lock", lock if leave_running else "skip"]
+        return ["--ext-unix-sk", "--skip-in-flight"]
+    return ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock",
+            lock if leave_running else "skip"]
 
 
 # A restore brings a job's established connections back closed, wherever it runs: its peers saw

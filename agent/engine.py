@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from revenant.agent import criu, criustats, lazy, packs, procs, progress
+from revenant.agent import blockers, criu, criustats, lazy, packs, procs, progress
 from revenant.agent.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch
 from revenant.agent.fileio import Durable
 from revenant.agent.lazy import LazyFetch
@@ -201,6 +201,9 @@ class Engine:
             durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)
             undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None)
             await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)
+            if found := await asyncio.to_thread(blockers.blockers, pid):  # before anything freezes the job
+                more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                raise EpochError(f"checkpoint of {job} refused: the job holds {found[0]}{more}")
             for step in self.steps:
                 await step.before_dump(ctx)
             output = await self._dump(ctx, ctx.epoch_tmp, undo)

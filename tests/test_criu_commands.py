@@ -18,7 +18,7 @@ def test_dump_command_line():
     assert argv == ["/usr/sbin/criu", "dump", "-t", "42", "-D", "/s/jobs/1/epochs/.tmp-n1-ab", "-W", "/dev/shm/w",
                     "-o", "dump.log", "-v2", "--display-stats", "--action-script", "/dev/shm/w/action.sh",
                     # The job's locks (SQLite's); every mount it inherited from the node is the node's.
-                    "--file-locks", "--external", "mnt[]", "--ext-unix-sk", "--leave-running"]
+                    "--file-locks", "--external", "mnt[]", "--ext-unix-sk", "--skip-in-flight", "--leave-running"]
     stopped = criu.dump_argv("criu", pid=42, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                              leave_running=False)
     assert stopped[-1] == "--leave-stopped" and "--leave-running" not in stopped
@@ -30,10 +30,12 @@ def test_connections_are_locked_only_while_a_running_job_is_frozen():
     job is killed); a restore brings them back closed."""
     running = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                              leave_running=True, network_lock="nftables")
-    assert running[-5:] == ["--ext-unix-sk", "--tcp-established", "--network-lock", "nftables", "--leave-running"]
+    assert running[-6:] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "nftables",
+                            "--leave-running"]
     vacate = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                             leave_running=False, network_lock="nftables")
-    assert vacate[-5:] == ["--ext-unix-sk", "--tcp-established", "--network-lock", "skip", "--leave-stopped"]
+    assert vacate[-6:] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "skip",
+                           "--leave-stopped"]
     restore = criu.restore_argv("criu", images=Path("i"), workdir=Path("w"), pidfile=Path("p"))
     assert restore[-2:] == ["--tcp-close", "--ext-unix-sk"]
 

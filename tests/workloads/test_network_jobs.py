@@ -250,3 +250,57 @@ def test_redis_keeps_its_keys_and_a_client_connection_across_a_create_and_its_ke
     running_on(cluster, job, "node-1")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
         assert redis(third, "GET", "moved") == b"$1\r\n3\r\n"  # every key, as the last epoch had them
+
+
+def test_a_job_connected_to_an_outside_unix_stream_socket_is_refused_before_it_is_frozen(make_cluster, tmp_path):
+    """criu carries no unix stream connection to the outside: the dump is refused before criu
+    freezes the job, in one line naming the peer, and the job runs on."""
+    path = tmp_path / "daemon.sock"
+    daemon = socket.socket(socket.AF_UNIX)
+    daemon.bind(str(path))
+    daemon.listen(1)
+    try:
+        cluster = make_cluster(1)
+        script = ("import socket,sys,time\ns=socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+                  "i=0\nwhile True:\n    print(i, flush=True); i+=1; time.sleep(0.05)\n")
+        job = submit(cluster, sys.executable, "-c", script, str(path))
+        conn, _ = daemon.accept()
+        assert wait_until(lambda: len(output(cluster, job).split()) > 5, timeout=30)
+        out = cluster.cli("checkpoint", "create", job, check=False)
+        assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert (f"checkpoint of {job} refused: the job holds a unix stream connection to the socket {path} "
+                "outside the job") in out.stderr, out.stderr
+        frozen = [e for e in cluster.events() if e.get("type") == "epoch_event.v1" and e["kind"] == "failed"]
+        assert frozen and str(path) in frozen[-1]["error"]
+        seen = len(output(cluster, job).split())
+        assert wait_until(lambda: len(output(cluster, job).split()) > seen + 5, timeout=30)  # runs on
+        conn.close()
+    finally:
+        daemon.close()
+
+
+def test_a_server_holding_a_connection_it_has_not_accepted_yet_is_checkpointed(make_cluster):
+    """A busy server's backlog (criu's --skip-in-flight): a checkpoint leaves the connection it has
+    not accepted yet out of the epoch instead of failing; a move closes it, and the server listens
+    again for the next."""
+    cluster = make_cluster(2)
+    port = free_port()
+    script = ("import socket,sys,time\nl=socket.create_server(('127.0.0.1', int(sys.argv[1])))\n"
+              "print('listening', flush=True)\nwhile True:\n    time.sleep(0.05)\n")
+    job = submit(cluster, sys.executable, "-c", script, str(port))
+    assert wait_until(lambda: "listening" in output(cluster, job), timeout=30)
+    pending = socket.create_connection(("127.0.0.1", port), timeout=10)  # in its backlog, never accepted
+    try:
+        cluster.cli("checkpoint", "create", job)
+        cluster.cli("checkpoint", "vacate", job)
+        cluster.cli("checkpoint", "restart", job, "--node", "node-2")
+        running_on(cluster, job, "node-2")
+        try:
+            assert pending.recv(1) == b""  # closed by the move
+        except ConnectionResetError:
+            pass  # closed by the move (reset rather than ended)
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass  # listening again
+    finally:
+        pending.close()
+    assert [e["epoch"] for e in cluster.events() if e.get("kind") == "restored"] == [2]
