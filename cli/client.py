@@ -96,7 +96,7 @@ def _node_row(n: NodeStatus) -> list[str]:
         gpu += f" ({n.capabilities.gpu_checkpoint})"
     return [
         n.name, n.state, n.health if live else "-", str(n.pid), age,
-        criu.version if criu.ok else "unusable", gpu,
+        (criu.version + (" (no sockets)" if criu.network_error else "")) if criu.ok else "unusable", gpu,
         ("; ".join(n.reasons) or "-") if live else "-",
     ]
 
