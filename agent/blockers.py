@@ -16,6 +16,7 @@ import socket
 import struct
 
 from revenant.agent.jobprocs import job_pids
+from revenant.agent.epochs import EpochError
 
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -105,3 +106,52 @@ def blockers(root: int) -> list[str]:
         outside = (f"the socket {peer_name}" if peer_name else f"an unnamed socket (inode {peer})") + " outside the job"
         found.append(f"a unix stream connection{mine} to {outside}, {holder}: criu carries none to the outside")
     return found
+
+
+class NotCheckpointable(EpochError):
+    """The job holds what criu cannot carry: its own doing, never the node's failure."""
+
+    code = "not_checkpointable"
+
+
+_TCP_REPAIR = 19
+_SYS_PIDFD_GETFD = 438
+
+
+def repair_off(root: int) -> int:
+    """Take every TCP socket of the job (its init ``root``) out of criu's repair mode: a dump
+    with ``--tcp-established`` that ends without unlocking them (a vacate's, whose commit then
+    failed; a criu killed mid-dump) would leave the job's every recv and send failing with
+    EPERM once it resumes.  Harmless on a socket not in repair mode.  How many it set."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = 0
+    for pid in job_pids(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            for fd in fds:
+                try:
+                    if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:["):
+                        continue
+                except OSError:
+                    continue
+                mine = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(fd), 0)
+                if mine < 0:
+                    continue
+                try:
+                    with socket.socket(fileno=os.dup(mine)) as sk:
+                        if sk.family in (socket.AF_INET, socket.AF_INET6) and sk.type == socket.SOCK_STREAM:
+                            sk.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, 0)
+                            n += 1
+                except OSError:
+                    pass
+                finally:
+                    os.close(mine)
+        finally:
+            os.close(pidfd)
+    return n

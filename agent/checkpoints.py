@@ -36,7 +36,9 @@ class CheckpointBook:
                   EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
 
     def failed(self, job: str, generation: int, error: Exception, cause: str = "", reasons: Sequence[str] = ()) -> None:
-        self.failures += 1
+        # A job criu cannot carry (agent/blockers.py) says nothing about the node's health.
+        if getattr(error, "code", "") != "not_checkpointable":
+            self.failures += 1
         if self.metrics is not None:
             self.metrics.observe_checkpoint(ok=False, duration_s=0.0)
         self._epoch_event(job, "failed", generation, error=str(error), cause=cause, reasons=list(reasons))

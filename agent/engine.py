@@ -203,7 +203,7 @@ class Engine:
             await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)
             if found := await asyncio.to_thread(blockers.blockers, pid):  # before anything freezes the job
                 more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-                raise EpochError(f"checkpoint of {job} refused: the job holds {found[0]}{more}")
+                raise blockers.NotCheckpointable(f"checkpoint of {job} refused: the job holds {found[0]}{more}")
             for step in self.steps:
                 await step.before_dump(ctx)
             output = await self._dump(ctx, ctx.epoch_tmp, undo)
@@ -290,6 +290,7 @@ class Engine:
         return f" (criu log: {path})"
 
     async def _undo_dump(self, ctx: DumpContext, undo: _Undo) -> None:
+        await asyncio.to_thread(blockers.repair_off, ctx.pid)  # a dump that went wrong may have left them so
         if undo.frozen:
             undo.resume()
         if undo.follower is not None:  # before the discard: it reads the images

@@ -100,6 +100,15 @@ async def _until(out: Path, above: int, timeout_s: float) -> bool:
     return False
 
 
+def _last_line(out: Path) -> str:
+    """The probe's last line of output (one line: it goes into health reasons)."""
+    try:
+        lines = out.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no output"
+    return lines[-1][:200] if lines else "no output"
+
+
 def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -130,7 +139,7 @@ async def probe_once(criu: str, what: list[str], lock: str, scratch: Path, timeo
                                                         stdin=asyncio.subprocess.DEVNULL, stdout=f,
                                                         stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         if not await _until(out, 2, timeout_s):
-            return f"the probe did not start: {out.read_text()[-200:].strip()}"
+            return f"the probe did not start: {_last_line(out)}"
         lock_args = ["--network-lock", lock] if lock else []
         dump = [criu, "dump", "-t", str(proc.pid), "-D", str(images), "-W", str(d), "-o", "dump.log", "-v2",
                 "--tcp-established", "--ext-unix-sk", *lock_args]
@@ -145,8 +154,10 @@ async def probe_once(criu: str, what: list[str], lock: str, scratch: Path, timeo
             return criu_mod.log_error(d / "restore.log", done.output)
         restored = int((d / "pid").read_text())
         if not await _until(out, at + 3, timeout_s):
-            return f"the restored probe stopped ({_state(restored)}): {out.read_text()[-120:].strip()!r}"
+            return f"the restored probe stopped ({_state(restored)}): {_last_line(out)}"
         return ""
+    except asyncio.TimeoutError:
+        return f"criu did not finish within {timeout_s:g} s"
     except OSError as exc:
         return f"cannot run the probe: {exc}"
     finally:

@@ -13,7 +13,7 @@ from revenant.agent.jobprocs import job_pids
 
 _LISTEN, _ESTABLISHED = "0A", "01"
 _TABLES = (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6), ("udp", socket.AF_INET), ("udp6", socket.AF_INET6))
-# Enough for an operator to read: a job with more is summed up.
+# Enough for an operator to read: each list is cut there.
 MAX_LISTED = 64
 
 
@@ -48,6 +48,8 @@ def sockets(root: int) -> tuple[list[str], list[str]]:
     job listens or is bound on, and ``"127.0.0.1:41234 -> 127.0.0.1:5432"`` for each established
     TCP connection, each list sorted and at most MAX_LISTED long."""
     mine = _inodes(root)
+    if not mine:
+        return [], []  # no socket: no /proc/net table read while the job is frozen
     listening, connections = set(), set()
     for table, family in _TABLES:
         try:

@@ -42,12 +42,15 @@ apt_install() {
 
 debian_mirror() {
     # The machine's own configured mirror: deb822 sources first, then the classic list.
+    # Debian's own first (debian.sources), then any Debian archive ("/debian" at its end), never a
+    # third-party repository that sorts first.
     local m
-    m=$(grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null \
+    m=$(grep -h '^URIs:' /etc/apt/sources.list.d/debian.sources 2>/dev/null \
         | awk '{print $2}' | grep -v -- '-security' | head -1 || true)
     if [ -z "$m" ]; then
-        m=$(grep -h '^deb ' /etc/apt/sources.list 2>/dev/null \
-            | awk '{print $2}' | grep -v -- '-security' | grep debian | head -1 || true)
+        m=$( { grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}';
+               grep -h '^deb ' /etc/apt/sources.list 2>/dev/null | awk '{print $2}'; } \
+            | grep -v -- '-security' | grep -E '/debian/?$' | head -1 || true)
     fi
     [ -n "$m" ] || die "no Debian mirror found in /etc/apt/sources.list{,.d}"
     printf '%s\n' "$m"
@@ -68,17 +71,23 @@ probe() {
         log "revenant is not installed next to $launcher: the socket probe is left to the agent"
         return 0
     fi
-    "$py" -m revenant.agent.netprobe "$launcher" >&2
+    timeout 300 "$py" -m revenant.agent.netprobe "$launcher" >&2 && probed=" and the socket probe"
 }
+probed=
 
 [ "$(id -u)" = 0 ] || die "must run as root (criu needs CAP_SYS_ADMIN)"
 
+# The host's criu, unless it is this launcher itself (or another of revenant's: it runs a root's).
 host=$(command -v criu || true)
-if [ -n "$host" ] && [ "$host" != "$(readlink -f "$launcher" 2>/dev/null)" ] && version_ok "$host"; then
+if [ -n "$host" ] && { [ "$(readlink -f "$host")" = "$(readlink -f "$launcher" 2>/dev/null)" ] \
+                       || grep -qs 'run through that root' "$host"; }; then
+    host=
+fi
+if [ -n "$host" ] && version_ok timeout 30 "$host"; then
     write_launcher "#!/bin/sh
 exec $host \"\$@\""
-    if "$launcher" check >/dev/null 2>&1 && probe; then
-        log "$("$launcher" --version | head -1) (the host's) at $launcher: criu check and the socket probe passed"
+    if timeout 60 "$launcher" check >/dev/null 2>&1 && probe; then
+        log "$("$launcher" --version | head -1) (the host's) at $launcher: criu check$probed passed"
         exit 0
     fi
     log "the host's criu ($host) fails the checks: building a $suite root instead"
@@ -107,4 +116,4 @@ if ! out=$("$launcher" check 2>&1); then
     die "criu check failed: $(printf '%s\n' "$out" | grep -v RLIMIT_NOFILE | tail -1)"
 fi
 probe || die "$("$launcher" --version | head -1) at $launcher cannot checkpoint sockets on this kernel (above)"
-log "$("$launcher" --version | head -1) at $launcher: criu check and the socket probe passed"
+log "$("$launcher" --version | head -1) at $launcher: criu check$probed passed"

@@ -74,6 +74,7 @@ def udp(port: int, timeout: float = 10) -> int:
 
 
 def kill_node(cluster, node: str, job_pid: int) -> None:
+    assert job_pid > 0, "the job is not running"  # os.kill(0) would hit the test's own group
     os.kill(cluster.pids()[node], signal.SIGKILL)
     os.kill(job_pid, signal.SIGKILL)
 

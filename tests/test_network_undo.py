@@ -1,0 +1,61 @@
+"""A vacate that fails after criu has dumped the job (here: its dump is spoiled before the commit)
+resumes the job, and its established connections go on: criu left them in repair mode
+(``--network-lock skip``), and the undo takes them out of it before the job resumes
+(agent/blockers.py repair_off).  Without that, every recv and send of the job's would fail with
+EPERM."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+
+import pytest
+
+from helpers import until
+
+from revenant.agent.epochs import JobFiles
+from revenant.common.errors import RevenantError
+from revenant.messages import JobSpec
+
+pytestmark = pytest.mark.criu
+
+ECHO_CLIENT = """import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+f = s.makefile("rb")
+n = 0
+while True:
+    n += 1
+    s.sendall(b"%d\\n" % n)
+    assert int(f.readline()) == n
+    time.sleep(0.02)
+"""
+
+
+async def test_a_vacate_spoiled_after_the_dump_leaves_the_jobs_connection_working(supervisors, tmp_path):
+    server = socket.create_server(("127.0.0.1", 0))
+    lines: list[int] = []
+
+    def serve() -> None:  # echoes each line back: the job reads it before it sends the next
+        conn, _ = server.accept()
+        with conn, conn.makefile("rb") as f:
+            for raw in f:
+                lines.append(int(raw))
+                conn.sendall(raw)
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        sup = supervisors("n1", allow_root_jobs=True)
+        spec = JobSpec(id="1", argv=[sys.executable, "-c", ECHO_CLIENT, str(server.getsockname()[1])],
+                       workdir=str(tmp_path))
+        await sup.start(spec, 1)
+        await until(lambda: len(lines) > 10)
+        with pytest.raises(RevenantError, match="spoiled on purpose"):
+            await sup.engine.checkpoint("1", 1, sup.jobs["1"].pid, stop=True, workdir=str(tmp_path),
+                                        spoiled=lambda: "spoiled on purpose")
+        at = len(lines)
+        await until(lambda: len(lines) > at + 20)  # the same connection carries on
+        assert lines == list(range(1, len(lines) + 1))
+        out = JobFiles(sup.storage, "1").output.read_text()
+        assert "Error" not in out, out
+    finally:
+        server.close()
