@@ -29,8 +29,11 @@ from revenant.agent.steps import BaseStep, RestoreContext
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
-JOB = REPO / "tests" / "jobs" / "remade.py"
 NOBODY = pwd.getpwnam("nobody")
+# The jobs run with the system's python and their scripts copied next to their workdir: a job
+# whose command line names a path under /tmp keeps the host's /tmp (agent/launcher.py), and a
+# checkout (and its venv) may well lie under /tmp.
+PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 
 
 @pytest.fixture
@@ -40,6 +43,7 @@ def base():
     base.chmod(0o755)
     (base / "wd" / "users").mkdir(parents=True)
     (base / "wd").chmod(0o755)
+    shutil.copy(REPO / "tests" / "jobs" / "remade.py", base / "remade.py")
     os.chown(base / "wd" / "users", NOBODY.pw_uid, NOBODY.pw_gid)
     yield base
     shutil.rmtree(base, ignore_errors=True)
@@ -86,7 +90,7 @@ async def test_a_job_holding_a_socket_fifo_or_deleted_file_where_a_user_writes_i
         base, supervisors):
     users = base / "wd" / "users"
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
-    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), str(users)], workdir=str(base / "wd"), user="root")
+    spec = JobSpec(id="1", argv=[PYTHON, str(base / "remade.py"), str(users)], workdir=str(base / "wd"), user="root")
     await sup.start(spec, 1)
     out = JobFiles(sup.storage, "1").output
     await until(lambda: len(lines(out)) >= 5)
@@ -131,7 +135,7 @@ async def test_other_ways_to_the_same_are_refused_at_the_dump_too(base, supervis
         users.parent.chmod(0o755)
     (base / "wd" / "job.py").write_text(COUNT.format(setup=OTHER_WAYS[way]))
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
-    spec = JobSpec(id="1", argv=[sys.executable, str(base / "wd" / "job.py"), str(users)], workdir=str(base / "wd"),
+    spec = JobSpec(id="1", argv=[PYTHON, str(base / "wd" / "job.py"), str(users)], workdir=str(base / "wd"),
                    user="root")
     await sup.start(spec, 1)
     out = JobFiles(sup.storage, "1").output
@@ -174,7 +178,7 @@ async def test_an_inotify_watch_that_criu_adds_again_through_a_swapped_directory
     victim.mkdir(mode=0o700)
     (wd / "watcher.py").write_text(WATCHER)
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
-    spec = JobSpec(id="1", argv=[sys.executable, str(wd / "watcher.py"), str(watched)], workdir=str(wd), user="root")
+    spec = JobSpec(id="1", argv=[PYTHON, str(wd / "watcher.py"), str(watched)], workdir=str(wd), user="root")
     await sup.start(spec, 1)
     out = JobFiles(sup.storage, "1").output
     await until(lambda: len(lines(out)) >= 5)
@@ -199,7 +203,7 @@ async def test_the_restoring_node_checks_those_paths_again_before_criu_runs(base
     """Root's at the dump, a user's on the node that restores: refused there before criu runs."""
     wd = base / "wd"
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
-    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), str(wd / "held")], workdir=str(wd), user="root")
+    spec = JobSpec(id="1", argv=[PYTHON, str(base / "remade.py"), str(wd / "held")], workdir=str(wd), user="root")
     (wd / "held").mkdir()
     await sup.start(spec, 1)
     out = JobFiles(sup.storage, "1").output
@@ -222,7 +226,7 @@ async def test_a_job_holding_them_where_only_root_writes_comes_back_whole(base, 
     held = base / "wd" if where == "root's directory" else Path("/tmp")
     sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
     arg = str(held) if held != Path("/tmp") else "own-tmp"
-    spec = JobSpec(id="1", argv=[sys.executable, str(JOB), arg], workdir=str(base / "wd"), user="root")
+    spec = JobSpec(id="1", argv=[PYTHON, str(base / "remade.py"), arg], workdir=str(base / "wd"), user="root")
     await sup.start(spec, 1)
     out = JobFiles(sup.storage, "1").output
     await until(lambda: len(lines(out)) >= 5)
