@@ -56,6 +56,7 @@ def through_everything(cluster, job: str, progress) -> None:
     state(cluster, job, "running", "node-1")
 
 
+@pytest.mark.timeout(300)
 def test_a_jvm_programs_output_is_byte_exact(make_cluster, tmp_path):
     javac, java = shutil.which("javac"), shutil.which("java")
     assert javac and java, "a JDK is missing: make setup installs it (Debian package default-jdk-headless)"
@@ -74,12 +75,13 @@ def test_a_jvm_programs_output_is_byte_exact(make_cluster, tmp_path):
 
 
 MAKEFILE = """\
+DELAY ?= 0.3
 SRCS := $(wildcard src/*.c)
 OBJS := $(SRCS:src/%.c=obj/%.o)
 all: $(OBJS)
 obj/%.o: src/%.c
 \t@mkdir -p obj
-\t@sleep 0.3
+\t@sleep $(DELAY)
 \t@$(CC) -O1 -c $< -o $@
 \t@echo built $@
 """
@@ -97,13 +99,14 @@ def _objects(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((d / "obj").glob("*.o"))}
 
 
+@pytest.mark.timeout(300)
 def test_a_parallel_make_builds_every_object_identically(make_cluster, tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc, "a C compiler is missing: make setup installs gcc"
     n = 100
     reference = tmp_path / "reference"
     _tree(reference, n)
-    subprocess.run(["make", "-j2", "-s"], cwd=reference, check=True, timeout=300, capture_output=True)
+    subprocess.run(["make", "-j2", "-s", "DELAY=0"], cwd=reference, check=True, timeout=300, capture_output=True)
     cluster = make_cluster(2)
     work = tmp_path / "build"
     _tree(work, n)
