@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 
-from revenant.agent.jobprocs import job_pids
+from revenant.agent.jobprocs import copy_fd, job_fds
 from revenant.agent.epochs import EpochError
 
 _NETLINK_SOCK_DIAG = 4
@@ -75,20 +75,11 @@ def _parse(msg: bytes, table: dict[int, tuple[int, str, int]]) -> None:
 def _held(root: int) -> dict[int, str]:
     """The job's descriptors by what they lead to (their inode for sockets): inode -> holder."""
     held: dict[int, str] = {}
-    for pid in job_pids(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                held[int(target[len("socket:["):-1])] = f"process {pid} fd {fd}"
-            elif target in _UNDUMPABLE:
-                held[-len(held) - 1] = f"{_UNDUMPABLE[target]} (process {pid} fd {fd})"
+    for pid, fd, target in job_fds(root):
+        if target.startswith("socket:["):
+            held[int(target[len("socket:["):-1])] = f"process {pid} fd {fd}"
+        elif target in _UNDUMPABLE:
+            held[-len(held) - 1] = f"{_UNDUMPABLE[target]} (process {pid} fd {fd})"
     return held
 
 
@@ -115,7 +106,6 @@ class NotCheckpointable(EpochError):
 
 
 _TCP_REPAIR = 19
-_SYS_PIDFD_GETFD = 438
 
 
 def repair_off(root: int) -> int:
@@ -123,35 +113,25 @@ def repair_off(root: int) -> int:
     with ``--tcp-established`` that ends without unlocking them (a vacate's, whose commit then
     failed; a criu killed mid-dump) would leave the job's every recv and send failing with
     EPERM once it resumes.  Harmless on a socket not in repair mode.  How many it set."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    n = 0
-    for pid in job_pids(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            for fd in fds:
-                try:
-                    if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:["):
-                        continue
-                except OSError:
-                    continue
-                mine = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(fd), 0)
-                if mine < 0:
-                    continue
-                try:
-                    with socket.socket(fileno=os.dup(mine)) as sk:
-                        if sk.family in (socket.AF_INET, socket.AF_INET6) and sk.type == socket.SOCK_STREAM:
-                            sk.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, 0)
-                            n += 1
-                except OSError:
-                    pass
-                finally:
-                    os.close(mine)
-        finally:
+    n, pidfds = 0, {}
+    try:
+        for pid, fd, target in job_fds(root):
+            if not target.startswith("socket:["):
+                continue
+            try:
+                if pid not in pidfds:
+                    pidfds[pid] = os.pidfd_open(pid)
+                mine = copy_fd(pidfds[pid], int(fd))
+            except OSError:
+                continue
+            with socket.socket(fileno=mine) as sk:
+                if sk.family in (socket.AF_INET, socket.AF_INET6) and sk.type == socket.SOCK_STREAM:
+                    try:
+                        sk.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, 0)
+                        n += 1
+                    except OSError:
+                        pass
+    finally:
+        for pidfd in pidfds.values():
             os.close(pidfd)
     return n

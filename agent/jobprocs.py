@@ -6,11 +6,13 @@ it is still stopped after a restore (agent/jobfiles_restore.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 # Kernel interfaces, not data: never copied nor put back (a job's private /dev/shm is criu's).
 PSEUDO = ("/proc/", "/sys/", "/dev/")
@@ -44,6 +46,34 @@ def _launcher_tmpfs(mountinfo: str) -> set[str]:
         if len(parts) > 4 and parts[4] in ("/tmp", "/dev/shm") and fs.split()[:1] == ["tmpfs"]:
             devs.add(parts[2])
     return devs
+
+
+def job_fds(root: int) -> Iterator[tuple[int, str, str]]:
+    """(pid, fd, what /proc says it leads to) for every descriptor of the job's processes."""
+    for pid in job_pids(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                yield pid, fd, os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+
+
+_SYS_PIDFD_GETFD = 438
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def copy_fd(pidfd: int, fd: int) -> int:
+    """A descriptor of ours for the process's (behind ``pidfd``) descriptor ``fd``
+    (pidfd_getfd(2)); raises OSError."""
+    mine = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if mine < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return mine
 
 
 def _mount_devs(mountinfo: str) -> set[str]:

@@ -5,11 +5,10 @@ TCP connections it holds.  Its clients need to find it after a move (the node an
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 
-from revenant.agent.jobprocs import job_pids
+from revenant.agent.jobprocs import job_fds
 
 _LISTEN, _ESTABLISHED = "0A", "01"
 _TABLES = (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6), ("udp", socket.AF_INET), ("udp6", socket.AF_INET6))
@@ -27,20 +26,7 @@ def _address(hexaddr: str, family: int) -> str:
 
 
 def _inodes(root: int) -> set[str]:
-    found = set()
-    for pid in job_pids(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                found.add(target[len("socket:["):-1])
-    return found
+    return {target[len("socket:["):-1] for _, _, target in job_fds(root) if target.startswith("socket:[")}
 
 
 def sockets(root: int) -> tuple[list[str], list[str]]:

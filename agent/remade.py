@@ -20,7 +20,6 @@ checks them again before criu runs (:func:`recheck`): its directories are its ow
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 import msgspec
 
 from revenant.agent import beneath
-from revenant.agent.jobprocs import PSEUDO, job_pids, private_devs
+from revenant.agent.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
 
 # In an epoch: [what, path] for each thing criu makes again by path, as the dump found them.
 REMADE = "remade.json"
@@ -43,8 +42,6 @@ SK_QUEUES = "sk-queues.img"
 UNNAMED = ("/memfd:", "/SYSV")
 _DELETED = " (deleted)"
 _SIOCUNIXFILE = 0x89E0  # an O_PATH descriptor of the file a unix socket is bound to (Linux 6.0)
-_SYS_PIDFD_GETFD = 438
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _deleted(path: str) -> str | None:
@@ -67,9 +64,10 @@ def _socket_file(pidfd: int, fd: int) -> str | None:
     /proc/net/unix shows a relative name as bound, and cannot tell a file named ``@x`` from an
     abstract socket); criu binds it again at the name it was bound to (getsockname) when that is
     absolute, links on its way followed, and from the file's own directory when it is relative."""
-    mine = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-    if mine < 0:
-        raise Unreadable(ctypes.get_errno(), f"cannot inspect the job's socket (descriptor {fd})")
+    try:
+        mine = copy_fd(pidfd, fd)
+    except OSError as exc:
+        raise Unreadable(exc.errno, f"cannot inspect the job's socket (descriptor {fd})") from None
     try:
         with socket.socket(fileno=os.dup(mine)) as sk:
             if sk.family != socket.AF_UNIX:
