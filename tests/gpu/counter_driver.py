@@ -10,7 +10,8 @@ The kernel is hand-written PTX, JIT-compiled by the driver (cuModuleLoadData).
         Linux >= 6.16, which refuses SO_PASSCRED there)
 
 --device-mib N also allocates N MiB of device memory and fills it (cuMemsetD32), so that a
-checkpoint has that much to move.
+checkpoint has that much to move; a packet "verify" then reads 256 words spread over it back
+and answers "verified N MiB" or "corrupt at OFFSET: VALUE" (the counter is left alone).
 """
 
 from __future__ import annotations
@@ -63,15 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         mod = drv.load_ptx(PTX)
         fn = drv.function(mod, "increment")
         counter, _size = drv.global_(mod, "counter")
+        big = None
         if args.device_mib > 0:
             nbytes = args.device_mib << 20
-            drv.memset32(drv.alloc(nbytes), 0x5EED5EED, nbytes // 4)
+            big = (drv.alloc(nbytes), nbytes)
+            drv.memset32(big[0], FILL, nbytes // 4)
             drv.synchronize()
     except (OSError, CudaError) as exc:
         print(f"counter_driver: {exc}", file=sys.stderr)
         return 1
     try:
-        return serve(args.port, (drv, fn, counter), args.poll)
+        return serve(args.port, (drv, fn, counter), args.poll, big)
     except CudaError as exc:
         print(f"counter_driver: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -88,7 +91,25 @@ def next_value(gpu: tuple[Driver, int, int] | None, value: ctypes.c_uint32) -> i
     return value.value
 
 
-def serve(port: int, gpu: tuple[Driver, int, int] | None, poll: str | None) -> int:
+FILL = 0x5EED5EED
+
+
+def verify(drv: Driver, big: tuple[int, int] | None) -> bytes:
+    """Read 256 words spread over the filled device memory back: the answer to "verify"."""
+    if big is None:
+        return b"nothing to verify\n"
+    ptr, nbytes = big
+    word = ctypes.c_uint32(0)
+    for i in range(256):
+        offset = (nbytes // 4 - 1) * i // 255 * 4
+        drv.dtoh(ctypes.addressof(word), ptr + offset, 4)
+        if word.value != FILL:
+            return b"corrupt at %d: %#x\n" % (offset, word.value)
+    return b"verified %d MiB\n" % (nbytes >> 20)
+
+
+def serve(port: int, gpu: tuple[Driver, int, int] | None, poll: str | None,
+          big: tuple[int, int] | None = None) -> int:
     """Answer each packet (or each byte appended to ``poll``) with the incremented counter."""
     value = ctypes.c_uint32(100)
     if poll:
@@ -108,8 +129,11 @@ def serve(port: int, gpu: tuple[Driver, int, int] | None, poll: str | None) -> i
     print(f"counter_driver: listening on 127.0.0.1:{port}{'' if gpu else ' (no GPU)'}", flush=True)
     while True:
         try:
-            _data, peer = sock.recvfrom(16)
+            data, peer = sock.recvfrom(16)
         except InterruptedError:
+            continue
+        if data.strip() == b"verify" and gpu is not None:
+            sock.sendto(verify(gpu[0], big), peer)
             continue
         n = next_value(gpu, value)
         sock.sendto(b"%d\n" % n, peer)

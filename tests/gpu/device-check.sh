@@ -23,8 +23,14 @@ OUT=$(cd "$OUT" && pwd)
 bundle=${GPU_BUNDLE:-$repo/build/gpu-bundle}
 budget=${GPU_CHECK_BUDGET_S:-450}
 port=${GPU_CHECK_PORT:-10000}
-# Not under /tmp: a revenant job gets a private /tmp and would not see what is there.
-work=$repo/build/gpu-check
+# Not under /tmp: a revenant job gets a private /tmp and would not see what is there (the
+# repository itself may be under /tmp on the GPU machine: then the work goes to /var/lib).
+case "$repo/" in
+    /tmp/*|/dev/shm/*|/var/tmp/*) work=${GPU_CHECK_WORK:-/var/lib/revenant-gpu-check} ;;
+    *) work=${GPU_CHECK_WORK:-$repo/build/gpu-check} ;;
+esac
+big_mib=${GPU_CHECK_BIG_MIB:-4096}
+big_port=$((port + 1))
 start=$(date +%s)
 steps=$OUT/steps.tsv
 : > "$steps"
@@ -162,6 +168,10 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); 
         cp "$d/dump.log" "$OUT/logs/dump-udp.log" 2> /dev/null
         kill -9 "$holder" 2> /dev/null
     fi
+    # What the agent's own probe finds: sockets, established TCP, the nftables network lock.
+    if [ "$criu_ok" = yes ] && [ "$venv_ok" = yes ]; then
+        step netprobe 60 "$venv/bin/python" -m revenant.agent.netprobe "$bundle/criu/criu" || true
+    fi
 else
     skip criu-works "no bundled criu at $bundle/criu/criu"
 fi
@@ -181,11 +191,12 @@ is_running() { [ "$(job_field '["state"]')" = running ]; }
 is_running_elsewhere() { is_running && [ "$(job_field '["node"]')" != "$1" ]; }
 listening() { grep -q "listening on" "$D/storage/jobs/$job/output.log" 2> /dev/null; }
 last_line_is() { [ "$(tail -1 "$D/storage/jobs/$job/output.log" 2> /dev/null)" = "$1" ]; }
-# udp EXPECTED NAME: one packet, one answer within 30 s (with --poll: a byte appended to the
-# request file, and the answer on the job's output).
+# udp EXPECTED NAME [PORT [MESSAGE]]: one packet, one answer within 30 s (with --poll: a byte
+# appended to the request file, and the answer on the job's output).
 udp() {
+    local to=${3:-$port} msg=${4:-hi}
     t_check=$(now)
-    if [ -n "$poll_file" ]; then
+    if [ -n "$poll_file" ] && [ "$to" = "$port" ]; then
         printf x >> "$poll_file"
         wait_for 30 last_line_is "$1"
         check "$2" "expected $1, got: $(tail -1 "$D/storage/jobs/$job/output.log" 2> /dev/null) (request file)" \
@@ -195,7 +206,7 @@ udp() {
     got=$(timeout 40 "$venv/bin/python" -c "
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(30)
-s.sendto(b'hi', ('127.0.0.1', $port))
+s.sendto(b'$msg', ('127.0.0.1', $to))
 try:
     print(s.recv(64).decode().strip())
 except OSError as e:
@@ -218,6 +229,9 @@ elif [ "$criu_ok" != yes ]; then
 elif [ "$venv_ok" != yes ]; then
     skip cluster "no revenant venv (see venv-*)"
 else
+    # The job's programs beside its work, never under a /tmp the job cannot see.
+    mkdir -p "$work/bin"
+    cp tests/gpu/counter_driver.py tests/gpu/cudrv.py "$work/bin/"
     poll_file=
     transport=("$port")
     if [ "$inet_ok" != yes ]; then
@@ -226,12 +240,12 @@ else
         transport=(--poll "$poll_file")
     fi
     if [ -n "$cpu_only" ]; then
-        job_argv=("$venv/bin/python" "$repo/tests/gpu/counter_driver.py" "${transport[@]}" --cpu)
+        job_argv=("$venv/bin/python" "$work/bin/counter_driver.py" "${transport[@]}" --cpu)
     elif [ -n "$nvcc" ] && step counter-build 120 "$nvcc" -O2 -gencode 'arch=compute_90,code=[sm_90,compute_90]' \
             -o "$work/counter" tests/gpu/counter.cu; then
         job_argv=("$work/counter" "${transport[@]}")
     else
-        job_argv=("$venv/bin/python" "$repo/tests/gpu/counter_driver.py" "${transport[@]}")
+        job_argv=("$venv/bin/python" "$work/bin/counter_driver.py" "${transport[@]}")
     fi
     record counter-program pass 0 "${job_argv[*]}"
     export REVENANT_AGENT_ALLOW_ROOT_JOBS=true
@@ -270,6 +284,30 @@ else
             udp 103 packet-103
             job_json > "$OUT/job.json"
             cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-output.log" 2> /dev/null
+        fi
+        # (c) a job holding GPU_CHECK_BIG_MIB of filled device memory: checkpoint, vacate,
+        # restart; its memory read back after the restore, and the counter still counting.
+        counter_job=$job
+        big_argv=("$venv/bin/python" "$work/bin/counter_driver.py" "$big_port" --device-mib "$big_mib")
+        [ -n "$cpu_only" ] && big_argv+=(--cpu)
+        mkdir -p "$work/job-big"
+        if [ "$(left)" -gt 120 ] &&
+           step big-submit 30 "$venv/bin/revenant" submit --timeout 20 --name gpu-big --workdir "$work/job-big" \
+                -- "${big_argv[@]}"; then
+            job=$(tail -1 "$OUT/logs/big-submit.log")
+            t_check=$(now)
+            wait_for 120 listening
+            check big-listening "job $job: $(tail -2 "$D/storage/jobs/$job/output.log" 2> /dev/null)" listening &&
+            udp 101 big-101 "$big_port" &&
+            step big-create 240 "$venv/bin/revenant" checkpoint create "$job" --timeout 230 &&
+            step big-vacate 240 "$venv/bin/revenant" checkpoint vacate "$job" --timeout 230 &&
+            step big-restart 240 "$venv/bin/revenant" checkpoint restart "$job" --timeout 230 &&
+            { t_check=$(now); wait_for 120 is_running; check big-restart-running "$(job_json | head -c 400)" is_running; } &&
+            { [ -n "$cpu_only" ] || udp "verified $big_mib MiB" big-verify "$big_port" verify; } &&
+            udp 102 big-102 "$big_port"
+            job_json > "$OUT/job-big.json"
+            cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-big-output.log" 2> /dev/null
+            job=$counter_job
         fi
         step events 20 "$venv/bin/revenant" events --json --timeout 10 || true
     fi
@@ -320,7 +358,7 @@ for line in open(steps_file):
 doc = {"gpu_usable": gpu == "yes", "criu_works": criu == "yes", "venv": venv == "yes", "total_s": int(total),
        "passed": sum(s["status"] == "pass" for s in steps), "failed": sum(s["status"] == "fail" for s in steps),
        "steps": steps}
-for name in ("inplace", "nodes", "job"):
+for name in ("inplace", "nodes", "job", "job-big"):
     path = os.path.join(out, name + ".json")
     try:
         doc[name] = json.load(open(path))
@@ -331,6 +369,15 @@ EOF
 else
     printf '{"error": "no python3 to write JSON; see report.md"}\n' > "$OUT/report.json"
 fi
+# criu's logs that the agents kept for failed dumps and restores, beside the step logs.
+if [ -d "$D/storage" ]; then
+    find "$D/storage" -name '*.log' ! -name output.log -size -4M 2> /dev/null | head -40 | while read -r f; do
+        cp "$f" "$OUT/logs/kept-$(echo "${f#"$D"/storage/}" | tr '/' '_')"
+    done
+fi
+# At most 8 files come back from a device run: the logs travel as one archive.
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2> /dev/null && rm -rf "$OUT/logs"
+rm -f "$OUT/steps.tsv.bak"
 rm -rf "$work/venv" "$work/criu-smoke" "$work/criu-inet"
 echo "device-check: report in $OUT/report.md ($(grep -c $'\tpass\t' "$steps") passed," \
      "$(grep -c $'\tfail\t' "$steps") failed, $(grep -c $'\tskip\t' "$steps") skipped, ${total} s)" >&2
