@@ -5,7 +5,7 @@
 #   bash tests/gpu/device-check.sh          # there, from the repository root, with build/gpu-bundle
 #
 # Writes $OUT/report.md and $OUT/report.json (OUT defaults to ./gpu-report), with every
-# step's pass/fail/skip, its time and its error verbatim, and the logs under $OUT/logs.
+# step's pass/fail/skip, its time and its error verbatim, and the logs in $OUT/logs.tar.gz.
 #   environment: nvidia-smi, driver and CUDA driver API versions, GPU, cuda-checkpoint, nvcc
 #   setup:       a venv from the bundle's wheels (offline), the bundled criu on PATH,
 #                whether CRIU works in this kernel (criu check; dump/restore of a sleep)
@@ -30,6 +30,8 @@ case "$repo/" in
     *) work=${GPU_CHECK_WORK:-$repo/build/gpu-check} ;;
 esac
 big_mib=${GPU_CHECK_BIG_MIB:-4096}
+parts=${GPU_CHECK_PARTS:-inplace,counter,big,train}
+has() { case ",$parts," in *",$1,"*) return 0 ;; esac; return 1; }
 big_port=$((port + 1))
 start=$(date +%s)
 steps=$OUT/steps.tsv
@@ -177,7 +179,9 @@ else
 fi
 
 # ---------------------------------------------------------------- (a) in-place checkpoint timing
-if [ "$have_gpu" = yes ] && [ -n "$py3" ]; then
+if ! has inplace; then
+    skip inplace "not in GPU_CHECK_PARTS ($parts)"
+elif [ "$have_gpu" = yes ] && [ -n "$py3" ]; then
     step inplace 200 "$py3" tests/gpu/inplace.py --sizes "${GPU_CHECK_SIZES:-1,8,32}" --json "$OUT/inplace.json" || true
 else
     skip inplace "no usable NVIDIA GPU (nvidia-smi or libcuda failed; see above)"
@@ -257,7 +261,7 @@ else
         cp "$OUT/logs/nodes.log" "$OUT/nodes.json" 2> /dev/null
         # Its own working directory: the repository holds the cluster's storage (build/).
         mkdir -p "$work/job"
-        if step submit 30 "$venv/bin/revenant" submit --timeout 20 --name gpu-counter --workdir "$work/job" \
+        if has counter && step submit 30 "$venv/bin/revenant" submit --timeout 20 --name gpu-counter --workdir "$work/job" \
                 -- "${job_argv[@]}"; then
             job=$(tail -1 "$OUT/logs/submit.log")
             t_check=$(now)
@@ -291,7 +295,7 @@ else
         big_argv=("$venv/bin/python" "$work/bin/counter_driver.py" "$big_port" --device-mib "$big_mib")
         [ -n "$cpu_only" ] && big_argv+=(--cpu)
         mkdir -p "$work/job-big"
-        if [ "$(left)" -gt 120 ] &&
+        if has big && [ "$(left)" -gt 120 ] &&
            step big-submit 30 "$venv/bin/revenant" submit --timeout 20 --name gpu-big --workdir "$work/job-big" \
                 -- "${big_argv[@]}"; then
             job=$(tail -1 "$OUT/logs/big-submit.log")
@@ -308,6 +312,52 @@ else
             job_json > "$OUT/job-big.json"
             cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-big-output.log" 2> /dev/null
             job=$counter_job
+        fi
+        # (d) a PyTorch training loop with DataLoader workers: a checkpoint, then its node killed
+        # mid-run; after the failover it runs to its end, and its whole output must equal an
+        # uninterrupted run's byte for byte (every loss, every weight checksum, the weights' sha256).
+        torch_py=${GPU_CHECK_TORCH_PY:-$py3}
+        train_args=(--steps "${GPU_CHECK_TRAIN_STEPS:-300}" --workers 2)
+        [ -n "$cpu_only" ] && train_args+=(--device cpu --width 256)
+        cp tests/gpu/train.py "$work/bin/"
+        out_lines() { [ "$(cat "$D/storage/jobs/$job/output.log" 2> /dev/null | wc -l)" -ge "$1" ]; }
+        is_completed() { [ "$(job_field '["state"]')" = completed ]; }
+        if ! has train; then
+            skip train "not in GPU_CHECK_PARTS ($parts)"
+        elif ! "$torch_py" -c 'import torch' > /dev/null 2>&1; then
+            skip train "no torch for $torch_py"
+        elif [ "$(left)" -lt 150 ]; then
+            skip train "too little of the budget left ($(left) s)"
+        elif step train-reference 150 "$torch_py" "$work/bin/train.py" "${train_args[@]}" &&
+             cp "$OUT/logs/train-reference.log" "$work/train-reference.out" &&
+             mkdir -p "$work/job-train" &&
+             step train-submit 30 "$venv/bin/revenant" submit --timeout 20 --name gpu-train \
+                --workdir "$work/job-train" -- "$torch_py" "$work/bin/train.py" "${train_args[@]}"; then
+            job=$(tail -1 "$OUT/logs/train-submit.log")
+            t_check=$(now)
+            wait_for 120 out_lines 40
+            check train-started "job $job: $(tail -1 "$D/storage/jobs/$job/output.log" 2> /dev/null)" out_lines 40 &&
+            step train-create 150 "$venv/bin/revenant" checkpoint create "$job" --timeout 140 &&
+            {
+                # More steps after the checkpoint, which the failover must take back out of the output.
+                sleep 3
+                old_node=$(job_field '["node"]')
+                old_pid=$(job_field '["pid"]')
+                apid=$(agent_pid "$old_node")
+                kill -9 "$apid" "$old_pid"
+                record train-kill-node pass 0 "kill -9 agent $apid of $old_node and job pid $old_pid at line $(wc -l < "$D/storage/jobs/$job/output.log")"
+                t_check=$(now)
+                wait_for 150 is_running_elsewhere "$old_node"
+                check train-failover "$(job_json | head -c 400)" is_running_elsewhere "$old_node"
+            } &&
+            { t_check=$(now); wait_for 240 is_completed; check train-completed "$(job_json | head -c 400)" is_completed; } &&
+            {
+                t_check=$(now)
+                check train-identical "$(wc -l < "$work/train-reference.out") lines; $(diff "$work/train-reference.out" \
+                    "$D/storage/jobs/$job/output.log" 2>&1 | head -6)" cmp -s "$work/train-reference.out" "$D/storage/jobs/$job/output.log"
+            }
+            job_json > "$OUT/job-train.json"
+            cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-train-output.log" 2> /dev/null
         fi
         step events 20 "$venv/bin/revenant" events --json --timeout 10 || true
     fi
@@ -358,7 +408,7 @@ for line in open(steps_file):
 doc = {"gpu_usable": gpu == "yes", "criu_works": criu == "yes", "venv": venv == "yes", "total_s": int(total),
        "passed": sum(s["status"] == "pass" for s in steps), "failed": sum(s["status"] == "fail" for s in steps),
        "steps": steps}
-for name in ("inplace", "nodes", "job", "job-big"):
+for name in ("inplace", "nodes", "job", "job-big", "job-train"):
     path = os.path.join(out, name + ".json")
     try:
         doc[name] = json.load(open(path))
@@ -375,11 +425,14 @@ if [ -d "$D/storage" ]; then
         cp "$f" "$OUT/logs/kept-$(echo "${f#"$D"/storage/}" | tr '/' '_')"
     done
 fi
-# At most 8 files come back from a device run: the logs travel as one archive.
-tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2> /dev/null && rm -rf "$OUT/logs"
-rm -f "$OUT/steps.tsv.bak"
 rm -rf "$work/venv" "$work/criu-smoke" "$work/criu-inet"
 echo "device-check: report in $OUT/report.md ($(grep -c $'\tpass\t' "$steps") passed," \
      "$(grep -c $'\tfail\t' "$steps") failed, $(grep -c $'\tskip\t' "$steps") skipped, ${total} s)" >&2
+# At most 8 files come back from a device run: report.md and report.json (which holds the
+# JSON files too), and everything else as one archive.
+for f in steps.tsv inplace.json nodes.json job.json job-big.json job-train.json; do
+    [ -f "$OUT/$f" ] && mv "$OUT/$f" "$OUT/logs/"
+done
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2> /dev/null && rm -rf "$OUT/logs"
 cat "$OUT/report.md"
 exit 0
