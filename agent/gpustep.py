@@ -1,6 +1,7 @@
 """The engine step that suspends a job's CUDA state around criu, and resumes it afterwards.
 
-    before_dump      find the job's CUDA processes (NVML's compute processes inside the job's tree),
+    before_dump      find the job's CUDA processes (NVML's compute processes inside the job's tree, and
+                     any other of its processes that maps an NVIDIA device and that the driver knows),
                      refuse what cannot be checkpointed (before anything is locked), lock every one,
                      then checkpoint every one: device memory is now in host memory, the GPU released
     (criu dump)
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from revenant.agent.cuda import CHECKPOINTED, LOCKED, RUNNING, CudaError, Mechanism
+from revenant.agent.blockers import NotCheckpointable
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.gpu import CudaProcess, GpuScan
 from revenant.agent.procs import signal_tree, tree_pids
@@ -65,6 +67,35 @@ def read_maps(pid: int) -> str:
         return ""
 
 
+def device_mappers(pids: list[int], maps: Callable[[int], str]) -> dict[int, str]:
+    """The processes among ``pids`` that map an NVIDIA device file, each with the first such path:
+    criu cannot dump those mappings, so each must be one the driver checkpoints."""
+    found = {}
+    for pid in pids:
+        for line in maps(pid).splitlines():
+            fields = line.split(maxsplit=5)  # an anonymous mapping has no sixth field
+            if len(fields) == 6 and fields[5].startswith("/dev/nvidia"):
+                found[pid] = fields[5].strip()
+                break
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def forked_mapping(job: str, pid: int, comm: str, path: str, why: str) -> str:
+    """Why a process that maps the GPU but is no CUDA process of the driver's stops the checkpoint."""
+    return (f"checkpoint of {job} refused: its process {pid} ({comm}) maps {path} but the driver holds no CUDA "
+            f"state for it to checkpoint ({why}); most likely a child forked after CUDA started (a PyTorch "
+            "DataLoader worker, say): start such workers with the 'spawn' or 'forkserver' method "
+            "(DataLoader(..., multiprocessing_context='forkserver'))")
+
+
 def unsupported(job: str, procs: list[CudaProcess], scan: GpuScan, maps: dict[int, str],
                 mechanism: Mechanism) -> str | None:
     """Why ``job``'s CUDA processes cannot be checkpointed (a pure rule), or None."""
@@ -79,8 +110,12 @@ def unsupported(job: str, procs: list[CudaProcess], scan: GpuScan, maps: dict[in
     if len(pids) > 1 and any(_NCCL in maps.get(p, "") for p in pids):
         return (f"job {job} is a multi-process NCCL job ({len(pids)} CUDA processes sharing GPU memory "
                 "through NCCL), which CUDA checkpoints do not support")
-    if len(pids) > 1 and getattr(mechanism, "toggle", False):
-        return (f"job {job} has {len(pids)} CUDA processes; this node's cuda-checkpoint only toggles one "
+    return toggles_one(job, len(pids), mechanism)
+
+
+def toggles_one(job: str, n: int, mechanism: Mechanism) -> str | None:
+    if n > 1 and getattr(mechanism, "toggle", False):
+        return (f"job {job} has {n} CUDA processes; this node's cuda-checkpoint only toggles one "
                 "process (driver 570 or later checkpoints process trees)")
     return None
 
@@ -110,17 +145,32 @@ class GpuStep(BaseStep):
         scan = await asyncio.to_thread(self.scan)
         tree = set(await asyncio.to_thread(self.tree, ctx.pid))
         procs = [p for p in scan.processes if p.pid in tree]
-        if not procs:
+        listed = {p.pid for p in procs}
+        mappers = await asyncio.to_thread(device_mappers, sorted(tree - listed), self.maps)
+        if not procs and not mappers:
             return  # no CUDA context in the job right now: a plain criu dump
-        first = procs[0]
         if self.mechanism is None:
-            raise CudaError(f"job {ctx.job} uses GPU {first.gpu_index} (pid {first.pid}) but this node cannot "
-                            f"checkpoint CUDA: {self.why_none or 'no mechanism'}")
+            what = (f"GPU {procs[0].gpu_index} (pid {procs[0].pid})" if procs else
+                    f"the GPU ({next(iter(mappers.values()))})")
+            raise CudaError(f"job {ctx.job} uses {what} but this node cannot checkpoint CUDA: "
+                            f"{self.why_none or 'no mechanism'}")
         maps = {p.pid: await asyncio.to_thread(self.maps, p.pid) for p in procs}
         why = unsupported(ctx.job, procs, scan, maps, self.mechanism)
         if why:
             raise CudaError(why)
-        pids = sorted({p.pid for p in procs})
+        # A process NVML does not list (a child that shares its parent's context, a context NVML has not
+        # seen yet) is checkpointed too if the driver knows it; else criu could never dump its mappings.
+        for pid, path in sorted(mappers.items()):
+            try:
+                state = await asyncio.to_thread(self.mechanism.state, pid)
+            except CudaError as exc:
+                raise NotCheckpointable(forked_mapping(ctx.job, pid, _comm(pid), path, described(exc))) from None
+            if state != RUNNING:
+                raise NotCheckpointable(forked_mapping(ctx.job, pid, _comm(pid), path, f"its state is {state}"))
+        pids = sorted(listed | set(mappers))
+        why = toggles_one(ctx.job, len(pids), self.mechanism)
+        if why:
+            raise CudaError(why)
         for pid in pids:  # the driver knows each as a CUDA process it can checkpoint (its error, if not)
             await asyncio.to_thread(self.mechanism.restore_tid, pid)
         ctx.state[self.name] = pids  # from here on, a failure brings each of them back
@@ -195,7 +245,7 @@ class GpuStep(BaseStep):
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         m = ctx.manifest
-        if not m.gpus:
+        if not m.cuda_pids:
             return
         remap: dict[str, str] = ctx.checked.get(self.name) or {}
         wanted = sorted(m.cuda_pids)

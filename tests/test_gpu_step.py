@@ -13,7 +13,8 @@ import pytest
 from revenant.agent.cuda import CHECKPOINTED, FAILED, LOCKED, RUNNING, CudaError
 from revenant.agent.epochs import EpochError, JobFiles, Manifest
 from revenant.agent.gpu import CudaProcess, GpuScan
-from revenant.agent.gpustep import GpuStep, unsupported
+from revenant.agent.blockers import NotCheckpointable
+from revenant.agent.gpustep import GpuStep, device_mappers, unsupported
 from revenant.agent.steps import DumpContext, RestoreContext
 from revenant.messages import Capabilities, GpuInfo, JobGpu
 
@@ -39,6 +40,8 @@ class Driver:
         self.remaps: list[dict[str, str] | None] = []
 
     def state(self, pid: int) -> str:
+        if pid not in self.states:  # as the driver answers for a process with no CUDA state
+            raise CudaError(f"cuCheckpointProcessGetState of pid {pid} failed: CUDA_ERROR_NOT_FOUND")
         return self.states[pid]
 
     def _do(self, call: str, pid: int) -> None:
@@ -336,3 +339,50 @@ async def test_a_process_the_driver_does_not_know_is_refused_before_anything_is_
     with pytest.raises(CudaError, match="restore thread query of pid 1003 failed"):
         await step.before_dump(_ctx(tmp_path))
     assert driver.calls == []
+
+
+UVM = "200600000-200800000 rw-s 00000000 00:05 612 /dev/nvidia-uvm\n"
+LIBC = ("7f00-7f10 r-xp 00000000 08:01 9 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f10-7f20 rw-p 00000000 00:00 0 \n7f20-7f30 rw-p 00000000 00:00 0\n")
+
+
+def test_the_processes_that_map_an_nvidia_device_are_found_by_their_maps() -> None:
+    maps = {1: LIBC, 2: LIBC + UVM, 3: "7f00-7f10 rw-s 00000000 00:05 7 /dev/nvidiactl\n", 4: ""}
+    assert device_mappers([1, 2, 3, 4], lambda pid: maps[pid]) == {2: "/dev/nvidia-uvm", 3: "/dev/nvidiactl"}
+
+
+async def test_a_process_nvml_does_not_list_but_the_driver_knows_is_suspended_and_resumed_too(
+        tmp_path: Path) -> None:
+    driver = Driver([1002, 1003])
+    step = _step(driver, _scan(1002), tree=[1001, 1002, 1003], maps={1003: LIBC + UVM})
+    ctx = _ctx(tmp_path)
+    await step.before_dump(ctx)
+    assert driver.states == {1002: CHECKPOINTED, 1003: CHECKPOINTED}
+    assert ctx.manifest.cuda_pids == {2: [U0], 3: []}
+    await step.after_dump(ctx)
+    assert driver.states == {1002: RUNNING, 1003: RUNNING}
+
+
+async def test_a_forked_child_that_maps_the_gpu_without_cuda_state_is_refused_before_anything_is_locked(
+        tmp_path: Path) -> None:
+    driver = Driver([1002])  # 1003 maps the GPU (a DataLoader worker forked after CUDA started)
+    step = _step(driver, _scan(1002), tree=[1001, 1002, 1003], maps={1003: LIBC + UVM})
+    with pytest.raises(NotCheckpointable, match=r"process 1003 \(.*\) maps /dev/nvidia-uvm.*CUDA_ERROR_NOT_FOUND"
+                                                r".*'spawn' or 'forkserver'"):
+        await step.before_dump(_ctx(tmp_path))
+    assert driver.calls == [] and driver.states == {1002: RUNNING}
+
+
+async def test_a_job_whose_only_gpu_process_nvml_missed_is_restored_onto_the_gpu(tmp_path: Path) -> None:
+    driver = Driver([1002])
+    step = _step(driver, _scan(), tree=[1001, 1002], maps={1002: UVM})
+    ctx = _ctx(tmp_path, stop=True)
+    await step.before_dump(ctx)
+    assert driver.states == {1002: CHECKPOINTED} and ctx.manifest.cuda_pids == {2: []}
+    restored = _restored(tmp_path, 5001, {})
+    restored.manifest.gpus, restored.manifest.cuda_pids = [], ctx.manifest.cuda_pids
+    driver.states = {5002: CHECKPOINTED}
+    step.ns_pid = lambda pid: pid - 5000
+    step.tree = lambda root: [5001, 5002]
+    await step.after_restore(restored)
+    assert driver.states == {5002: RUNNING}

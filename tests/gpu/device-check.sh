@@ -313,31 +313,27 @@ else
             cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-big-output.log" 2> /dev/null
             job=$counter_job
         fi
-        # (d) a PyTorch training loop with DataLoader workers: a checkpoint, then its node killed
-        # mid-run; after the failover it runs to its end, and its whole output must equal an
-        # uninterrupted run's byte for byte (every loss, every weight checksum, the weights' sha256).
+        # (d) a PyTorch training loop with DataLoader workers, once for each worker start method
+        # (GPU_CHECK_TRAIN_CONTEXTS): a checkpoint, then its node killed mid-run; after the failover
+        # it runs to its end, and its whole output must equal an uninterrupted run's byte for byte
+        # (every loss, every weight checksum, the weights' sha256).
         torch_py=${GPU_CHECK_TORCH_PY:-$py3}
         train_args=(--steps "${GPU_CHECK_TRAIN_STEPS:-300}" --workers 2)
         [ -n "$cpu_only" ] && train_args+=(--device cpu --width 256)
         cp tests/gpu/train.py "$work/bin/"
         out_lines() { [ "$(cat "$D/storage/jobs/$job/output.log" 2> /dev/null | wc -l)" -ge "$1" ]; }
         is_completed() { [ "$(job_field '["state"]')" = completed ]; }
-        if ! has train; then
-            skip train "not in GPU_CHECK_PARTS ($parts)"
-        elif ! "$torch_py" -c 'import torch' > /dev/null 2>&1; then
-            skip train "no torch for $torch_py"
-        elif [ "$(left)" -lt 150 ]; then
-            skip train "too little of the budget left ($(left) s)"
-        elif step train-reference 150 "$torch_py" "$work/bin/train.py" "${train_args[@]}" &&
-             cp "$OUT/logs/train-reference.log" "$work/train-reference.out" &&
-             mkdir -p "$work/job-train" &&
-             step train-submit 30 "$venv/bin/revenant" submit --timeout 20 --name gpu-train \
-                --workdir "$work/job-train" -- "$torch_py" "$work/bin/train.py" "${train_args[@]}"; then
-            job=$(tail -1 "$OUT/logs/train-submit.log")
+        # train_flow CONTEXT: the training job with its workers started by CONTEXT, through a failover.
+        train_flow() {
+            local ctx=$1 t=train-$1
+            mkdir -p "$work/job-$t"
+            step "$t-submit" 30 "$venv/bin/revenant" submit --timeout 20 --name "gpu-$t" --workdir "$work/job-$t" \
+                -- "$torch_py" "$work/bin/train.py" "${train_args[@]}" --mp-context "$ctx" || return
+            job=$(tail -1 "$OUT/logs/$t-submit.log")
             t_check=$(now)
             wait_for 120 out_lines 40
-            check train-started "job $job: $(tail -1 "$D/storage/jobs/$job/output.log" 2> /dev/null)" out_lines 40 &&
-            step train-create 150 "$venv/bin/revenant" checkpoint create "$job" --timeout 140 &&
+            check "$t-started" "job $job: $(tail -1 "$D/storage/jobs/$job/output.log" 2> /dev/null)" out_lines 40 &&
+            step "$t-create" 150 "$venv/bin/revenant" checkpoint create "$job" --timeout 140 &&
             {
                 # More steps after the checkpoint, which the failover must take back out of the output.
                 sleep 3
@@ -345,19 +341,35 @@ else
                 old_pid=$(job_field '["pid"]')
                 apid=$(agent_pid "$old_node")
                 kill -9 "$apid" "$old_pid"
-                record train-kill-node pass 0 "kill -9 agent $apid of $old_node and job pid $old_pid at line $(wc -l < "$D/storage/jobs/$job/output.log")"
+                record "$t-kill-node" pass 0 "kill -9 agent $apid of $old_node and job pid $old_pid at line $(wc -l < "$D/storage/jobs/$job/output.log")"
                 t_check=$(now)
                 wait_for 150 is_running_elsewhere "$old_node"
-                check train-failover "$(job_json | head -c 400)" is_running_elsewhere "$old_node"
+                check "$t-failover" "$(job_json | head -c 400)" is_running_elsewhere "$old_node"
             } &&
-            { t_check=$(now); wait_for 240 is_completed; check train-completed "$(job_json | head -c 400)" is_completed; } &&
+            { t_check=$(now); wait_for 240 is_completed; check "$t-completed" "$(job_json | head -c 400)" is_completed; } &&
             {
                 t_check=$(now)
-                check train-identical "$(wc -l < "$work/train-reference.out") lines; $(diff "$work/train-reference.out" \
+                check "$t-identical" "$(wc -l < "$work/train-reference.out") lines; $(diff "$work/train-reference.out" \
                     "$D/storage/jobs/$job/output.log" 2>&1 | head -6)" cmp -s "$work/train-reference.out" "$D/storage/jobs/$job/output.log"
             }
-            job_json > "$OUT/job-train.json"
-            cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-train-output.log" 2> /dev/null
+            job_json > "$OUT/job-$t.json"
+            cp "$D/storage/jobs/$job/output.log" "$OUT/logs/job-$t-output.log" 2> /dev/null
+            # A job left running (a refused checkpoint) would hold the GPU through the next one.
+            [ "$(job_field '["state"]')" = running ] && kill -9 "$(job_field '["pid"]')" 2> /dev/null
+            return 0
+        }
+        if ! has train; then
+            skip train "not in GPU_CHECK_PARTS ($parts)"
+        elif ! "$torch_py" -c 'import torch' > /dev/null 2>&1; then
+            skip train "no torch for $torch_py"
+        elif [ "$(left)" -lt 150 ]; then
+            skip train "too little of the budget left ($(left) s)"
+        elif step train-reference 150 "$torch_py" "$work/bin/train.py" "${train_args[@]}"; then
+            cp "$OUT/logs/train-reference.log" "$work/train-reference.out"
+            for ctx in ${GPU_CHECK_TRAIN_CONTEXTS:-fork forkserver}; do
+                if [ "$(left)" -lt 100 ]; then skip "train-$ctx" "too little of the budget left ($(left) s)"; continue; fi
+                train_flow "$ctx"
+            done
         fi
         step events 20 "$venv/bin/revenant" events --json --timeout 10 || true
     fi
@@ -408,7 +420,7 @@ for line in open(steps_file):
 doc = {"gpu_usable": gpu == "yes", "criu_works": criu == "yes", "venv": venv == "yes", "total_s": int(total),
        "passed": sum(s["status"] == "pass" for s in steps), "failed": sum(s["status"] == "fail" for s in steps),
        "steps": steps}
-for name in ("inplace", "nodes", "job", "job-big", "job-train"):
+for name in ["inplace", "nodes", "job", "job-big"] + [f"job-train-{c}" for c in ("fork", "forkserver", "spawn")]:
     path = os.path.join(out, name + ".json")
     try:
         doc[name] = json.load(open(path))
@@ -430,8 +442,8 @@ echo "device-check: report in $OUT/report.md ($(grep -c $'\tpass\t' "$steps") pa
      "$(grep -c $'\tfail\t' "$steps") failed, $(grep -c $'\tskip\t' "$steps") skipped, ${total} s)" >&2
 # At most 8 files come back from a device run: report.md and report.json (which holds the
 # JSON files too), and everything else as one archive.
-for f in steps.tsv inplace.json nodes.json job.json job-big.json job-train.json; do
-    [ -f "$OUT/$f" ] && mv "$OUT/$f" "$OUT/logs/"
+for f in "$OUT"/steps.tsv "$OUT"/*.json; do
+    [ -f "$f" ] && [ "$(basename "$f")" != report.json ] && mv "$f" "$OUT/logs/"
 done
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2> /dev/null && rm -rf "$OUT/logs"
 cat "$OUT/report.md"

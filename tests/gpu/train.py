@@ -1,7 +1,7 @@
 """A small deterministic PyTorch training loop, for checking a training job through a
 checkpoint and a failover: its whole output must be byte-identical to an uninterrupted run.
 
-    python3 tests/gpu/train.py [--steps 300] [--workers 2] [--device cuda] [--step-s 0.05]
+    python3 tests/gpu/train.py [--steps 300] [--workers 2] [--mp-context fork] [--device cuda]
 
 An MLP on synthetic data (a seeded generator), through a DataLoader with worker processes,
 with Adam. Each step prints the step, the loss and a checksum of the weights as exact hex
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--mp-context", default=None, help="the workers' start method (fork, spawn, forkserver)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--step-s", type=float, default=0.05, help="sleep after each step (a longer run)")
     p.add_argument("--dim", type=int, default=256)
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = Synthetic(args.steps * 64, args.dim)
     loader = DataLoader(data, batch_size=64, shuffle=True, num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(7), persistent_workers=args.workers > 0)
+                        generator=torch.Generator().manual_seed(7), persistent_workers=args.workers > 0,
+                        multiprocessing_context=args.mp_context if args.workers > 0 else None)
     print(f"train: {sum(q.numel() for q in model.parameters())} parameters on {dev}, "
           f"{args.workers} workers, {args.steps} steps", flush=True)
     for step, (x, y) in enumerate(loader, 1):
