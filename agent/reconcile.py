@@ -28,8 +28,13 @@ RECONCILE_RETRY_FOR_S = 60.0
 
 
 def local_jobs(sup: Supervisor) -> list[LocalJob]:
-    return [LocalJob(job=job, generation=rt.generation, frozen=rt.frozen_at is not None)
-            for job, rt in list(sup.jobs.items())]
+    """What runs here, and what is being started or restored here (a leader asked for it, and its
+    table has it on this node: a reconcile that left it out would have it evicted)."""
+    running = [LocalJob(job=job, generation=rt.generation, frozen=rt.frozen_at is not None)
+               for job, rt in list(sup.jobs.items())]
+    here = {lj.job for lj in running}
+    return running + [LocalJob(job=job, generation=launch.generation)
+                      for job, launch in list(sup.launching.items()) if job not in here]
 
 
 async def ask_leader(nc: Client, sup: Supervisor, node: str, incarnation: str, clock: Callable[[], float],

@@ -39,17 +39,21 @@ def check_may_act(may_act: Callable[[], bool]) -> None:
 
 
 class AgentClient:
-    def __init__(self, nc: Client, may_act: Callable[[], bool]) -> None:
+    def __init__(self, nc: Client, may_act: Callable[[], bool],
+                 incarnation_of: Callable[[str], str] = lambda node: "") -> None:
         self.nc = nc
         self.may_act = may_act
+        self.incarnation_of = incarnation_of  # the node's agent as its heartbeats last named it
         self._inflight: dict[str, set[asyncio.Task[AgentJobReply]]] = {}
         self._lost: dict[asyncio.Task[AgentJobReply], str] = {}
+        self._sent_to: dict[asyncio.Task[AgentJobReply], str] = {}
 
     async def send(self, node: str, verb: str, msg: Message, timeout_s: float) -> AgentJobReply:
         check_may_act(self.may_act)
         task = asyncio.ensure_future(
             bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s))
         self._inflight.setdefault(node, set()).add(task)
+        self._sent_to[task] = self.incarnation_of(node)
         try:
             return await task
         except asyncio.CancelledError:
@@ -59,6 +63,7 @@ class AgentClient:
             raise NodeLost(f"node {node} {reason} during {verb}") from None
         finally:
             self._inflight.get(node, set()).discard(task)
+            self._sent_to.pop(task, None)
 
     async def carry_out(self, cmd: lc.Command, timeout_s: float) -> AgentJobReply:
         """Send one of the lifecycle's commands to its node."""
@@ -86,9 +91,14 @@ class AgentClient:
         except RevenantError as exc:
             log.info("job %s: no kill of generation %d on %s (%s)", job, generation, node, exc)
 
-    def node_lost(self, node: str, reason: str) -> None:
-        """Fail every request in flight to ``node`` (it was declared dead or left)."""
+    def node_lost(self, node: str, reason: str, spare: str = "") -> None:
+        """Fail every request in flight to ``node`` (it was declared dead or left), but those sent
+        to its agent of incarnation ``spare``: an agent that has just started asks the leader (its
+        first reconcile, sent again until answered) after it may have been given work, which it
+        answers; only what was asked of an earlier agent is lost with it."""
         for task in list(self._inflight.get(node, ())):
+            if spare and self._sent_to.get(task) == spare:
+                continue
             self._lost[task] = reason
             task.cancel()
 

@@ -157,8 +157,10 @@ class Coordinator(Service):
                                      on_elected=self._elected, on_deposed=self._deposed, clock=self._clock,
                                      replicas=replicas, quiet_moment=gcpause.rewalk_if_due)
         gcpause.choose_rewalk()  # the whole heap's walk (a second at 100,000 nodes) right after a renewal
-        self.jobs = JobService(KvJobStore(self._js, replicas), AgentClient(self._nc, self.leadership.fresh), self.config,
-                               self._events, self._nodes, self.leadership, wall=self._wall)
+        agents = AgentClient(self._nc, self.leadership.fresh,
+                             lambda node: getattr(self.detector.nodes.get(node), "incarnation", ""))
+        self.jobs = JobService(KvJobStore(self._js, replicas), agents, self.config, self._events, self._nodes,
+                               self.leadership, wall=self._wall)
         self._client_requests = ClientRequests(self.jobs)
         self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
         self._conversions = JobEventConsumer(self._js, self.jobs, self._evicted, subjects.EPOCHS_CONVERTED,
@@ -329,7 +331,9 @@ class Coordinator(Service):
             check_may_act(jobs.leader.fresh)
             req_r = decode_as(data, ReconcileRequest)
             if req_r.started or req_r.reconnected:  # what was asked of it meanwhile may never be answered
-                jobs.agents.node_lost(req_r.node, "restarted" if req_r.started else "reconnected to NATS")
+                # A reconnect may have lost replies of this very agent; a start, only an earlier one's.
+                jobs.agents.node_lost(req_r.node, "restarted" if req_r.started else "reconnected to NATS",
+                                      spare=req_r.incarnation if req_r.started and not req_r.reconnected else "")
             if req_r.started:
                 for job in jobs.lost_on(req_r.node, req_r.jobs):
                     self._evicted(job, req_r.node, f"node {req_r.node}'s agent restarted without it")

@@ -122,3 +122,34 @@ async def test_a_node_that_reconnected_fails_only_its_own_requests():
     other.cancel()
     with pytest.raises(asyncio.CancelledError):
         await other
+
+
+async def test_an_agent_that_has_just_started_keeps_what_was_asked_of_it_and_loses_what_an_earlier_one_was():
+    """Its first reconcile comes again until answered, after the leader may have given it work."""
+    incarnation = {"node-1": "old"}
+    agents = AgentClient(Silent(), lambda: True, lambda node: incarnation[node])
+    earlier = asyncio.create_task(agents.send("node-1", "checkpoint", CheckpointJob(job="1", generation=1), 3600))
+    await asyncio.sleep(0)
+    incarnation["node-1"] = "new"  # its heartbeats name the new agent
+    asked = asyncio.create_task(agents.send("node-1", "restore", CheckpointJob(job="2", generation=2), 3600))
+    await asyncio.sleep(0)
+    agents.node_lost("node-1", "restarted", spare="new")
+    with pytest.raises(NodeLost, match="node node-1 restarted during checkpoint"):
+        await earlier
+    assert not asked.done()
+    agents.node_lost("node-1", "reconnected to NATS")  # a reconnect spares none
+    with pytest.raises(NodeLost, match="reconnected to NATS during restore"):
+        await asked
+
+
+def test_an_agent_reconciling_names_the_jobs_it_is_starting_or_restoring_too():
+    """Else a leader whose table has one there would have it evicted while it comes up."""
+    from types import SimpleNamespace
+
+    from revenant.agent.jobs import Launch
+    from revenant.agent.reconcile import local_jobs
+    from revenant.messages import LocalJob
+
+    sup = SimpleNamespace(jobs={"1": SimpleNamespace(generation=3, frozen_at=None)},
+                          launching={"1": Launch(4), "2": Launch(2)})
+    assert local_jobs(sup) == [LocalJob(job="1", generation=3), LocalJob(job="2", generation=2)]
