@@ -84,13 +84,6 @@ DUMP_MOUNTS = ("--external", "mnt[]")
 RESTORE_MOUNTS = ("--root", "/", "--external", "mnt[]")
 
 
-# A file the job holds under a name that was removed while the file keeps another (a POSIX
-# semaphore of Python's multiprocessing under spawn or forkserver: glibc's sem_open links it to its
-# name from a temporary one) is linked again beside that name; agent/remade.py refuses one outside
-# the job's private tmpfs, where no epoch would keep the link.
-LINK_REMAP = ("--link-remap",)
-
-
 def network_dump_args(lock: str, leave_running: bool) -> list[str]:
     """A job's sockets (docs/cli.md, "Jobs that use the network").  ``--ext-unix-sk``: a unix
     datagram socket connected to a daemon outside the job (syslog's /dev/log).  With a network
@@ -124,7 +117,7 @@ def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script
     # --file-locks: the job's POSIX and flock locks (SQLite holds them) are dumped and taken again.
     return [criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", DUMP_LOG,
             "-v2", "--display-stats", "--action-script", str(action_script), "--file-locks",
-            *DUMP_MOUNTS, *LINK_REMAP, *network_dump_args(network_lock, leave_running), *(extra or []),
+            *DUMP_MOUNTS, *network_dump_args(network_lock, leave_running), *(extra or []),
             "--leave-running" if leave_running else "--leave-stopped"]
 
 

@@ -49,6 +49,7 @@ from revenant.agent.lazy import LazyFetch
 from revenant.agent.guard import resident_bytes
 from revenant.agent.handshake import Handshake
 from revenant.agent.filestep import JobFilesStep
+from revenant.agent.relink import RelinkStep
 from revenant.agent.imagesum import Follower
 from revenant.agent.private import DUMP_UMASK, private_dir
 from revenant.agent.procs import signal_tree
@@ -130,7 +131,8 @@ class Engine:
         # Dump here first (network storage); None: dump straight into the epoch.
         self.staging = staging
         self.steps: list[Step] = steps if steps is not None else [
-            JobFilesStep(storage, file_snapshot_max_bytes, workdir_scan_max_entries, file_snapshot_timeout_s)]
+            JobFilesStep(storage, file_snapshot_max_bytes, workdir_scan_max_entries, file_snapshot_timeout_s),
+            RelinkStep()]
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
         # Durations (monotonic) and the manifest's creation time (wall clock).

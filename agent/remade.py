@@ -8,8 +8,7 @@ missing directories, and sets its owner and mode by path.  All of it follows lin
 directory that someone other than root could change, a swap at the right moment would have root
 make those wherever that user points (a socket chowned to the user in /etc, a directory made
 the user's).  And a descriptor in flight in a unix socket's queue (SCM_RIGHTS) is opened again
-by criu by path too, where no check after the restore sees it.  A held file whose name was
-removed while it keeps another is linked again beside that name (LINKED).
+by criu by path too, where no check after the restore sees it.
 
 So the dump, while the job is frozen, refuses a job holding any of them in a directory that is
 not root's alone (:func:`refusal`): every directory from ``/`` to it must be root's and writable
@@ -42,16 +41,10 @@ SK_QUEUES = "sk-queues.img"
 # and makes them again by their own means, never at a path.
 UNNAMED = ("/memfd:", "/SYSV")
 _DELETED = " (deleted)"
-# A file whose name the job holds was removed while the file keeps another name (glibc's sem_open
-# makes a POSIX semaphore under a temporary name, then links it to its own): criu links it again
-# beside the removed name (--link-remap) and reopens it by that link at the restore.  A dump that
-# leaves the job running removes the link again, and another node has none of the node's own
-# files: only in the job's private tmpfs, which the epoch carries whole, does an epoch keep it.
-LINKED = "a file whose name was removed while it keeps another name,"
 _SIOCUNIXFILE = 0x89E0  # an O_PATH descriptor of the file a unix socket is bound to (Linux 6.0)
 
 
-def _deleted(path: str) -> str | None:
+def deleted_path(path: str) -> str | None:
     """The path of a file held deleted, or None (not deleted, or a kernel interface's: /proc,
     /sys, /dev, but for /dev/shm, a filesystem like any other)."""
     if not path.startswith("/") or not path.endswith(_DELETED) or path.startswith(UNNAMED):
@@ -100,7 +93,7 @@ def _socket_file(pidfd: int, fd: int) -> str | None:
 def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
     for name in ("cwd", "root", "exe"):
         try:
-            gone = _deleted(os.readlink(f"/proc/{pid}/{name}"))
+            gone = deleted_path(os.readlink(f"/proc/{pid}/{name}"))
         except OSError:
             continue
         if gone is not None:
@@ -121,8 +114,8 @@ def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
                 bound = _socket_file(pidfd, int(fd))
                 if bound is not None:
                     found.append(("a unix socket bound to", bound, pid))
-            elif (gone := _deleted(target)) is not None:
-                found.append((LINKED if st.st_nlink else "a deleted file,", gone, pid))
+            elif (gone := deleted_path(target)) is not None:
+                found.append(("a deleted file,", gone, pid))
             elif stat.S_ISFIFO(st.st_mode) and target.startswith("/"):
                 found.append(("a named FIFO,", target, pid))
     finally:
@@ -131,19 +124,11 @@ def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                gone = _deleted(fields[5].rstrip("\n")) if len(fields) == 6 else None
+                gone = deleted_path(fields[5].rstrip("\n")) if len(fields) == 6 else None
                 if gone is not None:
-                    found.append((LINKED if _links(pid, fields[0]) else "a deleted file,", gone, pid))
+                    found.append(("a deleted file,", gone, pid))
     except OSError:
         pass
-
-
-def _links(pid: int, span: str) -> int:
-    """How many names the file mapped at ``span`` of the process still has (0 if unknown)."""
-    try:
-        return os.stat(f"/proc/{pid}/map_files/{span}").st_nlink
-    except OSError:
-        return 0
 
 
 def made_again_by_path(root: int) -> list[tuple[str, str, int]]:
@@ -235,9 +220,6 @@ def refusal(root: int, images: Path) -> tuple[str, list[list[str]]]:
             os.close(root_fd)
         if where is not None:
             return _why(what, path, where), []
-        if what == LINKED and not _on(path, pid, private):
-            return (f"the job holds {what} {path}: criu can keep such a file only in the job's own /tmp "
-                    "or /dev/shm; open it by a name it has"), []
         if not _on(path, pid, private):
             recheck.append([what, path])
     return "", recheck

@@ -1,23 +1,26 @@
 """A held file whose name was removed while the file keeps another name: what every POSIX
 semaphore looks like (glibc's sem_open makes it under a temporary name, then links it to its
 own), and so every Lock and Queue of Python's multiprocessing under the spawn and forkserver
-start methods.  criu links such a file again beside its old name (--link-remap): in the job's
-private /dev/shm the epoch carries the link, and the job comes back from a checkpoint that left
-it running, its output exact; anywhere else it is refused at the dump in one line, and the job
-runs on."""
+start methods (agent/relink.py).  In the job's private /dev/shm it is given the name criu looks
+for while criu dumps, the job comes back from a checkpoint that left it running, its output
+exact, and neither the running job nor the restored one keeps that name; anywhere else it is
+refused before the dump in one line, and the job runs on."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from helpers import until
 
 from revenant.agent.epochs import JobFiles
 from revenant.agent.procs import signal_tree
+from revenant.agent.relink import RELINKED
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
@@ -62,10 +65,16 @@ def wd():
     shutil.rmtree(base, ignore_errors=True)
 
 
+def relinked_names(pid: int) -> list[str]:
+    return [n for n in os.listdir(f"/proc/{pid}/root/dev/shm") if n.endswith(" (deleted)")]
+
+
 def numbers(out: Path) -> list[int]:
     return [int(x) for x in out.read_text().split()]
 
 
+# Root's jobs: a user's job takes the same path, but cannot be dumped where the agent lacks
+# CAP_SYS_RESOURCE, as here (tests/test_job_user.py).
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 async def test_python_multiprocessing_workers_come_back_from_a_checkpoint_that_left_them_running(
         wd, supervisors, method):
@@ -76,12 +85,17 @@ async def test_python_multiprocessing_workers_come_back_from_a_checkpoint_that_l
     out = JobFiles(sup.storage, "1").output
     await until(lambda: len(numbers(out)) >= 10)
     await sup.checkpoint("1", 1, stop=False)
+    files = JobFiles(sup.storage, "1")
+    made = msgspec.json.decode((files.epoch_dir(files.committed()[-1]) / RELINKED).read_bytes())
+    assert made and all(d == "/dev/shm" and n.startswith("sem.") and n.endswith(" (deleted)") for d, n in made), made
+    assert not relinked_names(sup.jobs["1"].pid)  # gone from the running job again
     at = len(numbers(out))
     await until(lambda: len(numbers(out)) >= at + 10)  # on, past the epoch: the restore takes it back
     signal_tree(sup.jobs["1"].pid, 9)  # the node dies
     await until(lambda: "1" not in sup.jobs)
     await sup.restore(spec, 2)
     await until(lambda: len(numbers(out)) >= at + 30)
+    assert not relinked_names(sup.jobs["1"].pid)  # nor in the restored one
     got = numbers(out)
     assert got == list(range(1, len(got) + 1)), got  # nothing lost, nothing twice
 
@@ -96,7 +110,8 @@ async def test_a_linked_file_outside_the_jobs_own_tmpfs_is_refused_and_the_job_r
     with pytest.raises(RevenantError) as refused:
         await sup.checkpoint("1", 1, stop=False)
     why = str(refused.value)
-    assert f"a file whose name was removed while it keeps another name, {wd}/a" in why, why
+    assert why.startswith(f"checkpoint of 1 refused: the job holds {wd}/a, a file whose name was removed "
+                          "while it keeps another name"), why
     assert "only in the job's own /tmp or /dev/shm" in why and len(why.splitlines()) == 1, why
     assert JobFiles(sup.storage, "1").committed() == []
     at = len(numbers(out))
