@@ -253,6 +253,7 @@ class Agent(Service):
                      f" ({self.cuda_why})" if self.cuda_why else "")
         return Capabilities(
             hostname=socket.gethostname(),
+            address=cfg.advertise_address or await asyncio.to_thread(bus.route_address, cfg.nats_url),
             kernel=platform.release(),
             cpus=os.cpu_count() or 0,
             memory_total_bytes=psutil.virtual_memory().total,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import urllib.parse
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import nats
@@ -290,3 +292,18 @@ async def publish_event(js: JetStreamContext, subject: str, msg: Message, timeou
     headers = {MSG_ID_HEADER: msg_id} if msg_id else None
     with map_exceptions(f"cannot publish event on {subject}"):
         return await js.publish(subject, encode(msg), timeout=timeout_s, headers=headers)
+
+
+def route_address(nats_url: str) -> str:
+    """This host's own address on its route to the first NATS server of ``nats_url`` (a
+    connected UDP socket: no packet is sent), or "" where that cannot be told."""
+    first = nats_url.split(",")[0].strip()
+    parsed = urllib.parse.urlsplit(first if "://" in first else f"nats://{first}")
+    try:
+        infos = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except (OSError, ValueError, IndexError):
+        return ""

@@ -37,6 +37,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The NKey seed (or JWT .creds) file the agent authenticates with, as agent-<node>
     # (docs/security.md); empty: none, for a bus that asks for none.
     nats_creds: str = ""
+    # The address this node's jobs are reached at, published in its capabilities and with each
+    # job started or restored here; empty: the agent's own address on its route to NATS.
+    advertise_address: str = ""
     # Replicas of the streams and buckets this process creates: 0 picks 3 where the NATS cluster
     # has three servers or more, else 1 (docs/configuration.md).
     nats_replicas: int = 0

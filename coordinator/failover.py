@@ -35,6 +35,7 @@ from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError, described
 from revenant.common.events import EventPublisher
 from revenant.coordinator.jobs import JobService
+from revenant.coordinator.placement import node_address
 from revenant.messages import ClusterEvent, FailoverReply, JobEvent, LeaseValue, NodeStatus, subjects
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,7 @@ class Failover:
         return None if at is None else round(self.clock() - at, 3)
 
     def _event(self, job: str, kind: str, dead: str, **kw) -> None:
+        kw.setdefault("address", node_address(self.nodes(), kw.get("node", "")))  # where clients find it
         self.events.emit(subjects.job_event(job, kind),
                          JobEvent(job=job, kind=kind, at=self.wall(), from_node=dead,
                                   since_last_heartbeat_s=self._since_last_heartbeat(dead), **kw))

@@ -23,7 +23,7 @@ from revenant.common.events import EventPublisher
 from revenant.common.limits import check_submit
 from revenant.coordinator import lifecycle as lc, userlimits
 from revenant.coordinator.agents import AgentClient, NotLeader, check_may_act
-from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, workdir_shared
+from revenant.coordinator.placement import NoNodeAvailable, node_address, place, restore_note, workdir_shared
 from revenant.coordinator.store import JobStore, Unsettled, WriteConflict, patiently
 from revenant.messages import (EpochEvent, JobEvent, JobRecord, JobSpec, LocalJob, NodeStatus, PurgeJob, ReconcileReply,
                                StaleJob, SubmitRequest, subjects)
@@ -164,9 +164,9 @@ class JobService:
         return decision
 
     def _event(self, rec: JobRecord, kind: str, **kw) -> None:
-        self.events.emit(subjects.job_event(rec.spec.id, kind),
-                         JobEvent(job=rec.spec.id, kind=kind, at=self.wall(), node=rec.node,
-                                  generation=rec.generation, **kw))
+        kw.setdefault("address", node_address(self.nodes(), rec.node))  # where clients find the job
+        self.events.emit(subjects.job_event(rec.spec.id, kind), JobEvent(job=rec.spec.id, kind=kind, at=self.wall(),
+                                                                         node=rec.node, generation=rec.generation, **kw))
 
     # ------------------------------------------------------------------ operations
 

@@ -102,6 +102,11 @@ def place(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested: str
     return best.name
 
 
+def node_address(nodes: Iterable[NodeStatus], name: str) -> str:
+    """The address node ``name``'s agent advertises (Capabilities.address), or "" if unknown."""
+    return next((n.capabilities.address for n in nodes if n.name == name), "") if name else ""
+
+
 def restore_note(nodes: list[NodeStatus], placed: str) -> str:
     """What a restore placed on ``placed`` ignored, in words ("" if nothing)."""
     node = next((n for n in nodes if n.name == placed), None)

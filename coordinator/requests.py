@@ -27,9 +27,12 @@ import asyncio
 import dataclasses
 import logging
 
+import msgspec
+
 from revenant.common.errors import RevenantError, UnknownJob
 from revenant.coordinator.jobs import JobService
 from revenant.coordinator.paging import JobPages, shown
+from revenant.coordinator.placement import node_address
 from revenant.coordinator.userlimits import UserLimits
 from revenant.messages import (
     JobRecord,
@@ -143,7 +146,7 @@ class ClientRequests:
             rec = jobs.jobs.get(req.job)
             archived = rec is None and (rec := await jobs.store.load_archived(req.job)) is not None
             notes = ["archived: finished more than job_retention_s ago, so `revenant jobs` no longer lists it"]
-            return JobReply(job=shown(visible(asker, req.job, rec)), notes=notes if archived else [])
+            return JobReply(job=self._placed(shown(visible(asker, req.job, rec))), notes=notes if archived else [])
         if verb not in ("checkpoint", "vacate", "restart", "purge"):
             raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
         if not asker.admin:  # the user never changes: checked once, before acting
@@ -155,7 +158,11 @@ class ClientRequests:
             rec, notes = await jobs.restart(req.job, req.node, req.epoch, stats=stats)
         else:
             rec, notes = await jobs.purge(req.job)
-        return JobReply(job=rec, notes=notes, stats=stats)
+        return JobReply(job=self._placed(rec), notes=notes, stats=stats)
+
+    def _placed(self, rec: JobRecord) -> JobRecord:
+        """``rec`` with its node's address, where clients reach its listening ports."""
+        return msgspec.structs.replace(rec, address=node_address(self.jobs.nodes(), rec.node))
 
     async def submit(self, req: SubmitRequest, user: str) -> JobRecord:
         """A submit; one with a request id that already made a job (its reply was lost, or a

@@ -53,6 +53,9 @@ class GpuInfo(_Body):
 
 class Capabilities(_Body):
     hostname: str = ""
+    # Where clients reach this node's jobs: the agent's advertise_address, else its own address
+    # on the route to the NATS server ("" if neither is known).
+    address: str = ""
     kernel: str = ""
     cpus: int = 0
     memory_total_bytes: int = 0
@@ -255,6 +258,9 @@ class JobRecord(_Body):
     spec: JobSpec
     state: JobState = "pending"
     node: str = ""
+    # The address of that node as its agent advertises it (Capabilities.address): filled in by
+    # the leader when it shows the record; clients reach the job's listening ports there.
+    address: str = ""
     pid: int = 0
     generation: int = 0
     epochs: list[EpochInfo] = []

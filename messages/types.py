@@ -323,6 +323,8 @@ class JobEvent(Message, tag="job_event.v1"):
     kind: JobEventKind
     at: float
     node: str = ""
+    # started / restored / migrated: the node's address (Capabilities.address), where clients find it.
+    address: str = ""
     generation: int = 0
     pid: int = 0
     exit_code: int | None = None

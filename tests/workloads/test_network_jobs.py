@@ -125,6 +125,8 @@ def test_an_http_server_keeps_a_client_connection_across_a_create_and_closes_it_
         get(conn)  # closed by the move: seen at its next use
     restored = [e for e in cluster.events() if e.get("kind") == "restored"][-1]
     assert restored["listening"] == [f"tcp 127.0.0.1:{port}"]
+    # Where its clients find it: the node's address (here, on a loopback bus, 127.0.0.1).
+    assert restored["address"] == "127.0.0.1" and show(cluster, job)["address"] == "127.0.0.1"
     assert restored["closed"] == [f"127.0.0.1:{port} -> 127.0.0.1:{local[1]}"]  # named, with its peer
     conn.close()
     again = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
