@@ -68,6 +68,10 @@ fi
 if ! command -v javac >/dev/null 2>&1; then
     apt_install default-jdk-headless
 fi
+# ... and ffmpeg, transcoding a generated video (checked frame by frame with ffmpeg and ffprobe).
+if ! command -v ffmpeg >/dev/null 2>&1 || ! command -v ffprobe >/dev/null 2>&1; then
+    apt_install ffmpeg
+fi
 command -v make >/dev/null 2>&1 || apt_install make
 # The TLS test makes a certificate for its nats-server with openssl.
 if ! command -v openssl >/dev/null 2>&1; then

@@ -1,7 +1,8 @@
 """Batch jobs of real programs on a 2-node `revenant up` with real criu, each through `checkpoint
 create`, a vacate and restart on the other node, and a failover, then checked against an
-uninterrupted run: a JVM program (its output byte-exact) and a parallel `make -j2` build
-(every object file identical to those of a build that was never interrupted)."""
+uninterrupted run: a JVM program (its output byte-exact), a parallel `make -j2` build (every
+object file identical to those of a build that was never interrupted), and ffmpeg transcoding a
+generated video (every frame identical by its decoded checksum, and the file byte for byte)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,40 @@ def test_a_parallel_make_builds_every_object_identically(make_cluster, tmp_path)
     through_everything(cluster, job, lambda: len(list((work / "obj").glob("*.o"))) if (work / "obj").exists() else 0)
     state(cluster, job, "completed", timeout=300)
     assert _objects(work) == _objects(reference) and len(_objects(work)) == n
+
+
+# A generated video (ffmpeg's testsrc2), encoded with one thread (a deterministic encoder) into
+# MPEG-TS written as it goes; -re reads the source at its own frame rate, so the job lasts as
+# long as the video does.
+VIDEO_IN = ["-f", "lavfi", "-i", "testsrc2=size=320x240:rate=25:duration=30"]
+VIDEO_OUT = ["-c:v", "mpeg4", "-q:v", "5", "-threads", "1", "-f", "mpegts", "-flush_packets", "1", "-y"]
+
+
+def _frames(ffmpeg: str, video: Path) -> list[str]:
+    """Each decoded frame's checksum (ffmpeg's framemd5), in order."""
+    out = subprocess.run([ffmpeg, "-nostdin", "-v", "error", "-i", str(video), "-f", "framemd5", "-"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [line.split(",")[-1].strip() for line in out.splitlines() if line and not line.startswith("#")]
+
+
+@pytest.mark.timeout(300)
+def test_ffmpeg_transcodes_a_generated_video_frame_exact(make_cluster, tmp_path):
+    ffmpeg, ffprobe = shutil.which("ffmpeg"), shutil.which("ffprobe")
+    assert ffmpeg and ffprobe, "ffmpeg is missing: make setup installs it (Debian package ffmpeg)"
+    reference = tmp_path / "reference.ts"
+    subprocess.run([ffmpeg, "-nostdin", "-v", "error", *VIDEO_IN, *VIDEO_OUT, str(reference)], check=True,
+                   timeout=120)
+    cluster = make_cluster(2)
+    work = tmp_path / "transcode"
+    work.mkdir()
+    video = work / "out.ts"
+    job = cluster.cli("submit", "--node", "node-1", "--workdir", str(work), "--", ffmpeg, "-nostdin", "-v", "error",
+                      "-re", *VIDEO_IN, *VIDEO_OUT, "out.ts").stdout.strip()
+    through_everything(cluster, job, lambda: video.stat().st_size if video.exists() else 0)
+    state(cluster, job, "completed", timeout=120)
+    count = subprocess.run([ffprobe, "-v", "error", "-count_frames", "-select_streams", "v:0", "-show_entries",
+                            "stream=nb_read_frames", "-of", "csv=p=0", str(video)],
+                           capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert count and set(count) == {"750"}, count  # 30 s at 25 frames a second (once per TS program listing)
+    assert _frames(ffmpeg, video) == _frames(ffmpeg, reference)
+    assert video.read_bytes() == reference.read_bytes()
