@@ -1,11 +1,17 @@
-# The README's commands, `make demo`, `make test` and `make test-fast`, all set up first.
-.PHONY: setup test test-fast demo bench clean
+# The README's commands, `make demo`, `make test`, `make test-fast` and `make test-workloads`,
+# all set up first.
+.PHONY: setup test test-fast test-workloads demo bench clean
 
 setup:
 	@bash deploy/scripts/setup.sh
 
+# Everything but the PyTorch tier.
 test: setup
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -m "not training" $(PYTEST_ARGS)
+
+# The PyTorch tier: torch in its own venv (deploy/scripts/setup-torch.sh), then its tests.
+test-workloads: setup
+	REVENANT_TORCH_PYTHON=$$(bash deploy/scripts/setup-torch.sh) .venv/bin/python -m pytest -m training $(PYTEST_ARGS)
 
 # The unit tier alone: pure logic, no nats-server, no criu, no cluster; a few seconds.
 test-fast: setup
