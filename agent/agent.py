@@ -24,7 +24,7 @@ import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from revenant.agent import cuda, netprobe, procs, progress
+from revenant.agent import checkable, cuda, netprobe, procs, progress
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
@@ -48,7 +48,7 @@ from revenant.common.metrics import AgentMetrics, health_routes
 from revenant.common.service import Service
 from revenant.common.version import version
 from revenant.messages import (AgentJobReply, Capabilities, CheckpointJob, CriuInfo, HealthSummary, KillJob, NodeEvent,
-                               PurgeJob, RestoreJob, StartJob, decode_as, subjects)
+                               CheckJob, PurgeJob, RestoreJob, StartJob, decode_as, subjects)
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +357,8 @@ class Agent(Service):
             return await sup.kill(kj.job, kj.generation, kj.reason)
         if verb == "purge":
             return await sup.purge(decode_as(data, PurgeJob).job)
+        if verb == "check":
+            return await checkable.check(sup, decode_as(data, CheckJob))
         raise RevenantError(f"unknown command {verb!r}", code="unknown_command")
 
     # ------------------------------------------------------------------ the lease (called on the liveness thread)

@@ -12,6 +12,7 @@ from revenant.agent import aside, jobfiles_restore, remade
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
+from revenant.messages import JobResource
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +114,6 @@ class JobFilesStep(BaseStep):
         if path is not None:
             raise EpochError(f"restore of job {ctx.job} refused: criu opened {path}, which is not a file the job "
                              "had open at the dump (a directory on its path was swapped while it restored)")
+
+    def inspect(self, pid: int) -> list[JobResource]:
+        return remade.inspect(pid)

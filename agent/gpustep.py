@@ -34,7 +34,7 @@ from revenant.agent.procs import signal_tree, tree_pids
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 from revenant.common.errors import described
 from revenant.common.gpufit import gpu_fit
-from revenant.messages import Capabilities, JobGpu
+from revenant.messages import Capabilities, JobGpu, JobResource
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,32 @@ class GpuStep(BaseStep):
             else:
                 raise CudaError(f"pid {pid}'s CUDA state is {state}: it cannot be resumed")
         raise CudaError(f"pid {pid}'s CUDA did not come back to running")
+
+    def inspect(self, pid: int) -> list[JobResource]:
+        """revenant check: the job's CUDA processes, and its other processes that map the GPU."""
+        tree = set(self.tree(pid))
+        listed = sorted({p.pid for p in self.scan().processes if p.pid in tree})
+        out = []
+        for p in listed:
+            if self.mechanism is None:
+                out.append(JobResource(kind="gpu", what=f"CUDA process {p}", verdict="blocking",
+                                       reason=f"this node cannot checkpoint CUDA: {self.why_none or 'no mechanism'}"))
+            else:
+                out.append(JobResource(kind="gpu", what=f"CUDA process {p}", verdict="carried",
+                                       reason=f"suspended around the dump through {self.mechanism.name}; a restore "
+                                              "needs a node with the same GPUs"))
+        for p, path in sorted(device_mappers(sorted(tree - set(listed)), self.maps).items()):
+            try:
+                state = self.mechanism.state(p) if self.mechanism is not None else "unknown"
+            except CudaError as exc:
+                state = described(exc)
+            verdict = "carried" if state == RUNNING else "blocking"
+            reason = ("the driver knows it: suspended with the others" if verdict == "carried" else
+                      f"the driver holds no CUDA state for it ({state}): a child forked after CUDA started? "
+                      "start such workers with the 'spawn' or 'forkserver' method")
+            out.append(JobResource(kind="gpu", what=f"process {p} ({_comm(p)}) maps {path}", verdict=verdict,
+                                   reason=reason))
+        return out
 
     # ------------------------------------------------------------------ restore
 

@@ -37,6 +37,7 @@ from revenant.agent.blockers import NotCheckpointable
 from revenant.agent.jobprocs import copy_fd, job_pids, private_devs
 from revenant.agent.remade import deleted_path
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
+from revenant.messages import JobResource
 
 # In an epoch: [directory, name] for each name made, as the job sees them.
 RELINKED = "relinked.json"
@@ -189,3 +190,20 @@ class RelinkStep(BaseStep):
             return
         made = msgspec.json.decode(path.read_bytes(), type=list[list[str]])
         await asyncio.to_thread(unlink, ctx.pid, made)
+
+    def inspect(self, pid: int) -> list[JobResource]:
+        private = private_devs(pid)
+        out, seen = [], set()
+        for _, path, st, _ in _held(pid):
+            if path in seen:
+                continue
+            seen.add(path)
+            old = path[: -len(_DELETED)]
+            if st.st_dev in private:
+                out.append(JobResource(kind="file", what=f"{old} (removed; the file keeps another name)",
+                                       verdict="carried", reason="named for criu while it dumps, in the job's own tmpfs"))
+            else:
+                out.append(JobResource(kind="file", what=f"{old} (removed; the file keeps another name)",
+                                       verdict="blocking", reason="criu can checkpoint that only in the job's own "
+                                                                  "/tmp or /dev/shm"))
+        return out

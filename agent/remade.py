@@ -32,6 +32,7 @@ import msgspec
 
 from revenant.agent import beneath
 from revenant.agent.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
+from revenant.messages import JobResource
 
 # In an epoch: [what, path] for each thing criu makes again by path, as the dump found them.
 REMADE = "remade.json"
@@ -208,21 +209,54 @@ def refusal(root: int, images: Path) -> tuple[str, list[list[str]]]:
     except Unreadable as exc:
         return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", []
     for what, path, pid in found:
-        try:
-            root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
+        where = _where(path, pid, private)
+        if where is False:
             continue  # gone since: it holds nothing any more
-        try:
-            where = beneath.changeable(os.path.normpath(path), root_fd, private)
-        except OSError as exc:
-            where = f"{path} ({exc.strerror or exc})"
-        finally:
-            os.close(root_fd)
         if where is not None:
             return _why(what, path, where), []
         if not _on(path, pid, private):
             recheck.append([what, path])
     return "", recheck
+
+
+def _where(path: str, pid: int, private: set[int]) -> str | None | bool:
+    """The directory on ``path``'s way that someone other than root could change, as the process
+    ``pid`` sees it; None if none; False if the process is gone."""
+    try:
+        root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return beneath.changeable(os.path.normpath(path), root_fd, private)
+    except OSError as exc:
+        return f"{path} ({exc.strerror or exc})"
+    finally:
+        os.close(root_fd)
+
+
+def inspect(root: int) -> list[JobResource]:
+    """revenant check: each thing the running job holds that criu makes again by path, and
+    whether a checkpoint would be refused for it."""
+    private = private_devs(root)
+    out = []
+    try:
+        found = made_again_by_path(root)
+    except Unreadable as exc:
+        return [JobResource(kind="socket", what=exc.strerror or "a socket", verdict="blocking",
+                            reason="the agent cannot inspect it")]
+    for what, path, pid in found:
+        where = _where(path, pid, private)
+        if where is False:
+            continue
+        kind = "socket" if "socket" in what else "file"
+        if where is not None:
+            out.append(JobResource(kind=kind, what=f"{what.rstrip(',')} {path}", verdict="blocking",
+                                   reason=f"{where} can be changed by a user other than root: criu would make it "
+                                          "again there as root at a restore"))
+        else:
+            out.append(JobResource(kind=kind, what=f"{what.rstrip(',')} {path}", verdict="carried",
+                                   reason="made again at its path by the restore"))
+    return out
 
 
 def _on(path: str, pid: int, private: set[int]) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from revenant.agent.epochs import EpochError, JobFiles, Manifest
 from revenant.agent.handshake import Handshake
 from revenant.common.errors import RevenantError
+from revenant.messages import JobResource
 
 if TYPE_CHECKING:
     from revenant.messages import CheckpointPolicy
@@ -81,6 +82,9 @@ class Step(Protocol):
     # agent/handshake.py): raise to have criu kill them instead of letting them run.
     async def before_resume(self, ctx: RestoreContext) -> None: ...
     async def after_restore(self, ctx: RestoreContext) -> None: ...
+    # revenant check (blocking, in a worker thread): what of the running job (its init ``pid``)
+    # this step carries, closes or cannot carry.
+    def inspect(self, pid: int) -> list[JobResource]: ...
 
 
 class BaseStep:
@@ -106,6 +110,9 @@ class BaseStep:
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         pass
+
+    def inspect(self, pid: int) -> list[JobResource]:
+        return []
 
 
 async def check_before_resume(steps: list[Step], ctx: RestoreContext, shake: Handshake,

@@ -10,7 +10,7 @@ import msgspec
 
 from revenant.common.gpufit import describe
 from revenant.common.intervals import format_interval
-from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord
+from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord, JobResource
 
 
 def _fmt_bytes(n: int) -> str:
@@ -144,3 +144,19 @@ def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
     if e.workdir_note:
         rows.append(("", f"workdir not tracked: {e.workdir_note}"))
     return rows
+
+
+def print_resources(rec: JobRecord, resources: list[JobResource], as_json: bool) -> int:
+    """``revenant check``: one line per resource, blocking ones first; exit status 1 if any blocks."""
+    blocking = [r for r in resources if r.verdict == "blocking"]
+    if as_json:
+        print(json.dumps({"job": rec.spec.id, "node": rec.node, "address": rec.address, "checkpointable": not blocking,
+                          "resources": msgspec.to_builtins(resources)}, indent=2))
+        return 1 if blocking else 0
+    where = f"{rec.node} ({rec.address})" if rec.address else rec.node
+    print(f"job {rec.spec.id} on {where}: " + (f"{len(blocking)} resource(s) block a checkpoint" if blocking else
+                                                  "checkpointable"))
+    words = {"blocking": "BLOCKS", "closed_on_move": "closed on move", "carried": "carried"}
+    for r in resources:
+        print(f"  {words[r.verdict]:<15} {r.kind:<11} {r.what}: {r.reason}")
+    return 1 if blocking else 0

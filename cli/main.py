@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd_show_job)
 
+    p = sub.add_parser("check", help="what in a running job a checkpoint or a move carries, closes or cannot carry")
+    _add_cluster_args(p)
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_check)
+
     p = sub.add_parser("jobs", help="list every job")
     _add_cluster_args(p)
     p.add_argument("--json", action="store_true")
@@ -295,6 +301,17 @@ def _cmd_show_job(args: argparse.Namespace) -> int:
     from revenant.cli.client import show_job
 
     return show_job(args)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from revenant.cli.client import _coord, _url
+    from revenant.cli.jobview import print_resources
+    from revenant.messages import JobReply, JobRequest
+
+    reply = asyncio.run(_coord(_url(args), "check", JobRequest(job=args.job), JobReply, args.timeout))
+    return print_resources(reply.job, reply.resources, args.json)
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:

@@ -52,7 +52,8 @@ MAX_PROBES_IN_FLIGHT = 512
 NODES_PAGE_MAX = 300
 # Requests the leader answers on revenant.coord.<verb> (admin's), and on revenant.user.*.<verb>
 # (users', coordinator/requests.py) all of them but reconcile, which is the agents'.
-REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile")
+REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile",
+                 "check")
 
 
 class Coordinator(Service):

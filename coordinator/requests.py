@@ -35,6 +35,7 @@ from revenant.coordinator.paging import JobPages, shown
 from revenant.coordinator.placement import node_address
 from revenant.coordinator.userlimits import UserLimits
 from revenant.messages import (
+    CheckJob,
     JobRecord,
     JobReply,
     JobRequest,
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 # The user an admin's job runs as when the submit names none.
 ROOT_USER = "root"
 # The verbs served to users on revenant.user.<user>.<verb> (``reconcile`` is the agents').
-USER_VERBS = ("nodes", "submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover")
+USER_VERBS = ("nodes", "submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "check")
 
 
 class Forbidden(RevenantError):
@@ -121,7 +122,7 @@ class ClientRequests:
     whoever asks, with the rules above.  The coordinator acting on its own (failover,
     periodic checkpoints, archiving, drains) goes to the :class:`JobService` directly."""
 
-    VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge")
+    VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "check")
 
     def __init__(self, jobs: JobService) -> None:
         self.jobs = jobs
@@ -147,6 +148,14 @@ class ClientRequests:
             archived = rec is None and (rec := await jobs.store.load_archived(req.job)) is not None
             notes = ["archived: finished more than job_retention_s ago, so `revenant jobs` no longer lists it"]
             return JobReply(job=self._placed(shown(visible(asker, req.job, rec))), notes=notes if archived else [])
+        if verb == "check":  # what in the running job will not survive a checkpoint or a move
+            rec = visible(asker, req.job, jobs.jobs.get(req.job))
+            if rec.state != "running" or not rec.node:
+                raise RevenantError(f"job {req.job} is {rec.state}; only a running job can be checked",
+                                    code="bad_state")
+            found = await jobs.agents.send(rec.node, "check", CheckJob(job=req.job, generation=rec.generation),
+                                           jobs.config.start_timeout_s)
+            return JobReply(job=self._placed(rec), resources=found.resources)
         if verb not in ("checkpoint", "vacate", "restart", "purge"):
             raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
         if not asker.admin:  # the user never changes: checked once, before acting

@@ -216,6 +216,18 @@ class EpochFile(_Body):
 MAX_EPOCH_FILES = 32
 
 
+ResourceVerdict = Literal["carried", "closed_on_move", "blocking"]
+
+
+class JobResource(_Body):
+    """One thing a running job holds, and what a checkpoint or a move does to it (revenant check)."""
+
+    kind: str  # socket, connection, file, gpu, descriptor
+    what: str  # "tcp 0.0.0.0:6379", "127.0.0.1:41234 -> 127.0.0.1:5432", a path, ...
+    verdict: ResourceVerdict
+    reason: str = ""
+
+
 class JobGpu(_Body):
     """A GPU a job held when its epoch was checkpointed (a restore needs one of the same model)."""
 

@@ -23,6 +23,8 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     EpochEventKind,
     EpochFile,
     EpochInfo,
+    JobResource,
+    ResourceVerdict,
     FINDING_CODES,
     GpuHealth,
     GpuInfo,
@@ -203,6 +205,8 @@ class JobReply(Message, tag="job_reply.v1"):
     notes: list[str] = []  # for people, e.g. "epoch 3 failed verification; restored from epoch 2"
     # checkpoint / vacate / restart: criu's own statistics of the dump or restore (AgentJobReply's).
     stats: dict[str, float] = {}
+    # check: what the running job holds, and what a checkpoint or a move does to each.
+    resources: list[JobResource] = []
 
 
 class JobsReply(Message, tag="jobs_reply.v1"):
@@ -278,6 +282,13 @@ class PurgeJob(Message, tag="purge_job.v1"):
     job: str
 
 
+class CheckJob(Message, tag="check_job.v1"):
+    """What in the running job will not survive a checkpoint or a move (``revenant check``)."""
+
+    job: str
+    generation: int
+
+
 class AgentJobReply(Message, tag="agent_job_reply.v1"):
     job: str
     generation: int
@@ -298,6 +309,8 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     # criu's own statistics of this dump or restore (agent/criustats.py: times in seconds, pages
     # counted); {}: none reported.
     stats: dict[str, float] = {}
+    # check: what the job holds, each with what a checkpoint or a move does to it.
+    resources: list[JobResource] = []
 
 
 class Progress(Message, tag="progress.v1"):
@@ -420,18 +433,18 @@ class ErrorReply(Message, tag="error.v1"):
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat, HeartbeatV1, HeartbeatRequest, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
     JobsRequest, JobReply, JobsReply, FailoverRequest, FailoverReply, StartJob, CheckpointJob, RestoreJob,
-    KillJob, PurgeJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
+    KillJob, PurgeJob, CheckJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
     ReconcileRequest, ReconcileReply, ErrorReply,
 )
 
 __all__ = [
     "FINDING_CODES", "ON_SICK", "OnSick",
-    "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
+    "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckJob", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",
-    "Heartbeat", "HeartbeatRequest", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobSpec",
+    "Heartbeat", "HeartbeatRequest", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobResource", "JobSpec",
     "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
     "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
     "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob",
-    "SubmitRequest",
+    "ResourceVerdict", "SubmitRequest",
 ]

@@ -5,6 +5,7 @@ LD_LIBRARY_PATH through the same code as the real ones.  The seed's acceptance t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -54,6 +55,9 @@ def test_a_gpu_job_is_vacated_restarted_and_fails_over_with_its_gpu_state(make_c
     caps = nodes[0]["capabilities"]
     assert caps["gpu"] == "nvml" and caps["gpu_checkpoint"] == mechanism, caps
     job, port = _running_counter(cluster, tmp_path, fake)
+    checked = json.loads(cluster.cli("check", job, "--json").stdout)  # its CUDA process, carried
+    gpu = [r for r in checked["resources"] if r["kind"] == "gpu"]
+    assert checked["checkpointable"] and gpu and gpu[0]["verdict"] == "carried" and mechanism in gpu[0]["reason"], checked
 
     cluster.cli("checkpoint", "vacate", job)
     vacated = _wait(cluster, job, lambda j: j["state"] == "vacated", "vacate")

@@ -269,6 +269,12 @@ def test_a_job_connected_to_an_outside_unix_stream_socket_is_refused_before_it_i
         job = submit(cluster, sys.executable, "-c", script, str(path))
         conn, _ = daemon.accept()
         assert wait_until(lambda: len(output(cluster, job).split()) > 5, timeout=30)
+        # Seen before it matters: revenant check names it as blocking, and exits 1.
+        checked = cluster.cli("check", job, "--json", check=False)
+        assert checked.returncode == 1, checked.stderr
+        found = json.loads(checked.stdout)
+        assert not found["checkpointable"] and found["resources"][0]["verdict"] == "blocking", found
+        assert str(path) in found["resources"][0]["what"], found
         out = cluster.cli("checkpoint", "create", job, check=False)
         assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert (f"checkpoint of {job} refused: the job holds a unix stream connection to the socket {path} "
@@ -307,3 +313,34 @@ def test_a_server_holding_a_connection_it_has_not_accepted_yet_is_checkpointed(m
     finally:
         pending.close()
     assert [e["epoch"] for e in cluster.events() if e.get("kind") == "restored"] == [2]
+
+
+def test_revenant_check_lists_what_a_move_carries_and_what_it_closes(make_cluster):
+    """A server with a client connected: its listening socket is carried, its connection is kept
+    by a create and closed by a move; nothing blocks."""
+    cluster = make_cluster(1)
+    port = free_port()
+    script = ("import socket,sys,time\nl=socket.create_server(('127.0.0.1', int(sys.argv[1])))\n"
+              "print('listening', flush=True)\nc, _ = l.accept()\nwhile True:\n    time.sleep(0.05)\n")
+    job = submit(cluster, sys.executable, "-c", script, str(port))
+    assert wait_until(lambda: "listening" in output(cluster, job), timeout=30)
+    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        local = client.getsockname()[1]
+        want = {("socket", f"listening tcp 127.0.0.1:{port}", "carried"),
+                ("connection", f"127.0.0.1:{port} -> 127.0.0.1:{local}", "closed_on_move")}
+        found: dict = {}
+
+        def checked() -> bool:
+            out = cluster.cli("check", job, "--json", check=False)
+            found.update(json.loads(out.stdout) if out.stdout else {})
+            return out.returncode == 0 and want <= {(r["kind"], r["what"], r["verdict"]) for r in found["resources"]}
+        assert wait_until(checked, timeout=30), found  # once the job has accepted it
+        assert found["checkpointable"] and found["node"] == "node-1" and found["address"] == "127.0.0.1"
+        text = cluster.cli("check", job).stdout
+        assert text.startswith(f"job {job} on node-1 (127.0.0.1): checkpointable"), text
+        assert "closed on move" in text and f"listening tcp 127.0.0.1:{port}" in text, text
+    finally:
+        client.close()
+    missing = cluster.cli("check", "999", check=False)
+    assert missing.returncode != 0 and "999" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
