@@ -143,6 +143,8 @@ class CheckpointFailed:
     generation: int
     # Why (the agent's error: criu's own line and where its log is kept); "" if nothing failed.
     error: str = ""
+    # The job holds what criu cannot carry (the agent's not_checkpointable): its doing, not the node's.
+    blocking: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,8 @@ It feeds inputs to :func:`revenant.coordinator.lifecycle.transition` under the
 job's lock, writes the record it returns to the store, publishes its events,
 and carries out its commands through the agent client; each reply comes back
 as the next input.  Because every input is applied to the record as it is now,
-replies and agents' events may arrive in any order without a stale write
-winning (a job that exits before its start reply is processed ends
-*completed*, not *running*).
+replies and agents' events may arrive in any order without a stale write winning
+(a job that exits before its start reply is processed ends *completed*, not *running*).
 """
 
 from __future__ import annotations
@@ -226,7 +225,8 @@ class JobService:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
         except RevenantError as exc:
             skipped = exc.code == CheckpointSkipped.code
-            await self.record(job, lc.CheckpointFailed(cmd.generation, "" if skipped else str(exc)))
+            await self.record(job, lc.CheckpointFailed(cmd.generation, "" if skipped else str(exc),
+                                                       exc.code == "not_checkpointable"))
             if skipped and not isinstance(exc, CheckpointSkipped):
                 raise CheckpointSkipped(str(exc)) from None
             raise

@@ -14,8 +14,7 @@ The rules that keep a job from running twice live here:
   it finds (it asks the leader through :func:`stale_local_jobs`);
 * a reply or an agent's report about an older generation, or from another
   node, changes nothing;
-* an ended job stays ended (only an operator's ``restart`` takes a failed
-  job with a checkpoint back).
+* an ended job stays ended (only an operator's ``restart`` takes a failed job with a checkpoint back).
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
         listed = [e for e in rec.epochs if e.n != inp.epoch.n and e.n not in inp.pruned]
         new.epochs = keep_epochs(listed + [inp.epoch], rec.spec.max_epochs)
     if inp.epoch is not None:
-        new.last_checkpoint_at, new.last_checkpoint_error = now, ""
+        new.last_checkpoint_at, new.last_checkpoint_error, new.blocking = now, "", ""
         if all(e.n <= inp.epoch.n for e in new.epochs):  # the newest: its GPUs (none: it let go of them)
             new.gpus, new.gpu_driver = list(inp.epoch.gpus), inp.epoch.gpu_driver if inp.epoch.gpus else ""
     if inp.storage_bytes:
@@ -144,10 +143,11 @@ def _checkpointed(rec: JobRecord, inp: Checkpointed, now: float) -> Decision:
 
 
 def _checkpoint_failed(rec: JobRecord, inp: CheckpointFailed, now: float) -> Decision:
-    error = inp.error or rec.last_checkpoint_error
-    if rec.state == State.CHECKPOINTING and rec.generation == inp.generation:
-        return Decision(_copy(rec, state=State.RUNNING, last_checkpoint_error=error))
-    return Decision(_copy(rec, last_checkpoint_error=error) if error != rec.last_checkpoint_error else None)
+    error, blocking = inp.error or rec.last_checkpoint_error, inp.error if inp.blocking else rec.blocking
+    events = [Emit("not_checkpointable", {"reason": inp.error})] if inp.blocking and not rec.blocking else []
+    mine = {"state": State.RUNNING} if rec.state == State.CHECKPOINTING and rec.generation == inp.generation else {}
+    new = _copy(rec, last_checkpoint_error=error, blocking=blocking, **mine)
+    return Decision(new if mine or new != rec else None, events=events)
 
 
 def check_restart(rec: JobRecord, epoch: int = 0) -> None:

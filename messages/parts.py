@@ -12,7 +12,7 @@ JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring"
 # restore_completed: every page of a lazily restored job is in (agent/lazy.py).
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
                        "requeued", "failed", "evicted", "restore_completed", "migrated", "migration_failed",
-                       "migration_skipped"]
+                       "migration_skipped", "not_checkpointable"]
 # What a job's sick node does to it (JobSpec.on_sick; "" in a record from before: the cluster's default).
 OnSick = Literal["checkpoint", "migrate", "none", ""]
 ON_SICK = ("checkpoint", "migrate", "none")
@@ -273,6 +273,9 @@ class JobRecord(_Body):
     # The address of that node as its agent advertises it (Capabilities.address): filled in by
     # the leader when it shows the record; clients reach the job's listening ports there.
     address: str = ""
+    # What in the job blocks its checkpoints (the latest refusal's line, agent/blockers.py and the
+    # like); "" once one commits.  Its first refusal is published as a not_checkpointable event.
+    blocking: str = ""
     pid: int = 0
     generation: int = 0
     epochs: list[EpochInfo] = []

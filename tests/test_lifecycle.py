@@ -105,6 +105,21 @@ def test_a_move_is_a_vacate_that_leaves_the_job_to_failover():
     assert (failed.state, failed.node) == ("running", "node-1")  # a failed move leaves the job where it was
 
 
+def test_a_job_that_blocks_its_checkpoints_is_told_once_and_cleared_by_the_next_epoch():
+    why = "checkpoint of 1 refused: the job holds an io_uring instance (process 7 fd 3)"
+    asked = lc.transition(record("running", 2), lc.CheckpointAsked(stop=False, scheduled=True), 1.0).record
+    first = lc.transition(asked, lc.CheckpointFailed(2, why, blocking=True), 2.0)
+    assert first.record.state == "running" and first.record.blocking == why
+    assert [(e.kind, e.fields["reason"]) for e in first.events] == [("not_checkpointable", why)]
+    again = lc.transition(first.record, lc.CheckpointFailed(2, why, blocking=True), 3.0)
+    assert again.events == []  # published the first time only
+    other = lc.transition(first.record, lc.CheckpointFailed(2, "criu: boom"), 4.0).record
+    assert other.blocking == why and other.last_checkpoint_error == "criu: boom"  # what blocks is still held
+    done = lc.transition(lc.transition(other, lc.CheckpointAsked(stop=False), 5.0).record,
+                         lc.Checkpointed(2, False, EpochInfo(n=1)), 6.0).record
+    assert done.blocking == "" and done.last_checkpoint_error == ""
+
+
 def test_reports_of_another_generation_or_node_change_nothing():
     rec = record("running", 2, "node-1")
     for inp in (report("exited", 1, "node-1", exit_code=0), report("exited", 2, "node-2", exit_code=0),

@@ -281,6 +281,10 @@ def test_a_job_connected_to_an_outside_unix_stream_socket_is_refused_before_it_i
                 "outside the job") in out.stderr, out.stderr
         frozen = [e for e in cluster.events() if e.get("type") == "epoch_event.v1" and e["kind"] == "failed"]
         assert frozen and str(path) in frozen[-1]["error"]
+        # Told once as its own event, and shown by show job until a checkpoint commits.
+        told = [e for e in cluster.events() if e.get("kind") == "not_checkpointable"]
+        assert len(told) == 1 and str(path) in told[0]["reason"], told
+        assert str(path) in show(cluster, job)["blocking"]
         seen = len(output(cluster, job).split())
         assert wait_until(lambda: len(output(cluster, job).split()) > seen + 5, timeout=30)  # runs on
         conn.close()
