@@ -47,7 +47,7 @@ fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     log "installing revenant and its dependencies into $venv"
     "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$venv/bin/python" -m pip install -q -e '.[test]'
+    "$venv/bin/python" -m pip install -q -e '.[test,workloads]'
     touch "$stamp"
 fi
 
