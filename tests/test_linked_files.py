@@ -69,6 +69,14 @@ def relinked_names(pid: int) -> list[str]:
     return [n for n in os.listdir(f"/proc/{pid}/root/dev/shm") if n.endswith(" (deleted)")]
 
 
+def assert_named_once(sup) -> None:
+    """The newest epoch named each semaphore in /dev/shm by its removed name and one suffix."""
+    files = JobFiles(sup.storage, "1")
+    made = msgspec.json.decode((files.epoch_dir(files.committed()[-1]) / RELINKED).read_bytes())
+    assert made and all(d == "/dev/shm" and n.startswith("sem.") and n.count(" (deleted)") == 1
+                        for d, n, *_ in made), made
+
+
 def numbers(out: Path) -> list[int]:
     return [int(x) for x in out.read_text().split()]
 
@@ -85,9 +93,7 @@ async def test_python_multiprocessing_workers_come_back_from_a_checkpoint_that_l
     out = JobFiles(sup.storage, "1").output
     await until(lambda: len(numbers(out)) >= 10)
     await sup.checkpoint("1", 1, stop=False)
-    files = JobFiles(sup.storage, "1")
-    made = msgspec.json.decode((files.epoch_dir(files.committed()[-1]) / RELINKED).read_bytes())
-    assert made and all(d == "/dev/shm" and n.startswith("sem.") and n.endswith(" (deleted)") for d, n in made), made
+    assert_named_once(sup)
     assert not relinked_names(sup.jobs["1"].pid)  # gone from the running job again
     at = len(numbers(out))
     await until(lambda: len(numbers(out)) >= at + 10)  # on, past the epoch: the restore takes it back
@@ -96,6 +102,15 @@ async def test_python_multiprocessing_workers_come_back_from_a_checkpoint_that_l
     await sup.restore(spec, 2)
     await until(lambda: len(numbers(out)) >= at + 30)
     assert not relinked_names(sup.jobs["1"].pid)  # nor in the restored one
+    # Again from a restored job: it holds each file by the very name it held before, never a
+    # longer one, however often it moves.
+    for generation in (2, 3):
+        await sup.checkpoint("1", generation, stop=True)
+        assert_named_once(sup)
+        await until(lambda: "1" not in sup.jobs)
+        await sup.restore(spec, generation + 1)
+        at = len(numbers(out))
+        await until(lambda: len(numbers(out)) >= at + 10)
     got = numbers(out)
     assert got == list(range(1, len(got) + 1)), got  # nothing lost, nothing twice
 
