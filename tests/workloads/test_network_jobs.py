@@ -59,10 +59,20 @@ def output(cluster, job: str) -> str:
     return (cluster.storage / "jobs" / job / "output.log").read_text()
 
 
-def udp(port: int, timeout: float = 10) -> int:
-    """One packet to the counter, its answer (retried: a restored job may still be starting)."""
+def udp_bound(port: int) -> bool:
+    """Whether a UDP socket is bound to ``port`` here (/proc/net/udp: a restored job's is, once criu
+    has made it again)."""
+    with open("/proc/net/udp") as f:
+        return any(line.split()[1].endswith(f":{port:04X}") for line in f.read().splitlines()[1:])
+
+
+def udp(port: int, timeout: float = 30) -> int:
+    """One packet to the counter, its answer.  Sent once the port is bound, and again only after a
+    long silence: a packet sent again too soon to a counter slow to answer (a restored job still
+    fetching its pages) would count twice."""
+    assert wait_until(lambda: udp_bound(port), timeout=timeout), f"nothing listens on udp port {port}"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.settimeout(0.5)
+        s.settimeout(5)
         end = time.monotonic() + timeout
         while True:
             s.sendto(b"hello", ("127.0.0.1", port))
