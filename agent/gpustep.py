@@ -88,12 +88,11 @@ def _comm(pid: int) -> str:
         return "?"
 
 
-def forked_mapping(job: str, pid: int, comm: str, path: str, why: str) -> str:
+def forked_mapping(why: str) -> str:
     """Why a process that maps the GPU but is no CUDA process of the driver's stops the checkpoint."""
-    return (f"checkpoint of {job} refused: its process {pid} ({comm}) maps {path} but the driver holds no CUDA "
-            f"state for it to checkpoint ({why}); most likely a child forked after CUDA started (a PyTorch "
-            "DataLoader worker, say): start such workers with the 'spawn' or 'forkserver' method "
-            "(DataLoader(..., multiprocessing_context='forkserver'))")
+    return (f"the driver holds no CUDA state for it to checkpoint ({why}); most likely a child forked after "
+            "CUDA started (a PyTorch DataLoader worker, say): start such workers with the 'spawn' or "
+            "'forkserver' method (DataLoader(..., multiprocessing_context='forkserver'))")
 
 
 def unsupported(job: str, procs: list[CudaProcess], scan: GpuScan, maps: dict[int, str],
@@ -161,12 +160,9 @@ class GpuStep(BaseStep):
         # A process NVML does not list (a child that shares its parent's context, a context NVML has not
         # seen yet) is checkpointed too if the driver knows it; else criu could never dump its mappings.
         for pid, path in sorted(mappers.items()):
-            try:
-                state = await asyncio.to_thread(self.mechanism.state, pid)
-            except CudaError as exc:
-                raise NotCheckpointable(forked_mapping(ctx.job, pid, _comm(pid), path, described(exc))) from None
-            if state != RUNNING:
-                raise NotCheckpointable(forked_mapping(ctx.job, pid, _comm(pid), path, f"its state is {state}"))
+            if why := await asyncio.to_thread(self._unknown_to_driver, pid):
+                raise NotCheckpointable(f"checkpoint of {ctx.job} refused: its process {pid} ({_comm(pid)}) "
+                                        f"maps {path} but {forked_mapping(why)}")
         pids = sorted(listed | set(mappers))
         why = toggles_one(ctx.job, len(pids), self.mechanism)
         if why:
@@ -242,17 +238,20 @@ class GpuStep(BaseStep):
                                        reason=f"suspended around the dump through {self.mechanism.name}; a restore "
                                               "needs a node with the same GPUs"))
         for p, path in sorted(device_mappers(sorted(tree - set(listed)), self.maps).items()):
-            try:
-                state = self.mechanism.state(p) if self.mechanism is not None else "unknown"
-            except CudaError as exc:
-                state = described(exc)
-            verdict = "carried" if state == RUNNING else "blocking"
-            reason = ("the driver knows it: suspended with the others" if verdict == "carried" else
-                      f"the driver holds no CUDA state for it ({state}): a child forked after CUDA started? "
-                      "start such workers with the 'spawn' or 'forkserver' method")
-            out.append(JobResource(kind="gpu", what=f"process {p} ({_comm(p)}) maps {path}", verdict=verdict,
-                                   reason=reason))
+            why = self._unknown_to_driver(p) if self.mechanism is not None else "this node has no mechanism"
+            reason = forked_mapping(why) if why else "the driver knows it: suspended with the others"
+            out.append(JobResource(kind="gpu", what=f"process {p} ({_comm(p)}) maps {path}",
+                                   verdict="blocking" if why else "carried", reason=reason))
         return out
+
+    def _unknown_to_driver(self, pid: int) -> str:
+        """Why the driver cannot checkpoint ``pid`` ("" if it knows it as a running CUDA process)."""
+        assert self.mechanism is not None
+        try:
+            state = self.mechanism.state(pid)
+        except CudaError as exc:
+            return described(exc)
+        return "" if state == RUNNING else f"its state is {state}"
 
     # ------------------------------------------------------------------ restore
 

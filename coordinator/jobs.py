@@ -164,8 +164,8 @@ class JobService:
 
     def _event(self, rec: JobRecord, kind: str, **kw) -> None:
         kw.setdefault("address", node_address(self.nodes(), rec.node))  # where clients find the job
-        self.events.emit(subjects.job_event(rec.spec.id, kind), JobEvent(job=rec.spec.id, kind=kind, at=self.wall(),
-                                                                         node=rec.node, generation=rec.generation, **kw))
+        self.events.emit(subjects.job_event(rec.spec.id, kind), JobEvent(
+            job=rec.spec.id, kind=kind, at=self.wall(), node=rec.node, generation=rec.generation, **kw))
 
     # ------------------------------------------------------------------ operations
 
