@@ -100,7 +100,16 @@ def _same_world(root: int, pid: int) -> bool:
 
 def _held(root: int, mounts: _Mounts) -> Iterator[tuple[int, str, os.stat_result, str]]:
     """(pid, path as /proc shows it, the file's stat, how to open it) for each regular file the job
-    holds under a removed name while it has another, on a filesystem safe to look at."""
+    holds under a removed name while it has another, on a filesystem safe to look at; each path
+    once, whoever else holds it."""
+    seen: set[str] = set()
+    for pid, path, st, how in _holders(root, mounts):
+        if path not in seen:
+            seen.add(path)
+            yield pid, path, st, how
+
+
+def _holders(root: int, mounts: _Mounts) -> Iterator[tuple[int, str, os.stat_result, str]]:
     for pid in job_pids(root):
         if not _same_world(root, pid):
             continue
@@ -178,13 +187,9 @@ def relink(root: int) -> list[list]:
     for; raises NotCheckpointable for one anywhere else.  The [directory, name, dev, ino] made."""
     mounts = _Mounts(root)
     made: list[list] = []
-    seen: set[str] = set()
     root_fd = _open_root(root)
     try:
         for pid, path, st, how in _held(root, mounts):
-            if path in seen:
-                continue
-            seen.add(path)
             old = path[: -len(_DELETED)]
             if st.st_dev not in mounts.private:
                 raise NotCheckpointable(
@@ -235,7 +240,8 @@ def _remove(root_fd: int, made: list[list], restored: set[int] | None) -> None:
             if (st.st_dev, st.st_ino) != (dev, ino) if restored is None else st.st_dev not in restored:
                 continue
             old = name[: -len(_DELETED)] if name.endswith(_DELETED) else ""
-            if restored is not None and old and _libc.renameat2(fd, name.encode(), fd, old.encode(), _RENAME_NOREPLACE) == 0:
+            if restored is not None and old and \
+                    _libc.renameat2(fd, name.encode(), fd, old.encode(), _RENAME_NOREPLACE) == 0:
                 name = old
             os.unlink(name, dir_fd=fd)
         except OSError:
@@ -296,11 +302,8 @@ class RelinkStep(BaseStep):
 
     def inspect(self, pid: int) -> list[JobResource]:
         mounts = _Mounts(pid)
-        out, seen = [], set()
+        out = []
         for _, path, st, _ in _held(pid, mounts):
-            if path in seen:
-                continue
-            seen.add(path)
             what = f"{path[: -len(_DELETED)]} (removed; the file keeps another name)"
             if st.st_dev in mounts.private:
                 out.append(JobResource(kind="file", what=what, verdict="carried",
