@@ -26,6 +26,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -208,10 +209,7 @@ def refusal(root: int, images: Path) -> tuple[str, list[list[str]]]:
         found = made_again_by_path(root)
     except Unreadable as exc:
         return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", []
-    for what, path, pid in found:
-        where = _where(path, pid, private)
-        if where is False:
-            continue  # gone since: it holds nothing any more
+    for what, path, pid, where in _judged(found, private):
         if where is not None:
             return _why(what, path, where), []
         if not _on(path, pid, private):
@@ -219,19 +217,22 @@ def refusal(root: int, images: Path) -> tuple[str, list[list[str]]]:
     return "", recheck
 
 
-def _where(path: str, pid: int, private: set[int]) -> str | None | bool:
-    """The directory on ``path``'s way that someone other than root could change, as the process
-    ``pid`` sees it; None if none; False if the process is gone."""
-    try:
-        root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        return beneath.changeable(os.path.normpath(path), root_fd, private)
-    except OSError as exc:
-        return f"{path} ({exc.strerror or exc})"
-    finally:
-        os.close(root_fd)
+def _judged(found: list[tuple[str, str, int]], private: set[int]) -> Iterator[tuple[str, str, int, str | None]]:
+    """(what, path, pid, where) for each of ``found`` whose holder is still there: ``where`` the
+    directory on the path's way that someone other than root could change, as the holder sees it,
+    or None if none."""
+    for what, path, pid in found:
+        try:
+            root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone since: it holds nothing any more
+        try:
+            where = beneath.changeable(os.path.normpath(path), root_fd, private)
+        except OSError as exc:
+            where = f"{path} ({exc.strerror or exc})"
+        finally:
+            os.close(root_fd)
+        yield what, path, pid, where
 
 
 def inspect(root: int) -> list[JobResource]:
@@ -244,10 +245,7 @@ def inspect(root: int) -> list[JobResource]:
     except Unreadable as exc:
         return [JobResource(kind="socket", what=exc.strerror or "a socket", verdict="blocking",
                             reason="the agent cannot inspect it")]
-    for what, path, pid in found:
-        where = _where(path, pid, private)
-        if where is False:
-            continue
+    for what, path, _, where in _judged(found, private):
         kind = "socket" if "socket" in what else "file"
         if where is not None:
             out.append(JobResource(kind=kind, what=f"{what.rstrip(',')} {path}", verdict="blocking",
