@@ -119,29 +119,24 @@ def open_for_writing(root: int) -> dict[str, OpenFile]:
     """Regular files the job's processes hold open for writing, by path."""
     skip = private_devs(root)
     found: dict[str, OpenFile] = {}
-    for pid in job_pids(root):
+    for pid, fd, path in job_fds(root):
+        if not path.startswith("/") or path.endswith(" (deleted)") or path.startswith(PSEUDO):
+            continue  # sockets, pipes; criu keeps unlinked files (ghosts) itself; /proc, /sys: not data
+        flags = _fd_flags(pid, fd)
+        if flags is None or flags & os.O_ACCMODE == os.O_RDONLY:
+            continue
+        source = f"/proc/{pid}/fd/{fd}"
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            st = os.stat(source)
         except OSError:
             continue
-        for fd in fds:
-            flags = _fd_flags(pid, fd)
-            if flags is None or flags & os.O_ACCMODE == os.O_RDONLY:
-                continue
-            source = f"/proc/{pid}/fd/{fd}"
-            try:
-                st = os.stat(source)
-                path = os.readlink(source)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_dev in skip or not path.startswith("/") \
-                    or path.endswith(" (deleted)") or path.startswith(PSEUDO):
-                continue  # criu keeps unlinked files (ghosts) itself; /proc, /sys: not data
-            append = bool(flags & os.O_APPEND)
-            if path in found:
-                found[path].append = found[path].append and append
-            else:
-                found[path] = OpenFile(path, source, st, append)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev in skip:
+            continue
+        append = bool(flags & os.O_APPEND)
+        if path in found:
+            found[path].append = found[path].append and append
+        else:
+            found[path] = OpenFile(path, source, st, append)
     return found
 
 
