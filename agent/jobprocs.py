@@ -85,7 +85,14 @@ def private_devs(root: int) -> set[int]:
     its own mount namespace and nowhere in ours: criu dumps their contents itself.  (Only those:
     a host filesystem unmounted from the host since the job started is no private one.)"""
     try:
-        theirs = Path(f"/proc/{root}/mountinfo").read_text()
+        return private_devs_in(Path(f"/proc/{root}/mountinfo").read_text())
+    except OSError:
+        return set()
+
+
+def private_devs_in(theirs: str) -> set[int]:
+    """:func:`private_devs` from the job's mountinfo, already read (``theirs``)."""
+    try:
         ours = Path("/proc/self/mountinfo").read_text()
     except OSError:
         return set()

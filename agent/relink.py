@@ -44,7 +44,7 @@ import msgspec
 
 from revenant.agent import beneath
 from revenant.agent.blockers import NotCheckpointable
-from revenant.agent.jobprocs import copy_fd, job_pids, private_devs
+from revenant.agent.jobprocs import copy_fd, job_pids, private_devs, private_devs_in
 from revenant.agent.remade import deleted_path
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 from revenant.messages import JobResource
@@ -64,14 +64,14 @@ class _Mounts:
     stat, by mount id and by device."""
 
     def __init__(self, root: int) -> None:
-        self.private = private_devs(root)
         self.safe_ids: set[int] = set()
         self.safe_devs: set[int] = set()
         try:
-            lines = Path(f"/proc/{root}/mountinfo").read_text().splitlines()
+            theirs = Path(f"/proc/{root}/mountinfo").read_text()
         except OSError:
-            lines = []
-        for line in lines:
+            theirs = ""
+        self.private = private_devs_in(theirs) if theirs else set()
+        for line in theirs.splitlines():
             fields, _, rest = line.partition(" - ")
             parts, fstype = fields.split(), (rest.split() or [""])[0]
             if len(parts) < 5 or fstype.startswith(_UNSAFE_FS):
