@@ -44,16 +44,15 @@ class AgentClient:
         self.nc = nc
         self.may_act = may_act
         self.incarnation_of = incarnation_of  # the node's agent as its heartbeats last named it
-        self._inflight: dict[str, set[asyncio.Task[AgentJobReply]]] = {}
+        # Requests in flight by node, each with the incarnation of the agent it was sent to.
+        self._inflight: dict[str, dict[asyncio.Task[AgentJobReply], str]] = {}
         self._lost: dict[asyncio.Task[AgentJobReply], str] = {}
-        self._sent_to: dict[asyncio.Task[AgentJobReply], str] = {}
 
     async def send(self, node: str, verb: str, msg: Message, timeout_s: float) -> AgentJobReply:
         check_may_act(self.may_act)
         task = asyncio.ensure_future(
             bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s))
-        self._inflight.setdefault(node, set()).add(task)
-        self._sent_to[task] = self.incarnation_of(node)
+        self._inflight.setdefault(node, {})[task] = self.incarnation_of(node)
         try:
             return await task
         except asyncio.CancelledError:
@@ -62,8 +61,7 @@ class AgentClient:
                 raise
             raise NodeLost(f"node {node} {reason} during {verb}") from None
         finally:
-            self._inflight.get(node, set()).discard(task)
-            self._sent_to.pop(task, None)
+            self._inflight.get(node, {}).pop(task, None)
 
     async def carry_out(self, cmd: lc.Command, timeout_s: float) -> AgentJobReply:
         """Send one of the lifecycle's commands to its node."""
@@ -96,8 +94,8 @@ class AgentClient:
         to its agent of incarnation ``spare``: an agent that has just started asks the leader (its
         first reconcile, sent again until answered) after it may have been given work, which it
         answers; only what was asked of an earlier agent is lost with it."""
-        for task in list(self._inflight.get(node, ())):
-            if spare and self._sent_to.get(task) == spare:
+        for task, sent_to in list(self._inflight.get(node, {}).items()):
+            if spare and sent_to == spare:
                 continue
             self._lost[task] = reason
             task.cancel()
