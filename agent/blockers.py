@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 
-from revenant.agent.jobprocs import copy_fd, job_fds
+from revenant.agent.jobprocs import job_fds, job_sockets
 from revenant.agent.epochs import EpochError
 
 _NETLINK_SOCK_DIAG = 4
@@ -113,25 +113,12 @@ def repair_off(root: int) -> int:
     with ``--tcp-established`` that ends without unlocking them (a vacate's, whose commit then
     failed; a criu killed mid-dump) would leave the job's every recv and send failing with
     EPERM once it resumes.  Harmless on a socket not in repair mode.  How many it set."""
-    n, pidfds = 0, {}
-    try:
-        for pid, fd, target in job_fds(root):
-            if not target.startswith("socket:["):
-                continue
+    n = 0
+    for sk in job_sockets(root):
+        if sk.family in (socket.AF_INET, socket.AF_INET6) and sk.type == socket.SOCK_STREAM:
             try:
-                if pid not in pidfds:
-                    pidfds[pid] = os.pidfd_open(pid)
-                mine = copy_fd(pidfds[pid], int(fd))
+                sk.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, 0)
+                n += 1
             except OSError:
-                continue
-            with socket.socket(fileno=mine) as sk:
-                if sk.family in (socket.AF_INET, socket.AF_INET6) and sk.type == socket.SOCK_STREAM:
-                    try:
-                        sk.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, 0)
-                        n += 1
-                    except OSError:
-                        pass
-    finally:
-        for pidfd in pidfds.values():
-            os.close(pidfd)
+                pass
     return n

@@ -8,7 +8,7 @@ import logging
 import threading
 from pathlib import Path
 
-from revenant.agent import aside, jobfiles_restore, remade
+from revenant.agent import aside, criuimages, jobfiles_restore, netstate, remade
 from revenant.agent.epochs import EpochError, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
@@ -79,7 +79,11 @@ class JobFilesStep(BaseStep):
         m = ctx.manifest
         m.job_files, m.workdir, m.workdir_note, m.files_s = result.files, result.workdir, result.workdir_note, \
             result.seconds
-        m.listening, m.connections = result.listening, result.connections
+        try:  # as criu recorded them: read from its images, the job no longer frozen
+            m.listening, m.connections = await asyncio.to_thread(criuimages.inet_sockets, ctx.epoch_tmp,
+                                                                 netstate.MAX_LISTED)
+        except (OSError, ValueError) as exc:
+            log.warning("job %s: cannot read its sockets from the images: %s", ctx.job, exc)
         # The output's size as well, as epochs had it before job_files: an older agent restoring
         # this epoch still cuts the output back.
         out = str(ctx.files.output)

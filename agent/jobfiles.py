@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent import beneath, netstate, remade
+from revenant.agent import beneath, remade
 from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, JobFile
 from revenant.agent.fileio import copy_bytes, reflink
 from revenant.agent.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
@@ -156,8 +156,6 @@ class SnapshotResult:
     files: dict[str, JobFile] = field(default_factory=dict)
     workdir: str = ""
     workdir_note: str = ""  # why the workdir was not listed ("" if it was)
-    listening: list[str] = field(default_factory=list)  # the job's sockets (agent/netstate.py)
-    connections: list[str] = field(default_factory=list)
     error: str = ""  # the snapshot failed: the dump must fail with this line
     seconds: float = 0.0  # how long it held the job frozen
     ran: bool = False  # the action script said "frozen"
@@ -254,7 +252,6 @@ class Snapshot:
             self.result.error = why
             raise EpochError(why)
         self._write(REMADE, again)
-        self.result.listening, self.result.connections = netstate.sockets(self.root)
         files = open_for_writing(self.root)
         copies = self.epoch_tmp / FILES_DIR
         for i, (path, of) in enumerate(sorted(files.items())):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent import beneath
+from revenant.agent import beneath, criuimages
 from revenant.agent.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
 from revenant.messages import JobResource
 
@@ -107,19 +107,22 @@ def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
         return
     try:
         for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                target = os.readlink(path)
+                if target.startswith("socket:["):  # only a unix socket is bound to a file
+                    unix = os.getxattr(path, "system.sockprotoname").startswith(b"UNIX")
+                elif (gone := deleted_path(target)) is not None:
+                    found.append(("a deleted file,", gone, pid))
+                    continue
+                elif not (target.startswith("/") and stat.S_ISFIFO(os.stat(path).st_mode)):
+                    continue
             except OSError:
                 continue
-            if target.startswith("socket:["):
-                bound = _socket_file(pidfd, int(fd))
-                if bound is not None:
-                    found.append(("a unix socket bound to", bound, pid))
-            elif (gone := deleted_path(target)) is not None:
-                found.append(("a deleted file,", gone, pid))
-            elif stat.S_ISFIFO(st.st_mode) and target.startswith("/"):
+            if not target.startswith("socket:["):
                 found.append(("a named FIFO,", target, pid))
+            elif unix and (bound := _socket_file(pidfd, int(fd))) is not None:
+                found.append(("a unix socket bound to", bound, pid))
     finally:
         os.close(pidfd)
     try:
@@ -142,32 +145,13 @@ def made_again_by_path(root: int) -> list[tuple[str, str, int]]:
     return found
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, i
-
-
 def _packet(entry: bytes) -> tuple[bool, int]:
     """An sk_packet_entry (protobuf): whether it has ``scm`` (field 4), and its ``length`` (field 2)."""
-    scm, length, i = False, 0, 0
-    while i < len(entry):
-        key, i = _varint(entry, i)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _varint(entry, i)
-            length = value if field == 2 else length
-        elif wire == 2:
-            size, i = _varint(entry, i)
-            i += size
-            scm = scm or field == 4
-        else:
-            i += 8 if wire == 1 else 4
+    scm, length = False, 0
+    for number, value in criuimages.fields(entry):
+        if number == 2 and isinstance(value, int):
+            length = value
+        scm = scm or number == 4
     return scm, length
 
 
@@ -185,7 +169,7 @@ def queued_descriptors(images: Path) -> int:
             scm, length = _packet(data[i + 4:i + 4 + size])
             n += scm
             i += 4 + size + length
-    except (IndexError, struct.error):
+    except (IndexError, ValueError, struct.error):
         return max(n, 1)  # unreadable: as if it carried some
     return n
 
