@@ -24,7 +24,7 @@ import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from revenant.agent import checkable, cuda, netprobe, procs, progress
+from revenant.agent import checkable, cuda, netlock, netprobe, procs, progress, reconcile
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
@@ -36,7 +36,6 @@ from revenant.agent.gpu import GpuMonitor
 from revenant.agent.gpustep import GpuStep
 from revenant.agent.jobs import Supervisor
 from revenant.agent.liveness import Liveness
-from revenant.agent import reconcile
 from revenant.agent.probes import HealthProbes, anomaly_event
 from revenant.common import bus, security
 from revenant.common.config import AgentConfig
@@ -82,9 +81,9 @@ class Agent(Service):
                                "jobs": sorted(self.supervisor.jobs) if self.supervisor else []},
             ), config.http_host, config.http_port)
         self.capabilities = Capabilities()
-        # How this node suspends CUDA state (agent/cuda.py), or None and why not.
-        self.cuda: Mechanism | None = None
-        self.cuda_why = ""
+        self.cuda: Mechanism | None = None  # how this node suspends CUDA state (agent/cuda.py), or None
+        self.cuda_why = ""  # ... and why not
+        self.netlock: netlock.NetLockStep | None = None  # this node's own lock on a job's connections
         self.health = HealthSummary()
         self.liveness = Liveness(
             config, self.node, self.incarnation,
@@ -99,9 +98,8 @@ class Agent(Service):
         self.main_loop: asyncio.AbstractEventLoop | None = None
         self._nc: Client | None = None
         self._events: EventPublisher | None = None
-        # Requests being answered, and reconciles: short-lived, cancelled first at shutdown.
-        # Requests being answered: outside the service's task group on purpose, since a request
-        # that arrives while the service stops must still get its answer ("shutting down").
+        # Requests being answered, and reconciles: short-lived, cancelled first at shutdown, and outside
+        # the service's task group on purpose: a request that arrives while it stops gets an answer.
         self._requests: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -176,6 +174,8 @@ class Agent(Service):
             await self.supervisor.drain(self.config.drain_timeout_s, reason)
             await self.supervisor.shutdown(reason)
             await self.supervisor.policies.idle(self.config.shutdown_grace_s)  # their events go out below
+        if self.netlock is not None:  # a vacate's held connections: their peers get a reset, not silence
+            await self.netlock.close()
         if self._events is not None:
             await self._events.stop()
         await self.liveness.stop()  # the last heartbeat says "leaving"
@@ -195,8 +195,7 @@ class Agent(Service):
                       workdir_scan_max_entries=cfg.workdir_scan_max_entries,
                       file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
                       clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore,
-                      reporter=progress.Reporter(self.node, self._publish),
-                      network_lock=netprobe.network_lock(criu.features) if criu.features.get("tcp_established") else "")
+                      reporter=progress.Reporter(self.node, self._publish))
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
         # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
         # The GPU's state is suspended before a pre-dump or the dump read the job's memory.
@@ -205,6 +204,7 @@ class Agent(Service):
         engine.steps[:0] = [StorageGuard(self._gpu_bytes), gpu,
                             PreDumpStep(criu.path, criu.features.get("mem_dirty_track", False), self._degraded,
                                         cfg.criu_timeout_s)]
+        engine.steps += [self.netlock] if self.netlock else []
         return engine
 
     def _gpu_bytes(self, job: str) -> int:
@@ -245,6 +245,8 @@ class Agent(Service):
         criu: CriuInfo = await inspect_criu(cfg.criu_path, cfg.criu_check_timeout_s)
         if criu.ok:
             await netprobe.inspect(criu, self._work_roots()[0], cfg.criu_check_timeout_s)
+            self.netlock = await netlock.setup(cfg.nft_path, self.node, criu.features, self._work_roots()[0],
+                                               hold_s=cfg.connection_hold_s)
         await asyncio.to_thread(self.gpu_monitor.start)
         self.cuda, self.cuda_why = await asyncio.to_thread(cuda.detect, cfg.gpu_checkpoint, cfg.gpu_libcuda,
                                                            cfg.gpu_cuda_checkpoint)

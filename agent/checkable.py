@@ -49,7 +49,8 @@ def _sockets(root: int) -> list[JobResource]:
     return [JobResource(kind="socket", what=f"listening {s}", verdict="carried",
                         reason="bound again to it by a restore, on whichever node") for s in listening] + \
         [JobResource(kind="connection", what=c, verdict="closed_on_move",
-                     reason="kept by a checkpoint that leaves the job running; a restore brings it back closed")
+                     reason="untouched by a checkpoint that leaves the job running; a restore brings it back closed "
+                            "(intact only on a restart on the node that vacated the job: --connections keep)")
          for c in connections]
 
 

@@ -84,40 +84,43 @@ DUMP_MOUNTS = ("--external", "mnt[]")
 RESTORE_MOUNTS = ("--root", "/", "--external", "mnt[]")
 
 
-def network_dump_args(lock: str, leave_running: bool) -> list[str]:
+def network_dump_args(keep_connections: bool) -> list[str]:
     """A job's sockets (docs/cli.md, "Jobs that use the network").  ``--ext-unix-sk``: a unix
-    datagram socket connected to a daemon outside the job (syslog's /dev/log).  With a network
-    lock (``lock``: "nftables" or "iptables"; "" where this criu has none, agent/netprobe.py),
-    ``--tcp-established``: a job's established TCP connections are dumped.  A checkpoint that
-    leaves the job running locks each connection while the job is frozen, so no packet is lost
-    or answered meanwhile, and criu unlocks them when it lets the job go: they go on unharmed.
-    A vacate needs no lock: its connections stay in repair mode, silent, until the job is
-    killed, and a restore brings them back closed (RESTORE_NETWORK).  ``--skip-in-flight``: a
-    connection a listening socket has not accepted yet (a busy server's) is left out of the
-    epoch rather than failing the dump; the running job still has it, a restore does not."""
-    if not lock:
-        return ["--ext-unix-sk", "--skip-in-flight"]
-    return ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock",
-            lock if leave_running else "skip"]
+    datagram socket connected to a daemon outside the job (syslog's /dev/log).
+    ``--skip-in-flight``: a connection a listening socket has not accepted yet (a busy server's)
+    is left out of the epoch rather than failing the dump; the running job still has it.
+
+    A job's TCP connections: a restore brings them back closed (RESTORE_NETWORK), so a dump
+    records each as a socket to be closed (``--tcp-close``) and leaves it alone: the running job
+    goes on with it, nothing held, locked or lost, at the cost of a few system calls each.  Only
+    a vacate whose connections this node holds for a restore here (``keep_connections``,
+    agent/netlock.py) dumps them whole (``--tcp-established``: each in repair mode, its queues
+    read) under criu's nftables lock, taken once the job is frozen and left in place when criu
+    leaves the job stopped."""
+    if keep_connections:
+        return ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "nftables"]
+    return ["--ext-unix-sk", "--skip-in-flight", "--tcp-close"]
 
 
-# A restore brings a job's established connections back closed, wherever it runs: its peers saw
-# nothing since the epoch was taken but the job's silence, and a well-written client reconnects
-# after the reset its next use gets.
+# A restore brings a job's established connections back closed: its peers saw nothing since the
+# epoch was taken but the job's silence, and a well-written client reconnects after the reset
+# its next use gets.  Only on the node that has held them since the vacate that took the epoch
+# (agent/netlock.py) do they come back intact, still locked until criu is done.
 RESTORE_NETWORK = ("--tcp-close", "--ext-unix-sk")
+RESTORE_NETWORK_KEPT = ("--tcp-established", "--ext-unix-sk", "--network-lock", "skip")
 
 
 def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script: Path,
-              leave_running: bool, extra: list[str] | None = None, network_lock: str = "") -> list[str]:
+              leave_running: bool, extra: list[str] | None = None, keep_connections: bool = False) -> list[str]:
     """Dump the tree rooted at ``pid`` into ``images``; its log goes to ``workdir``/DUMP_LOG.
     ``leave_running`` False: the tree is left stopped (a vacate kills it after the commit).
     ``extra``: arguments a pipeline step adds (a pre-dump's ``incremental_args``).
-    ``network_lock``: see network_dump_args."""
+    ``keep_connections``: see network_dump_args."""
     # -v2: errors and warnings only; a verbose log is written while the job is frozen.
     # --file-locks: the job's POSIX and flock locks (SQLite holds them) are dumped and taken again.
     return [criu, "dump", "-t", str(pid), "-D", str(images), "-W", str(workdir), "-o", DUMP_LOG,
             "-v2", "--display-stats", "--action-script", str(action_script), "--file-locks",
-            *DUMP_MOUNTS, *network_dump_args(network_lock, leave_running), *(extra or []),
+            *DUMP_MOUNTS, *network_dump_args(keep_connections), *(extra or []),
             "--leave-running" if leave_running else "--leave-stopped"]
 
 
@@ -141,14 +144,16 @@ def incremental_args(parent: str = PREDUMP_DIR) -> list[str]:
 
 
 def restore_argv(criu: str, *, images: Path, workdir: Path, pidfile: Path,
-                 action_script: Path | None = None) -> list[str]:
+                 action_script: Path | None = None, keep_connections: bool = False) -> list[str]:
     """Restore as the caller's own child (--restore-sibling keeps the saved PDEATHSIG alive), left
     stopped.  ``action_script``: its post-restore action lets the agent check what criu opened
-    before the processes get the job's credentials (agent/engine.py)."""
+    before the processes get the job's credentials (agent/engine.py).  ``keep_connections``:
+    the epoch's TCP connections come back intact, not closed (RESTORE_NETWORK_KEPT)."""
     script = ["--action-script", str(action_script)] if action_script is not None else []
     return [criu, "restore", "-D", str(images), "-W", str(workdir), "-o", RESTORE_LOG,
             "-v4", "--restore-detached", "--restore-sibling", "--leave-stopped", "--pidfile", str(pidfile),
-            "--file-locks", *script, *RESTORE_MOUNTS, *RESTORE_NETWORK]
+            "--file-locks", *script, *RESTORE_MOUNTS,
+            *(RESTORE_NETWORK_KEPT if keep_connections else RESTORE_NETWORK)]
 
 
 def action_script(lines: list[str], action: str = "post-dump") -> str:

@@ -115,10 +115,8 @@ class Engine:
                  criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
                  workdir_scan_max_entries: int = 20_000, file_snapshot_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False,
-                 reporter: progress.Reporter | None = None, network_lock: str = "nftables") -> None:
+                 reporter: progress.Reporter | None = None) -> None:
         self.criu = criu_path
-        # How criu locks a job's connections while it is frozen (agent/criu.py network_dump_args).
-        self.network_lock = network_lock
         # Tells whoever watches how far each dump and restore has come (agent/progress.py).
         self.reporter = reporter or progress.Reporter(node)
         # Restore lazily (criu lazy-pages; the agent's restore_mode and criu's uffd features).
@@ -249,7 +247,8 @@ class Engine:
         script.write_text(criu.action_script(ctx.post_dump_script))
         script.chmod(0o755)
         argv = criu.dump_argv(self.criu, pid=ctx.pid, images=images, workdir=ctx.workdir, action_script=script,
-                              leave_running=not ctx.stop, extra=ctx.dump_args, network_lock=self.network_lock)
+                              leave_running=not ctx.stop, extra=ctx.dump_args,
+                              keep_connections=ctx.keep_connections)
         follower = undo.follower.start() if undo.follower is not None else None
         try:
             done = await procs.run(argv, self.criu_timeout_s, umask=DUMP_UMASK)  # images 0600 from the start
@@ -371,7 +370,7 @@ class Engine:
         script.write_text(criu.action_script(shake.script_lines("restored $CRTOOLS_INIT_PID"), "post-restore"))
         script.chmod(0o755)
         argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile,
-                                 action_script=script)
+                                 action_script=script, keep_connections=ctx.keep_connections)
         argv += ctx.lazy.restore_args if ctx.lazy is not None else []
         total = 0 if ctx.lazy is not None else ctx.manifest.total_bytes  # a lazy restore reads its pages later
         watch = self.reporter.watch(ctx.job, ctx.manifest.user, "restore", progress.RestoredBytes(ctx.workdir), total)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from revenant.agent import procs
+from revenant.agent import netlock, procs
 from revenant.agent.checkpoints import CheckpointBook, Why
 from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
@@ -299,7 +299,8 @@ class Supervisor:
         # The coordinator publishes "restored": it alone knows whether this is a restart or a failover.
         log.info("job %s restored from epoch %d as generation %d, pid %d", spec.id, manifest.epoch, generation, pid)
         await self._check_superseded(rt, launch)
-        return self._reply(rt, epoch=await self.policies.described(files, manifest), notes=notes, stats=stats)
+        return self._reply(rt, epoch=await self.policies.described(files, manifest), notes=notes, stats=stats,
+                           kept=netlock.kept_of(self.engine.steps, spec.id))
 
     # ------------------------------------------------------------------ kill, purge, shutdown
 

@@ -147,8 +147,9 @@ async def probe_once(criu: str, what: list[str], lock: str, scratch: Path, timeo
         if done.returncode != 0:
             return criu_mod.log_error(d / "dump.log", done.output)
         at = _count(out)
+        # The same lock: the restore removes the table the dump's left (criu's CRIU-<run id>).
         restore = [criu, "restore", "-D", str(images), "-W", str(d), "-o", "restore.log", "-v2", "--tcp-established",
-                   "--ext-unix-sk", "--restore-detached", "--restore-sibling", "--pidfile", str(d / "pid")]
+                   "--ext-unix-sk", *lock_args, "--restore-detached", "--restore-sibling", "--pidfile", str(d / "pid")]
         done = await procs.run(restore, timeout_s)
         if done.returncode != 0:
             return criu_mod.log_error(d / "restore.log", done.output)

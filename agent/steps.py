@@ -46,6 +46,9 @@ class DumpContext:
     # to criu's dump command line (a pre-dump's --prev-images-dir).
     policy: CheckpointPolicy | None = None
     dump_args: list[str] = field(default_factory=list)
+    # Dump the job's TCP connections whole and leave them locked (a vacate whose connections
+    # this node holds for a restore here: agent/netlock.py); else criu records them to be closed.
+    keep_connections: bool = False
 
 
 @dataclass
@@ -66,6 +69,9 @@ class RestoreContext:
     images: Path | None = None
     # A lazy restore's page server (agent/lazy.py LazyPages), or None: criu restores every page first.
     lazy: Any = None
+    # Restore the epoch's TCP connections intact rather than closed (agent/netlock.py: this
+    # node has held them since the vacate that took the epoch).
+    keep_connections: bool = False
 
 
 class Step(Protocol):

@@ -1,11 +1,13 @@
 """Freeze time of a checkpoint of a job holding established TCP connections, against the same job
-holding none, through revenant (`checkpoint create`: criu's --tcp-established, each connection
-locked with nftables while the job is frozen), and bytes lost or duplicated on those connections.
+holding none, through revenant (`checkpoint create`: criu records each connection to be closed
+on restore, `--tcp-close`, and leaves it alone), and bytes lost or duplicated on those
+connections; beside it, the same job's freeze under criu alone with the same options.
 
 On a fresh `revenant up --nodes 1` under /var/tmp, alternating: submit
 bench/workloads/hold_connections.py with 0 and with N (100) connections to a server in this
 process, `checkpoint create` it --creates times, and read each epoch's `freeze_s` (criu's
-"Frozen time").  The server checks every connection's lines: each one the next number, none
+"Frozen time"); then start the same program outside revenant and `criu dump --leave-running` it
+as many times.  The server checks every connection's lines: each one the next number, none
 missing, none twice, across every create.  Goal: median freeze with N connections at most 1.2x
 the median with none, and 0 bytes lost or duplicated.
 
@@ -13,14 +15,15 @@ the median with none, and 0 bytes lost or duplicated.
     .venv/bin/python bench/connections.py --conns 20 --runs 1
 
 Prints a table and writes bench/results/connections.json (or --out).  A benchmark, not a timed
-test: compare the ratio within one run.
-"""
+test: compare the ratio within one run."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -31,10 +34,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from failover import REVENANT, rv  # noqa: E402  (bench/ is not a package)
+from failover import BIN, REVENANT, rv  # noqa: E402  (bench/ is not a package)
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_connections.py"
+CRIU = os.environ.get("REVENANT_CRIU") or str(BIN / "criu")
 GOAL_RATIO = 1.2
 
 
@@ -85,6 +89,38 @@ def run_once(d: Path, server: Server, conns: int, creates: int) -> list[float]:
     return freezes
 
 
+def criu_alone(scratch: Path, server: Server, conns: int, creates: int) -> list[float]:
+    """The same job's freeze under criu alone, with the options revenant gives a create's dump
+    (agent/criu.py): what criu itself costs per connection, beside revenant's total."""
+    out = scratch / f"alone-{conns}.out"
+    with open(out, "w") as f:
+        job = subprocess.Popen([sys.executable, str(WORKLOAD), str(conns), str(server.port)], stdout=f,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    freezes = []
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in out.read_text():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"criu-alone job not ready: {out.read_text()}")
+            time.sleep(0.1)
+        for i in range(creates):
+            time.sleep(0.5)
+            images = Path(tempfile.mkdtemp(prefix=f"alone-{conns}-", dir=scratch))
+            done = subprocess.run([CRIU, "dump", "-t", str(job.pid), "-D", str(images), "-o", "dump.log", "-v2",
+                                   "--display-stats", "--file-locks", "--external", "mnt[]", "--ext-unix-sk",
+                                   "--skip-in-flight", "--tcp-close", "--leave-running"],
+                                  capture_output=True, text=True, timeout=120)
+            frozen = re.search(r"Frozen time:\s*(\d+)\s*us", done.stdout + done.stderr)
+            if done.returncode != 0 or frozen is None:
+                raise SystemExit(f"criu dump failed: {(images / 'dump.log').read_text()[-500:]}")
+            freezes.append(int(frozen.group(1)) / 1e6)
+            shutil.rmtree(images, ignore_errors=True)
+    finally:
+        job.kill()
+        job.wait()
+    return freezes
+
+
 def _cli(d: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """The CLI against the cluster in ``d``, from ``d`` (a job's workdir: not the repository)."""
     doc = json.loads((d / "cluster.json").read_text())
@@ -111,25 +147,32 @@ def main() -> int:
     rv("up", "--nodes", "1", "--dir", str(d), "--detach", timeout=120, env=env)
     server = Server()
     freezes: dict[int, list[float]] = {0: [], args.conns: []}
+    alone: dict[int, list[float]] = {0: [], args.conns: []}
     try:
         for _ in range(args.runs):
             for conns in (0, args.conns):
                 freezes[conns] += run_once(d, server, conns, args.creates)
+                alone[conns] += criu_alone(d.parent, server, conns, args.creates)
     finally:
         rv("down", "--dir", str(d), check=False, timeout=120)
     base, loaded = statistics.median(freezes[0]), statistics.median(freezes[args.conns])
     ratio = loaded / base if base else float("inf")
+    a_base, a_loaded = statistics.median(alone[0]), statistics.median(alone[args.conns])
     result = {"conns": args.conns, "runs": args.runs, "creates": args.creates,
               "freeze_s": {str(k): v for k, v in freezes.items()},
               "median_freeze_s": {"0": base, str(args.conns): loaded}, "ratio": ratio, "goal_ratio": GOAL_RATIO,
+              "criu_alone_freeze_s": {str(k): v for k, v in alone.items()},
+              "criu_alone_median_s": {"0": a_base, str(args.conns): a_loaded},
+              "criu_alone_ratio": a_loaded / a_base if a_base else float("inf"),
               "lines_checked": server.lines, "lost_or_duplicated": server.bad[:20],
               "ok": ratio <= GOAL_RATIO and not server.bad}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'connections':>12} {'median freeze (s)':>18} {'creates':>8}")
-    print(f"{0:>12} {base:>18.4f} {len(freezes[0]):>8}")
-    print(f"{args.conns:>12} {loaded:>18.4f} {len(freezes[args.conns]):>8}")
-    print(f"ratio {ratio:.2f} (goal <= {GOAL_RATIO}); {server.lines} lines checked, "
+    print(f"{'connections':>12} {'median freeze (s)':>18} {'criu alone (s)':>15} {'creates':>8}")
+    print(f"{0:>12} {base:>18.4f} {a_base:>15.4f} {len(freezes[0]):>8}")
+    print(f"{args.conns:>12} {loaded:>18.4f} {a_loaded:>15.4f} {len(freezes[args.conns]):>8}")
+    print(f"ratio {ratio:.2f} (goal <= {GOAL_RATIO}; criu alone {result['criu_alone_ratio']:.2f}); "
+          f"{server.lines} lines checked, "
           f"{len(server.bad)} lost or duplicated; wrote {args.out}")
     return 0 if result["ok"] else 1
 

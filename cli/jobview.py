@@ -102,7 +102,8 @@ def policy_line(p: CheckpointPolicy) -> str:
     parts = [f"incremental, full every {p.full_every}" if p.incremental else "full epochs",
              f"pre-dump {p.pre_dump_delay_s:g} s before" if p.pre_dump else "no pre-dump",
              (f"load-aware (cpu {p.load_threshold_cpu:g}, io {p.load_threshold_io:g}, "
-              f"memory {p.load_threshold_memory:g})") if p.load_aware else "not load-aware"]
+              f"memory {p.load_threshold_memory:g})") if p.load_aware else "not load-aware",
+             f"connections {p.connections}"]
     return ", ".join(parts)
 
 
@@ -128,7 +129,8 @@ def _network(rec: JobRecord) -> list[tuple[str, str]]:
     e = rec.epochs[-1]
     rows = [("listening", ", ".join(e.listening) + f" (epoch #{e.n})")] if e.listening else []
     if e.connections:
-        rows.append(("connections", f"{len(e.connections)} at epoch #{e.n}, closed by a restore of it: "
+        kept = " (but one on the node that has just vacated it)" if rec.spec.policy.connections == "keep" else ""
+        rows.append(("connections", f"{len(e.connections)} at epoch #{e.n}, closed by a restore of it{kept}: "
                                     + ", ".join(e.connections)))
     return rows
 

@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-sick", choices=("checkpoint", "migrate", "none"),
                    help="when the job's node turns sick: take a fresh checkpoint, move the job to a healthy "
                    "node, or nothing (default: the cluster's on_sick for a job with --checkpoint, else none)")
+    p.add_argument("--connections", choices=("keep", "close"),
+                   help="the job's TCP connections on a move: keep (a restore on the node that vacated it "
+                   "brings them back intact; elsewhere closed) or close (always closed; a vacate resets them at "
+                   "once) (default: the cluster's, keep)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
     p.add_argument("--workdir", help="working directory (default: the current one)")
     p.add_argument("--export", metavar="ALL|NONE|[ALL,]NAME[=VALUE],...",

@@ -61,6 +61,12 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_concurrency: int = 2
     # Limit on one criu dump or restore.
     criu_timeout_s: float = 3600.0
+    # A vacated job's TCP connections are held, silent, this long on its node (agent/netlock.py):
+    # a restore there meanwhile brings them back intact.  0: let them go at once (peers see a reset).
+    connection_hold_s: float = 60.0
+    # The nft binary that removes such a hold (Debian package nftables); without one, a vacate's
+    # connections are not held.
+    nft_path: str = "nft"
     # A file the job rewrites in place (open for writing without O_APPEND) is copied into the epoch
     # while the job is frozen: a reflink where the filesystem clones, else a copy only up to this size.
     file_snapshot_max_bytes: int = 64 * 1024**2
@@ -150,6 +156,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s", "gpu_lock_timeout_s")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be 0 or more")
+        if not 0 <= self.connection_hold_s <= 86400:
+            raise ValueError("connection_hold_s must be 0 to 86400 (0: a vacate lets its connections go at once)")
         if self.file_snapshot_max_bytes < 0:
             raise ValueError("file_snapshot_max_bytes must be 0 or more (0: copy only by reflink)")
         if not 1 <= self.heartbeat_full_every <= 60:

@@ -17,7 +17,7 @@ import re
 import msgspec
 
 from revenant.common.errors import RevenantError
-from revenant.messages import MAX_MESSAGE_BYTES, ON_SICK, CheckpointPolicy, JobSpec, SubmitRequest
+from revenant.messages import CONNECTIONS, MAX_MESSAGE_BYTES, ON_SICK, CheckpointPolicy, JobSpec, SubmitRequest
 
 # The job's spec (command line, environment, name, working directory) as stored, encoded.
 MAX_SPEC_BYTES = 128 * 1024
@@ -153,6 +153,8 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
         raise BadRequest(f"a submit's request id is 1 to 64 letters, digits, '-' or '_', got {req.request_id[:80]!r}")
     if req.on_sick and req.on_sick not in ON_SICK:
         raise BadRequest(f"--on-sick must be one of {', '.join(ON_SICK)}, got {req.on_sick!r}")
+    if req.connections is not None and req.connections not in CONNECTIONS:
+        raise BadRequest(f"--connections must be one of {', '.join(CONNECTIONS)}, got {req.connections!r}")
     every = req.checkpoint_interval_s
     if every is not None and not (math.isfinite(every) and MIN_INTERVAL_S <= every <= MAX_INTERVAL_S):
         raise BadRequest(f"the checkpoint interval must be from {MIN_INTERVAL_S:g} s to "

@@ -163,6 +163,8 @@ class Restored:
     epoch: EpochInfo | None = None
     output: str = ""
     announce: bool | str = False
+    # The epoch's connections the restore brought back intact (the others came back closed).
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

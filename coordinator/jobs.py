@@ -267,7 +267,7 @@ class JobService:
             raise
         notes = waived + reply.notes
         await self.record(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
-                                            announce="; ".join(notes) or True))
+                                            announce="; ".join(notes) or True, kept=tuple(reply.kept)))
         if stats is not None:
             stats.update(reply.stats)
         return self.get(job), notes

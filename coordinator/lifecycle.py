@@ -182,13 +182,13 @@ def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
     new = _copy(rec, state=State.RUNNING, pid=inp.pid, last_checkpoint_at=now, output=inp.output or rec.output)
     if inp.epoch is not None:  # a restore's reply describes its epoch in full (an event only numbers it)
         new.epochs = [inp.epoch if e.n == inp.epoch.n else e for e in rec.epochs]
-    events = []
-    if inp.announce:
-        events.append(Emit("restored", {"pid": inp.pid, "epoch": inp.epoch.n if inp.epoch else None,
-                                        "reason": inp.announce if isinstance(inp.announce, str) else "",
-                                        "listening": list(inp.epoch.listening) if inp.epoch else [],
-                                        "closed": list(inp.epoch.connections) if inp.epoch else []}))
-    return Decision(new, events=events)
+    if not inp.announce:
+        return Decision(new)
+    e = inp.epoch or EpochInfo(n=0)
+    return Decision(new, events=[Emit("restored", {
+        "pid": inp.pid, "epoch": inp.epoch.n if inp.epoch else None, "listening": list(e.listening),
+        "reason": inp.announce if isinstance(inp.announce, str) else "", "kept": list(inp.kept),
+        "closed": [c for c in e.connections if c not in inp.kept]})])
 
 
 def _restart_failed(rec: JobRecord, inp: RestartFailed, now: float) -> Decision:

@@ -16,6 +16,7 @@ JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", 
 # What a job's sick node does to it (JobSpec.on_sick; "" in a record from before: the cluster's default).
 OnSick = Literal["checkpoint", "migrate", "none", ""]
 ON_SICK = ("checkpoint", "migrate", "none")
+CONNECTIONS = ("keep", "close")
 # skipped: a scheduled checkpoint not taken (the node over a load threshold); degraded: a
 # pre-dump that could not run (once per job); forced: a scheduled one taken despite the load;
 # converted: an older epoch turned into a delta against the job's packs.
@@ -176,6 +177,11 @@ class CheckpointPolicy(_Body):
     load_threshold_cpu: float = 0.95
     load_threshold_io: float = 0.50
     load_threshold_memory: float = 0.85
+    # The job's TCP connections on a move (docs/cli.md, "Jobs that use the network"): "keep" (a
+    # vacate holds them silent a while, and a restore on the same node meanwhile brings them back
+    # intact; elsewhere they come back closed) or "close" (every restore closes them, and a
+    # vacate lets them go at once: their peers see a reset).  A create keeps them either way.
+    connections: Literal["keep", "close"] = "keep"
 
 
 class JobSpec(_Body):

@@ -43,6 +43,7 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     NodeState,
     NodeStatus,
     ON_SICK,
+    CONNECTIONS,
     OnSick,
     StaleJob,
 )
@@ -176,6 +177,7 @@ class SubmitRequest(Message, tag="submit.v1"):
     pre_dump: bool | None = None
     pre_dump_delay_s: float | None = None
     load_aware: bool | None = None
+    connections: str | None = None  # "keep" or "close" (CheckpointPolicy.connections)
     # What a sick node does to it: "checkpoint", "migrate" or "none" ("": the cluster's default).
     on_sick: str = ""
     # The client's key for this submit ("": none): a repeat with the same key from the same user
@@ -311,6 +313,9 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     stats: dict[str, float] = {}
     # check: what the job holds, each with what a checkpoint or a move does to it.
     resources: list[JobResource] = []
+    # restore: the epoch's connections that came back intact ("local -> peer": restored on the
+    # node whose lock held them since the vacate that took the epoch); the others came back closed.
+    kept: list[str] = []
 
 
 class Progress(Message, tag="progress.v1"):
@@ -359,6 +364,9 @@ class JobEvent(Message, tag="job_event.v1"):
     # restore closed ("local -> peer"), which the job sees reset at their next use.
     listening: list[str] = []
     closed: list[str] = []
+    # restored: the connections that came back intact instead (a restore on the node that had
+    # held them since the vacate).
+    kept: list[str] = []
 
 
 class EpochEvent(Message, tag="epoch_event.v1"):
@@ -438,7 +446,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
-    "FINDING_CODES", "ON_SICK", "OnSick",
+    "FINDING_CODES", "ON_SICK", "CONNECTIONS", "OnSick",
     "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckJob", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",

@@ -208,7 +208,7 @@ def test_show_job_json_has_the_effective_policy_storage_and_own_bytes(capsys):
     view = json.loads(capsys.readouterr().out)
     assert view["policy"] == {"incremental": True, "full_every": 5, "pre_dump": False, "pre_dump_delay_s": 5.0,
                               "load_aware": True, "load_threshold_cpu": 0.95, "load_threshold_io": 0.5,
-                              "load_threshold_memory": 0.85}
+                              "load_threshold_memory": 0.85, "connections": "keep"}
     assert view["storage_bytes"] == 3 * 1024**2
     assert [(e["n"], e["own_bytes"], e["incremental"]) for e in view["epochs"]] == \
         [(1, 1024**2 // 2, True), (2, 2 * 1024**2, False)]
@@ -218,12 +218,13 @@ def test_show_job_json_has_the_effective_policy_storage_and_own_bytes(capsys):
 def test_show_job_text_has_a_policy_line_storage_and_each_epochs_own_bytes(capsys):
     _print_job(_shown_record(), as_json=False)
     rows = {line[:12].strip(): line[13:] for line in capsys.readouterr().out.splitlines()}
-    assert rows["policy"] == "incremental, full every 5, no pre-dump, load-aware (cpu 0.95, io 0.5, memory 0.85)"
+    assert rows["policy"] == ("incremental, full every 5, no pre-dump, load-aware (cpu 0.95, io 0.5, memory 0.85), "
+                              "connections keep")
     assert rows["storage"] == "3.0 MiB on disk (data shared between epochs counted once)"
     assert rows["epochs"].startswith("#1 2.0 MiB (512.0 KiB own, incremental) at ")
     assert ", #2 2.0 MiB (2.0 MiB own) at " in rows["epochs"]
-    assert policy_line(CheckpointPolicy(pre_dump=True, pre_dump_delay_s=2.5)) == \
-        "full epochs, pre-dump 2.5 s before, not load-aware"
+    assert policy_line(CheckpointPolicy(pre_dump=True, pre_dump_delay_s=2.5, connections="close")) == \
+        "full epochs, pre-dump 2.5 s before, not load-aware, connections close"
 
 
 def test_show_job_text_of_a_record_from_before_policies(capsys):

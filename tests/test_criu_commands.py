@@ -18,26 +18,32 @@ def test_dump_command_line():
     assert argv == ["/usr/sbin/criu", "dump", "-t", "42", "-D", "/s/jobs/1/epochs/.tmp-n1-ab", "-W", "/dev/shm/w",
                     "-o", "dump.log", "-v2", "--display-stats", "--action-script", "/dev/shm/w/action.sh",
                     # The job's locks (SQLite's); every mount it inherited from the node is the node's.
-                    "--file-locks", "--external", "mnt[]", "--ext-unix-sk", "--skip-in-flight", "--leave-running"]
+                    "--file-locks", "--external", "mnt[]", "--ext-unix-sk", "--skip-in-flight", "--tcp-close",
+                    "--leave-running"]
     stopped = criu.dump_argv("criu", pid=42, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                              leave_running=False)
     assert stopped[-1] == "--leave-stopped" and "--leave-running" not in stopped
 
 
-def test_connections_are_locked_only_while_a_running_job_is_frozen():
-    """With a network lock, established connections are dumped: a checkpoint that leaves the job
-    running locks them while it is frozen; a vacate needs no lock (they stay silent until the
-    job is killed); a restore brings them back closed."""
-    running = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
-                             leave_running=True, network_lock="nftables")
-    assert running[-6:] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "nftables",
-                            "--leave-running"]
-    vacate = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
-                            leave_running=False, network_lock="nftables")
-    assert vacate[-6:] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "skip",
-                           "--leave-stopped"]
+def test_connections_are_recorded_to_be_closed_unless_a_vacate_holds_them():
+    """A dump leaves a job's connections alone and records them to be closed; only a vacate whose
+    node holds them dumps them whole, under criu's lock (left in place with the job stopped), and
+    only its restore there brings them back intact."""
+    for leave_running in (True, False):
+        argv = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
+                              leave_running=leave_running)
+        assert argv[-4:-1] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-close"]
+        assert "--tcp-established" not in argv and "--network-lock" not in argv
+    held = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
+                          leave_running=False, keep_connections=True)
+    assert held[-6:] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "nftables",
+                         "--leave-stopped"]
+    assert "--tcp-close" not in held
     restore = criu.restore_argv("criu", images=Path("i"), workdir=Path("w"), pidfile=Path("p"))
     assert restore[-2:] == ["--tcp-close", "--ext-unix-sk"]
+    intact = criu.restore_argv("criu", images=Path("i"), workdir=Path("w"), pidfile=Path("p"), keep_connections=True)
+    assert intact[-4:] == ["--tcp-established", "--ext-unix-sk", "--network-lock", "skip"]
+    assert "--tcp-close" not in intact
 
 
 def test_restore_command_line_makes_the_job_our_child():

@@ -167,6 +167,30 @@ def test_restart_needs_a_stopped_job_with_an_epoch():
     assert (back.state, back.node, back.generation) == ("vacated", "", 3)
 
 
+def test_a_restart_announces_what_it_listens_on_and_which_connections_it_kept_or_closed():
+    epoch = EpochInfo(n=1, listening=["tcp 0.0.0.0:80"], connections=["10.0.0.1:80 -> 10.0.0.9:5000",
+                                                                         "10.0.0.1:80 -> 10.0.0.9:5001"])
+    asked = lc.transition(record("vacated", 2, node="", epochs=[1]), lc.RestartAsked("node-1"), 1.0).record
+    kept = ("10.0.0.1:80 -> 10.0.0.9:5001",)
+    d = lc.transition(asked, lc.Restored(3, 42, epoch, announce=True, kept=kept), 2.0)
+    [event] = d.events
+    assert event.kind == "restored" and event.fields["listening"] == ["tcp 0.0.0.0:80"]
+    assert event.fields["kept"] == list(kept) and event.fields["closed"] == ["10.0.0.1:80 -> 10.0.0.9:5000"]
+    elsewhere = lc.transition(asked, lc.Restored(3, 42, epoch, announce=True), 2.0).events[0]
+    assert elsewhere.fields["kept"] == [] and elsewhere.fields["closed"] == epoch.connections
+    assert lc.transition(asked, lc.Restored(3, 42, epoch), 2.0).events == []  # a failover announces its own
+
+
+def test_a_submit_chooses_what_a_move_does_to_its_connections():
+    from revenant.common.config import CheckpointConfig
+    from revenant.common.limits import BadRequest, check_submit
+    assert CheckpointConfig().policy(SubmitRequest(argv=["x"])).connections == "keep"
+    assert CheckpointConfig(connections="close").policy(SubmitRequest(argv=["x"])).connections == "close"
+    assert CheckpointConfig().policy(SubmitRequest(argv=["x"], connections="close")).connections == "close"
+    with pytest.raises(BadRequest, match="--connections must be one of keep, close, got 'sometimes'"):
+        check_submit(SubmitRequest(argv=["x"], connections="sometimes"))
+
+
 def test_moved_on_and_stale_local_jobs():
     assert lc.moved_on(record("running", 3), record("running", 2))
     assert lc.moved_on(record("completed", 2), record("running", 2))

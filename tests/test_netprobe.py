@@ -38,13 +38,3 @@ async def test_a_criu_that_cannot_dump_sockets_is_named_with_its_own_line(tmp_pa
     assert {f: info.features[f] for f in netprobe.FEATURES} == dict.fromkeys(netprobe.FEATURES, False)
     assert info.network_error == f"inet_sockets: {SO_PASSCRED}"
     assert list(Path(scratch).iterdir()) == []
-
-
-@pytest.mark.unit
-def test_proc_net_addresses_read_as_written():
-    from revenant.agent.netstate import _address
-    import socket
-
-    assert _address("0100007F:1F90", socket.AF_INET) == "127.0.0.1:8080"
-    assert _address("00000000:18EB", socket.AF_INET) == "0.0.0.0:6379"
-    assert _address("00000000000000000000000001000000:0050", socket.AF_INET6) == "[::1]:80"

@@ -1,8 +1,9 @@
 """A vacate that fails after criu has dumped the job (here: its dump is spoiled before the commit)
-resumes the job, and its established connections go on: criu left them in repair mode
-(``--network-lock skip``), and the undo takes them out of it before the job resumes
-(agent/blockers.py repair_off).  Without that, every recv and send of the job's would fail with
-EPERM."""
+resumes the job, and its established connections go on.  A vacate whose node holds them
+(agent/netlock.py) has criu leave them in repair mode and locked: the undo takes them out of
+repair mode before the job resumes (agent/blockers.py repair_off), and the hold lets go of
+criu's lock.  Without the first, every recv and send of the job's would fail with EPERM; without
+the second, not a packet of them would pass."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from helpers import until
 
+from revenant.agent import netlock
 from revenant.agent.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
@@ -45,6 +47,8 @@ async def test_a_vacate_spoiled_after_the_dump_leaves_the_jobs_connection_workin
     threading.Thread(target=serve, daemon=True).start()
     try:
         sup = supervisors("n1", allow_root_jobs=True)
+        hold = netlock.NetLockStep(netlock.locate() or "nft", "n1", tmp_path)
+        sup.engine.steps.append(hold)
         spec = JobSpec(id="1", argv=[sys.executable, "-c", ECHO_CLIENT, str(server.getsockname()[1])],
                        workdir=str(tmp_path))
         await sup.start(spec, 1)
@@ -52,6 +56,7 @@ async def test_a_vacate_spoiled_after_the_dump_leaves_the_jobs_connection_workin
         with pytest.raises(RevenantError, match="spoiled on purpose"):
             await sup.engine.checkpoint("1", 1, sup.jobs["1"].pid, stop=True, workdir=str(tmp_path),
                                         spoiled=lambda: "spoiled on purpose")
+        assert hold.holds == {} and (tmp_path / "netlock-held-n1").read_text() == ""
         at = len(lines)
         await until(lambda: len(lines) > at + 20)  # the same connection carries on
         assert lines == list(range(1, len(lines) + 1))

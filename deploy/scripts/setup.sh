@@ -72,6 +72,10 @@ fi
 if ! command -v ffmpeg >/dev/null 2>&1 || ! command -v ffprobe >/dev/null 2>&1; then
     apt_install ffmpeg
 fi
+# The agent locks a job's TCP connections while criu dumps them with nft (agent/netlock.py).
+if ! command -v nft >/dev/null 2>&1 && ! [ -x /usr/sbin/nft ]; then
+    apt_install nftables
+fi
 command -v make >/dev/null 2>&1 || apt_install make
 # The TLS test makes a certificate for its nats-server with openssl.
 if ! command -v openssl >/dev/null 2>&1; then

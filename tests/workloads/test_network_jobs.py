@@ -166,15 +166,17 @@ class LineServer:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.connections: list[list[int]] = []
+        self.peer_ports: list[int] = []  # each connection's client port
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return
             lines: list[int] = []
+            self.peer_ports.append(peer[1])
             self.connections.append(lines)
             threading.Thread(target=self._read, args=(conn, lines), daemon=True).start()
 
@@ -358,3 +360,42 @@ def test_revenant_check_lists_what_a_move_carries_and_what_it_closes(make_cluste
         client.close()
     missing = cluster.cli("check", "999", check=False)
     assert missing.returncode != 0 and "999" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_restart_on_the_node_that_vacated_it_brings_its_connection_back_intact(make_cluster):
+    """--connections keep (the default): the vacate's node holds the connection, silent, and a
+    restart there brings it back as it was: the server sees one connection, not a line lost or
+    repeated, and the job never reconnects.  --connections close: the same restart closes it."""
+    server = LineServer()
+    try:
+        cluster = make_cluster(2)
+        job = submit(cluster, sys.executable, str(JOBS / "tcp_sender.py"), str(server.port))
+        closing = submit(cluster, sys.executable, str(JOBS / "tcp_sender.py"), str(server.port),
+                         extra=("--connections", "close"))
+        assert show(cluster, closing)["policy"]["connections"] == "close"
+        running_on(cluster, job, "node-1")
+        running_on(cluster, closing, "node-1")
+        assert wait_until(lambda: len(server.connections) == 2 and all(len(c) > 20 for c in server.connections),
+                          timeout=30)
+        cluster.cli("checkpoint", "vacate", job)
+        cluster.cli("checkpoint", "restart", job, "--node", "node-1")
+        running_on(cluster, job, "node-1")
+        restored = [e for e in cluster.events() if e.get("kind") == "restored" and e.get("job") == job][-1]
+        assert len(restored["kept"]) == 1 and restored["closed"] == []
+        assert restored["kept"][0].endswith(f" -> 127.0.0.1:{server.port}")
+        port = int(restored["kept"][0].split(" -> ")[0].rsplit(":", 1)[1])
+        assert "reconnecting" not in output(cluster, job)
+        cluster.cli("checkpoint", "vacate", closing)
+        cluster.cli("checkpoint", "restart", closing, "--node", "node-1")
+        running_on(cluster, closing, "node-1")
+        assert wait_until(lambda: len(server.connections) == 3 and len(server.connections[2]) > 10, timeout=30)
+        assert "reconnecting after" in output(cluster, closing)
+        restored = [e for e in cluster.events() if e.get("kind") == "restored" and e.get("job") == closing][-1]
+        assert restored["kept"] == [] and len(restored["closed"]) == 1
+        # The kept one: still its first connection, every line once, in order, going on.
+        lines = server.connections[server.peer_ports.index(port)]
+        seen = len(lines)
+        assert wait_until(lambda: len(lines) > seen + 20, timeout=30)
+        assert lines == list(range(1, len(lines) + 1))
+    finally:
+        server.close()
