@@ -27,7 +27,7 @@ from typing import BinaryIO, Iterator
 
 import msgspec
 
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest
+from revenant.agent.manifest import MANIFEST, CorruptEpoch, EpochStore, Manifest
 from revenant.agent.private import PRIVATE_FILE, trusted
 
 PAGE = 4096
@@ -50,7 +50,7 @@ def page_hash(page: bytes | memoryview) -> bytes:
     return hashlib.sha256(page).digest()[:DIGEST]
 
 
-def pack_path(files: JobFiles, ref: str, suffix: str = ".pack") -> Path:
+def pack_path(files: EpochStore, ref: str, suffix: str = ".pack") -> Path:
     m = _REF_RE.match(ref)
     if m is None:
         raise CorruptEpoch(f"job {files.job}: {ref!r} is not a pack name")
@@ -70,7 +70,7 @@ def idx_bytes(digests: bytes | bytearray) -> bytes:
     return bytes(digests) + _CRC.pack(zlib.crc32(digests))
 
 
-def read_idx(files: JobFiles, ref: str) -> bytes:
+def read_idx(files: EpochStore, ref: str) -> bytes:
     """The page digests of pack ``ref`` (CorruptEpoch if its index is missing or damaged)."""
     path = pack_path(files, ref, ".idx")
     try:
@@ -84,7 +84,7 @@ def read_idx(files: JobFiles, ref: str) -> bytes:
     return digests
 
 
-def read_recipe(files: JobFiles, m: Manifest, name: str) -> Recipe:
+def read_recipe(files: EpochStore, m: Manifest, name: str) -> Recipe:
     """The recipe of image ``name`` of converted epoch ``m``, checked for consistency."""
     entry = m.recipes[name]
     try:
@@ -106,7 +106,7 @@ def runs_of(recipe: Recipe) -> Iterator[tuple[str, int, int]]:
         yield recipe.packs[r[i]], r[i + 1], r[i + 2]
 
 
-def _open_pack(files: JobFiles, ref: str, fds: dict[str, int]) -> int:
+def _open_pack(files: EpochStore, ref: str, fds: dict[str, int]) -> int:
     if ref not in fds:
         try:
             fds[ref] = os.open(pack_path(files, ref), os.O_RDONLY | os.O_NOFOLLOW)
@@ -115,7 +115,7 @@ def _open_pack(files: JobFiles, ref: str, fds: dict[str, int]) -> int:
     return fds[ref]
 
 
-def _pages(files: JobFiles, recipe: Recipe) -> Iterator[tuple[str, int, bytes]]:
+def _pages(files: EpochStore, recipe: Recipe) -> Iterator[tuple[str, int, bytes]]:
     """(pack, first page, data) for every batch of pages the recipe reads, in image order."""
     fds: dict[str, int] = {}
     try:
@@ -132,7 +132,7 @@ def _pages(files: JobFiles, recipe: Recipe) -> Iterator[tuple[str, int, bytes]]:
             os.close(fd)
 
 
-def _culprit(files: JobFiles, recipe: Recipe) -> str:
+def _culprit(files: EpochStore, recipe: Recipe) -> str:
     """Which page of which pack no longer matches its digest ("" if every one does)."""
     digests: dict[str, bytes] = {}
     try:
@@ -149,7 +149,7 @@ def _culprit(files: JobFiles, recipe: Recipe) -> str:
     return ""
 
 
-def rebuild(files: JobFiles, m: Manifest, name: str, out: BinaryIO | None = None,
+def rebuild(files: EpochStore, m: Manifest, name: str, out: BinaryIO | None = None,
             recipe: Recipe | None = None) -> None:
     """Stream image ``name`` of converted epoch ``m`` from its packs (into ``out``, if given),
     checking the size and CRC-32 the original had; CorruptEpoch names the pack and page at fault."""
@@ -171,16 +171,16 @@ def rebuild(files: JobFiles, m: Manifest, name: str, out: BinaryIO | None = None
         raise CorruptEpoch(f"epoch {m.epoch}: {name} rebuilt from its packs fails its checksum: {why}")
 
 
-def check_trusted(files: JobFiles, m: Manifest) -> None:
+def check_trusted(files: EpochStore, m: Manifest) -> None:
     """Pages are never read from a directory the job's user could have put there."""
     for d in (files.packs_dir, files.packs_dir / str(m.segment)):
         if not trusted(d):
             raise CorruptEpoch(f"epoch {m.epoch}: {d} is not the agent's own directory; its packs are not used")
 
 
-def verify_recipes(files: JobFiles, m: Manifest) -> None:
+def verify_recipes(files: EpochStore, m: Manifest) -> None:
     """Every page converted epoch ``m`` needs, read and checked (its recipes were checked by
-    JobFiles.verify with the epoch's other files)."""
+    EpochStore.verify with the epoch's other files)."""
     check_trusted(files, m)
     for name in m.recipes:
         rebuild(files, m, name)

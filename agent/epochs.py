@@ -38,113 +38,20 @@ from typing import Callable, Collection
 import msgspec
 
 from revenant.agent import imagesum
+from revenant.agent.chain import verify_recipes
 from revenant.agent.fileio import Durable, copy_bytes, fsync_path
+from revenant.agent.manifest import (MANIFEST, MANIFEST_VERSION, CorruptEpoch, EpochError, FileEntry,  # noqa: F401
+                                     FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry)
 from revenant.agent.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
-from revenant.common.errors import RevenantError
-from revenant.messages import EpochFile, EpochInfo, JobGpu
+from revenant.messages import EpochFile, EpochInfo
 from revenant.messages.parts import MAX_EPOCH_FILES
 from revenant.messages.subjects import check_name
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
 _CHUNK = 8 * 1024 * 1024
 _EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
-
-
-class EpochError(RevenantError):
-    code = "epoch"
-
-
-class CorruptEpoch(EpochError):
-    code = "corrupt_epoch"
-
-
-class NoEpoch(EpochError):
-    code = "no_epoch"
-
-
-class FilesChanged(EpochError):
-    """The job's files changed since the epoch in a way it cannot put back (agent/jobfiles_restore.py)."""
-
-    code = "files_changed"
-
-
-class FileEntry(msgspec.Struct):
-    size: int
-    # Hex digest in the manifest's ``checksum`` algorithm.
-    checksum: str
-
-
-class RecipeEntry(FileEntry, kw_only=True):
-    recipe: str  # an image stored in packs: its original size and checksum, its recipe (agent/chain.py)
-
-
-class JobFile(msgspec.Struct, kw_only=True):
-    """A regular file the job held open for writing at the dump (agent/jobfiles.py)."""
-
-    size: int
-    mode: int
-    uid: int
-    gid: int
-    ino: int
-    mtime_ns: int
-    # Every descriptor of it was O_APPEND: writes after the dump only added to it.
-    append: bool = False
-    # The copy inside the epoch ("files/<i>"); "" if none, and no_copy says why.
-    copy: str = ""
-    no_copy: str = ""
-    # fingerprint() of its content at the dump, for a file with no copy.
-    sample: str = ""
-
-
-class Manifest(msgspec.Struct, kw_only=True):
-    version: int = MANIFEST_VERSION
-    job: str
-    epoch: int
-    generation: int
-    node: str
-    # The Unix user the job belongs to (JobSpec.user); "" for epochs written before jobs had users.
-    user: str = ""
-    created_at: float
-    criu_version: str
-    kernel: str
-    cpu_flags: list[str] = []
-    files: dict[str, FileEntry] = {}
-    # Absolute path -> size in bytes at the moment of the dump (epochs written before job_files).
-    outputs: dict[str, int] = {}
-    # Absolute path -> what the job's files were at the dump (while frozen).
-    job_files: dict[str, JobFile] = {}
-    # The job's working directory, and why its listing (workdir.json) was not taken ("" if it was).
-    workdir: str = ""
-    workdir_note: str = ""
-    checksum: str = "crc32"
-    # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
-    # fsync (and copy, with staging); all of it.
-    freeze_s: float = 0.0
-    files_s: float = 0.0
-    dump_s: float = 0.0
-    commit_s: float = 0.0
-    total_s: float = 0.0
-    # A converted epoch (agent/packs.py): its images by recipe, the packs they read, their segment.
-    recipes: dict[str, RecipeEntry] = {}
-    packs: list[str] = []
-    segment: int = 0
-    # A GPU job (agent/gpustep.py): its GPUs, the driver, each CUDA process's GPUs by its pid in the job's namespace.
-    gpus: list[JobGpu] = []
-    gpu_driver: str = ""
-    cuda_pids: dict[int, list[str]] = {}
-    # The job's internet sockets at the dump (agent/netstate.py): what it listened on, and its
-    # established TCP connections ("local -> peer"), which a restore brings back closed.
-    listening: list[str] = []
-    connections: list[str] = []
-
-    @property
-    def total_bytes(self) -> int:  # what a restore reads: converted images at their original size
-        plain = (f.size for n, f in self.files.items() if n not in {r.recipe for r in self.recipes.values()})
-        return sum(plain) + sum(r.size for r in self.recipes.values())
 
 
 def checksum_file(path: Path, algo: str = "crc32") -> str:
@@ -330,8 +237,7 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
             if (skip is None or not skip(m, name)) and checksum_file(path, m.checksum) != entry.checksum:
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
-        if m.recipes:  # every page it needs, from the packs (chain.py builds on this module)
-            from revenant.agent.chain import verify_recipes
+        if m.recipes:  # every page it needs, from the packs
             verify_recipes(self, m)
         return m
 

@@ -16,14 +16,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from revenant.agent.exits import ExitClassifier
 from revenant.agent.launcher import reset_stamp
 from revenant.agent.procs import freeze_tree, signal_tree
-
-if TYPE_CHECKING:
-    from revenant.agent.jobs import JobRuntime
+from revenant.agent.runtime import JobRuntime
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,119 @@
+"""An epoch's manifest and the errors of epoch storage: what agent/epochs.py writes and checks,
+and what agent/chain.py (the pack format, below epochs.py) reads, without either importing the
+other's module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from revenant.common.errors import RevenantError
+from revenant.messages import JobGpu
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class EpochError(RevenantError):
+    code = "epoch"
+
+
+class CorruptEpoch(EpochError):
+    code = "corrupt_epoch"
+
+
+class NoEpoch(EpochError):
+    code = "no_epoch"
+
+
+class FilesChanged(EpochError):
+    """The job's files changed since the epoch in a way it cannot put back (agent/jobfiles_restore.py)."""
+
+    code = "files_changed"
+
+
+class FileEntry(msgspec.Struct):
+    size: int
+    # Hex digest in the manifest's ``checksum`` algorithm.
+    checksum: str
+
+
+class RecipeEntry(FileEntry, kw_only=True):
+    recipe: str  # an image stored in packs: its original size and checksum, its recipe (agent/chain.py)
+
+
+class JobFile(msgspec.Struct, kw_only=True):
+    """A regular file the job held open for writing at the dump (agent/jobfiles.py)."""
+
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    ino: int
+    mtime_ns: int
+    # Every descriptor of it was O_APPEND: writes after the dump only added to it.
+    append: bool = False
+    # The copy inside the epoch ("files/<i>"); "" if none, and no_copy says why.
+    copy: str = ""
+    no_copy: str = ""
+    # fingerprint() of its content at the dump, for a file with no copy.
+    sample: str = ""
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    version: int = MANIFEST_VERSION
+    job: str
+    epoch: int
+    generation: int
+    node: str
+    # The Unix user the job belongs to (JobSpec.user); "" for epochs written before jobs had users.
+    user: str = ""
+    created_at: float
+    criu_version: str
+    kernel: str
+    cpu_flags: list[str] = []
+    files: dict[str, FileEntry] = {}
+    # Absolute path -> size in bytes at the moment of the dump (epochs written before job_files).
+    outputs: dict[str, int] = {}
+    # Absolute path -> what the job's files were at the dump (while frozen).
+    job_files: dict[str, JobFile] = {}
+    # The job's working directory, and why its listing (workdir.json) was not taken ("" if it was).
+    workdir: str = ""
+    workdir_note: str = ""
+    checksum: str = "crc32"
+    # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
+    # fsync (and copy, with staging); all of it.
+    freeze_s: float = 0.0
+    files_s: float = 0.0
+    dump_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+    # A converted epoch (agent/packs.py): its images by recipe, the packs they read, their segment.
+    recipes: dict[str, RecipeEntry] = {}
+    packs: list[str] = []
+    segment: int = 0
+    # A GPU job (agent/gpustep.py): its GPUs, the driver, each CUDA process's GPUs by its pid in the job's namespace.
+    gpus: list[JobGpu] = []
+    gpu_driver: str = ""
+    cuda_pids: dict[int, list[str]] = {}
+    # The job's internet sockets at the dump, as criu recorded them (agent/criuimages.py): what it
+    # listened on, and its established TCP connections ("local -> peer").
+    listening: list[str] = []
+    connections: list[str] = []
+
+    @property
+    def total_bytes(self) -> int:  # what a restore reads: converted images at their original size
+        plain = (f.size for n, f in self.files.items() if n not in {r.recipe for r in self.recipes.values()})
+        return sum(plain) + sum(r.size for r in self.recipes.values())
+
+
+class EpochStore(Protocol):
+    """What of a job's storage (agent/epochs.py JobFiles) the pack format reads."""
+
+    job: str
+    packs_dir: Path
+
+    def epoch_dir(self, n: int) -> Path: ...
+
