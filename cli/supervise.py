@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from revenant.cli.local import (INSECURE_WARNING, STOP_ORDER, _nodes, _spawn, _stop_processes, check_nats_servers,
-                                describe_exit, refuse_running, start_cluster)
+from revenant.cli.processes import (INSECURE_WARNING, STOP_ORDER, check_nats_servers, describe_exit, nodes,
+                                    refuse_running, spawn, start_cluster, stop_processes)
 from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
 from revenant.common.errors import RevenantError
 from revenant.messages import MessageError
@@ -210,7 +210,7 @@ class Supervisor:
         info = child.info
         child.due_at, child.started_at = None, now
         try:
-            proc, fresh = _spawn(info.role, info.name, info.argv, Path(info.log))
+            proc, fresh = spawn(info.role, info.name, info.argv, Path(info.log))
         except OSError as exc:
             log.error("%s: cannot start it again: %s", _what(info), exc)
             return self._exited(child, 127, now)
@@ -236,7 +236,7 @@ class Supervisor:
         if now - self._nodes_checked_at >= NODE_CHECK_EVERY_S:
             self._nodes_checked_at = now
             try:
-                reply = asyncio.run(_nodes(self.cluster.nats_url, self.cluster.creds, 1.0))
+                reply = asyncio.run(nodes(self.cluster.nats_url, self.cluster.creds, 1.0))
                 self._node_states = {n.name: (n.state, now - n.state_since_age_s) for n in reply.nodes}
             except (RevenantError, MessageError, OSError):
                 self._node_states = {child.info.name: ("unknown", now) for child in self.children}
@@ -273,7 +273,7 @@ def supervise_until_stopped(root: Path, cluster: ClusterFile, procs: dict[str, s
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
     log.info("stopping the cluster (%s)", " -> ".join(STOP_ORDER))
-    killed = _stop_processes(cluster.processes, timeout_s=30.0)
+    killed = stop_processes(cluster.processes, timeout_s=30.0)
     cluster_file(root).unlink(missing_ok=True)
     log.info("cluster stopped%s", f" (killed after 30 s: {', '.join(killed)})" if killed else "")
     return 0

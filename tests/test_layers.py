@@ -80,3 +80,56 @@ def test_modules_and_functions_stay_small(package):
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{package}/{path.name}:{node.lineno} {node.name}() is {length} lines")
     assert not long, "split these:\n" + "\n".join(long)
+
+
+def module_imports(path: pathlib.Path) -> set[str]:
+    """The revenant modules a module imports (``revenant.agent.epochs``), anywhere in it: inside
+    functions and under TYPE_CHECKING as well, since a circle there is a circle to a reader."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("revenant."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("revenant."):
+            for a in node.names:  # "from revenant.agent import epochs" names a module
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if (ROOT / pathlib.Path(*sub.split(".")[1:])).with_suffix(".py").exists() else node.module)
+    return out
+
+
+def import_circles() -> list[list[str]]:
+    """Every import circle between the packages' modules, each once, as the modules around it."""
+    graph = {f"revenant.{p}.{m.stem}": module_imports(m) for p in PACKAGES for m in modules(p)}
+    circles, seen = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                circle = path[path.index(nxt):]
+                key = frozenset(circle)
+                if key not in seen:
+                    seen.add(key)
+                    circles.append(circle)
+            elif nxt in graph and nxt not in done:
+                walk(nxt, [*path, nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            walk(start, [start])
+    return circles
+
+
+def test_no_module_imports_itself_around_a_circle():
+    circles = import_circles()
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in circles)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
+    pkg = tmp_path / "agent"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from revenant.agent import b\n")
+    (pkg / "b.py").write_text("def f():\n    from revenant.agent.a import x\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "PACKAGES", ("agent",))
+    assert import_circles() == [["revenant.agent.a", "revenant.agent.b"]]

@@ -1,0 +1,275 @@
+"""The processes of a local cluster (``revenant up``, ``revenant supervise``): starting them in
+order with their identities, waiting for the nodes to be alive, recognising our own, and
+stopping them in order.  cli/local.py (``up``, ``down``) and cli/supervise.py (which restarts
+what dies) both build on it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
+
+from revenant.cli.client import request_nodes
+from revenant.common import bus, security
+from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
+from revenant.common.errors import ClusterNotFound, RevenantError
+from revenant.common.natsserver import pin_option, start_local_nats, write_server_config
+from revenant.messages import NodesReply
+
+# The coordinator first: the agents' drains leave their evicted jobs in the event stream,
+# for the next coordinator on this directory to restore, not for this one to chase around
+# nodes that are all going away.
+STOP_ORDER = ("coordinator", "agent", "nats-server")
+
+
+def spawn(role: str, name: str, argv: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, ProcessInfo(role=role, name=name, pid=proc.pid, create_time=create_time(proc.pid),
+                             log=str(log_path), argv=argv)
+
+
+def create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def ours(info: ProcessInfo) -> psutil.Process | None:
+    """The live process behind ``info``, or None if it is gone (or its pid was reused)."""
+    try:
+        proc = psutil.Process(info.pid)
+        if abs(proc.create_time() - info.create_time) > 0.5 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def tail(path: str, lines: int = 5) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def nodes(url: str, creds: str, timeout_s: float) -> NodesReply:
+    nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, **security.client_credentials(creds))
+    try:
+        return await request_nodes(nc, timeout_s)
+    finally:
+        await nc.close()
+
+
+def wait_alive(url: str, names: list[str], procs: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
+                timeout_s: float, creds: str = "") -> NodesReply:
+    deadline = time.monotonic() + timeout_s
+    missing = set(names)
+    while time.monotonic() < deadline:
+        for proc, info in procs:
+            if proc.poll() is not None:
+                what = info.name if info.name == info.role else f"{info.role} {info.name}"
+                raise RevenantError(f"{what} exited with status {proc.returncode} at start; "
+                                    f"log {info.log}:\n{tail(info.log)}")
+        try:
+            reply = asyncio.run(nodes(url, creds, 1.0))
+            missing = set(names) - {n.name for n in reply.nodes if n.state == "alive"}
+            if not missing:
+                return reply
+        except RevenantError:
+            pass
+        time.sleep(0.2)
+    raise RevenantError(f"nodes not alive after {timeout_s:g} s: {', '.join(sorted(missing))}")
+
+
+def refuse_running(root: Path) -> None:
+    """Refuse a directory whose cluster still runs (any process it records, its supervisor too)."""
+    if not cluster_file(root).exists():
+        return
+    try:
+        old = read_cluster(root)
+    except ClusterNotFound:
+        return
+    recorded = old.processes + ([old.supervisor] if old.supervisor is not None else [])
+    if any(ours(p) for p in recorded):
+        raise RevenantError(f"a cluster is already running in {root}; stop it with 'revenant down --dir {root}'")
+
+
+def supervisor_info(logs: Path) -> ProcessInfo:
+    me = os.getpid()
+    try:
+        argv = psutil.Process(me).cmdline()
+    except psutil.Error:
+        argv = [sys.executable, *sys.argv]
+    return ProcessInfo(role="supervisor", name="supervisor", pid=me, create_time=create_time(me),
+                       log=str(logs / "supervisor.log"), argv=argv)
+
+
+INSECURE_WARNING = ("INSECURE: this cluster's NATS asks no one for a credential: anyone who can reach "
+                    "its port can command every node and run anything as root on it (revenant up --insecure)")
+
+
+def generate_identities(root: Path, names: list[str]) -> security.Keyring:
+    """The cluster's identities (DIR/keys, mode 0700; seeds 0600; existing ones kept) and the
+    nats-server configuration that admits them alone, each with its permissions (DIR/nats.conf)."""
+    keyring = security.Keyring(root / "keys")
+    keyring.ensure_all(security.cluster_identities(names))
+    write_server_config(root / "nats.conf", security.render_authorization(keyring.public))
+    return keyring
+
+
+def check_nats_servers(root: Path, count: int, external_nats: str | None) -> None:
+    """Refuse a server count that cannot work, or that does not match the NATS state DIR holds
+    (the job table is in it: a new layout would start from an empty one)."""
+    if count < 1 or count == 2:
+        raise RevenantError(f"--nats-servers must be 1, or 3 or more (a JetStream cluster of 2 stops when "
+                            f"either server is lost), got {count}")
+    if external_nats and count != 1:
+        raise RevenantError("--nats uses an external NATS and --nats-servers starts servers: give one of them")
+    nats = root / "nats"
+    members = sum(1 for d in nats.glob("[0-9]*") if (d / "jetstream").is_dir())
+    if not external_nats and count == 1 and members:
+        raise RevenantError(f"{root} holds the state of a {members}-server NATS cluster ({nats}/<i>): "
+                            f"start it with --nats-servers {members}")
+    if not external_nats and count > 1 and ((nats / "jetstream").is_dir() or members > count):
+        have = "one server" if (nats / "jetstream").is_dir() else f"a {members}-server cluster"
+        raise RevenantError(f"{root} holds the state of {have} in {nats}: start it as it was "
+                            f"(--nats-servers {members or 1}), or use a new directory")
+
+
+def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeout_s: float, insecure: bool = False,
+                  nats_servers: int = 1) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
+    """Start nats-server (unless ``external_nats``; ``nats_servers`` of them, one JetStream
+    cluster, if more than one), the coordinator and the agents, as this
+    process's children; wait until every node is alive; write cluster.json, naming this process
+    their supervisor and pinning the ports each one chose into its argv, so that a restart with
+    that argv comes back on them.  Each process gets its own NATS identity (DIR/keys), and
+    cluster.json the admin's; with ``insecure`` none does, and the bus is open to anyone.
+    (With ``external_nats``, that server must admit DIR/keys' identities: see ``revenant keys``.)
+    Returns the file and the children by name.  A failure, a
+    Ctrl-C, a SIGTERM or a SIGUSR1 (``revenant down``) on the way stops what started."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.default_int_handler)
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    logs.chmod(0o700)  # they name every user's jobs: root's, as the keys are
+    storage = root / "storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
+    names = [f"node-{i}" for i in range(1, n_nodes + 1)]
+    keys = None if insecure else generate_identities(root, names)
+
+    def creds(identity: str) -> list[str]:
+        return [] if keys is None else ["--creds", str(keys.seed_path(identity))]
+
+    try:
+        # (The coordinator's identity may ask JetStream whether the cluster is ready.)
+        js_creds = {} if keys is None else security.credentials(security.COORDINATOR,
+                                                                str(keys.seed_path(security.COORDINATOR)))
+        servers = [] if external_nats else start_local_nats(
+            root / "nats", nats_servers, log_dir=logs, config_file=None if keys is None else root / "nats.conf",
+            credentials=js_creds, timeout_s=timeout_s)
+        # Every process gets every server's URL, comma-separated: it reconnects to another.
+        url = external_nats or ",".join(server.url for server in servers)
+        for i, server in enumerate(servers, 1):
+            name = "nats-server" if nats_servers == 1 else f"nats-server-{i}"
+            started.append((server.process, ProcessInfo(
+                role="nats-server", name=name, pid=server.pid, create_time=create_time(server.pid),
+                log=str(logs / f"{name}.log"), argv=server.argv)))
+        py = [sys.executable, "-m", "revenant.cli"]
+        # Every process serves its HTTP endpoints on a free port; cluster.json records which.
+        started.append(spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator",
+                                                                  "--http-port", "0", *creds(security.COORDINATOR)],
+                              logs / "coordinator.log"))
+        for name in names:
+            started.append(spawn("agent", name, py + ["agent", "--node", name, "--nats", url, "--http-port", "0",
+                                                       "--storage", str(storage),
+                                                       *creds(security.agent_identity(name))], logs / f"{name}.log"))
+        infos = [info for _, info in started]
+        admin = "" if keys is None else str(keys.seed_path(security.ADMIN))
+        cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(),
+                              processes=infos, supervisor=supervisor_info(logs), creds=admin, insecure=insecure)
+        write_cluster(root, cluster)
+        reply = wait_alive(url, names, started, timeout_s, admin)
+        urls = {n.name: n.capabilities.metrics_url for n in reply.nodes}
+        for info in infos:
+            if info.role == "agent":
+                info.metrics_url = urls.get(info.name, "")
+            elif info.role == "coordinator":
+                info.metrics_url = reply.coordinator_metrics_url
+            port = urlsplit(info.metrics_url).port if info.metrics_url else None
+            if port:
+                info.argv = pin_option(info.argv, "--http-port", str(port))
+        write_cluster(root, cluster)
+    except BaseException:
+        # Interrupted or failed while starting: stop what started, and let no
+        # second Ctrl-C cut the clean-up short and leave processes behind.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        stop_processes([info for _, info in started], timeout_s=5.0)
+        cluster_file(root).unlink(missing_ok=True)
+        raise
+    return cluster, {info.name: proc for proc, info in started}
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def running(proc: psutil.Process) -> bool:
+    """Still running: a zombie is not (where pid 1 never reaps, zombies linger)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until ``procs`` have exited (reaping our own children); returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        for p in alive:
+            try:
+                os.waitpid(p.pid, os.WNOHANG)  # our child (foreground up): reap it
+            except ChildProcessError:
+                pass
+        alive = [p for p in alive if running(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def stop_processes(infos: list[ProcessInfo], timeout_s: float) -> list[str]:
+    """SIGTERM each role in order, wait, then SIGKILL what is left; returns what had to be killed."""
+    killed: list[str] = []
+    for role in STOP_ORDER:
+        procs = [p for info in infos if info.role == role and (p := ours(info)) is not None]
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        for p in wait_gone(procs, timeout_s):
+            try:
+                p.kill()
+                killed.append(f"{role} pid {p.pid}")
+            except psutil.Error:
+                pass
+            wait_gone([p], 5)
+    return killed
