@@ -14,8 +14,9 @@ test-workloads: setup
 	REVENANT_TORCH_PYTHON=$$(bash deploy/scripts/setup-torch.sh) .venv/bin/python -m pytest -m training $(PYTEST_ARGS)
 
 # The unit tier alone: pure logic, no nats-server, no criu, no cluster; a few seconds.
+# The unit tier, its property tests at a fifth of their examples (tests/helpers.py examples).
 test-fast: setup
-	.venv/bin/python -m pytest -m unit $(PYTEST_ARGS)
+	REVENANT_TEST_EXAMPLES=0.2 .venv/bin/python -m pytest -m unit $(PYTEST_ARGS)
 
 demo: setup
 	@bash deploy/scripts/demo.sh

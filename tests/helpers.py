@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 from revenant.common.config import AgentConfig
@@ -86,3 +87,14 @@ async def _states(nodes, want):
     if table and {n.name: n.state for n in table} == want:
         return table
     return None
+
+
+# The property tests' example counts, scaled: `make test` runs each at full strength; `make
+# test-fast` (REVENANT_TEST_EXAMPLES=0.2) a fifth of them, at least 20, so that the unit tier
+# stays quick enough to run before every commit.
+EXAMPLES_SCALE = float(os.environ.get("REVENANT_TEST_EXAMPLES", "1"))
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a property test that runs ``n`` at full strength."""
+    return n if EXAMPLES_SCALE >= 1 else max(20, min(n, round(n * EXAMPLES_SCALE)))

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from revenant.cli import main as cli
 from revenant.cli.client import submit_request
 from revenant.messages import SubmitRequest
@@ -53,7 +55,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ARGV)
 def test_no_argv_gives_a_traceback(argv):
     status, out, err = run(argv)

@@ -222,6 +222,8 @@ def test_counts_and_snapshot():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from helpers import examples  # noqa: E402
+
 OPS = st.lists(st.one_of(
     st.tuples(st.just("beat"), st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["i1", "i2"]), st.booleans(),
               st.sampled_from([None, "GREEN", "YELLOW", "RED"])),
@@ -232,7 +234,7 @@ OPS = st.lists(st.one_of(
 ), max_size=80)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(OPS)
 def test_the_ordered_tick_misses_no_verdict_and_keeps_its_indexes(ops):
     cfg = CoordinatorConfig(forget_after_s=5.0)

@@ -138,8 +138,10 @@ async def test_a_renewal_that_comes_back_past_the_fence_deadline_is_a_fence():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from helpers import examples  # noqa: E402
 
-@settings(max_examples=200, deadline=None)
+
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.sampled_from(["alive", "suspect", "dead", "left"]), max_size=30), st.data())
 def test_the_storm_counted_from_the_detectors_counts_is_the_storm_of_the_walk(states, data):
     """What a tick checks (the detector's counts and the pending nodes' states) decides as the walk

@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from revenant.coordinator import lifecycle as lc
 from revenant.messages import EpochInfo, JobRecord, JobSpec
 
@@ -69,7 +71,7 @@ def run(order: list[str]) -> dict:
     return {"a": a, "b": b, "record": rec}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(interleavings())
 def test_a_thaw_and_a_failover_never_both_go_ahead(order):
     result = run(order)

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from revenant.agent.epochs import JobFiles
 from revenant.agent.jobs import Supervisor
 from revenant.common import bus
@@ -41,7 +43,7 @@ def test_a_name_that_could_escape_is_refused_everywhere(name, tmp_path):
 
 
 @pytest.mark.unit
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(hostile)
 def test_fuzz_a_job_id_is_a_path_under_storage_or_refused(name):
     storage = Path("/srv/storage")
@@ -55,7 +57,7 @@ def test_fuzz_a_job_id_is_a_path_under_storage_or_refused(name):
 
 
 @pytest.mark.unit
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(hostile, hostile)
 def test_fuzz_a_name_is_one_subject_token_or_refused(node, kind):
     try:
@@ -78,7 +80,7 @@ def _purge_reply(storage: Path, data: bytes) -> bytes:
 
 
 @pytest.mark.unit
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(hostile)
 def test_fuzz_a_purge_with_a_hostile_job_id_is_answered_with_an_error_and_touches_nothing(name):
     import tempfile
@@ -105,7 +107,7 @@ def test_a_purge_with_a_path_escaping_id_says_why(tmp_path):
 
 
 @pytest.mark.unit
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.integers(MAX_MESSAGE_BYTES + 1, 4 * MAX_MESSAGE_BYTES))
 def test_fuzz_every_decoded_message_is_bounded(size):
     big = msgpack.packb({"type": "purge_job.v1", "job": "x" * size})

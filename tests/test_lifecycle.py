@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, JobNotRunning, RevenantError
 from revenant.coordinator import lifecycle as lc
@@ -236,7 +238,7 @@ inputs = st.one_of(
 ALLOWED = {(frm, to) for frm, _, to in lc.TRANSITIONS}
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(st.lists(inputs, max_size=40), st.booleans())
 def test_any_sequence_of_inputs_keeps_the_job_on_one_node_at_one_generation(sequence, requeue):
     spec = JobSpec(id="7", argv=["true"], max_epochs=2, requeue=requeue)

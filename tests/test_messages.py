@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from revenant.messages.codec import HeartbeatViewV1
 
 from revenant.messages import (
@@ -292,7 +294,7 @@ def _decodes_or_typed_error(data: bytes) -> None:
     assert type(msg) in MESSAGE_TYPES
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.binary(max_size=512))
 def test_fuzz_random_bytes(data):
     _decodes_or_typed_error(data)
@@ -307,13 +309,13 @@ msgpack_values = st.recursive(
 known_tags = st.sampled_from([tag_of(t) for t in MESSAGE_TYPES] + ["heartbeat.v2", "x.v1", "", "heartbeat"])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(known_tags, st.dictionaries(st.text(max_size=15), msgpack_values, max_size=8))
 def test_fuzz_maps_with_real_tags(tag, fields):
     _decodes_or_typed_error(msgpack.packb({**fields, "type": tag}, use_bin_type=True))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.sampled_from(SAMPLES), st.data())
 def test_fuzz_mutated_valid_messages(msg, data):
     raw = bytearray(encode(msg))
@@ -323,7 +325,7 @@ def test_fuzz_mutated_valid_messages(msg, data):
     _decodes_or_typed_error(bytes(raw))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.sampled_from(SAMPLES), st.data())
 def test_fuzz_truncated_valid_messages(msg, data):
     raw = encode(msg)

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from revenant.agent import chain, packs
 from revenant.agent.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest, NoEpoch
 
@@ -140,7 +142,7 @@ class Store:
                 f.newest_verified()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(full_every=st.integers(1, 4), seed=st.integers(0, 2**32), steps=st.lists(ops, max_size=14))
 def test_every_kept_epoch_rebuilds_exactly_or_is_reported_corrupt(full_every, seed, steps):
     with tempfile.TemporaryDirectory() as root:
