@@ -1,4 +1,4 @@
-"""Client commands that speak to the cluster over NATS: nodes, jobs and events.
+"""Client commands that speak to the cluster over NATS: nodes and jobs (events: cli/events.py).
 
 Every list is read page by page (``nodes_request.v1``, ``jobs_request.v1``); the events come
 one message at a time from the stream, so no single reply grows with the cluster."""
@@ -17,53 +17,46 @@ from typing import TypeVar
 
 import msgspec
 import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.cli import asking
 from revenant.cli.exports import exported_env
-from revenant.cli.jobview import _fmt_bytes, _fmt_time, _print_job, job_view
+from revenant.cli.jobview import _fmt_bytes, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common import bus, security
 from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
-from revenant.common.errors import BusError, RemoteError, RevenantError, described
+from revenant.common.errors import RemoteError, RevenantError
 from revenant.common.intervals import parse_interval
 from revenant.common.limits import ROOT_USERS, BadRequest, check_submit
 from revenant.messages import (
-    AnomalyEvent,
-    EpochEvent,
     FailoverReply,
     FailoverRequest,
-    JobEvent,
     JobRecord,
     JobReply,
     JobRequest,
     JobsReply,
     JobsRequest,
     Message,
-    MessageError,
-    NodeEvent,
     NodesReply,
     NodesRequest,
     NodeStatus,
     SubmitRequest,
-    decode,
     subjects,
 )
 
 M = TypeVar("M", bound=Message)
 
 
-# The credential this command connects with (--creds, --dir's, $REVENANT_CREDS), set by _url.
+# The credential this command connects with (--creds, --dir's, $REVENANT_CREDS), set by bus_url.
 _creds = ""
 
 
-def _url(args: argparse.Namespace) -> str:
+def bus_url(args: argparse.Namespace) -> str:
     global _creds
     _creds = resolve_creds(args.dir, getattr(args, "creds", None))
     return resolve_nats_url(args.dir, args.nats)
 
 
-def _auth() -> dict[str, str | None]:
+def auth() -> dict[str, str | None]:
     """bus.connect's credential and inbox for this command (none on an open bus)."""
     return security.client_credentials(_creds)
 
@@ -119,7 +112,7 @@ async def request_nodes(nc, timeout_s: float, subject: str = subjects.coordinato
 
 
 async def fetch_nodes(url: str, timeout_s: float, subject: str = subjects.coordinator("nodes")) -> NodesReply:
-    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False, connect_timeout_s=timeout_s)
+    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False, connect_timeout_s=timeout_s)
     try:
         return await request_nodes(nc, timeout_s, subject)
     finally:
@@ -134,7 +127,7 @@ def nodes_table(reply: NodesReply) -> str:
 
 
 def nodes(args: argparse.Namespace) -> int:
-    url = _url(args)
+    url = bus_url(args)
     if args.dir and read_cluster(args.dir).insecure:
         print("revenant: WARNING: INSECURE cluster (revenant up --insecure): its NATS asks no one for a "
               "credential, so anyone who reaches it can command every node", file=sys.stderr)
@@ -150,7 +143,7 @@ def nodes(args: argparse.Namespace) -> int:
 
 async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
     """Redraw the table in place (one connection for the whole watch)."""
-    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=True, connect_timeout_s=args.timeout)
+    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=True, connect_timeout_s=args.timeout)
     try:
         while True:
             try:
@@ -166,94 +159,12 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
         await nc.close()
 
 
-def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
-    """(human line, JSON object) for one event from the stream."""
-    try:
-        event = decode(data)
-    except MessageError as exc:
-        obj = {"seq": seq, "subject": subject, "error": str(exc)}
-        return f"#{seq} {subject}: undecodable event ({exc})", obj
-    obj = {"seq": seq, "subject": subject, **msgspec.to_builtins(event)}
-    if isinstance(event, NodeEvent):
-        extra = f" after {event.silence_s:.2f}s silence" if event.kind in ("suspect", "dead") else ""
-        why = f" ({event.reason})" if event.reason else ""
-        line = f"{_fmt_time(event.at)} node {event.node} {event.kind}{extra}{why}"
-    elif isinstance(event, JobEvent):
-        bits = [f"on {event.node}" if event.node else "", f"gen {event.generation}" if event.generation else "",
-                f"pid {event.pid}" if event.pid else "",
-                f"exit {event.exit_code}" if event.exit_code is not None else "",
-                f"epoch {event.epoch}" if event.epoch is not None else "",
-                f"from {event.from_node}" if event.from_node else "",
-                f"{event.since_last_heartbeat_s:.2f}s after its last heartbeat"
-                if event.since_last_heartbeat_s is not None else "",
-                f"({event.reason})" if event.reason else ""]
-        line = f"{_fmt_time(event.at)} job {event.job} {event.kind} " + " ".join(b for b in bits if b)
-    elif isinstance(event, AnomalyEvent):
-        line = (f"{_fmt_time(event.at)} node {event.node} anomaly {event.metric}={event.value:g} "
-                f"(mean {event.mean:g}, std {event.std:g})")
-    elif isinstance(event, EpochEvent):
-        if event.kind == "created":
-            detail = (f"epoch {event.n} on {event.node}: {_fmt_bytes(event.bytes)}, frozen "
-                      f"{event.freeze_s * 1000:.0f} ms, {event.duration_s:.2f} s in all")
-        elif event.kind == "failed":
-            detail = f"on {event.node}: {event.error}"
-        elif event.kind in ("skipped", "degraded", "forced"):
-            detail = f"on {event.node}: {event.reason}"
-        elif event.kind == "converted":
-            detail = f"epoch {event.n} on {event.node}: now a delta of {_fmt_bytes(event.bytes)}"
-        else:
-            detail = f"epoch {event.n}"
-        line = f"{_fmt_time(event.at)} job {event.job} checkpoint {event.kind} {detail}"
-    else:
-        fields = {k: v for k, v in obj.items() if k not in ("seq", "subject", "type", "at")}
-        at = getattr(event, "at", None)
-        line = f"{_fmt_time(at) if at else '-'} {obj['type']} {json.dumps(fields, default=str)}"
-    return line, obj
-
-
-async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float) -> None:
-    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=follow, connect_timeout_s=timeout_s)
-    js = nc.jetstream(timeout=timeout_s)
-    try:
-        try:
-            info = await js.stream_info(subjects.EVENTS_STREAM)
-        except nats.js.errors.NotFoundError:
-            if not follow:
-                return
-            await bus.ensure_event_stream(js)
-            info = await js.stream_info(subjects.EVENTS_STREAM)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise BusError(f"cannot read the event stream: {described(exc)}") from None
-        last = info.state.last_seq
-        if not follow and info.state.messages == 0:
-            return
-        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True,
-                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=None if follow else timeout_s)
-            except nats.errors.TimeoutError:
-                raise BusError(f"event stream stalled: no message within {timeout_s:g} s") from None
-            seq = msg.metadata.sequence.stream
-            line, obj = format_event(msg.subject, seq, msg.data)
-            print(json.dumps(obj) if as_json else line, flush=True)
-            if not follow and seq >= last:
-                return
-    finally:
-        await nc.close()
-
-
-def events(args: argparse.Namespace) -> int:
-    asyncio.run(_stream_events(_url(args), args.follow, args.json, args.timeout))
-    return 0
-
-
 # ---------------------------------------------------------------------- jobs
 
-async def _coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float,
+async def coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float,
                  watch: ProgressLine | None = None) -> M:
     """Ask the coordinator; with ``watch``, draw the job's progress until the reply comes."""
-    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False,
+    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False,
                            connect_timeout_s=min(timeout_s, 5.0))
     try:
         if watch is not None:  # before the request: the server hears the subscription first
@@ -312,7 +223,7 @@ def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequ
 
 def submit(args: argparse.Namespace) -> int:
     req = submit_request(args, request_id=secrets.token_hex(16))
-    reply = asyncio.run(submitted(_url(args), req, args.timeout))
+    reply = asyncio.run(submitted(bus_url(args), req, args.timeout))
     print(reply.job.spec.id)
     return 0
 
@@ -335,7 +246,7 @@ async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: flo
     said = False
     while True:
         try:
-            return await _coord(url, "submit", req, JobReply, timeout_s)
+            return await coord(url, "submit", req, JobReply, timeout_s)
         except RevenantError as exc:
             again = SUBMIT_RETRY_REMOTE if isinstance(exc, RemoteError) else SUBMIT_RETRY_LOCAL
             if exc.code not in again or time.monotonic() + pause_s >= deadline:
@@ -348,7 +259,7 @@ async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: flo
 
 
 def show_job(args: argparse.Namespace) -> int:
-    reply = asyncio.run(_coord(_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout))
+    reply = asyncio.run(coord(bus_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout))
     for note in reply.notes:
         print(f"revenant: {note}", file=sys.stderr)
     _print_job(reply.job, args.json)
@@ -369,7 +280,7 @@ async def request_jobs(nc, timeout_s: float, subject: str = subjects.coordinator
 
 
 async def fetch_jobs(url: str, timeout_s: float) -> list[JobRecord]:
-    nc = await bus.connect(url, "revenant-cli", **_auth(), endless_reconnect=False,
+    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False,
                            connect_timeout_s=min(timeout_s, 5.0))
     try:
         return await request_jobs(nc, timeout_s, request_subject("jobs"))
@@ -378,7 +289,7 @@ async def fetch_jobs(url: str, timeout_s: float) -> list[JobRecord]:
 
 
 def list_jobs(args: argparse.Namespace) -> int:
-    jobs = asyncio.run(fetch_jobs(_url(args), args.timeout))
+    jobs = asyncio.run(fetch_jobs(bus_url(args), args.timeout))
     if args.json:
         print(json.dumps([job_view(r) for r in jobs], indent=2))
         return 0
@@ -393,7 +304,7 @@ def list_jobs(args: argparse.Namespace) -> int:
 
 
 def failover(args: argparse.Namespace) -> int:
-    reply = asyncio.run(_coord(_url(args), "failover", FailoverRequest(action=args.action), FailoverReply,
+    reply = asyncio.run(coord(bus_url(args), "failover", FailoverRequest(action=args.action), FailoverReply,
                                args.timeout))
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply), indent=2))
@@ -412,7 +323,7 @@ def job_action(args: argparse.Namespace, verb: str) -> int:
     as_json = getattr(args, "json", False)
     # A person watching (a terminal, no --json) sees how far the dump or restore is.
     watch = ProgressLine(args.job, sys.stderr) if criu_op and not as_json and sys.stderr.isatty() else None
-    reply = asyncio.run(_coord(_url(args), verb, req, JobReply, args.timeout, watch))
+    reply = asyncio.run(coord(bus_url(args), verb, req, JobReply, args.timeout, watch))
     rec = reply.job
     for note in reply.notes:
         print(f"revenant: {note}", file=sys.stderr)

@@ -7,7 +7,7 @@ import logging
 import math
 import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from revenant.common.errors import RevenantError
 from revenant.common.limits import MAX_EPOCHS, check_range
@@ -59,7 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="revenant", description="Checkpoint/restore and failover for cluster jobs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _cluster_commands(sub)
+    _submit_command(sub)
+    _job_commands(sub)
+    return parser
 
+
+def _cluster_commands(sub: Any) -> None:
+    """The services and a local cluster: agent, coordinator, up, supervise, keys, down, nodes."""
     p = sub.add_parser("agent", help="run the node agent")
     p.add_argument("--node", help="node name (a NATS subject token)")
     p.add_argument("--nats", help="NATS URL(s), comma-separated")
@@ -129,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.set_defaults(func=_cmd_nodes)
 
+
+def _submit_command(sub: Any) -> None:
+    """submit, with the job's checkpoint policy."""
     p = sub.add_parser("submit", help="run a job; prints its id")
     _add_cluster_args(p)
     p.add_argument("--name", help="a name for the job (default: the command)")
@@ -168,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
     p.set_defaults(func=_cmd_submit)
 
+
+def _job_commands(sub: Any) -> None:
+    """What is done to jobs once submitted, and the event stream."""
     p = sub.add_parser("checkpoint", help="checkpoint create / vacate / restart")
     cps = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, verb, text in (("create", "checkpoint", "checkpoint a running job; it keeps running"),
@@ -224,7 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.set_defaults(func=_cmd_events)
-    return parser
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -310,11 +322,11 @@ def _cmd_show_job(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     import asyncio
 
-    from revenant.cli.client import _coord, _url
+    from revenant.cli.client import bus_url, coord
     from revenant.cli.jobview import print_resources
     from revenant.messages import JobReply, JobRequest
 
-    reply = asyncio.run(_coord(_url(args), "check", JobRequest(job=args.job), JobReply, args.timeout))
+    reply = asyncio.run(coord(bus_url(args), "check", JobRequest(job=args.job), JobReply, args.timeout))
     return print_resources(reply.job, reply.resources, args.json)
 
 
@@ -331,7 +343,7 @@ def _cmd_failover(args: argparse.Namespace) -> int:
 
 
 def _cmd_events(args: argparse.Namespace) -> int:
-    from revenant.cli.client import events
+    from revenant.cli.events import events
 
     return events(args)
 

@@ -235,7 +235,7 @@ def test_show_job_text_of_a_record_from_before_policies(capsys):
 
 
 def test_the_new_epoch_events_print_on_one_line_with_their_reason():
-    from revenant.cli.client import format_event
+    from revenant.cli.events import format_event
     from revenant.messages import EpochEvent, encode
 
     skipped = EpochEvent(job="7", kind="skipped", at=0.0, node="node-1", reason="cpu 0.97 > 0.95")

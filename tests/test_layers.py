@@ -26,7 +26,7 @@ ALLOWED = {
     "cli": {"messages", "common", "agent", "coordinator"},
 }
 # Benchmarks aside, no module in these packages grows past about a few screens.
-SMALL = ("agent", "common", "coordinator")
+SMALL = ("agent", "common", "coordinator", "cli")
 MAX_MODULE_LINES = 420
 MAX_FUNCTION_LINES = 85
 

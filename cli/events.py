@@ -1,0 +1,99 @@
+"""``revenant events``: the event stream, replayed and followed, one line (or JSON object) each."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import msgspec
+import nats.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from revenant.cli.client import auth, bus_url
+from revenant.cli.jobview import _fmt_bytes, _fmt_time
+from revenant.common import bus
+from revenant.common.errors import BusError, described
+from revenant.messages import AnomalyEvent, EpochEvent, JobEvent, MessageError, NodeEvent, decode, subjects
+
+
+def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
+    """(human line, JSON object) for one event from the stream."""
+    try:
+        event = decode(data)
+    except MessageError as exc:
+        obj = {"seq": seq, "subject": subject, "error": str(exc)}
+        return f"#{seq} {subject}: undecodable event ({exc})", obj
+    obj = {"seq": seq, "subject": subject, **msgspec.to_builtins(event)}
+    if isinstance(event, NodeEvent):
+        extra = f" after {event.silence_s:.2f}s silence" if event.kind in ("suspect", "dead") else ""
+        why = f" ({event.reason})" if event.reason else ""
+        line = f"{_fmt_time(event.at)} node {event.node} {event.kind}{extra}{why}"
+    elif isinstance(event, JobEvent):
+        bits = [f"on {event.node}" if event.node else "", f"gen {event.generation}" if event.generation else "",
+                f"pid {event.pid}" if event.pid else "",
+                f"exit {event.exit_code}" if event.exit_code is not None else "",
+                f"epoch {event.epoch}" if event.epoch is not None else "",
+                f"from {event.from_node}" if event.from_node else "",
+                f"{event.since_last_heartbeat_s:.2f}s after its last heartbeat"
+                if event.since_last_heartbeat_s is not None else "",
+                f"({event.reason})" if event.reason else ""]
+        line = f"{_fmt_time(event.at)} job {event.job} {event.kind} " + " ".join(b for b in bits if b)
+    elif isinstance(event, AnomalyEvent):
+        line = (f"{_fmt_time(event.at)} node {event.node} anomaly {event.metric}={event.value:g} "
+                f"(mean {event.mean:g}, std {event.std:g})")
+    elif isinstance(event, EpochEvent):
+        if event.kind == "created":
+            detail = (f"epoch {event.n} on {event.node}: {_fmt_bytes(event.bytes)}, frozen "
+                      f"{event.freeze_s * 1000:.0f} ms, {event.duration_s:.2f} s in all")
+        elif event.kind == "failed":
+            detail = f"on {event.node}: {event.error}"
+        elif event.kind in ("skipped", "degraded", "forced"):
+            detail = f"on {event.node}: {event.reason}"
+        elif event.kind == "converted":
+            detail = f"epoch {event.n} on {event.node}: now a delta of {_fmt_bytes(event.bytes)}"
+        else:
+            detail = f"epoch {event.n}"
+        line = f"{_fmt_time(event.at)} job {event.job} checkpoint {event.kind} {detail}"
+    else:
+        fields = {k: v for k, v in obj.items() if k not in ("seq", "subject", "type", "at")}
+        at = getattr(event, "at", None)
+        line = f"{_fmt_time(at) if at else '-'} {obj['type']} {json.dumps(fields, default=str)}"
+    return line, obj
+
+
+async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float) -> None:
+    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=follow, connect_timeout_s=timeout_s)
+    js = nc.jetstream(timeout=timeout_s)
+    try:
+        try:
+            info = await js.stream_info(subjects.EVENTS_STREAM)
+        except nats.js.errors.NotFoundError:
+            if not follow:
+                return
+            await bus.ensure_event_stream(js)
+            info = await js.stream_info(subjects.EVENTS_STREAM)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BusError(f"cannot read the event stream: {described(exc)}") from None
+        last = info.state.last_seq
+        if not follow and info.state.messages == 0:
+            return
+        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True,
+                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=None if follow else timeout_s)
+            except nats.errors.TimeoutError:
+                raise BusError(f"event stream stalled: no message within {timeout_s:g} s") from None
+            seq = msg.metadata.sequence.stream
+            line, obj = format_event(msg.subject, seq, msg.data)
+            print(json.dumps(obj) if as_json else line, flush=True)
+            if not follow and seq >= last:
+                return
+    finally:
+        await nc.close()
+
+
+def events(args: argparse.Namespace) -> int:
+    asyncio.run(_stream_events(bus_url(args), args.follow, args.json, args.timeout))
+    return 0
