@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import msgspec
+
 from revenant.agent import netlock, procs
 from revenant.agent.checkpoints import CheckpointBook, Why
 from revenant.agent.engine import Engine
@@ -218,7 +220,9 @@ class Supervisor:
         since = self.clock()
         try:
             manifest, notes, stats = await self.engine.checkpoint(
-                job, generation, rt.pid, stop=stop, user=rt.spec.user, workdir=rt.spec.workdir, policy=rt.spec.policy,
+                job, generation, rt.pid, stop=stop, user=rt.spec.user, workdir=rt.spec.workdir,
+                # An eviction's job goes to another node, where its connections come back closed: none are held.
+                policy=msgspec.structs.replace(rt.spec.policy, connections="close") if evict else rt.spec.policy,
                 spoiled=functools.partial(self.freezer.spoiled, rt, since),
                 resume=functools.partial(self.freezer.resume, rt))
         except RevenantError as exc:

@@ -64,3 +64,34 @@ async def test_a_vacate_spoiled_after_the_dump_leaves_the_jobs_connection_workin
         assert "Error" not in out, out
     finally:
         server.close()
+
+
+async def test_an_eviction_holds_no_connection_its_peer_sees_it_close(supervisors, tmp_path):
+    """A job the node stops to be restored elsewhere (a drain, a proactive move) gets its
+    connections back closed there: the node holds none, and the peer sees the connection end
+    when the job is killed rather than after connection_hold_s of silence."""
+    server = socket.create_server(("127.0.0.1", 0))
+    ended = threading.Event()
+    lines: list[int] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn, conn.makefile("rb") as f:
+            for raw in f:
+                lines.append(int(raw))
+                conn.sendall(raw)
+        ended.set()
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        sup = supervisors("n1", allow_root_jobs=True)
+        hold = netlock.NetLockStep(netlock.locate() or "nft", "n1", tmp_path, hold_s=300)
+        sup.engine.steps.append(hold)
+        spec = JobSpec(id="1", argv=[sys.executable, "-c", ECHO_CLIENT, str(server.getsockname()[1])],
+                       workdir=str(tmp_path))
+        await sup.start(spec, 1)
+        await until(lambda: len(lines) > 10)
+        await sup.checkpoint("1", 1, stop=True, evict_reason="node n1 is draining")
+        assert hold.holds == {}
+        await until(ended.is_set, timeout=10)  # not 300 s of silence
+    finally:
+        server.close()
