@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import EXAMPLES_SCALE
+
 from revenant.agent import packs
 from revenant.agent.epochs import JobFiles, Manifest
 
@@ -20,6 +22,8 @@ pytestmark = pytest.mark.unit
 
 PAGE = 4096
 PAGES = 256  # 1 MiB per epoch
+# Lives (each a random kill): 14 in make test, 6 in make test-fast (tests/helpers.py).
+LIVES = 14 if EXAMPLES_SCALE >= 1 else 6
 
 
 def content(k: int) -> bytes:
@@ -67,7 +71,7 @@ def test_an_agent_killed_anywhere_leaves_every_listed_epoch_restorable(tmp_path:
     cache: dict[int, bytes] = {}
     seen_converted = 0
     first_round = 0
-    for life in range(14):
+    for life in range(LIVES):
         pid = os.fork()
         if pid == 0:
             try:
