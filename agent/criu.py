@@ -105,9 +105,10 @@ def network_dump_args(keep_connections: bool) -> list[str]:
 # A restore brings a job's established connections back closed: its peers saw nothing since the
 # epoch was taken but the job's silence, and a well-written client reconnects after the reset
 # its next use gets.  Only on the node that has held them since the vacate that took the epoch
-# (agent/netlock.py) do they come back intact, still locked until criu is done.
+# (agent/netlock.py) do they come back intact: criu restores them in repair mode, then removes
+# the lock its dump left (the lock method is the dump's, from its inventory) and lets them go.
 RESTORE_NETWORK = ("--tcp-close", "--ext-unix-sk")
-RESTORE_NETWORK_KEPT = ("--tcp-established", "--ext-unix-sk", "--network-lock", "skip")
+RESTORE_NETWORK_KEPT = ("--tcp-established", "--ext-unix-sk")
 
 
 def dump_argv(criu: str, *, pid: int, images: Path, workdir: Path, action_script: Path,

@@ -1,6 +1,6 @@
 """What a dump's criu images say, read without criu: a protobuf reader small enough to trust.
 
-A criu image is two 32-bit magics, then its entries, each a 32-bit little-endian size and a
+A criu image is two 32-bit magics, then its entries, each a 32-bit size (host order) and a
 protobuf message (criu's images/*.proto; some images follow an entry with raw data, which the
 caller skips).  Only what revenant needs is read: the inet sockets of ``files.img``, which say
 what the epoch's job listened on and the connections it held, exactly as criu recorded them,
@@ -51,6 +51,8 @@ def fields(msg: bytes) -> Iterator[tuple[int, int | bytes]]:
             i += size
         elif wire in (1, 5):
             width = 8 if wire == 1 else 4
+            if i + width > len(msg):
+                raise IndexError("field runs past its message")
             yield number, int.from_bytes(msg[i:i + width], "little")
             i += width
         else:
@@ -61,13 +63,16 @@ def entries(data: bytes) -> Iterator[bytes]:
     """Each entry of an image that holds entries only (no raw data after them)."""
     i = HEADER
     while i + 4 <= len(data):
-        (size,) = struct.unpack_from("<I", data, i)
+        (size,) = struct.unpack_from("=I", data, i)  # criu writes its sizes in host order
+        if i + 4 + size > len(data):
+            raise IndexError("the image's last entry is cut short")
         yield data[i + 4:i + 4 + size]
         i += 4 + size
 
 
 def _address(family: int, words: list[int], port: int) -> str:
-    ip = socket.inet_ntop(family, b"".join(struct.pack("<I", w) for w in words))  # network order, as read
+    # Each word holds the address's bytes as criu read them from the kernel: packed back in host order.
+    ip = socket.inet_ntop(family, b"".join(struct.pack("=I", w) for w in words))
     return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
 
 

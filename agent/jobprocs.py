@@ -95,7 +95,12 @@ def job_sockets(root: int) -> Iterator[socket.socket]:
             except OSError:
                 continue
             seen.add(target)
-            with socket.socket(fileno=mine) as sk:
+            try:
+                sk = socket.socket(fileno=mine)
+            except OSError:  # not a socket after all (the descriptor was reused since)
+                os.close(mine)
+                continue
+            with sk:
                 yield sk
     finally:
         for pidfd in pidfds.values():

@@ -230,6 +230,7 @@ class Supervisor:
             raise
         if stop:
             # Committed, and the engine has killed the job: its exit is this vacate (or drain).
+            netlock.vacated(self.engine.steps, job)
             rt.stopped_at_epoch, rt.stopped_gpus = manifest.epoch, (manifest.gpus, manifest.gpu_driver)
             rt.evicted, rt.kill_reason = bool(evict), evict
         info, pruned, kept, storage = await self.policies.committed(rt.files, generation, manifest,
@@ -262,7 +263,11 @@ class Supervisor:
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
         async with self.policies.lock(files):  # never while its older epochs are being converted
-            pid, manifest, notes, fetch, stats = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
+            try:
+                pid, manifest, notes, fetch, stats = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
+            except BaseException:
+                await asyncio.shield(netlock.restore_failed(self.engine.steps, spec.id))
+                raise
         rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)

@@ -10,10 +10,14 @@ lock connections with nftables and this agent can remove such a lock (``nft``):
   read) under its nftables lock, taken once the job is frozen (the job sends nothing more), and
   leaves the lock in place, since it leaves the job stopped: a table ``inet CRIU-<run id>``
   dropping every packet of those connections, both ways;
-* the agent holds that table for ``hold_s`` after the job is killed: its peers hear nothing, as
-  from a job frozen, and a restore of that very epoch on this node meanwhile brings each
-  connection back intact (criu's ``--tcp-established`` without ``--tcp-close``), after which
-  the table goes and the peers' retransmissions reach the job again;
+* the agent holds that table for ``hold_s`` after the vacate has committed and killed the job:
+  its peers hear nothing, as from a job frozen, and a restore of that very epoch on this node
+  meanwhile brings each connection back intact (criu's ``--tcp-established`` without
+  ``--tcp-close``; criu removes its table itself once they are back, the lock method being the
+  dump's), and the peers' retransmissions reach the job again.  A restore that claims the hold
+  stops its clock; one that fails lets it go;
+* a table criu leaves when the vacate fails after it (a later step, the commit, criu killed)
+  goes at once: the job runs on, and so must its connections;
 * a hold that ends unused (the job went elsewhere, or nowhere) removes the table: the peers'
   next packets are answered with a reset, and they learn the connection is gone.  An agent that
   stops lets its holds go; one that starts removes the tables an earlier one noted
@@ -38,6 +42,9 @@ from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 log = logging.getLogger(__name__)
 
 NFT_TIMEOUT_S = 30.0
+CRIU_PREFIX = "CRIU-"
+# A hold whose vacate never says it committed (an agent path that does not) still ends.
+ARM_GRACE_S = 600.0
 _RUN_ID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -68,6 +75,16 @@ async def run(nft: str, *args: str) -> str:
     return next((ln for ln in lines if "Error" in ln), lines[0] if lines else f"nft exited {done.returncode}")
 
 
+async def tables(nft: str, prefix: str) -> list[str]:
+    """The inet tables here whose names start with ``prefix``."""
+    try:
+        done = await procs.run([nft, "list", "tables", "inet"], NFT_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        return []
+    names = [ln.split()[-1] for ln in done.output.splitlines() if ln.startswith("table inet ")]
+    return [n for n in names if n.startswith(prefix)] if done.returncode == 0 else []
+
+
 async def usable(nft: str | None, node: str) -> str:
     """"" if ``nft`` can remove a table here (one made for the purpose), else why not."""
     if nft is None:
@@ -84,7 +101,7 @@ class Hold:
     generation: int
     created_at: float
     connections: list[str]
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # None: claimed by a restore
 
 
 class NetLockStep(BaseStep):
@@ -144,41 +161,78 @@ class NetLockStep(BaseStep):
         await self._drop_hold(ctx.job)  # (a hold outliving a restore elsewhere and a move back)
         ctx.keep_connections = (ctx.stop and self.hold_s > 0
                                 and (ctx.policy is None or ctx.policy.connections == "keep"))
+        if ctx.keep_connections:  # criu's table is named only in an inventory a killed criu never writes
+            ctx.state[self.name] = set(await tables(self.nft, CRIU_PREFIX))
 
     async def after_dump(self, ctx: DumpContext) -> None:
-        """criu left the job stopped, its connections locked by its table: hold it."""
+        """criu left the job stopped, its connections locked by its table: hold it (its time
+        starts once the vacate has committed: :meth:`arm`)."""
         if not ctx.keep_connections:
             return
         table = await asyncio.to_thread(criu_table, ctx.epoch_tmp)
         if table is None:
             log.error("job %s: criu's connection lock is not named in its images: its connections go", ctx.job)
+            await self._release_new(ctx)
             return
         peers = await asyncio.to_thread(netstate.peers, ctx.pid)  # still there, frozen
-        hold = Hold(table, ctx.generation, ctx.manifest.created_at, [netstate.connection_text(*p) for p in peers])
-        hold.timer = asyncio.get_running_loop().call_later(self.hold_s, self._expire, ctx.job, hold)
-        self.holds[ctx.job] = hold
+        texts = [netstate.connection_text(*p) for p in peers]
+        self.holds[ctx.job] = Hold(table, ctx.generation, ctx.manifest.created_at, texts[:netstate.MAX_LISTED])
+        self._arm(ctx.job, self.hold_s + ARM_GRACE_S)  # (until :meth:`arm` says the vacate committed)
         self._note_holds()
         if not peers:
             await self._drop_hold(ctx.job)
 
     async def on_dump_failed(self, ctx: DumpContext) -> None:
-        """The job runs on: its connections must too (criu removes its lock when the dump itself
-        fails; a commit that fails after it leaves the held table to remove here)."""
-        if ctx.keep_connections:
+        """The job runs on: its connections must too.  criu removes its lock when the dump itself
+        fails, but not when it is killed, nor once it has dumped (a later step or the commit
+        failed): that table goes here."""
+        if not ctx.keep_connections:
+            return
+        if ctx.job in self.holds:
             await self._drop_hold(ctx.job)
+        elif (table := await asyncio.to_thread(criu_table, ctx.epoch_tmp)) is not None:
+            await self._release(table)
+        else:
+            await self._release_new(ctx)
+
+    async def _release_new(self, ctx: DumpContext) -> None:
+        """Remove criu's tables that appeared during this dump and no hold owns (criu killed
+        before it named its own: with another vacate dumping at once, that one's too, whose
+        connections then come back closed)."""
+        held = {h.table for h in self.holds.values()}
+        for table in set(await tables(self.nft, CRIU_PREFIX)) - ctx.state.get(self.name, set()) - held:
+            await self._release(table)
+
+    def _arm(self, job: str, after_s: float) -> None:
+        hold = self.holds.get(job)
+        if hold is not None:
+            if hold.timer is not None:
+                hold.timer.cancel()
+            hold.timer = asyncio.get_running_loop().call_later(after_s, self._expire, job, hold)
+
+    def arm(self, job: str) -> None:
+        """The vacate that took ``job``'s hold has committed and killed the job: the hold's
+        ``hold_s`` start now."""
+        self._arm(job, self.hold_s)
 
     # ------------------------------------------------------------------ restore
 
     async def before_restore(self, ctx: RestoreContext) -> None:
+        self.kept.pop(ctx.job, None)
         hold = self.holds.get(ctx.job)
         if hold is None:
             return
         if (hold.generation, hold.created_at) == (ctx.manifest.generation, ctx.manifest.created_at):
-            ctx.keep_connections = True
+            ctx.keep_connections = True  # no expiry while criu restores: released after it (or its failure)
+            if hold.timer is not None:
+                hold.timer.cancel()
+                hold.timer = None
             return
         await self._drop_hold(ctx.job)  # another epoch: its connections come back closed
 
     async def after_restore(self, ctx: RestoreContext) -> None:
+        """criu has removed its lock itself (the lock method is the dump's, from its inventory):
+        the hold is done."""
         if ctx.keep_connections:
             hold = self.holds.get(ctx.job)
             await self._drop_hold(ctx.job)
@@ -186,6 +240,13 @@ class NetLockStep(BaseStep):
                 self.kept[ctx.job] = hold.connections
                 ctx.notes.append(f"{len(hold.connections)} connection(s) came back intact: restored on the node "
                                  "that vacated it, which held them")
+
+    async def restore_failed(self, job: str) -> None:
+        """A restore that claimed the hold failed: its connections go (a retry brings them back closed)."""
+        self.kept.pop(job, None)
+        hold = self.holds.get(job)
+        if hold is not None and hold.timer is None:
+            await self._drop_hold(job)
 
     def take_kept(self, job: str) -> list[str]:
         return self.kept.pop(job, [])
@@ -196,9 +257,26 @@ class NetLockStep(BaseStep):
             await self._drop_hold(job)
 
 
+def _step(steps: list) -> NetLockStep | None:
+    return next((s for s in steps if isinstance(s, NetLockStep)), None)
+
+
 def kept_of(steps: list, job: str) -> list[str]:
     """The connections the restore of ``job`` just brought back intact (by ``steps``' NetLockStep)."""
-    return next((s.take_kept(job) for s in steps if isinstance(s, NetLockStep)), [])
+    step = _step(steps)
+    return step.take_kept(job) if step is not None else []
+
+
+def vacated(steps: list, job: str) -> None:
+    """``job``'s vacate has committed and killed it: its hold's time starts (agent/jobs.py)."""
+    if (step := _step(steps)) is not None:
+        step.arm(job)
+
+
+async def restore_failed(steps: list, job: str) -> None:
+    """``job``'s restore failed (agent/jobs.py): a hold it claimed goes."""
+    if (step := _step(steps)) is not None:
+        await step.restore_failed(job)
 
 
 async def setup(nft_path: str, node: str, features: dict[str, bool], scratch: Path, *,

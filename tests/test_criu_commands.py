@@ -42,7 +42,7 @@ def test_connections_are_recorded_to_be_closed_unless_a_vacate_holds_them():
     restore = criu.restore_argv("criu", images=Path("i"), workdir=Path("w"), pidfile=Path("p"))
     assert restore[-2:] == ["--tcp-close", "--ext-unix-sk"]
     intact = criu.restore_argv("criu", images=Path("i"), workdir=Path("w"), pidfile=Path("p"), keep_connections=True)
-    assert intact[-4:] == ["--tcp-established", "--ext-unix-sk", "--network-lock", "skip"]
+    assert intact[-2:] == ["--tcp-established", "--ext-unix-sk"]
     assert "--tcp-close" not in intact
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -130,6 +131,6 @@ def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "a.py").write_text("from revenant.agent import b\n")
     (pkg / "b.py").write_text("def f():\n    from revenant.agent.a import x\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    monkeypatch.setattr(__import__(__name__), "PACKAGES", ("agent",))
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("agent",))
     assert import_circles() == [["revenant.agent.a", "revenant.agent.b"]]

@@ -5,6 +5,7 @@ and a later one lets go, with the real nft."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -176,16 +177,26 @@ def test_a_vacates_hold_keeps_crius_lock_until_a_restore_here_or_its_end(tmp_pat
         await step.after_dump(ctx)
         same = restore(1234.5)
         await step.before_restore(same)
-        assert same.keep_connections
+        assert same.keep_connections and step.holds["9"].timer is None  # claimed: no expiry mid-restore
         await step.after_restore(same)
         assert netlock.kept_of([step], "9") == hold.connections and step.holds == {}
         assert "came back intact" in same.notes[0]
         assert "No such file" in await netlock.run(NFT, "list", "table", "inet", table)
 
+        assert await netlock.run(NFT, "add", "table", "inet", table) == ""  # a restore here that fails
+        await step.before_dump(ctx)
+        await step.after_dump(ctx)
+        await step.before_restore(restore(1234.5))
+        await netlock.restore_failed([step], "9")
+        assert step.holds == {} and "No such file" in await netlock.run(NFT, "list", "table", "inet", table)
+
         assert await netlock.run(NFT, "add", "table", "inet", table) == ""
         step.hold_s = 0.2
         await step.before_dump(ctx)
         await step.after_dump(ctx)
+        await asyncio.sleep(0.4)
+        assert "9" in step.holds  # its clock starts when the vacate has committed and killed the job
+        netlock.vacated([step], "9")
         await asyncio.sleep(0.6)  # unused: let go
         assert step.holds == {} and "No such file" in await netlock.run(NFT, "list", "table", "inet", table)
     try:
@@ -196,3 +207,32 @@ def test_a_vacates_hold_keeps_crius_lock_until_a_restore_here_or_its_end(tmp_pat
         proc.wait()
         proc.stdout.close()
         server.close()
+
+
+@pytest.mark.criu
+def test_a_vacate_that_fails_before_its_hold_leaves_no_lock_of_criu_behind(tmp_path):
+    """criu killed mid-dump writes no inventory, but its table is there: the tables that appeared
+    during the dump go (and one named by an inventory, when criu got that far)."""
+    from revenant.agent.epochs import JobFiles, Manifest
+    from revenant.agent.steps import DumpContext
+
+    m = Manifest(job="8", epoch=0, generation=1, node="n1", created_at=1.0, criu_version="4.2.1", kernel="k")
+    before = "CRIU-00000000-test-older-aa"  # another vacate's, held before this dump began
+
+    async def main() -> None:
+        assert await netlock.run(NFT, "add", "table", "inet", before) == ""
+        step = netlock.NetLockStep(NFT, "n1", tmp_path)
+        ctx = DumpContext(job="8", generation=1, pid=os.getpid(), files=JobFiles(tmp_path, "8"), workdir=tmp_path,
+                          stop=True, manifest=m, epoch_tmp=tmp_path)
+        await step.before_dump(ctx)
+        assert ctx.keep_connections
+        made = "CRIU-00000000-test-killed-a"
+        assert await netlock.run(NFT, "add", "table", "inet", made) == ""  # criu's, then criu killed
+        await step.on_dump_failed(ctx)
+        assert "No such file" in await netlock.run(NFT, "list", "table", "inet", made)
+        assert await netlock.run(NFT, "list", "table", "inet", before) == ""  # not this dump's: kept
+    try:
+        asyncio.run(main())
+    finally:
+        for table in (before, "CRIU-00000000-test-killed-a"):
+            asyncio.run(netlock.run(NFT, "delete", "table", "inet", table))
