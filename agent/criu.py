@@ -99,7 +99,10 @@ def network_dump_args(keep_connections: bool) -> list[str]:
     leaves the job stopped."""
     if keep_connections:
         return ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "nftables"]
-    return ["--ext-unix-sk", "--skip-in-flight", "--tcp-close"]
+    # No lock at all (``skip``): this criu's default method is nftables, whose table it would make
+    # at every dump (two libnftables commands while the job is frozen) and leave behind whenever
+    # it leaves the job stopped; a restore takes the method from the dump's inventory.
+    return ["--ext-unix-sk", "--skip-in-flight", "--tcp-close", "--network-lock", "skip"]
 
 
 # A restore brings a job's established connections back closed: its peers saw nothing since the

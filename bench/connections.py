@@ -108,7 +108,7 @@ def criu_alone(scratch: Path, server: Server, conns: int, creates: int) -> list[
             images = Path(tempfile.mkdtemp(prefix=f"alone-{conns}-", dir=scratch))
             done = subprocess.run([CRIU, "dump", "-t", str(job.pid), "-D", str(images), "-o", "dump.log", "-v2",
                                    "--display-stats", "--file-locks", "--external", "mnt[]", "--ext-unix-sk",
-                                   "--skip-in-flight", "--tcp-close", "--leave-running"],
+                                   "--skip-in-flight", "--tcp-close", "--network-lock", "skip", "--leave-running"],
                                   capture_output=True, text=True, timeout=120)
             frozen = re.search(r"Frozen time:\s*(\d+)\s*us", done.stdout + done.stderr)
             if done.returncode != 0 or frozen is None:

@@ -296,3 +296,30 @@ def pytest_runtest_setup(item):
                 if reason:
                     pytest.fail(f"{item.nodeid} ({tier} tier) needs {tool}, which is missing: {reason}. "
                                 "Run `make setup`.", pytrace=False)
+
+
+# criu's nftables lock tables (``inet CRIU-<run id>``) that the run leaves behind are named at its
+# end: one left behind black-holes the connections it lists (agent/netlock.py removes every one
+# it knows of; an agent SIGKILLed while it holds one leaves it).
+_CRIU_TABLES: set[str] = set()
+
+
+def _criu_tables() -> set[str]:
+    import shutil
+    import subprocess
+    nft = shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
+    if nft is None or os.geteuid() != 0:
+        return set()
+    out = subprocess.run([nft, "list", "tables", "inet"], capture_output=True, text=True).stdout
+    return {ln.split()[-1] for ln in out.splitlines() if ln.startswith("table inet CRIU-")}
+
+
+def pytest_sessionstart(session):
+    _CRIU_TABLES.update(_criu_tables())
+
+
+def pytest_terminal_summary(terminalreporter):
+    left = _criu_tables() - _CRIU_TABLES
+    if left:
+        terminalreporter.write_line(f"criu lock tables left behind by this run: {len(left)} "
+                                    f"(nft list tables; e.g. {sorted(left)[0]})")

@@ -19,7 +19,7 @@ def test_dump_command_line():
                     "-o", "dump.log", "-v2", "--display-stats", "--action-script", "/dev/shm/w/action.sh",
                     # The job's locks (SQLite's); every mount it inherited from the node is the node's.
                     "--file-locks", "--external", "mnt[]", "--ext-unix-sk", "--skip-in-flight", "--tcp-close",
-                    "--leave-running"]
+                    "--network-lock", "skip", "--leave-running"]
     stopped = criu.dump_argv("criu", pid=42, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                              leave_running=False)
     assert stopped[-1] == "--leave-stopped" and "--leave-running" not in stopped
@@ -32,8 +32,8 @@ def test_connections_are_recorded_to_be_closed_unless_a_vacate_holds_them():
     for leave_running in (True, False):
         argv = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                               leave_running=leave_running)
-        assert argv[-4:-1] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-close"]
-        assert "--tcp-established" not in argv and "--network-lock" not in argv
+        assert argv[-6:-1] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-close", "--network-lock", "skip"]
+        assert "--tcp-established" not in argv
     held = criu.dump_argv("criu", pid=1, images=Path("i"), workdir=Path("w"), action_script=Path("a"),
                           leave_running=False, keep_connections=True)
     assert held[-6:] == ["--ext-unix-sk", "--skip-in-flight", "--tcp-established", "--network-lock", "nftables",

@@ -236,3 +236,35 @@ def test_a_vacate_that_fails_before_its_hold_leaves_no_lock_of_criu_behind(tmp_p
     finally:
         for table in (before, "CRIU-00000000-test-killed-a"):
             asyncio.run(netlock.run(NFT, "delete", "table", "inet", table))
+
+
+@pytest.mark.criu
+def test_a_dump_that_holds_nothing_leaves_no_lock_behind(tmp_path):
+    """A vacate that holds no connection (and a create) dumps with no lock at all: criu's own
+    default would make a table at every dump and leave it whenever the job is left stopped."""
+    from pathlib import Path
+
+    from revenant.agent import criu
+    from revenant.agent.criu import locate_criu
+
+    server = socket.create_server(("127.0.0.1", 0))
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(server.getsockname()[1])], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        proc.stdout.readline()
+        before = set(asyncio.run(netlock.tables(NFT, netlock.CRIU_PREFIX)))
+        script = tmp_path / "action.sh"
+        script.write_text("#!/bin/sh\nexit 0\n")
+        script.chmod(0o755)
+        for stop, images in ((False, tmp_path / "create"), (True, tmp_path / "vacate")):
+            images.mkdir()
+            argv = criu.dump_argv(locate_criu(), pid=proc.pid, images=images, workdir=tmp_path, action_script=script,
+                                  leave_running=not stop)
+            done = subprocess.run(argv, capture_output=True, text=True)
+            assert done.returncode == 0, (Path(tmp_path) / criu.DUMP_LOG).read_text()[-2000:]
+        assert set(asyncio.run(netlock.tables(NFT, netlock.CRIU_PREFIX))) == before
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        server.close()
