@@ -14,6 +14,8 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from revenant.agent.netstate import address
+
 HEADER = 8  # the two magics
 FILES = "files.img"
 _INETSK = 4  # fd_types.INETSK (images/fdinfo.proto); file_entry.isk is field 4
@@ -72,8 +74,7 @@ def entries(data: bytes) -> Iterator[bytes]:
 
 def _address(family: int, words: list[int], port: int) -> str:
     # Each word holds the address's bytes as criu read them from the kernel: packed back in host order.
-    ip = socket.inet_ntop(family, b"".join(struct.pack("=I", w) for w in words))
-    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+    return address(family, socket.inet_ntop(family, b"".join(struct.pack("=I", w) for w in words)), port)
 
 
 def _socket(isk: bytes) -> tuple[str, str]:

@@ -36,7 +36,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from revenant.agent import netstate, procs
+from revenant.agent import procs
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 
 log = logging.getLogger(__name__)
@@ -174,12 +174,12 @@ class NetLockStep(BaseStep):
             log.error("job %s: criu's connection lock is not named in its images: its connections go", ctx.job)
             await self._release_new(ctx)
             return
-        peers = await asyncio.to_thread(netstate.peers, ctx.pid)  # still there, frozen
-        texts = [netstate.connection_text(*p) for p in peers]
-        self.holds[ctx.job] = Hold(table, ctx.generation, ctx.manifest.created_at, texts[:netstate.MAX_LISTED])
+        # The connections criu dumped, as the files step read them from its images (this step is last).
+        connections = list(ctx.manifest.connections)
+        self.holds[ctx.job] = Hold(table, ctx.generation, ctx.manifest.created_at, connections)
         self._arm(ctx.job, self.hold_s + ARM_GRACE_S)  # (until :meth:`arm` says the vacate committed)
         self._note_holds()
-        if not peers:
+        if not connections:
             await self._drop_hold(ctx.job)
 
     async def on_dump_failed(self, ctx: DumpContext) -> None:
