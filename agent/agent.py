@@ -28,6 +28,7 @@ from revenant.agent import checkable, cuda, netlock, netprobe, procs, progress, 
 from revenant.agent.anomaly import AnomalyDetector
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
+from revenant.agent.filestep import JobFilesStep
 from revenant.agent.guard import StorageGuard
 from revenant.agent.predump import PreDumpStep
 from revenant.agent.epochs import JobFiles
@@ -191,9 +192,8 @@ class Agent(Service):
         engine = Engine(criu_path=criu.path, criu_version=criu.version, node=self.node, storage=self.storage,
                       work_roots=self._work_roots(), staging=Path(cfg.staging_dir) if cfg.staging_dir else None,
                       concurrency=cfg.checkpoint_concurrency, criu_timeout_s=cfg.criu_timeout_s,
-                      file_snapshot_max_bytes=cfg.file_snapshot_max_bytes,
-                      workdir_scan_max_entries=cfg.workdir_scan_max_entries,
-                      file_snapshot_timeout_s=cfg.file_snapshot_timeout_s,
+                      job_files=JobFilesStep(self.storage, cfg.file_snapshot_max_bytes, cfg.workdir_scan_max_entries,
+                                             cfg.file_snapshot_timeout_s, cfg.workdir_snapshot_max_bytes),
                       clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore,
                       reporter=progress.Reporter(self.node, self._publish))
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then

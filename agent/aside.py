@@ -143,9 +143,12 @@ def _move_all(workdir: str, moved: list[str], n: int) -> str:
     return os.path.join(workdir, aside)
 
 
-def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str = "") -> list[str]:
+def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str = "",
+               snapshot: frozenset[str] = frozenset()) -> list[str]:
     """Move what appeared or changed in the workdir after the epoch into a folder named after it;
-    ``leave``: why the workdir must be left as it is (another job uses it)."""
+    ``leave``: why the workdir must be left as it is (another job uses it); ``snapshot``: the
+    files (relative paths) the epoch holds whole (agent/workdir.py), never moved while they are
+    regular files: they are put back after this."""
     n, workdir = manifest.epoch, manifest.workdir
     if not workdir:
         return []
@@ -157,11 +160,16 @@ def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str
         raise EpochError(f"epoch {n}: unreadable {LISTING}: {exc}") from None
     if not os.path.isdir(workdir):
         return [f"the working directory {workdir} is not there: nothing moved aside"]
-    now = scan_workdir(workdir, max_entries, frozenset(manifest.job_files))
+    stats: dict[str, os.stat_result] = {}
+    now = scan_workdir(workdir, max_entries, frozenset(manifest.job_files), stats)
     if now is None:
         return [f"the working directory's changes after epoch {n} were left in place: it now has more than "
                 f"{max_entries} entries (workdir_scan_max_entries)"]
-    moved = changed_since(listing, now, _holders(workdir, manifest.job_files))
+    keep = {rel for rel in snapshot if rel in stats and stat.S_ISREG(stats[rel].st_mode)}
+    # A directory that holds one is entered, never moved whole (nor, once it is not one, moved at all:
+    # a rename takes whatever the name holds by then; putting back through it is refused instead).
+    holders = _holders(workdir, [*manifest.job_files, *(os.path.join(workdir, rel) for rel in snapshot)])
+    moved = changed_since(listing, now, frozenset(keep) | holders)
     notes = []
     if moved:
         held = _held_open()
@@ -176,7 +184,8 @@ def move_aside(manifest: Manifest, epoch_dir: Path, max_entries: int, leave: str
         notes.append(f"moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} of {workdir} that appeared or "
                      f"changed after epoch {n} to {aside}: {named}")
     moved_set = set(moved)
-    gone_all = {rel for rel in listing if rel not in now and not _inside(rel, moved_set)}
+    gone_all = {rel for rel in listing if rel not in now and not _inside(rel, moved_set) and rel not in snapshot
+                and not (rel in holders and listing[rel][3])}
     gone = [rel for rel in gone_all if not _inside(rel, gone_all)]
     if gone:
         notes.append(f"{len(gone)} entr{'y' if len(gone) == 1 else 'ies'} of {workdir} at epoch {n} "

@@ -112,8 +112,8 @@ class _Undo:
 class Engine:
     def __init__(self, *, criu_path: str, criu_version: str, node: str, storage: Path, work_roots: list[Path],
                  staging: Path | None = None, steps: list[Step] | None = None, concurrency: int = 2,
-                 criu_timeout_s: float = 3600.0, file_snapshot_max_bytes: int = 64 * 1024**2,
-                 workdir_scan_max_entries: int = 20_000, file_snapshot_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                 criu_timeout_s: float = 3600.0, job_files: JobFilesStep | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False,
                  reporter: progress.Reporter | None = None) -> None:
         self.criu = criu_path
@@ -129,8 +129,7 @@ class Engine:
         # Dump here first (network storage); None: dump straight into the epoch.
         self.staging = staging
         self.steps: list[Step] = steps if steps is not None else [
-            JobFilesStep(storage, file_snapshot_max_bytes, workdir_scan_max_entries, file_snapshot_timeout_s),
-            RelinkStep()]
+            job_files or JobFilesStep(storage), RelinkStep()]
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
         # Durations (monotonic) and the manifest's creation time (wall clock).
@@ -195,7 +194,7 @@ class Engine:
         durable = watch = None
         try:
             undo.tmp = files.new_tmp(self.node)
-            ctx.epoch_tmp = staging if staging is not None else undo.tmp
+            ctx.epoch_tmp, ctx.shared_tmp = (staging if staging is not None else undo.tmp), undo.tmp
             watch = self.reporter.watch(job, user, "dump", functools.partial(progress.dir_bytes, ctx.epoch_tmp),
                                         functools.partial(resident_bytes, pid))
             durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)

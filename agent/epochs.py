@@ -99,12 +99,14 @@ def link_predump(directory: Path, names: Collection[str]) -> None:
 # The job's own files taken with an epoch (agent/jobfiles.py): copies, and the workdir's listing.
 FILES_DIR = "files"
 LISTING = "workdir.json"
+# Every regular file of the working directory, as at the dump, with its copy (agent/workdir.py).
+WORKDIR_FILES = "workdir-files.json"
 
 
 def _job_file_names(directory: Path) -> list[str]:
     copies = directory / FILES_DIR
     names = sorted(f"{FILES_DIR}/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
-    return names + [n for n in (LISTING,) if (directory / n).is_file()]
+    return names + [n for n in (LISTING, WORKDIR_FILES) if (directory / n).is_file()]
 
 
 class JobFiles:
@@ -184,7 +186,8 @@ class JobFiles:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
         make_private(tmp)  # whatever criu's and the copies' modes were
         with Durable(tmp) if durable is None else contextlib.nullcontext(durable) as sync:
-            sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower)
+            known = {n: (e.size, e.checksum) for n, e in manifest.files.items()}  # set by a step: linked copies
+            sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower, known)
         manifest.checksum = "crc32"
         manifest.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in sums.items()}
         manifest.commit_s = clock() - started

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 
-from revenant.agent import aside, criuimages, jobfiles_restore, netstate, remade
-from revenant.agent.epochs import EpochError, Manifest
+from revenant.agent import aside, criuimages, jobfiles_restore, netstate, remade, workdir
+from revenant.agent.epochs import EpochError, FileEntry, JobFiles, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
 from revenant.messages import JobResource
@@ -41,19 +42,37 @@ def _in_thread(snap: Snapshot, name: str) -> asyncio.Future[SnapshotResult]:
     return done
 
 
+def _newest(files: JobFiles, job_workdir: str) -> workdir.Previous | None:
+    """The newest committed epoch's snapshot of ``job_workdir``: its unchanged files are linked."""
+    for n in reversed(files.committed()):
+        try:
+            m = files.read_manifest(n)
+        except EpochError:
+            continue
+        return workdir.previous([(files.epoch_dir(n), m)], job_workdir)
+    return None
+
+
 class JobFilesStep(BaseStep):
     name = "job-files"
 
     def __init__(self, storage: Path, max_bytes: int = 64 * 1024**2, max_entries: int = 20_000,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, workdir_max_bytes: int = 4 * 1024**3) -> None:
         self.storage = storage
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.timeout_s = timeout_s
+        self.workdir_max_bytes = workdir_max_bytes  # 0: no snapshot of the working directory
 
     async def before_dump(self, ctx: DumpContext) -> None:
+        taker = None
+        if self.workdir_max_bytes > 0 and ctx.job_workdir:
+            prev = await asyncio.to_thread(_newest, ctx.files, ctx.job_workdir)
+            taker = workdir.Taker(ctx.job_workdir, ctx.epoch_tmp, ctx.shared_tmp, prev,
+                                  workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes).take
         snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
-                        max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s)
+                        max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
+                        taker=taker)
         ctx.post_dump_script += snap.script_lines()
         ctx.why_failed.append(snap.why_failed)
         ctx.state[self.name] = (snap, _in_thread(snap, f"snapshot-{ctx.job}"))
@@ -79,6 +98,10 @@ class JobFilesStep(BaseStep):
         m = ctx.manifest
         m.job_files, m.workdir, m.workdir_note, m.files_s = result.files, result.workdir, result.workdir_note, \
             result.seconds
+        if isinstance(result.taken, workdir.Taken):
+            taken = result.taken
+            m.workdir_files, m.workdir_copied, m.workdir_linked = len(taken.files), taken.copied, taken.linked
+            m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
         try:  # as criu recorded them: read from its images, the job no longer frozen
             m.listening, m.connections = await asyncio.to_thread(criuimages.inet_sockets, ctx.epoch_tmp,
                                                                  netstate.MAX_LISTED)
@@ -107,8 +130,15 @@ class JobFilesStep(BaseStep):
             todo = planned if planned is not None else jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir)
             notes = jobfiles_restore.apply(todo)
             ctx.checked[self.name] = todo  # with each file's inode: checked before the job resumes
-            return notes + aside.move_aside(ctx.manifest, ctx.epoch_dir, self.max_entries,
-                                                       leave=ctx.leave_workdir)
+            m = ctx.manifest
+            snapshot = None
+            if m.workdir_files and not (m.workdir_note or ctx.leave_workdir):
+                snapshot = workdir.read(ctx.epoch_dir)
+            notes += aside.move_aside(m, ctx.epoch_dir, self.max_entries, leave=ctx.leave_workdir,
+                                      snapshot=frozenset(snapshot or ()))
+            if snapshot and os.path.isdir(m.workdir):  # after what appeared since went aside
+                notes += workdir.apply(workdir.plan(m, ctx.epoch_dir, snapshot))
+            return notes
         ctx.notes += await asyncio.to_thread(put_back)
 
     async def before_resume(self, ctx: RestoreContext) -> None:

@@ -160,9 +160,11 @@ def checksums(directory: Path, names: list[str], followed: Mapping[str, tuple[in
     return {n: read[n] if n in read else followed[n] for n in names}
 
 
-def seal(directory: Path, names: list[str], durable: Durable, follower: Follower | None = None) -> Sums:
+def seal(directory: Path, names: list[str], durable: Durable, follower: Follower | None = None,
+         known: Sums | None = None) -> Sums:
     """Blocking: the (size, CRC-32) of each of ``names`` in ``directory``, every one of them
-    durable (``durable.sync``, which runs while what the follower has left is read)."""
+    durable (``durable.sync``, which runs while what the follower has left is read); ``known``:
+    files whose sums are known already (links to an older epoch's immutable copies)."""
     def sync() -> float:
         durable.sync([directory / n for n in names], sorted({(directory / n).parent for n in names}, reverse=True))
         return time.monotonic() - t0
@@ -171,7 +173,7 @@ def seal(directory: Path, names: list[str], durable: Durable, follower: Follower
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         syncing = pool.submit(sync)
         try:
-            followed = follower.finish() if follower is not None else {}
+            followed = {**(known or {}), **(follower.finish() if follower is not None else {})}
             t1 = time.monotonic()
             sums = checksums(directory, names, followed)
             t2 = time.monotonic()

@@ -36,6 +36,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
@@ -54,7 +55,7 @@ HELD_FORMAT = "format"
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
                          "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
                          "/var/tmp", "/var/lib"})
-# Caches the workdir may hold that are nobody's output (hidden entries are skipped too).
+# Caches the workdir may hold that are nobody's output.
 UNTRACKED = frozenset({"__pycache__"})
 _SAMPLE = 64 * 1024
 _SAMPLE_BLOCKS = 16
@@ -102,10 +103,12 @@ def eligible_workdir(workdir: str, storage: Path) -> str | None:
     return None
 
 
-def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozenset()) -> dict[str, list[int]] | None:
+def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozenset(),
+                 stats: dict[str, os.stat_result] | None = None) -> dict[str, list[int]] | None:
     """``relative path: [inode, size, mtime_ns, is_dir]`` of everything under ``workdir`` on its
-    own filesystem, revenant's moved-aside folders and ``skip`` (absolute paths) excepted; None
-    if there are more than ``max_entries``.  Walked through descriptors, from ``/``, never
+    own filesystem, revenant's moved-aside folders, ``skip`` (absolute paths), ``__pycache__``
+    and NFS's ``.nfs*`` placeholders excepted (``stats``, if given, gets each entry's stat but a
+    directory's); None if there are more than ``max_entries``.  Walked through descriptors, from ``/``, never
     through a link (agent/beneath.py): a working directory, or a directory in it, swapped for a
     link is never listed (the walk raises OSError, or leaves the entry out)."""
     top = beneath.open_dir(workdir)
@@ -123,8 +126,8 @@ def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozense
                 for entry in entries:
                     name = f"{rel}/{entry.name}" if rel else entry.name
                     if (not rel and entry.name.startswith(ASIDE_PREFIX)) or os.path.join(workdir, name) in skip \
-                            or entry.name in UNTRACKED or entry.name.startswith("."):
-                        continue  # hidden entries (.git, .venv, caches) and __pycache__ are never tracked
+                            or entry.name in UNTRACKED or entry.name.startswith(".nfs"):
+                        continue
                     try:
                         st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
                     except OSError:
@@ -133,6 +136,8 @@ def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozense
                         continue  # a mount point: another filesystem, never listed nor moved
                     is_dir = stat.S_ISDIR(st.st_mode)
                     listing[name] = [st.st_ino, st.st_size, st.st_mtime_ns, int(is_dir)]
+                    if stats is not None and not is_dir:
+                        stats[name] = st
                     if len(listing) > max_entries:
                         for _, left in todo:
                             os.close(left)
@@ -160,6 +165,7 @@ class SnapshotResult:
     seconds: float = 0.0  # how long it held the job frozen
     ran: bool = False  # the action script said "frozen"
     done: bool = False  # serve() has answered
+    taken: object = None  # the working directory's snapshot (agent/workdir.py Taken), if one was taken
 
 
 class Snapshot:
@@ -173,8 +179,10 @@ class Snapshot:
     the job resumes, it never stays frozen."""
 
     def __init__(self, root: int, epoch_tmp: Path, scratch: Path, *, workdir: str, storage: Path,
-                 max_bytes: int, max_entries: int, timeout_s: float = 120.0) -> None:
+                 max_bytes: int, max_entries: int, timeout_s: float = 120.0,
+                 taker: Callable[[dict[str, os.stat_result]], object] | None = None) -> None:
         self.root = root
+        self.taker = taker  # the working directory's snapshot (agent/workdir.py Taker.take), or None
         self.epoch_tmp = epoch_tmp
         self.workdir = workdir
         self.storage = storage
@@ -266,9 +274,10 @@ class Snapshot:
         if why is None and os.path.realpath(self.workdir) != self.workdir:
             why = f"the working directory {self.workdir} leads through a link now: its changes are not tracked"
         listing = None
+        stats: dict[str, os.stat_result] = {}
         if why is None:
             try:
-                listing = scan_workdir(self.workdir, self.max_entries, frozenset(files))
+                listing = scan_workdir(self.workdir, self.max_entries, frozenset(files), stats)
             except OSError as exc:
                 why = f"cannot list the working directory: {exc.strerror}"
             else:
@@ -277,6 +286,15 @@ class Snapshot:
         self.result.workdir_note = why or ""
         if listing is not None:
             self._write(LISTING, listing)
+            if self.taker is not None:
+                try:
+                    self.result.taken = self.taker(stats)
+                except OSError as exc:
+                    self.result.error = f"cannot snapshot the working directory: {exc.strerror or exc}"
+                    raise
+                except EpochError as exc:
+                    self.result.error = str(exc)
+                    raise
 
     def _write(self, name: str, value: object) -> None:
         """``value`` as JSON in the epoch, private as the images are (agent/private.py)."""

@@ -55,6 +55,7 @@ class PutBack:
     make_parent: bool = False  # its directory is gone, and lies in the job's working directory
     workdir: str = ""  # that working directory (make_parent only)
     inode: tuple[int, int] | None = None  # (device, inode) of the file put back, once it is
+    mtime_ns: int | None = None  # the mtime to give it (a working directory's file: make reads it)
 
 
 def _stat(path: str, n: int) -> os.stat_result | None:
@@ -231,6 +232,8 @@ def _put_back_in(p: PutBack, parent: int, name: str) -> None:
                               else (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid))
             os.fchown(dst, uid, gid)
             os.fchmod(dst, mode)  # after chown, which clears set-id bits
+            if p.mtime_ns is not None:
+                os.utime(dst, ns=(p.mtime_ns, p.mtime_ns))
             os.fsync(dst)
             done = os.fstat(dst)
             p.inode = (done.st_dev, done.st_ino)

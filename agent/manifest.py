@@ -82,6 +82,11 @@ class Manifest(msgspec.Struct, kw_only=True):
     # The job's working directory, and why its listing (workdir.json) was not taken ("" if it was).
     workdir: str = ""
     workdir_note: str = ""
+    # Its snapshot (workdir-files.json, agent/workdir.py): regular files in it, bytes copied into
+    # this epoch, bytes linked from the previous one.  0 files: none was taken (an older epoch).
+    workdir_files: int = 0
+    workdir_copied: int = 0
+    workdir_linked: int = 0
     checksum: str = "crc32"
     # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
     # fsync (and copy, with staging); all of it.

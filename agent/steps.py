@@ -35,6 +35,8 @@ class DumpContext:
     # directory on shared storage, or node-local staging), and the job's own working directory.
     epoch_tmp: Path = Path()
     job_workdir: str = ""
+    # The epoch's temporary directory on shared storage (epoch_tmp itself, unless it is staging).
+    shared_tmp: Path = Path()
     # Extra lines for criu's post-dump action script (run while the job is frozen).
     post_dump_script: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

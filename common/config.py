@@ -73,6 +73,11 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The job's working directory is listed at each dump (so a restore can move aside what appeared
     # after it) unless it holds more entries than this.
     workdir_scan_max_entries: int = 20_000
+    # Every regular file of the working directory goes into each epoch as it was at the dump
+    # (agent/workdir.py); what one epoch copies (files changed since the previous one) is bounded
+    # by this: over it the checkpoint fails, naming the largest files.  0: no snapshot (a restore
+    # then moves aside whatever changed after the epoch).
+    workdir_snapshot_max_bytes: int = 4 * 1024**3
     # The longest the job stays frozen for its files (the copies, the listing): past it the dump
     # fails and the job resumes.
     file_snapshot_timeout_s: float = 120.0
@@ -160,6 +165,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("connection_hold_s must be 0 to 86400 (0: a vacate lets its connections go at once)")
         if self.file_snapshot_max_bytes < 0:
             raise ValueError("file_snapshot_max_bytes must be 0 or more (0: copy only by reflink)")
+        if self.workdir_snapshot_max_bytes < 0:
+            raise ValueError("workdir_snapshot_max_bytes must be 0 or more (0: no snapshot of the working directory)")
         if not 1 <= self.heartbeat_full_every <= 60:
             raise ValueError("heartbeat_full_every must be 1 to 60 (1: every heartbeat carries its health in full; "
                              "more leaves a coordinator that starts without a node's health for that many heartbeats)")

@@ -103,12 +103,13 @@ class Cluster:
 async def supervisors(tmp_path):
     """The agent's job supervisor and checkpoint engine in-process, with real criu: ``make(node,
     storage=None, events=None, **kw)`` gives one; several share one storage, as nodes would.
-    ``kw``: the Supervisor's (scratch, allow_root_jobs) or the Engine's (staging,
-    file_snapshot_max_bytes, ...).  No agent renews a lease: a long switch timeout keeps the dead
+    ``kw``: the Supervisor's (scratch, allow_root_jobs), the job-files step's (max_bytes,
+    max_entries, timeout_s, workdir_max_bytes) or the Engine's (staging, ...).  No agent renews a lease: a long switch timeout keeps the dead
     man's switch quiet.  Every job they started is killed at the end."""
     from revenant.agent import procs
     from revenant.agent.criu import locate_criu
     from revenant.agent.engine import Engine
+    from revenant.agent.filestep import JobFilesStep
     from revenant.agent.jobs import Supervisor
 
     procs.become_subreaper()
@@ -118,8 +119,9 @@ async def supervisors(tmp_path):
         storage = storage or tmp_path / "storage"
         sink = events if events is not None else []
         sup_kw = {k: kw.pop(k) for k in ("scratch", "allow_root_jobs") if k in kw}
+        files_kw = {k: kw.pop(k) for k in ("max_bytes", "max_entries", "timeout_s", "workdir_max_bytes") if k in kw}
         engine = Engine(criu_path=locate_criu(), criu_version="4.1.1", node=node, storage=storage,
-                        work_roots=[storage.parent / f"work-{node}"], **kw)
+                        work_roots=[storage.parent / f"work-{node}"], job_files=JobFilesStep(storage, **files_kw), **kw)
         sup = Supervisor(node, storage, engine, lambda subject, msg: sink.append(msg), switch_timeout_s=3600,
                          **sup_kw)
         made.append(sup)

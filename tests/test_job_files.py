@@ -83,10 +83,10 @@ async def test_files_opened_w_and_a_come_back_exact_after_a_failover(tmp_path, n
     assert f"restored {wd / 'state.bin'} from epoch 1's copy (rewritten since the dump)" in notes, notes
     assert f"restored {wd / 'steps.db'} from epoch 1's copy" in notes, notes
     assert f"cut {out} back" in notes, notes
-    # Its own checkpoint, renamed into place after the epoch, is moved aside, named after the epoch.
-    aside = wd / "revenant-after-epoch-1"
-    assert f"to {aside}: " in notes and "ckpt.json" in notes, notes
-    assert json.loads((aside / "ckpt.json").read_text())["step"] >= at_dump
+    # Its own checkpoint, closed at the dump and renamed over after it, is put back as at the epoch.
+    assert f"files of {wd} as they were at epoch 1" in notes and "ckpt.json" in notes, notes
+    assert json.loads((wd / "ckpt.json").read_text())["step"] <= at_dump
+    assert not (wd / "revenant-after-epoch-1").exists()
     n = steps_in(out)
     await until(lambda: steps_in(out) >= n + 20)
     await n2.kill("1", 2, "test over")
@@ -137,8 +137,8 @@ async def test_vacate_then_restart_elsewhere_changes_nothing(tmp_path, nodes, st
 
 
 async def test_a_big_file_rewritten_in_place_refuses_its_epoch_and_an_older_one_is_used(tmp_path, nodes):
-    n1 = nodes("n1", file_snapshot_max_bytes=1024**2)
-    n2 = nodes("n2", file_snapshot_max_bytes=1024**2)
+    n1 = nodes("n1", max_bytes=1024**2)
+    n2 = nodes("n2", max_bytes=1024**2)
     wd = tmp_path / "wd"
     # big.bin (2 MiB, over the 1 MiB limit, no reflinks on this filesystem) opens at step 30.
     spec = await run_writer(n1, wd, "100000", "0.02", "1000", "2", "30", max_epochs=2)
@@ -170,8 +170,8 @@ async def test_a_big_file_rewritten_in_place_refuses_its_epoch_and_an_older_one_
 
 
 async def test_no_consistent_epoch_refuses_the_restore_with_the_file_named(tmp_path, nodes):
-    n1 = nodes("n1", file_snapshot_max_bytes=1024**2)
-    n2 = nodes("n2", file_snapshot_max_bytes=1024**2)
+    n1 = nodes("n1", max_bytes=1024**2)
+    n2 = nodes("n2", max_bytes=1024**2)
     wd = tmp_path / "wd"
     spec = await run_writer(n1, wd, "100000", "0.02", "1000", "2", "0")
     out = JobFiles(n1.storage, "1").output

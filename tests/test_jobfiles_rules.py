@@ -336,12 +336,12 @@ def test_move_aside_enters_a_new_directory_holding_a_covered_file_and_spares_ope
     os.rename(wd / "run.old" / "metrics.csv", covered)
     (wd / "run" / "new.txt").write_text("later")
     (wd / "busy.log").write_text("held")
-    (wd / ".cache").mkdir()  # hidden entries and __pycache__ are nobody's output: never moved
+    (wd / ".cache").mkdir()  # a hidden entry is the job's like any other; __pycache__ is nobody's output
     (wd / "__pycache__").mkdir()
     with open(wd / "busy.log"):
         notes = move_aside(m, epoch, 100)
-    assert (wd / ".cache").is_dir() and (wd / "__pycache__").is_dir()
     aside = wd / "revenant-after-epoch-3"
+    assert (aside / ".cache").is_dir() and (wd / "__pycache__").is_dir()
     # ...is entered, not moved: the covered file stays where the restore put it back.
     assert covered.exists() and (aside / "run" / "new.txt").exists() and (aside / "run.old").is_dir()
     assert (wd / "busy.log").exists() and any("left busy.log in" in n for n in notes), notes

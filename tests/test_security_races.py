@@ -28,7 +28,9 @@ import msgspec
 import psutil
 import pytest
 
-from revenant.agent.epochs import FILES_DIR, LISTING, EpochError, FilesChanged, JobFile, JobFiles, Manifest
+from revenant.agent import workdir
+from revenant.agent.epochs import FILES_DIR, LISTING, WORKDIR_FILES, EpochError, FilesChanged, JobFile, JobFiles, \
+    Manifest
 from revenant.agent.jobfiles import HELD, scan_workdir
 from revenant.agent.jobprocs import held_paths
 from revenant.agent.aside import move_aside
@@ -122,22 +124,30 @@ def _entry(path: Path, **kw) -> JobFile:
 def test_put_back_cut_back_and_move_aside_touch_nothing_outside_the_job_while_the_user_swaps(stage):
     base, deeper, victim = stage
     wd = base / "wd"
-    state, log = deeper / "state.bin", deeper / "log.txt"
+    state, log, closed = deeper / "state.bin", deeper / "log.txt", deeper / "closed.db"
     state.write_bytes(b"S" * 4096)
     log.write_bytes(b"line\n" * 100)
+    closed.write_bytes(b"C" * 4096)  # closed at the dump: in the working directory's snapshot
     epoch = base / "storage" / "jobs" / "1" / "epochs" / "3"
     (epoch / FILES_DIR).mkdir(parents=True)
     shutil.copyfile(state, epoch / FILES_DIR / "0")
-    (epoch / LISTING).write_bytes(msgspec.json.encode(scan_workdir(str(wd), 1000)))
+    shutil.copyfile(closed, epoch / FILES_DIR / "w0")
+    held_now = frozenset({str(state), str(log)})
+    (epoch / LISTING).write_bytes(msgspec.json.encode(scan_workdir(str(wd), 1000, held_now)))
+    st = closed.stat()
+    snap = {"sub/deeper/closed.db": workdir.WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, 0o644,
+                                                        st.st_uid, st.st_gid, f"{FILES_DIR}/w0")}
+    (epoch / WORKDIR_FILES).write_bytes(msgspec.json.encode(snap))
     m = Manifest(job="1", epoch=3, generation=1, node="n", created_at=0, criu_version="4.2.1", kernel="k",
                  workdir=str(wd), job_files={str(state): _entry(state, copy=f"{FILES_DIR}/0"),
-                                             str(log): _entry(log, append=True)})
+                                             str(log): _entry(log, append=True)}, workdir_files=1)
     (victim / "state.bin").write_bytes(b"V" * 4096)  # the same names and sizes as the job's files
     (victim / "log.txt").write_bytes(b"root\n" * 100)
+    (victim / "closed.db").write_bytes(b"R" * 4096)
     before = snapshot(victim)
     held = os.open(deeper, os.O_RDONLY | os.O_DIRECTORY)  # the real directory, wherever it is renamed to
     attacker = attack(deeper, victim, RACE_S)
-    done = refused = 0
+    done = put = refused = 0
     try:
         end = time.monotonic() + RACE_S
         i = 0
@@ -147,23 +157,29 @@ def test_put_back_cut_back_and_move_aside_touch_nothing_outside_the_job_while_th
             fd = os.open("log.txt", os.O_WRONLY | os.O_APPEND, dir_fd=held)
             os.write(fd, b"after\n")
             os.close(fd)
-            fd = os.open("state.bin", os.O_WRONLY, dir_fd=held)
-            os.write(fd, b"X" * 100)
-            os.close(fd)
+            for name in ("state.bin", "closed.db"):
+                fd = os.open(name, os.O_WRONLY, dir_fd=held)
+                os.write(fd, b"X" * 100)
+                os.close(fd)
             os.close(os.open(f"new-{i}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=held))
             try:
                 apply(plan(m, epoch))
-                move_aside(m, epoch, 1000)
+                move_aside(m, epoch, 1000, snapshot=frozenset(snap))
                 done += 1
             except (FilesChanged, EpochError):
+                refused += 1
+            try:  # the working directory's files, put back through the same swaps
+                workdir.apply(workdir.plan(m, epoch, snap))
+                put += 1
+            except EpochError:
                 refused += 1
     finally:
         swaps = int(attacker.communicate(timeout=RACE_S + 30)[0])
         os.close(held)
     assert snapshot(victim) == before
     assert swaps > 1000 and done + refused > 100, (swaps, done, refused)
-    assert done > 0, f"no restore got through in {done + refused} tries against {swaps} swaps"
-    print(f"{swaps} swaps; {done} put-backs and moves done, {refused} refused")
+    assert done > 0 and put > 0, f"{done} restores and {put} workdir put-backs got through against {swaps} swaps"
+    print(f"{swaps} swaps; {done} put-backs and moves done, {put} of the workdir, {refused} refused")
 
 
 JOB = textwrap.dedent("""
@@ -269,11 +285,14 @@ HOLDER = textwrap.dedent("""
 
 
 @pytest.mark.criu
+@pytest.mark.parametrize("workdir_max_bytes", [0, 1024**2])
 async def test_a_file_held_read_only_or_mapped_through_a_swapped_directory_is_never_handed_to_the_job(
-        stage, supervisors):
+        stage, supervisors, workdir_max_bytes):
     """The user swaps, before the restore, a directory of theirs in which the job holds a file
     open read-only and maps another, for a link to a root-only directory with files of the same
-    names, sizes and modes.  Without the check, the job would read the one and write the other."""
+    names, sizes and modes.  Without the check, the job would read the one and write the other.
+    With the working directory's snapshot, putting its files back through the link is refused
+    first; without it, criu or the agent refuses what criu opened."""
     base, deeper, victim = stage
     wd = base / "wd"
     for name, data in (("ro.txt", b"users ro data\n"), ("mm.txt", b"users mm data\n")):
@@ -281,7 +300,7 @@ async def test_a_file_held_read_only_or_mapped_through_a_swapped_directory_is_ne
         (victim / name).write_bytes(b"ROOTS" + data[5:])
         os.chown(deeper / name, NOBODY.pw_uid, NOBODY.pw_gid)
     (wd / "holder.py").write_text(HOLDER)
-    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True)
+    sup = supervisors("n1", storage=base / "storage", allow_root_jobs=True, workdir_max_bytes=workdir_max_bytes)
     spec = JobSpec(id="1", argv=[sys.executable, str(wd / "holder.py"), str(deeper), str(wd)], workdir=str(wd),
                    user="root")
     await sup.start(spec, 1)
@@ -299,7 +318,8 @@ async def test_a_file_held_read_only_or_mapped_through_a_swapped_directory_is_ne
     # Refused: by criu itself when it cannot resolve the link from where it restores the job's
     # mounts, else by the agent before the job resumes (criu opened a file the job did not hold).
     with pytest.raises(RevenantError, match=r"criu opened .*victim/(ro|mm)\.txt, which is not a file the job had|"
-                                            r"Can't open file .*deeper/(ro|mm)\.txt on restore"):
+                                            r"Can't open file .*deeper/(ro|mm)\.txt on restore" if not workdir_max_bytes
+                       else r"cannot put back .*deeper/(ro|mm)\.txt: deeper on its path is a link"):
         await sup.restore(spec, 2)
     await asyncio.sleep(0.5)
     assert snapshot(victim) == before

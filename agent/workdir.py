@@ -1,0 +1,290 @@
+"""A job's working directory as part of its epoch: every regular file in it as it was at the dump.
+
+A program that opens, writes and closes its files (PostgreSQL's relation files, SQLite without a
+long-lived handle, a training script rewriting ``model.ckpt``, ``git``) holds none of them open
+at the dump, so agent/jobfiles.py's copies of open files do not cover them.  The restored process
+expects their content as of the epoch, and only the epoch can give it.  So:
+
+* while the job is frozen, :meth:`Taker.take` records every regular file of the working directory
+  (the listing agent/jobfiles.py walks: path, inode, size, mtime, ctime, mode, owner) and keeps
+  its content in the epoch (``files/w<i>``): a hard link to the previous epoch's copy where the
+  file is unchanged since (same inode, size, mtime and ctime: ctime cannot be set back by a
+  program), else a reflink where the filesystem clones, else a copy.  What one epoch copies is
+  bounded by ``workdir_snapshot_max_bytes``: over it the dump fails, naming the largest files,
+  and the job resumes; never a partial snapshot;
+* before criu restores, :func:`plan` and :func:`apply` put back every file that changed since,
+  or went: its content, size, mode, owner and mtime, in place (the inode a program may know is
+  kept) or made again.  agent/aside.py moves aside only what appeared after the epoch.
+
+A user's job covers only its user's own files (root never writes another user's file back).
+A restore is idempotent: one cut short (the agent killed) is completed by the next restore of
+the epoch, which is what failover does.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from revenant.agent import beneath
+from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, JobFile, Manifest
+from revenant.agent.fileio import copy_bytes, reflink
+from revenant.agent.jobfiles_restore import MAX_NAMED, PutBack, put_back
+
+_COPY = f"{FILES_DIR}/w"
+# The largest files an over-budget error names.
+_NAMED = 3
+
+
+class WorkdirFile(msgspec.Struct, array_like=True):
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    mode: int
+    uid: int
+    gid: int
+    copy: str  # its content in the epoch ("files/w<i>")
+
+    def same(self, st: os.stat_result) -> bool:
+        return (self.ino, self.size, self.mtime_ns, self.ctime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns,
+                                                                         st.st_ctime_ns)
+
+
+class OverBudget(EpochError):
+    code = "workdir_budget"
+
+
+@dataclass
+class Previous:
+    """The newest committed epoch's snapshot of the same working directory."""
+
+    dir: Path
+    files: dict[str, WorkdirFile]
+    sums: dict[str, tuple[int, str]]  # its copies' (size, CRC-32), by name
+
+
+@dataclass
+class Taken:
+    files: dict[str, WorkdirFile] = field(default_factory=dict)
+    copied: int = 0  # bytes copied (or cloned) into the epoch
+    linked: int = 0  # bytes linked from the previous epoch
+    known: dict[str, tuple[int, str]] = field(default_factory=dict)  # linked copies' checksums
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def read(epoch_dir: Path) -> dict[str, WorkdirFile] | None:
+    """An epoch's snapshot of its working directory; None if it has none."""
+    try:
+        return msgspec.json.decode((epoch_dir / WORKDIR_FILES).read_bytes(), type=dict[str, WorkdirFile])
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise EpochError(f"epoch {epoch_dir.name}: unreadable {WORKDIR_FILES}: {exc}") from None
+
+
+def previous(epochs: list[tuple[Path, Manifest]], workdir: str) -> Previous | None:
+    """The snapshot to link unchanged files from: the newest of ``epochs`` (oldest first) that
+    took one of ``workdir``; None if there is none, or it cannot be read (then all is copied)."""
+    for epoch_dir, m in reversed(epochs):
+        if m.workdir != workdir or not m.workdir_files:
+            continue
+        try:
+            files = read(epoch_dir)
+        except EpochError:
+            return None
+        if files is None:
+            return None
+        return Previous(epoch_dir, files, {n: (e.size, e.checksum) for n, e in m.files.items()})
+    return None
+
+
+def users_uid(user: str) -> int | None:
+    """The uid whose files a job of ``user`` covers; None: every file (root's job)."""
+    if user in ("", "root"):
+        return None
+    try:
+        return pwd.getpwnam(user).pw_uid or None
+    except KeyError:
+        raise EpochError(f"the job's user {user!r} is unknown here") from None
+
+
+class Taker:
+    """The snapshot of the working directory, taken while the job is frozen (see the module)."""
+
+    def __init__(self, workdir: str, epoch_tmp: Path, link_dir: Path, prev: Previous | None, uid: int | None,
+                 budget: int) -> None:
+        self.workdir = workdir
+        self.epoch_tmp = epoch_tmp  # where copies go (node-local staging, or the epoch's directory)
+        self.link_dir = link_dir  # the epoch's directory on shared storage: links go there
+        self.prev = prev
+        self.uid = uid
+        self.budget = budget
+        self.on_step: Callable[[str], None] = lambda step: None  # crash tests stop here
+
+    def take(self, stats: dict[str, os.stat_result]) -> Taken:
+        taken = Taken()
+        todo: list[tuple[str, WorkdirFile]] = []
+        for i, rel in enumerate(sorted(stats)):
+            st = stats[rel]
+            if not stat.S_ISREG(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+                continue  # not a regular file, or another user's: left as it is
+            rec = WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IMODE(st.st_mode),
+                              st.st_uid, st.st_gid, f"{_COPY}{i}")
+            taken.files[rel] = rec
+            if not self._link(rel, rec, taken):
+                todo.append((rel, rec))
+            else:
+                self.on_step(f"linked {rel}")
+        self._check_budget(todo)
+        if todo:
+            (self.epoch_tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
+            top = beneath.open_dir(self.workdir)
+            try:
+                for rel, rec in todo:
+                    self._copy(top, rel, rec)
+                    taken.copied += rec.size
+                    self.on_step(f"copied {rel}")
+            finally:
+                os.close(top)
+        with open(os.open(self.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(msgspec.json.encode(taken.files))
+        return taken
+
+    def _link(self, rel: str, rec: WorkdirFile, taken: Taken) -> bool:
+        was = self.prev.files.get(rel) if self.prev is not None else None
+        if was is None or (was.ino, was.size, was.mtime_ns, was.ctime_ns) != (rec.ino, rec.size, rec.mtime_ns,
+                                                                                rec.ctime_ns):
+            return False
+        sums = self.prev.sums.get(was.copy)
+        if sums is None or sums[0] != rec.size:
+            return False
+        (self.link_dir / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
+        try:
+            os.link(self.prev.dir / was.copy, self.link_dir / rec.copy)
+        except OSError:
+            return False  # the previous epoch pruned meanwhile, another filesystem, too many links: copied
+        taken.linked += rec.size
+        taken.known[rec.copy] = sums
+        return True
+
+    def _check_budget(self, todo: list[tuple[str, WorkdirFile]]) -> None:
+        total = sum(rec.size for _, rec in todo)
+        if total <= self.budget or self._clones():
+            return
+        largest = sorted(todo, key=lambda t: -t[1].size)[:_NAMED]
+        named = ", ".join(f"{rel} ({_size(rec.size)})" for rel, rec in largest)
+        raise OverBudget(f"the working directory's changes since the last epoch are {_size(total)} in {len(todo)} "
+                         f"files, over workdir_snapshot_max_bytes ({_size(self.budget)}); the largest: {named}")
+
+    def _clones(self) -> bool:
+        """The epoch's filesystem clones files (copies then cost no bytes, whatever the budget)."""
+        probe = self.epoch_tmp / ".reflink-probe"
+        src = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(src, b"x")
+            dst = os.open(f"{probe}.2", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                return reflink(src, dst)
+            finally:
+                os.close(dst)
+                os.unlink(f"{probe}.2")
+        finally:
+            os.close(src)
+            os.unlink(probe)
+
+    def _copy(self, top: int, rel: str, rec: WorkdirFile) -> None:
+        *dirs, name = rel.split("/")
+        where = os.path.join(self.workdir, rel)
+        try:
+            parent = beneath.walk(top, dirs, where)
+            try:
+                src = beneath.open_file(parent, name, os.O_RDONLY)
+            finally:
+                os.close(parent)
+        except OSError as exc:
+            raise EpochError(f"cannot snapshot {where}: {exc.strerror or exc}") from None
+        try:
+            st = os.fstat(src)
+            if st.st_ino != rec.ino or st.st_size != rec.size:
+                raise EpochError(f"cannot snapshot {where}: it changed while the job was frozen (another process "
+                                 "writes it)")
+            dst = os.open(self.epoch_tmp / rec.copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if not reflink(src, dst):
+                    copy_bytes(src, dst, rec.size)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+
+# ------------------------------------------------------------------ restore
+
+
+@dataclass
+class Plan:
+    workdir: str
+    epoch: int
+    todo: list[PutBack] = field(default_factory=list)
+    files: int = 0  # files in the snapshot
+    unchanged: int = 0
+
+
+def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile]) -> Plan:
+    """What putting the working directory back as at the epoch takes (after agent/aside.py moved
+    aside what appeared since, and anything that is no longer a regular file where one was)."""
+    workdir, n = manifest.workdir, manifest.epoch
+    out = Plan(workdir, n, files=len(snapshot))
+    top = beneath.open_dir(workdir)
+    try:
+        for rel, rec in sorted(snapshot.items()):
+            *dirs, name = rel.split("/")
+            try:
+                parent = beneath.walk(top, dirs, rel)
+            except FileNotFoundError:
+                st = None
+            except OSError as exc:
+                raise EpochError(f"cannot put back {os.path.join(workdir, rel)}: {exc.strerror or exc}") from None
+            else:
+                try:
+                    st = beneath.lstat_in(parent, name)
+                finally:
+                    os.close(parent)
+            if st is not None and stat.S_ISREG(st.st_mode) and rec.same(st):
+                out.unchanged += 1
+                continue
+            path = os.path.join(workdir, rel)
+            entry = JobFile(size=rec.size, mode=rec.mode, uid=rec.uid, gid=rec.gid, ino=rec.ino, mtime_ns=rec.mtime_ns)
+            out.todo.append(PutBack(path, rec.size, str(epoch_dir / rec.copy), entry, "",
+                                    make_parent=st is None, workdir=workdir, mtime_ns=rec.mtime_ns))
+    finally:
+        os.close(top)
+    return out
+
+
+def apply(p: Plan, on_step: Callable[[str], None] = lambda step: None) -> list[str]:
+    for todo in p.todo:
+        on_step(f"put back {todo.path}")
+        try:
+            put_back(todo)
+        except OSError as exc:
+            raise EpochError(f"cannot put back {todo.path}: {exc.strerror or exc}") from None
+    if not p.todo:
+        return []
+    names = [os.path.relpath(t.path, p.workdir) for t in p.todo]
+    named = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+    return [f"put back {len(p.todo)} of the {p.files} files of {p.workdir} as they were at epoch {p.epoch} "
+            f"({_size(sum(t.size for t in p.todo))}; changed or gone since): {named}"]
