@@ -100,6 +100,7 @@ class JobFilesStep(BaseStep):
             result.seconds
         if isinstance(result.taken, workdir.Taken):
             taken = result.taken
+            await asyncio.to_thread(workdir.link_all, taken)  # the job runs again: its unchanged files
             m.workdir_files, m.workdir_copied, m.workdir_linked = len(taken.files), taken.copied, taken.linked
             m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
         try:  # as criu recorded them: read from its images, the job no longer frozen

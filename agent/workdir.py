@@ -76,6 +76,11 @@ class Taken:
     copied: int = 0  # bytes copied (or cloned) into the epoch
     linked: int = 0  # bytes linked from the previous epoch
     known: dict[str, tuple[int, str]] = field(default_factory=dict)  # linked copies' checksums
+    # (the previous epoch's copy, this epoch's name for it), names in those epochs' directories:
+    # made by link_all() once the job runs.
+    links: list[tuple[str, str]] = field(default_factory=list)
+    link_from: Path = Path()
+    link_to: Path = Path()
 
 
 def _size(n: int) -> str:
@@ -135,7 +140,7 @@ class Taker:
         self.on_step: Callable[[str], None] = lambda step: None  # crash tests stop here
 
     def take(self, stats: dict[str, os.stat_result]) -> Taken:
-        taken = Taken()
+        taken = Taken(link_from=self.prev.dir if self.prev is not None else Path(), link_to=self.link_dir)
         todo: list[tuple[str, WorkdirFile]] = []
         for i, rel in enumerate(sorted(stats)):
             st = stats[rel]
@@ -146,24 +151,25 @@ class Taker:
             taken.files[rel] = rec
             if not self._link(rel, rec, taken):
                 todo.append((rel, rec))
-            else:
-                self.on_step(f"linked {rel}")
         self._check_budget(todo)
         if todo:
             (self.epoch_tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
-            top = beneath.open_dir(self.workdir)
+            dirs = {"": beneath.open_dir(self.workdir)}  # each directory walked to once
             try:
                 for rel, rec in todo:
-                    self._copy(top, rel, rec)
+                    self._copy(dirs, rel, rec)
                     taken.copied += rec.size
                     self.on_step(f"copied {rel}")
             finally:
-                os.close(top)
+                for fd in dirs.values():
+                    os.close(fd)
         with open(os.open(self.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(msgspec.json.encode(taken.files))
         return taken
 
     def _link(self, rel: str, rec: WorkdirFile, taken: Taken) -> bool:
+        """Whether ``rec`` is unchanged since the previous epoch: then its copy is that epoch's,
+        linked after the job resumes (link_all: the copy never changes, the decision is made here)."""
         was = self.prev.files.get(rel) if self.prev is not None else None
         if was is None or (was.ino, was.size, was.mtime_ns, was.ctime_ns) != (rec.ino, rec.size, rec.mtime_ns,
                                                                                 rec.ctime_ns):
@@ -171,11 +177,7 @@ class Taker:
         sums = self.prev.sums.get(was.copy)
         if sums is None or sums[0] != rec.size:
             return False
-        (self.link_dir / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
-        try:
-            os.link(self.prev.dir / was.copy, self.link_dir / rec.copy)
-        except OSError:
-            return False  # the previous epoch pruned meanwhile, another filesystem, too many links: copied
+        taken.links.append((was.copy, rec.copy))  # names: a Path each costs 10 µs, 10,000 of them a freeze
         taken.linked += rec.size
         taken.known[rec.copy] = sums
         return True
@@ -205,15 +207,13 @@ class Taker:
             os.close(src)
             os.unlink(probe)
 
-    def _copy(self, top: int, rel: str, rec: WorkdirFile) -> None:
-        *dirs, name = rel.split("/")
+    def _copy(self, dirs: dict[str, int], rel: str, rec: WorkdirFile) -> None:
+        head, _, name = rel.rpartition("/")
         where = os.path.join(self.workdir, rel)
         try:
-            parent = beneath.walk(top, dirs, where)
-            try:
-                src = beneath.open_file(parent, name, os.O_RDONLY)
-            finally:
-                os.close(parent)
+            if head not in dirs:
+                dirs[head] = beneath.walk(dirs[""], head.split("/"), where)
+            src = beneath.open_file(dirs[head], name, os.O_RDONLY)
         except OSError as exc:
             raise EpochError(f"cannot snapshot {where}: {exc.strerror or exc}") from None
         try:
@@ -229,6 +229,25 @@ class Taker:
                 os.close(dst)
         finally:
             os.close(src)
+
+
+def link_all(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> None:
+    """Link the unchanged files' copies from the previous epoch (blocking; the job runs again)."""
+    if not taken.links:
+        return
+    (taken.link_to / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
+    src_dir, dst_dir = os.open(taken.link_from, os.O_RDONLY | os.O_DIRECTORY), os.open(taken.link_to, os.O_RDONLY)
+    try:
+        for src, dst in taken.links:
+            try:
+                os.link(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
+            except OSError as exc:
+                raise EpochError(f"cannot link {dst} to the previous epoch's copy {taken.link_from / src}: "
+                                 f"{exc.strerror or exc}") from None
+            on_step(f"linked {dst}")
+    finally:
+        os.close(src_dir)
+        os.close(dst_dir)
 
 
 # ------------------------------------------------------------------ restore

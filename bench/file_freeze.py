@@ -24,6 +24,19 @@ the ratio is printed as the cross-check.
     .venv/bin/python bench/file_freeze.py                       # 2 GiB, 10 files of 4 MiB, 7 rounds
     .venv/bin/python bench/file_freeze.py --mib 256 --rounds 3  # a quick look
 
+``--workdir`` measures the working directory's snapshot instead (agent/workdir.py): two
+identical jobs of M MiB, each with --wd-files files (--wd-mib MiB in all, closed) in its
+working directory, one checkpointed with the snapshot and one without (a second engine,
+``workdir_snapshot_max_bytes = 0``).  Before each round the benchmark rewrites 1 % of the file
+blocks of both workdirs: whole files (``--pattern files``: 1 % of the files) or 4 KiB blocks
+at random across all of them (``--pattern blocks``).  Reported: the freeze, the agent's part of
+it, and the bytes each epoch copied, the first epoch (every file copied) apart.  Goals (the
+issue's floors): the snapshot's part of the freeze <= 10 % of the baseline's freeze, and the
+bytes an epoch adds <= 3 % of the workdir.
+
+    .venv/bin/python bench/file_freeze.py --workdir               # 2 GiB, 10,000 files, 1 GiB, 1 % of files
+    .venv/bin/python bench/file_freeze.py --workdir --pattern blocks
+
 Everything it writes goes under --base (removed at the end) and its jobs die
 with it.  Run it as root (criu needs it), on an otherwise idle machine.
 """
@@ -34,6 +47,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -43,6 +57,7 @@ from revenant.agent import procs
 from revenant.agent.criu import inspect_criu
 from revenant.agent.engine import Engine
 from revenant.agent.epochs import JobFiles
+from revenant.agent.filestep import JobFilesStep
 from revenant.agent.jobs import Supervisor
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
@@ -51,6 +66,7 @@ from concurrent_dumps import BenchError, wait_for  # bench/: this script's own d
 
 REPO = Path(__file__).resolve().parent.parent
 LOGGER = REPO / "bench" / "workloads" / "file_logger.py"
+BLOCK = 4096
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -90,6 +106,119 @@ async def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     return summarize(args, samples, info.version or "")
+
+
+def fill_workdir(wd: Path, files: int, mib: int) -> list[Path]:
+    size = mib * 2**20 // files // BLOCK * BLOCK
+    paths = []
+    for i in range(files):
+        sub = wd / f"d{i // 500}"
+        sub.mkdir(exist_ok=True)
+        path = sub / f"f{i}.dat"
+        path.write_bytes(os.urandom(size))
+        paths.append(path)
+    return paths
+
+
+def change(paths: list[Path], pattern: str, r: int) -> int:
+    """Rewrite 1 % of the blocks of ``paths`` (the same choice for each round ``r``); bytes changed."""
+    rnd = random.Random(r)
+    size = paths[0].stat().st_size
+    if pattern == "files":
+        chosen = rnd.sample(range(len(paths)), max(1, len(paths) // 100))
+        for i in chosen:
+            with open(paths[i], "r+b") as f:
+                f.write(os.urandom(size))
+        return len(chosen) * size
+    blocks = len(paths) * (size // BLOCK)
+    chosen = rnd.sample(range(blocks), max(1, blocks // 100))
+    for b in chosen:
+        with open(paths[b // (size // BLOCK)], "r+b") as f:
+            f.seek(b % (size // BLOCK) * BLOCK)
+            f.write(os.urandom(BLOCK))
+    return len(chosen) * BLOCK
+
+
+async def run_workdir(args: argparse.Namespace) -> dict:
+    procs.become_subreaper()
+    info = await inspect_criu()
+    if not info.ok:
+        raise BenchError(info.error)
+    base = args.base / f"revenant-bench-workdir-{os.getpid()}"
+    scratch = Path("/dev/shm") / f"revenant-bench-workdir-{os.getpid()}"
+    kinds = {"baseline": 0, "snapshot": 4 * 2**30}
+    sups, paths, specs = {}, {}, {}
+    for kind, budget in kinds.items():
+        engine = Engine(criu_path=info.path, criu_version=info.version or "", node=kind, storage=base / "storage",
+                        work_roots=[scratch / kind], concurrency=1,
+                        job_files=JobFilesStep(base / "storage", workdir_max_bytes=budget))
+        sups[kind] = Supervisor(kind, base / "storage", engine, lambda subject, msg: None, switch_timeout_s=3600)
+        wd = base / kind
+        wd.mkdir(parents=True)
+        paths[kind] = fill_workdir(wd, args.wd_files, args.wd_mib)
+        specs[kind] = JobSpec(id=kind, argv=[sys.executable, str(LOGGER), str(args.mib), "0", "0", str(wd)],
+                              workdir=str(wd))
+    samples: dict[str, list[dict]] = {k: [] for k in kinds}
+    try:
+        for kind, spec in specs.items():
+            await sups[kind].start(spec, 1)
+            out = JobFiles(base / "storage", kind).output
+            await wait_for(lambda: b"ready" in out.read_bytes(), 600, f"the {kind} job to fill its memory")
+        for r in range(args.rounds):
+            changed = {kind: change(paths[kind], args.pattern, r) for kind in kinds} if r else {}
+            for kind in (kinds if r % 2 == 0 else reversed(list(kinds))):
+                reply = await sups[kind].checkpoint(kind, 1, stop=False)
+                m = JobFiles(base / "storage", kind).read_manifest(reply.epoch.n)
+                samples[kind].append({"freeze_s": m.freeze_s, "files_s": m.files_s, "dump_s": m.dump_s,
+                                      "copied": m.workdir_copied, "linked": m.workdir_linked,
+                                      "changed": changed.get(kind, 0), "files": m.workdir_files})
+                print(f"round {r + 1}/{args.rounds} {kind}: freeze {m.freeze_s:.3f} s (files {m.files_s * 1000:.1f} "
+                      f"ms), copied {m.workdir_copied / 2**20:.1f} MiB, linked {m.workdir_linked / 2**20:.1f} MiB",
+                      file=sys.stderr)
+    finally:
+        for sup in sups.values():
+            await sup.shutdown("the benchmark is over")
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return summarize_workdir(args, samples, info.version or "")
+
+
+def summarize_workdir(args: argparse.Namespace, samples: dict[str, list[dict]], version: str) -> dict:
+    later = {k: v[1:] for k, v in samples.items()}  # the first epoch copies every file: apart
+
+    def med(kind: str, key: str) -> float:
+        return round(statistics.median(x[key] for x in later[kind]), 4)
+
+    s = {"criu": version, "mib": args.mib, "wd_files": args.wd_files, "wd_mib": args.wd_mib, "pattern": args.pattern,
+         "rounds": args.rounds, "samples": samples}
+    for kind in samples:
+        for key in ("freeze_s", "files_s", "dump_s", "copied"):
+            s[f"{kind}_{key}_median"] = med(kind, key)
+    s["first_snapshot_files_s"] = round(samples["snapshot"][0]["files_s"], 4)
+    s["first_snapshot_freeze_s"] = round(samples["snapshot"][0]["freeze_s"], 4)
+    s["added_share"] = round((s["snapshot_files_s_median"] - s["baseline_files_s_median"])
+                             / s["baseline_freeze_s_median"], 4)
+    s["ratio_median"] = round(s["snapshot_freeze_s_median"] / s["baseline_freeze_s_median"], 3)
+    s["bytes_share"] = round(s["snapshot_copied_median"] / (args.wd_mib * 2**20), 4)
+    s["goal"] = "freeze added <= 10 % of the baseline's freeze; bytes added <= 3 % of the workdir"
+    s["goal_met"] = s["added_share"] <= 0.10 and s["bytes_share"] <= 0.03
+    return s
+
+
+def table_workdir(s: dict) -> str:
+    lines = ["| job | freeze median s | agent's part median ms | copied median MiB |", "|---|---|---|---|"]
+    for kind in ("baseline", "snapshot"):
+        lines.append(f"| {kind} | {s[f'{kind}_freeze_s_median']} | {s[f'{kind}_files_s_median'] * 1000:.1f} | "
+                     f"{s[f'{kind}_copied_median'] / 2**20:.1f} |")
+    lines += ["", f"{s['mib']} MiB, {s['wd_files']} files ({s['wd_mib']} MiB) in the workdir, 1 % of blocks changed "
+              f"per round ({s['pattern']}), {s['rounds']} rounds (the first apart), criu {s['criu']}",
+              f"first epoch: the agent's part {s['first_snapshot_files_s'] * 1000:.0f} ms (every file copied), "
+              f"freeze {s['first_snapshot_freeze_s']} s",
+              f"freeze added by the snapshot: {s['added_share']:.1%} of the baseline's freeze (goal <= 10 %); "
+              f"ratio {s['ratio_median']}",
+              f"bytes an epoch adds: {s['bytes_share']:.2%} of the workdir (goal <= 3 %)",
+              f"goals {'met' if s['goal_met'] else 'NOT met'}"]
+    return "\n".join(lines)
 
 
 def summarize(args: argparse.Namespace, samples: dict[str, list[dict]], version: str) -> dict:
@@ -133,14 +262,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file-mib", type=int, default=4, help="size of each file, MiB (4)")
     p.add_argument("--rounds", type=int, default=7, help="checkpoints of each job (7)")
     p.add_argument("--base", type=Path, default=Path("/var/tmp"), help="storage and workdirs go here (/var/tmp)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "file_freeze.json")
+    p.add_argument("--workdir", action="store_true", help="measure the working directory's snapshot instead")
+    p.add_argument("--wd-files", type=int, default=10_000, help="files in each workdir (10000)")
+    p.add_argument("--wd-mib", type=int, default=1024, help="their size in all, MiB (1024)")
+    p.add_argument("--pattern", choices=("files", "blocks"), default="files",
+                   help="1 %% of the blocks changed as whole files, or as blocks at random (files)")
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.workdir and args.rounds < 2:
+        p.error("--workdir needs at least 2 rounds (the first copies every file)")
+    args.out = args.out or REPO / "bench" / "results" / (f"file_freeze_workdir_{args.pattern}.json" if args.workdir
+                                                           else "file_freeze.json")
     try:
-        summary = asyncio.run(run(args))
+        summary = asyncio.run(run_workdir(args) if args.workdir else run(args))
     except (BenchError, RevenantError, OSError) as exc:
         print(f"file_freeze: {exc}", file=sys.stderr)
         return 2
-    print(table(summary))
+    print(table_workdir(summary) if args.workdir else table(summary))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
     print(f"\nJSON: {args.out}")

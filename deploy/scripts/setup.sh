@@ -72,6 +72,12 @@ fi
 if ! command -v ffmpeg >/dev/null 2>&1 || ! command -v ffprobe >/dev/null 2>&1; then
     apt_install ffmpeg
 fi
+# ... and PostgreSQL as a job (tests/workloads/test_databases.py), driven with psql, and git
+# committing in a loop (tests/test_workdir_jobs.py): their files are closed between writes.
+if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || ! command -v psql >/dev/null 2>&1; then
+    apt_install postgresql postgresql-client
+fi
+command -v git >/dev/null 2>&1 || apt_install git
 # The agent locks a job's TCP connections while criu dumps them with nft (agent/netlock.py).
 if ! command -v nft >/dev/null 2>&1 && ! [ -x /usr/sbin/nft ]; then
     apt_install nftables
