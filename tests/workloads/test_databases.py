@@ -15,78 +15,12 @@ owner.  Once non-root jobs are checkpointable here, this runs as the `postgres` 
 
 from __future__ import annotations
 
-import glob
-import os
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
 
-from conftest import REPO, wait_until
-from test_network_jobs import free_port, kill_node, running_on, show, submit
+from pgserver import Postgres
+from test_network_jobs import kill_node, running_on, show, submit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.workloads]
-
-NOBODY = 65534
-
-
-def pg_bin() -> Path:
-    """The newest PostgreSQL server's programs (Debian: /usr/lib/postgresql/<major>/bin)."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"), key=lambda p: int(p.split("/")[4]))
-    if not found:
-        pytest.fail("PostgreSQL is not installed (Debian package postgresql; make setup installs it)")
-    return Path(found[-1]).parent
-
-
-class Postgres:
-    """A data directory made by initdb in ``workdir``, and psql to the server the job runs."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.bin = pg_bin()
-        self.workdir = tmp / "pg"
-        self.data = self.workdir / "data"
-        self.data.mkdir(parents=True, mode=0o700)
-        os.chown(self.data, NOBODY, NOBODY)  # the server checks its owner against geteuid()
-        self.preload = tmp / "notroot.so"
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(self.preload), str(REPO / "tests/jobs/notroot.c")],
-                       check=True, timeout=60)
-        subprocess.run([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                        "--no-sync"], env={**os.environ, "LD_PRELOAD": str(self.preload)}, check=True,
-                       capture_output=True, timeout=120)
-        self.port = free_port()
-
-    def argv(self) -> list[str]:
-        return ["env", f"LD_PRELOAD={self.preload}", f"NOTROOT_UID={NOBODY}", str(self.bin / "postgres"),
-                "-D", str(self.data), "-p", str(self.port), "-c", "listen_addresses=127.0.0.1",
-                "-c", "unix_socket_directories=", "-c", "fsync=off"]
-
-    def sql(self, query: str, timeout: float = 60) -> str:
-        """``query`` through psql, once the server accepts connections (it may be restoring)."""
-        end = time.monotonic() + timeout
-        while True:
-            r = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "postgres",
-                                "-Atq", "-v", "ON_ERROR_STOP=1", "-c", query],
-                               capture_output=True, text=True, timeout=60, env={**os.environ, "PGCONNECT_TIMEOUT": "5"})
-            if r.returncode == 0:
-                return r.stdout.strip()
-            refused = "could not connect" in r.stderr or "Connection refused" in r.stderr \
-                or "the database system is" in r.stderr
-            if not refused or time.monotonic() > end:
-                raise AssertionError(f"psql {query!r}: {r.stderr.strip()}")
-            time.sleep(0.2)
-
-    def insert(self, first: int, last: int) -> None:
-        self.sql(f"insert into t select i, md5(i::text) from generate_series({first}, {last}) i")
-
-    def rows(self) -> list[int]:
-        """Every id in t, read by index and again by sequential scan: the two must agree."""
-        by_index = self.sql("set enable_seqscan = off; set enable_bitmapscan = off; "
-                            "select string_agg(id::text, ',' order by id) from t where id > 0")
-        by_scan = self.sql("set enable_indexscan = off; set enable_bitmapscan = off; "
-                           "set enable_indexonlyscan = off; select string_agg(id::text, ',' order by id) from t")
-        assert by_index == by_scan, "the index and the table disagree"
-        return [int(i) for i in by_scan.split(",")] if by_scan else []
 
 
 def check_restored(pg: Postgres, want: list[int], probe: int) -> None:
