@@ -158,7 +158,8 @@ class JobFiles:
                          files=[EpochFile(path=path, size=f.size, copied=bool(f.copy), not_copied=f.no_copy)
                                 for path, f in files[:MAX_EPOCH_FILES]],
                          files_total=len(m.job_files), files_copied=sum(1 for f in m.job_files.values() if f.copy),
-                         workdir_note=m.workdir_note, gpus=m.gpus, gpu_driver=m.gpu_driver,
+                         workdir_note=m.workdir_note, workdir_files=m.workdir_files, workdir_copied=m.workdir_copied,
+                         workdir_linked=m.workdir_linked, gpus=m.gpus, gpu_driver=m.gpu_driver,
                          listening=m.listening, connections=m.connections)
 
     # ------------------------------------------------------------------ commit

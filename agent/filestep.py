@@ -57,19 +57,21 @@ class JobFilesStep(BaseStep):
     name = "job-files"
 
     def __init__(self, storage: Path, max_bytes: int = 64 * 1024**2, max_entries: int = 20_000,
-                 timeout_s: float = 120.0, workdir_max_bytes: int = 4 * 1024**3) -> None:
+                 timeout_s: float = 120.0, workdir_max_bytes: int = 4 * 1024**3, workdir_gate: bool = True) -> None:
         self.storage = storage
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.timeout_s = timeout_s
         self.workdir_max_bytes = workdir_max_bytes  # 0: no snapshot of the working directory
+        self.workdir_gate = workdir_gate  # False: changed files copied while frozen (bench/file_freeze.py)
 
     async def before_dump(self, ctx: DumpContext) -> None:
         taker = None
         if self.workdir_max_bytes > 0 and ctx.job_workdir:
             prev = await asyncio.to_thread(_newest, ctx.files, ctx.job_workdir)
             taker = workdir.Taker(ctx.job_workdir, ctx.epoch_tmp, ctx.shared_tmp, prev,
-                                  workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes).take
+                                  workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes,
+                                  self.workdir_gate).take
         snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
                         max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
                         taker=taker)
@@ -90,6 +92,14 @@ class JobFilesStep(BaseStep):
 
     async def after_dump(self, ctx: DumpContext) -> None:
         result = await self._finish(ctx)
+        taken = result.taken if result is not None and isinstance(result.taken, workdir.Taken) else None
+        try:
+            await self._after_dump(ctx, result, taken)
+        finally:
+            if taken is not None:
+                taken.abandon()  # finished already, or the dump failed: its gate never outlives the dump
+
+    async def _after_dump(self, ctx: DumpContext, result: SnapshotResult | None, taken: workdir.Taken | None) -> None:
         if result is None or not result.ran:
             raise EpochError(f"checkpoint of {ctx.job} failed: the job's files were not snapshotted "
                              "while it was frozen")
@@ -98,9 +108,8 @@ class JobFilesStep(BaseStep):
         m = ctx.manifest
         m.job_files, m.workdir, m.workdir_note, m.files_s = result.files, result.workdir, result.workdir_note, \
             result.seconds
-        if isinstance(result.taken, workdir.Taken):
-            taken = result.taken
-            await asyncio.to_thread(workdir.link_all, taken)  # the job runs again: its unchanged files
+        if taken is not None:  # the job runs again: its changed files' copies, its unchanged ones' links
+            await asyncio.to_thread(workdir.finish, taken)
             m.workdir_files, m.workdir_copied, m.workdir_linked = len(taken.files), taken.copied, taken.linked
             m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
         try:  # as criu recorded them: read from its images, the job no longer frozen
@@ -116,7 +125,9 @@ class JobFilesStep(BaseStep):
 
     async def on_dump_failed(self, ctx: DumpContext) -> None:
         if self.name in ctx.state:
-            await self._finish(ctx)
+            result = await self._finish(ctx)
+            if result is not None and isinstance(result.taken, workdir.Taken):
+                result.taken.abandon()
 
     def check_restore(self, manifest: Manifest, epoch_dir: Path) -> list[jobfiles_restore.PutBack]:
         return jobfiles_restore.plan(manifest, epoch_dir)

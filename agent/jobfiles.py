@@ -180,7 +180,7 @@ class Snapshot:
 
     def __init__(self, root: int, epoch_tmp: Path, scratch: Path, *, workdir: str, storage: Path,
                  max_bytes: int, max_entries: int, timeout_s: float = 120.0,
-                 taker: Callable[[dict[str, os.stat_result]], object] | None = None) -> None:
+                 taker: Callable[[dict[str, os.stat_result], frozenset[str]], object] | None = None) -> None:
         self.root = root
         self.taker = taker  # the working directory's snapshot (agent/workdir.py Taker.take), or None
         self.epoch_tmp = epoch_tmp
@@ -230,6 +230,8 @@ class Snapshot:
                     word = "ok"
                 finally:
                     self.result.seconds = time.monotonic() - started
+                    if self._released.is_set():  # criu gave up waiting: nobody finishes what was taken
+                        getattr(self.result.taken, "abandon", lambda: None)()
         except Exception as exc:  # noqa: BLE001 - any failure must fail the dump, not hang it
             self.result.error = self.result.error or f"cannot snapshot the job's files: {exc}"
         finally:
@@ -268,7 +270,8 @@ class Snapshot:
             except OSError as exc:
                 self.result.error = f"cannot snapshot {path}: {exc.strerror or exc}"
                 raise
-        self._write(HELD, {HELD_FORMAT: "2", **held_paths(self.root)})
+        held = held_paths(self.root)
+        self._write(HELD, {HELD_FORMAT: "2", **held})
         self.result.workdir = self.workdir
         why = eligible_workdir(self.workdir, self.storage)
         if why is None and os.path.realpath(self.workdir) != self.workdir:
@@ -288,7 +291,7 @@ class Snapshot:
             self._write(LISTING, listing)
             if self.taker is not None:
                 try:
-                    self.result.taken = self.taker(stats)
+                    self.result.taken = self.taker(stats, frozenset(held.values()))
                 except OSError as exc:
                     self.result.error = f"cannot snapshot the working directory: {exc.strerror or exc}"
                     raise

@@ -9,7 +9,10 @@ expects their content as of the epoch, and only the epoch can give it.  So:
   (the listing agent/jobfiles.py walks: path, inode, size, mtime, ctime, mode, owner) and keeps
   its content in the epoch (``files/w<i>``): a hard link to the previous epoch's copy where the
   file is unchanged since (same inode, size, mtime and ctime: ctime cannot be set back by a
-  program), else a reflink where the filesystem clones, else a copy.  What one epoch copies is
+  program), made once the job runs again (:func:`finish`); else a copy (a reflink where the
+  filesystem clones), made after the job resumes behind agent/cowgate.py's gate (any open of the
+  file waits for its copy), or while it is frozen for a file the job holds (a descriptor or a
+  mapping writes without an open) and where fanotify cannot gate.  What one epoch copies is
   bounded by ``workdir_snapshot_max_bytes``: over it the dump fails, naming the largest files,
   and the job resumes; never a partial snapshot;
 * before criu restores, :func:`plan` and :func:`apply` put back every file that changed since,
@@ -32,7 +35,7 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent import beneath
+from revenant.agent import beneath, cowgate
 from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, JobFile, Manifest
 from revenant.agent.fileio import copy_bytes, reflink
 from revenant.agent.jobfiles_restore import MAX_NAMED, PutBack, put_back
@@ -81,6 +84,14 @@ class Taken:
     links: list[tuple[str, str]] = field(default_factory=list)
     link_from: Path = Path()
     link_to: Path = Path()
+    # The changed files copied after the job resumes (agent/cowgate.py), or None.
+    gate: cowgate.CowGate | None = None
+
+    def abandon(self) -> None:
+        """Let the gated files go uncopied (the dump failed): every open of them goes through."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.close()
 
 
 def _size(n: int) -> str:
@@ -130,7 +141,7 @@ class Taker:
     """The snapshot of the working directory, taken while the job is frozen (see the module)."""
 
     def __init__(self, workdir: str, epoch_tmp: Path, link_dir: Path, prev: Previous | None, uid: int | None,
-                 budget: int) -> None:
+                 budget: int, gate: bool = True) -> None:
         self.workdir = workdir
         self.epoch_tmp = epoch_tmp  # where copies go (node-local staging, or the epoch's directory)
         self.link_dir = link_dir  # the epoch's directory on shared storage: links go there
@@ -138,8 +149,12 @@ class Taker:
         self.uid = uid
         self.budget = budget
         self.on_step: Callable[[str], None] = lambda step: None  # crash tests stop here
+        # Copy changed files after the job resumes, behind a gate, where fanotify allows it.
+        self.gate = gate and not gate_unavailable()
 
-    def take(self, stats: dict[str, os.stat_result]) -> Taken:
+    def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset()) -> Taken:
+        """``held``: paths the job holds (descriptors, mappings): copied while it is frozen, as
+        a write through them needs no open the gate would see."""
         taken = Taken(link_from=self.prev.dir if self.prev is not None else Path(), link_to=self.link_dir)
         todo: list[tuple[str, WorkdirFile]] = []
         for i, rel in enumerate(sorted(stats)):
@@ -155,14 +170,32 @@ class Taker:
         if todo:
             (self.epoch_tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
             dirs = {"": beneath.open_dir(self.workdir)}  # each directory walked to once
+            gate = cowgate.CowGate(_copy_gated) if self.gate else None
             try:
                 for rel, rec in todo:
-                    self._copy(dirs, rel, rec)
+                    src = self._open(dirs, rel, rec)
+                    dest = self.epoch_tmp / rec.copy
+                    if gate is not None and os.path.join(self.workdir, rel) not in held and _arm(gate, src, dest, rel):
+                        self.on_step(f"gated {rel}")
+                    else:
+                        try:
+                            _copy_now(src, dest, rec.size)
+                        finally:
+                            os.close(src)
+                        self.on_step(f"copied {rel}")
                     taken.copied += rec.size
-                    self.on_step(f"copied {rel}")
+            except BaseException:
+                if gate is not None:
+                    gate.close()
+                raise
             finally:
                 for fd in dirs.values():
                     os.close(fd)
+            if gate is not None and gate.gated:
+                gate.start()
+                taken.gate = gate
+            elif gate is not None:
+                gate.close()
         with open(os.open(self.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(msgspec.json.encode(taken.files))
         return taken
@@ -207,7 +240,8 @@ class Taker:
             os.close(src)
             os.unlink(probe)
 
-    def _copy(self, dirs: dict[str, int], rel: str, rec: WorkdirFile) -> None:
+    def _open(self, dirs: dict[str, int], rel: str, rec: WorkdirFile) -> int:
+        """A read-only descriptor of ``rel``, checked to be the file the listing saw."""
         head, _, name = rel.rpartition("/")
         where = os.path.join(self.workdir, rel)
         try:
@@ -216,19 +250,55 @@ class Taker:
             src = beneath.open_file(dirs[head], name, os.O_RDONLY)
         except OSError as exc:
             raise EpochError(f"cannot snapshot {where}: {exc.strerror or exc}") from None
-        try:
-            st = os.fstat(src)
-            if st.st_ino != rec.ino or st.st_size != rec.size:
-                raise EpochError(f"cannot snapshot {where}: it changed while the job was frozen (another process "
-                                 "writes it)")
-            dst = os.open(self.epoch_tmp / rec.copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                if not reflink(src, dst):
-                    copy_bytes(src, dst, rec.size)
-            finally:
-                os.close(dst)
-        finally:
+        st = os.fstat(src)
+        if st.st_ino != rec.ino or st.st_size != rec.size:
             os.close(src)
+            raise EpochError(f"cannot snapshot {where}: it changed while the job was frozen (another process "
+                             "writes it)")
+        return src
+
+
+_GATE_WHY: str | None = None
+
+
+def gate_unavailable() -> str:
+    """Why changed files are copied while the job is frozen here ("" if they need not be)."""
+    global _GATE_WHY
+    if _GATE_WHY is None:
+        _GATE_WHY = cowgate.available()
+    return _GATE_WHY
+
+
+def _arm(gate: cowgate.CowGate, src: int, dest: Path, rel: str) -> bool:
+    try:
+        return gate.arm(src, str(dest), rel)
+    except OSError:  # out of descriptors or marks: copied now instead
+        return False
+
+
+def _copy_now(src: int, dest: Path | str, size: int) -> None:
+    dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if not reflink(src, dst):
+            copy_bytes(src, dst, size)
+    finally:
+        os.close(dst)
+
+
+def _copy_gated(src: int, dest: str) -> None:
+    _copy_now(src, dest, os.fstat(src).st_size)
+
+
+def finish(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> None:
+    """Blocking, once the job runs again: the gated files' copies, then the unchanged files'
+    links.  A gated file changed without an open (truncated by path) fails the epoch."""
+    gate, taken.gate = taken.gate, None
+    if gate is not None:
+        errors = gate.run()
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise EpochError(f"the working directory changed while its snapshot was copied: {errors[0]}{more}")
+    link_all(taken, on_step)
 
 
 def link_all(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> None:

@@ -151,7 +151,8 @@ async def run_workdir(args: argparse.Namespace) -> dict:
     for kind, budget in kinds.items():
         engine = Engine(criu_path=info.path, criu_version=info.version or "", node=kind, storage=base / "storage",
                         work_roots=[scratch / kind], concurrency=1,
-                        job_files=JobFilesStep(base / "storage", workdir_max_bytes=budget))
+                        job_files=JobFilesStep(base / "storage", workdir_max_bytes=budget,
+                                               workdir_gate=not args.no_gate))
         sups[kind] = Supervisor(kind, base / "storage", engine, lambda subject, msg: None, switch_timeout_s=3600)
         wd = base / kind
         wd.mkdir(parents=True)
@@ -190,7 +191,7 @@ def summarize_workdir(args: argparse.Namespace, samples: dict[str, list[dict]], 
         return round(statistics.median(x[key] for x in later[kind]), 4)
 
     s = {"criu": version, "mib": args.mib, "wd_files": args.wd_files, "wd_mib": args.wd_mib, "pattern": args.pattern,
-         "rounds": args.rounds, "samples": samples}
+         "gate": not args.no_gate, "rounds": args.rounds, "samples": samples}
     for kind in samples:
         for key in ("freeze_s", "files_s", "dump_s", "copied"):
             s[f"{kind}_{key}_median"] = med(kind, key)
@@ -211,7 +212,8 @@ def table_workdir(s: dict) -> str:
         lines.append(f"| {kind} | {s[f'{kind}_freeze_s_median']} | {s[f'{kind}_files_s_median'] * 1000:.1f} | "
                      f"{s[f'{kind}_copied_median'] / 2**20:.1f} |")
     lines += ["", f"{s['mib']} MiB, {s['wd_files']} files ({s['wd_mib']} MiB) in the workdir, 1 % of blocks changed "
-              f"per round ({s['pattern']}), {s['rounds']} rounds (the first apart), criu {s['criu']}",
+              f"per round ({s['pattern']}), {s['rounds']} rounds (the first apart), changed files copied "
+              f"{'after the job resumes (gated)' if s['gate'] else 'while it is frozen'}, criu {s['criu']}",
               f"first epoch: the agent's part {s['first_snapshot_files_s'] * 1000:.0f} ms (every file copied), "
               f"freeze {s['first_snapshot_freeze_s']} s",
               f"freeze added by the snapshot: {s['added_share']:.1%} of the baseline's freeze (goal <= 10 %); "
@@ -267,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wd-mib", type=int, default=1024, help="their size in all, MiB (1024)")
     p.add_argument("--pattern", choices=("files", "blocks"), default="files",
                    help="1 %% of the blocks changed as whole files, or as blocks at random (files)")
+    p.add_argument("--no-gate", action="store_true",
+                   help="copy changed files while the job is frozen, not after it resumes (agent/cowgate.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.workdir and args.rounds < 2:
         p.error("--workdir needs at least 2 rounds (the first copies every file)")
-    args.out = args.out or REPO / "bench" / "results" / (f"file_freeze_workdir_{args.pattern}.json" if args.workdir
-                                                           else "file_freeze.json")
+    gate = "_nogate" if args.no_gate else ""
+    args.out = args.out or REPO / "bench" / "results" / (f"file_freeze_workdir_{args.pattern}{gate}.json"
+                                                           if args.workdir else "file_freeze.json")
     try:
         summary = asyncio.run(run_workdir(args) if args.workdir else run(args))
     except (BenchError, RevenantError, OSError) as exc:

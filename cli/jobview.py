@@ -41,7 +41,9 @@ def job_view(rec: JobRecord) -> dict:
                     "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
                               for f in e.files],
                     "files_total": e.files_total, "files_copied": e.files_copied,
-                    "workdir_note": e.workdir_note, "own_bytes": e.own_bytes, "incremental": e.incremental,
+                    "workdir_note": e.workdir_note, "workdir_files": e.workdir_files,
+                    "workdir_copied": e.workdir_copied, "workdir_linked": e.workdir_linked,
+                    "own_bytes": e.own_bytes, "incremental": e.incremental,
                     "gpus": msgspec.to_builtins(e.gpus), "gpu_driver": e.gpu_driver,
                     "listening": e.listening, "connections": e.connections}
                    for e in rec.epochs],
@@ -147,6 +149,9 @@ def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
              if not f.copied and not f.not_copied.startswith("append-only")]
     if e.workdir_note:
         rows.append(("", f"workdir not tracked: {e.workdir_note}"))
+    elif e.workdir_files:
+        rows.append(("", f"workdir: {e.workdir_files} files as at the dump, {_fmt_bytes(e.workdir_copied)} copied, "
+                         f"{_fmt_bytes(e.workdir_linked)} shared with the epoch before"))
     return rows
 
 

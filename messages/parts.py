@@ -257,6 +257,11 @@ class EpochInfo(_Body):
     files_copied: int = 0
     # Why the working directory's later changes are not moved aside on restore ("" if they are).
     workdir_note: str = ""
+    # The working directory's snapshot: its regular files, the bytes this epoch copied of them
+    # (changed since the previous epoch) and those it shares with that epoch (0 files: none).
+    workdir_files: int = 0
+    workdir_copied: int = 0
+    workdir_linked: int = 0
     # Bytes on disk only this epoch holds (0: not reported); ``bytes`` is its images' full size.
     own_bytes: int = 0
     # Stored as a delta against the job's packs (it is rebuilt from them to be restored).

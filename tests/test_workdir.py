@@ -52,7 +52,7 @@ def take(wd: Path, epoch_dir: Path, prev: workdir.Previous | None = None, budget
     if on_step is not None:
         taker.on_step = on_step
     taken = taker.take(stats)
-    workdir.link_all(taken, on_step or (lambda step: None))
+    workdir.finish(taken, on_step or (lambda step: None))
     m = Manifest(job="1", epoch=int(epoch_dir.name), generation=1, node="n1", created_at=0, criu_version="4.2.1",
                  kernel="k", workdir=str(wd), workdir_files=len(taken.files), workdir_copied=taken.copied,
                  workdir_linked=taken.linked)
