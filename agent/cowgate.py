@@ -10,10 +10,12 @@ copying a large file while the job is frozen lengthens the freeze.  On a filesys
 * after the job resumes, :meth:`CowGate.run` copies each file from the descriptor it holds, in
   the background; an open of a file not yet copied has that file copied first, then allowed:
   whoever opens it (to write it, say) can change it only once its copy is done;
-* a file is changed without an open only by ``truncate(2)`` on its path (or through a mapping
-  or descriptor taken before the dump: the caller copies the files the job holds while it is
-  frozen): the copy is checked against the inode's ctime afterwards, and one that changed is
-  reported (the epoch then fails: never a copy that is not the dump's).
+* a file is changed without an open only by ``truncate(2)`` on its path, or through a mapping
+  or descriptor taken before the dump (the caller copies the files the job holds while it is
+  frozen; a process outside the job writing the job's files is not the job's consistency): the
+  copy is checked against the inode's size afterwards, and one that changed is reported (the
+  epoch then fails: never a copy that is not the dump's).  Its times are no guide: a rename,
+  chmod or utime (git "freshens" existing objects) changes them and not a byte.
 
 If the agent dies meanwhile, its fanotify group goes with it and the kernel lets every waiting
 open through.  fanotify's permission events need CAP_SYS_ADMIN and a kernel with
@@ -41,13 +43,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
 
 
-def _raise_nofile() -> None:
-    """Each gated file holds a descriptor until it is copied: the soft limit goes up to the hard."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def available() -> str:
     """Why files cannot be gated here ("" if they can): fanotify's permission events need
     CAP_SYS_ADMIN and CONFIG_FANOTIFY_ACCESS_PERMISSIONS."""
@@ -69,7 +64,7 @@ def _check(ret: int) -> int:
 class _File:
     src: int  # our read-only descriptor of it
     dest: str
-    ctime_ns: int
+    size: int  # when armed
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     name: str = ""  # what messages call it
@@ -81,13 +76,15 @@ class CowGate:
     def __init__(self, copy: Callable[[int, str], None]) -> None:
         # copy(src_fd, dest): the copy itself (a plain copy, or one into packs).
         self._copy = copy
-        _raise_nofile()
         self._fan = _check(_libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY))
         self._files: dict[tuple[int, int], _File] = {}
         self._lock = threading.Lock()
         self._closing = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._events: threading.Thread | None = None
+        # Answering from the start: an open of a gated file (by the agent itself, through a second
+        # link to it, or by another job's snapshot) never waits for an answer nobody gives.
+        self.start()
 
     def arm(self, fd: int, dest: str, name: str = "") -> bool:
         """Gate the file behind ``fd`` (a descriptor of the caller's, read-only, kept by the gate
@@ -97,7 +94,7 @@ class CowGate:
         if (st.st_dev, st.st_ino) in self._files:
             return False
         _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))
-        self._files[(st.st_dev, st.st_ino)] = _File(fd, dest, st.st_ctime_ns, name=name or dest)
+        self._files[(st.st_dev, st.st_ino)] = _File(fd, dest, st.st_size, name=name or dest)
         return True
 
     def start(self) -> None:
@@ -117,9 +114,9 @@ class CowGate:
                 return
             try:
                 self._copy(f.src, f.dest)
-                if os.fstat(f.src).st_ctime_ns != f.ctime_ns:
-                    f.error = (f"{f.name} changed while it was copied (truncated by path, or written through a "
-                               "descriptor opened before the dump)")
+                # Its size only: a rename, chmod, link or utime (git "freshens" objects) is no change.
+                if os.fstat(f.src).st_size != f.size:
+                    f.error = f"{f.name} changed size while it was copied (truncated by path)"
             except OSError as exc:
                 f.error = f"{f.name}: {exc.strerror or exc}"
             finally:

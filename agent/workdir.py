@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import os
 import pwd
+import resource
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,6 +45,11 @@ from revenant.agent.jobfiles_restore import MAX_NAMED, PutBack, put_back
 _COPY = f"{FILES_DIR}/w"
 # The largest files an over-budget error names.
 _NAMED = 3
+# A file changed this close to the dump is "racy" (WorkdirFile): 2 s where its filesystem keeps
+# whole seconds (its times have no fraction), 20 ms where it keeps finer (the kernel's clock ticks).
+RACY_NS = (2_000_000_000, 20_000_000)
+# Descriptors the gate leaves to the rest of the agent: past the limit less these, files are copied now.
+_SPARE_FDS = 256
 
 
 class WorkdirFile(msgspec.Struct, array_like=True):
@@ -53,11 +60,15 @@ class WorkdirFile(msgspec.Struct, array_like=True):
     mode: int
     uid: int
     gid: int
-    copy: str  # its content in the epoch ("files/w<i>")
+    copy: str  # its content in the epoch ("files/w<i>"; two links to one inode share one)
+    # Its times cannot vouch for its content: the job maps or holds it (a write through a mapping
+    # may not touch them), or it changed within RACY_NS of the dump (a filesystem's clock may be
+    # that coarse).  Never linked to by the next epoch, always put back on restore.
+    racy: bool = False
 
     def same(self, st: os.stat_result) -> bool:
-        return (self.ino, self.size, self.mtime_ns, self.ctime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns,
-                                                                         st.st_ctime_ns)
+        return not self.racy and (self.ino, self.size, self.mtime_ns, self.ctime_ns) == (
+            st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class OverBudget(EpochError):
@@ -141,7 +152,7 @@ class Taker:
     """The snapshot of the working directory, taken while the job is frozen (see the module)."""
 
     def __init__(self, workdir: str, epoch_tmp: Path, link_dir: Path, prev: Previous | None, uid: int | None,
-                 budget: int, gate: bool = True) -> None:
+                 budget: int, gate: bool = True, racy_ns: tuple[int, int] = RACY_NS) -> None:
         self.workdir = workdir
         self.epoch_tmp = epoch_tmp  # where copies go (node-local staging, or the epoch's directory)
         self.link_dir = link_dir  # the epoch's directory on shared storage: links go there
@@ -149,6 +160,7 @@ class Taker:
         self.uid = uid
         self.budget = budget
         self.on_step: Callable[[str], None] = lambda step: None  # crash tests stop here
+        self.racy_ns = racy_ns  # a file changed this close to the dump is never trusted by its times
         # Copy changed files after the job resumes, behind a gate, where fanotify allows it.
         self.gate = gate and not gate_unavailable()
 
@@ -157,55 +169,73 @@ class Taker:
         a write through them needs no open the gate would see."""
         taken = Taken(link_from=self.prev.dir if self.prev is not None else Path(), link_to=self.link_dir)
         todo: list[tuple[str, WorkdirFile]] = []
+        inodes: dict[tuple[int, int], WorkdirFile] = {}
+        now = time.time_ns()
+        coarse, fine = now - self.racy_ns[0], now - self.racy_ns[1]
         for i, rel in enumerate(sorted(stats)):
             st = stats[rel]
             if not stat.S_ISREG(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
                 continue  # not a regular file, or another user's: left as it is
             rec = WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IMODE(st.st_mode),
-                              st.st_uid, st.st_gid, f"{_COPY}{i}")
+                              st.st_uid, st.st_gid, f"{_COPY}{i}",
+                              racy=max(st.st_ctime_ns, st.st_mtime_ns) > (fine if st.st_mtime_ns % 10**9 else coarse)
+                              or os.path.join(self.workdir, rel) in held)
             taken.files[rel] = rec
+            first = inodes.setdefault((st.st_dev, st.st_ino), rec)
+            if first is not rec:  # another link to a file already taken: one copy (never opened twice)
+                rec.copy, rec.racy = first.copy, rec.racy or first.racy
+                first.racy = rec.racy
+                continue
             if not self._link(rel, rec, taken):
                 todo.append((rel, rec))
         self._check_budget(todo)
-        if todo:
-            (self.epoch_tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
-            dirs = {"": beneath.open_dir(self.workdir)}  # each directory walked to once
-            gate = cowgate.CowGate(_copy_gated) if self.gate else None
-            try:
-                for rel, rec in todo:
-                    src = self._open(dirs, rel, rec)
-                    dest = self.epoch_tmp / rec.copy
-                    if gate is not None and os.path.join(self.workdir, rel) not in held and _arm(gate, src, dest, rel):
-                        self.on_step(f"gated {rel}")
-                    else:
-                        try:
-                            _copy_now(src, dest, rec.size)
-                        finally:
-                            os.close(src)
-                        self.on_step(f"copied {rel}")
-                    taken.copied += rec.size
-            except BaseException:
-                if gate is not None:
-                    gate.close()
-                raise
-            finally:
-                for fd in dirs.values():
-                    os.close(fd)
-            if gate is not None and gate.gated:
-                gate.start()
-                taken.gate = gate
-            elif gate is not None:
+        gate = cowgate.CowGate(_copy_gated) if todo and self.gate else None
+        try:
+            if todo:
+                self._copy_all(todo, held, gate, taken)
+            with open(os.open(self.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                      "wb") as f:
+                f.write(msgspec.json.encode(taken.files))
+        except BaseException:
+            if gate is not None:
                 gate.close()
-        with open(os.open(self.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(msgspec.json.encode(taken.files))
+            raise
+        if gate is not None and gate.gated:
+            taken.gate = gate
+        elif gate is not None:
+            gate.close()
         return taken
+
+    def _copy_all(self, todo: list[tuple[str, WorkdirFile]], held: frozenset[str], gate: cowgate.CowGate | None,
+                  taken: Taken) -> None:
+        """Gate each changed file (or copy it now: one the job holds, past the gate's descriptors)."""
+        (self.epoch_tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
+        dirs = {"": beneath.open_dir(self.workdir)}  # each directory walked to once
+        room = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - _SPARE_FDS
+        try:
+            for rel, rec in todo:
+                src = self._open(dirs, rel, rec)
+                dest = self.epoch_tmp / rec.copy
+                if gate is not None and gate.gated < room and os.path.join(self.workdir, rel) not in held \
+                        and _arm(gate, src, dest, rel):
+                    self.on_step(f"gated {rel}")
+                else:
+                    try:
+                        _copy_now(src, dest, rec.size)
+                    finally:
+                        os.close(src)
+                    self.on_step(f"copied {rel}")
+                taken.copied += rec.size
+        finally:
+            for fd in dirs.values():
+                os.close(fd)
 
     def _link(self, rel: str, rec: WorkdirFile, taken: Taken) -> bool:
         """Whether ``rec`` is unchanged since the previous epoch: then its copy is that epoch's,
         linked after the job resumes (link_all: the copy never changes, the decision is made here)."""
         was = self.prev.files.get(rel) if self.prev is not None else None
-        if was is None or (was.ino, was.size, was.mtime_ns, was.ctime_ns) != (rec.ino, rec.size, rec.mtime_ns,
-                                                                                rec.ctime_ns):
+        if was is None or was.racy or rec.racy or (was.ino, was.size, was.mtime_ns, was.ctime_ns) != (
+                rec.ino, rec.size, rec.mtime_ns, rec.ctime_ns):
             return False
         sums = self.prev.sums.get(was.copy)
         if sums is None or sums[0] != rec.size:

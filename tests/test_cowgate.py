@@ -45,7 +45,7 @@ def test_a_file_truncated_by_path_while_copied_is_reported(tmp_path):
     gate = CowGate(lambda src, dest: (os.truncate(p, 0), open(dest, "wb").close()))  # no open: not gated
     gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
     [error] = gate.run()
-    assert "changed while it was copied" in error
+    assert "changed size while it was copied" in error
 
 
 # ------------------------------------------------------------------ through the workdir's snapshot
@@ -85,8 +85,8 @@ def test_a_gated_file_truncated_by_path_fails_the_epoch_and_abandon_lets_opens_t
     wd.mkdir()
     (wd / "a").write_bytes(b"x" * 4096)
     taken = _taken(wd, tmp_path / "e")
-    os.truncate(wd / "a", 0)  # no open: the gate cannot see it, the ctime check does
-    with pytest.raises(EpochError, match=r"changed while its snapshot was copied: a changed while it was copied"):
+    os.truncate(wd / "a", 0)  # no open: the gate cannot see it, the size check does
+    with pytest.raises(EpochError, match=r"changed while its snapshot was copied: a changed size while it was copied"):
         workdir.finish(taken)
     (wd / "b").write_bytes(b"y" * 4096)
     taken = _taken(wd, tmp_path / "e2")

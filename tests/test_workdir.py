@@ -9,6 +9,7 @@ import signal
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from revenant.agent import workdir
@@ -43,15 +44,16 @@ def state(wd: Path) -> dict[str, tuple]:
 
 
 def take(wd: Path, epoch_dir: Path, prev: workdir.Previous | None = None, budget: int = 2**30,
-         uid: int | None = None, on_step=None) -> tuple[workdir.Taken, Manifest]:
+         uid: int | None = None, on_step=None, racy_ns: tuple[int, int] = (0, 0),
+         held: frozenset[str] = frozenset()) -> tuple[workdir.Taken, Manifest]:
     epoch_dir.mkdir(parents=True, exist_ok=True)
     stats: dict[str, os.stat_result] = {}
     listing = scan_workdir(str(wd), 1000, stats=stats)
     (epoch_dir / LISTING).write_bytes(__import__("msgspec").json.encode(listing))
-    taker = workdir.Taker(str(wd), epoch_dir, epoch_dir, prev, uid, budget)
+    taker = workdir.Taker(str(wd), epoch_dir, epoch_dir, prev, uid, budget, racy_ns=racy_ns)
     if on_step is not None:
         taker.on_step = on_step
-    taken = taker.take(stats)
+    taken = taker.take(stats, held)
     workdir.finish(taken, on_step or (lambda step: None))
     m = Manifest(job="1", epoch=int(epoch_dir.name), generation=1, node="n1", created_at=0, criu_version="4.2.1",
                  kernel="k", workdir=str(wd), workdir_files=len(taken.files), workdir_copied=taken.copied,
@@ -89,6 +91,24 @@ def test_every_regular_file_is_taken_and_unchanged_ones_are_linked_from_the_prev
     assert (e1 / first.files["base/5/16384"].copy).read_bytes() == b"R" * 65536
     assert set(second.known) == {second.files[r].copy for r in ("base/5/16385", ".git/index", "model.ckpt")}
     assert all(oct((e2 / rec.copy).stat().st_mode)[-3:] == "600" for rec in second.files.values())
+
+
+def test_a_file_changed_just_before_the_dump_or_held_by_the_job_is_never_trusted_by_its_times(tmp_path):
+    wd = make_workdir(tmp_path)
+    os.link(wd / "model.ckpt", wd / "model.link")  # a second link: one copy, never opened twice
+    first, _ = take(wd, tmp_path / "epochs" / "1", racy_ns=(10**12, 10**12))  # all of it "just now"
+    assert all(rec.racy for rec in first.files.values())
+    assert first.files["model.link"].copy == first.files["model.ckpt"].copy
+    assert first.copied == 65536 + 8192 + 40 + 100_000  # the linked inode once
+    second, _ = take(wd, tmp_path / "epochs" / "2", previous(tmp_path / "epochs" / "1"))
+    assert second.linked == 0  # racy at the first epoch: copied again, whatever its times say
+    third, _ = take(wd, tmp_path / "epochs" / "3", previous(tmp_path / "epochs" / "2"))
+    assert third.linked == 65536 + 8192 + 40 + 100_000
+    fourth, _ = take(wd, tmp_path / "epochs" / "4", previous(tmp_path / "epochs" / "3"),
+                     held=frozenset({str(wd / "model.ckpt")}))
+    assert fourth.files["model.ckpt"].racy and fourth.linked == 65536 + 8192 + 40  # held: copied
+    assert not workdir.WorkdirFile(**{**msgspec.structs.asdict(fourth.files["model.ckpt"])}).same(
+        (wd / "model.ckpt").stat())  # and always put back
 
 
 def test_over_the_budget_the_snapshot_fails_naming_the_largest_files(tmp_path):
