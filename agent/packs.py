@@ -39,7 +39,7 @@ import msgspec
 from revenant.agent.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Recipe, check_trusted, converted,
                                   idx_bytes, is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, read_recipe, rebuild,
                                   runs_of, write_private)
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
+from revenant.agent.epochs import FILES_DIR, MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
 from revenant.agent.fileio import fsync_path
 from revenant.agent.private import PRIVATE_FILE, private_dir
 
@@ -390,5 +390,28 @@ def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
     for ivs in intervals.values():
         for n, pages in _own_pages(ivs).items():
             own[n] += pages * (PAGE + DIGEST)
-    return storage, own
+    return storage - _shared_copies(files, manifests, own), own
+
+
+def _shared_copies(files: JobFiles, manifests: dict[int, Manifest], own: dict[int, int]) -> int:
+    """Working-directory copies linked from one epoch into the next (agent/workdir.py): taken out
+    of each sharing epoch's own bytes; the bytes counted more than once in the storage."""
+    holders: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for n, m in manifests.items():
+        if not m.workdir_files:
+            continue
+        for name, f in m.files.items():
+            if name.startswith(f"{FILES_DIR}/w"):
+                try:
+                    st = os.stat(files.epoch_dir(n) / name)
+                except OSError:
+                    continue
+                holders.setdefault((st.st_dev, st.st_ino), []).append((n, f.size))
+    extra = 0
+    for held in holders.values():
+        if len(held) > 1:
+            extra += held[0][1] * (len(held) - 1)
+            for n, size in held:
+                own[n] -= size
+    return extra
 

@@ -14,7 +14,7 @@ import pytest
 
 from revenant.agent import workdir
 from revenant.agent.aside import move_aside
-from revenant.agent.epochs import LISTING, EpochError, Manifest
+from revenant.agent.epochs import LISTING, EpochError, FileEntry, Manifest
 from revenant.agent.jobfiles import scan_workdir
 
 pytestmark = pytest.mark.unit
@@ -49,13 +49,13 @@ def take(wd: Path, epoch_dir: Path, prev: workdir.Previous | None = None, budget
     epoch_dir.mkdir(parents=True, exist_ok=True)
     stats: dict[str, os.stat_result] = {}
     listing = scan_workdir(str(wd), 1000, stats=stats)
-    (epoch_dir / LISTING).write_bytes(__import__("msgspec").json.encode(listing))
+    (epoch_dir / LISTING).write_bytes(msgspec.json.encode(listing))
     taker = workdir.Taker(str(wd), epoch_dir, epoch_dir, prev, uid, budget, racy_ns=racy_ns)
     if on_step is not None:
         taker.on_step = on_step
     taken = taker.take(stats, held)
     workdir.finish(taken, on_step or (lambda step: None))
-    m = Manifest(job="1", epoch=int(epoch_dir.name), generation=1, node="n1", created_at=0, criu_version="4.2.1",
+    m = Manifest(job="1", epoch=int(epoch_dir.name) if epoch_dir.name.isdigit() else 0, generation=1, node="n1", created_at=0, criu_version="4.2.1",
                  kernel="k", workdir=str(wd), workdir_files=len(taken.files), workdir_copied=taken.copied,
                  workdir_linked=taken.linked)
     return taken, m
@@ -225,3 +225,28 @@ def test_an_unreadable_snapshot_refuses_the_restore(tmp_path):
     (e1 / "workdir-files.json").write_text("{not json")
     with pytest.raises(EpochError, match="unreadable workdir-files.json"):
         workdir.read(e1)
+
+
+def test_a_copy_linked_into_the_next_epoch_is_counted_once_in_the_jobs_storage(tmp_path):
+    from revenant.agent import packs
+    from revenant.agent.epochs import JobFiles
+
+    files = JobFiles(tmp_path / "storage", "1")
+    wd = make_workdir(tmp_path)
+    committed = []
+    for k in range(2):
+        tmp = files.new_tmp("n1")
+        (tmp / "pages-1.img").write_bytes(b"p" * 4096)
+        prev = None
+        if committed:
+            d = files.epoch_dir(committed[-1].epoch)
+            prev = workdir.previous([(d, committed[-1])], str(wd))
+        taken, m = take(wd, tmp, prev)
+        m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
+        committed.append(files.commit(tmp, m))
+    assert committed[1].workdir_linked == committed[0].workdir_copied > 0
+    storage, own = packs.usage(files)
+    workdir_bytes = committed[0].workdir_copied
+    plain = sum(f.size for f in committed[1].files.values()) - workdir_bytes
+    assert own[committed[1].epoch] == plain + (files.epoch_dir(committed[1].epoch) / "manifest.json").stat().st_size
+    assert storage == sum(own.values()) + workdir_bytes  # the shared copies once, in neither epoch's own
