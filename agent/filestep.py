@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from revenant.agent import aside, criuimages, jobfiles_restore, netstate, remade, workdir
+from revenant.agent import aside, criuimages, jobfiles_restore, netstate, remade, workdir, workdir_restore
 from revenant.agent.epochs import EpochError, FileEntry, JobFiles, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
@@ -149,7 +149,7 @@ class JobFilesStep(BaseStep):
             notes += aside.move_aside(m, ctx.epoch_dir, self.max_entries, leave=ctx.leave_workdir,
                                       snapshot=frozenset(snapshot or ()))
             if snapshot and os.path.isdir(m.workdir):  # after what appeared since went aside
-                notes += workdir.apply(workdir.plan(m, ctx.epoch_dir, snapshot))
+                notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot))
             return notes
         ctx.notes += await asyncio.to_thread(put_back)
 

@@ -15,7 +15,7 @@ expects their content as of the epoch, and only the epoch can give it.  So:
   mapping writes without an open) and where fanotify cannot gate.  What one epoch copies is
   bounded by ``workdir_snapshot_max_bytes``: over it the dump fails, naming the largest files,
   and the job resumes; never a partial snapshot;
-* before criu restores, :func:`plan` and :func:`apply` put back every file that changed since,
+* before criu restores, agent/workdir_restore.py puts back every file that changed since,
   or went: its content, size, mode, owner and mtime, in place (the inode a program may know is
   kept) or made again.  agent/aside.py moves aside only what appeared after the epoch.
 
@@ -38,9 +38,8 @@ from typing import Callable
 import msgspec
 
 from revenant.agent import beneath, cowgate
-from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, JobFile, Manifest
+from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, Manifest
 from revenant.agent.fileio import copy_bytes, reflink
-from revenant.agent.jobfiles_restore import MAX_NAMED, PutBack, put_back
 
 _COPY = f"{FILES_DIR}/w"
 # The largest files an over-budget error names.
@@ -105,7 +104,7 @@ class Taken:
             gate.close()
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -250,9 +249,9 @@ class Taker:
         if total <= self.budget or self._clones():
             return
         largest = sorted(todo, key=lambda t: -t[1].size)[:_NAMED]
-        named = ", ".join(f"{rel} ({_size(rec.size)})" for rel, rec in largest)
-        raise OverBudget(f"the working directory's changes since the last epoch are {_size(total)} in {len(todo)} "
-                         f"files, over workdir_snapshot_max_bytes ({_size(self.budget)}); the largest: {named}")
+        named = ", ".join(f"{rel} ({size_text(rec.size)})" for rel, rec in largest)
+        raise OverBudget(f"the working directory's changes since the last epoch are {size_text(total)} in {len(todo)} "
+                         f"files, over workdir_snapshot_max_bytes ({size_text(self.budget)}); the largest: {named}")
 
     def _clones(self) -> bool:
         """The epoch's filesystem clones files (copies then cost no bytes, whatever the budget)."""
@@ -348,62 +347,3 @@ def link_all(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -
     finally:
         os.close(src_dir)
         os.close(dst_dir)
-
-
-# ------------------------------------------------------------------ restore
-
-
-@dataclass
-class Plan:
-    workdir: str
-    epoch: int
-    todo: list[PutBack] = field(default_factory=list)
-    files: int = 0  # files in the snapshot
-    unchanged: int = 0
-
-
-def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile]) -> Plan:
-    """What putting the working directory back as at the epoch takes (after agent/aside.py moved
-    aside what appeared since, and anything that is no longer a regular file where one was)."""
-    workdir, n = manifest.workdir, manifest.epoch
-    out = Plan(workdir, n, files=len(snapshot))
-    top = beneath.open_dir(workdir)
-    try:
-        for rel, rec in sorted(snapshot.items()):
-            *dirs, name = rel.split("/")
-            try:
-                parent = beneath.walk(top, dirs, rel)
-            except FileNotFoundError:
-                st = None
-            except OSError as exc:
-                raise EpochError(f"cannot put back {os.path.join(workdir, rel)}: {exc.strerror or exc}") from None
-            else:
-                try:
-                    st = beneath.lstat_in(parent, name)
-                finally:
-                    os.close(parent)
-            if st is not None and stat.S_ISREG(st.st_mode) and rec.same(st):
-                out.unchanged += 1
-                continue
-            path = os.path.join(workdir, rel)
-            entry = JobFile(size=rec.size, mode=rec.mode, uid=rec.uid, gid=rec.gid, ino=rec.ino, mtime_ns=rec.mtime_ns)
-            out.todo.append(PutBack(path, rec.size, str(epoch_dir / rec.copy), entry, "",
-                                    make_parent=st is None, workdir=workdir, mtime_ns=rec.mtime_ns))
-    finally:
-        os.close(top)
-    return out
-
-
-def apply(p: Plan, on_step: Callable[[str], None] = lambda step: None) -> list[str]:
-    for todo in p.todo:
-        on_step(f"put back {todo.path}")
-        try:
-            put_back(todo)
-        except OSError as exc:
-            raise EpochError(f"cannot put back {todo.path}: {exc.strerror or exc}") from None
-    if not p.todo:
-        return []
-    names = [os.path.relpath(t.path, p.workdir) for t in p.todo]
-    named = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
-    return [f"put back {len(p.todo)} of the {p.files} files of {p.workdir} as they were at epoch {p.epoch} "
-            f"({_size(sum(t.size for t in p.todo))}; changed or gone since): {named}"]

@@ -92,3 +92,28 @@ def test_a_gated_file_truncated_by_path_fails_the_epoch_and_abandon_lets_opens_t
     taken = _taken(wd, tmp_path / "e2")
     taken.abandon()  # the dump failed: nothing waits any more
     assert subprocess.run([sys.executable, "-c", f"open({str(wd / 'b')!r}, 'r+b')"], timeout=30).returncode == 0
+
+
+def test_an_agent_killed_with_files_gated_leaves_no_open_waiting(tmp_path):
+    """The agent SIGKILLed between arming the gate and copying (at any step of the snapshot):
+    its fanotify group dies with it, and the kernel lets every open through."""
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 4096)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the agent
+        try:
+            gate = CowGate(lambda src, dest: time.sleep(60))  # the copy never ends before the kill
+            gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
+            os.write(w, b"armed")
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    assert os.read(r, 5) == b"armed"
+    opener = subprocess.Popen([sys.executable, "-c", f"open({str(p)!r}, 'r+b').write(b'after')"])
+    time.sleep(0.5)
+    assert opener.poll() is None  # waiting on the gate
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert opener.wait(timeout=30) == 0
+    assert p.read_bytes().startswith(b"after")

@@ -28,7 +28,7 @@ import msgspec
 import psutil
 import pytest
 
-from revenant.agent import workdir
+from revenant.agent import workdir, workdir_restore
 from revenant.agent.epochs import FILES_DIR, LISTING, WORKDIR_FILES, EpochError, FilesChanged, JobFile, JobFiles, \
     Manifest
 from revenant.agent.jobfiles import HELD, scan_workdir
@@ -169,7 +169,7 @@ def test_put_back_cut_back_and_move_aside_touch_nothing_outside_the_job_while_th
             except (FilesChanged, EpochError):
                 refused += 1
             try:  # the working directory's files, put back through the same swaps
-                workdir.apply(workdir.plan(m, epoch, snap))
+                workdir_restore.apply(workdir_restore.plan(m, epoch, snap))
                 put += 1
             except EpochError:
                 refused += 1

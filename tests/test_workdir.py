@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from revenant.agent import workdir
+from revenant.agent import workdir, workdir_restore
 from revenant.agent.aside import move_aside
 from revenant.agent.epochs import LISTING, EpochError, FileEntry, Manifest
 from revenant.agent.jobfiles import scan_workdir
@@ -71,8 +71,8 @@ def restore(m: Manifest, epoch_dir: Path, on_step=None) -> list[str]:
     """What agent/filestep.py does before criu restores: move aside, then put back."""
     snap = workdir.read(epoch_dir)
     notes = move_aside(m, epoch_dir, 1000, snapshot=frozenset(snap))
-    plan = workdir.plan(m, epoch_dir, snap)
-    return notes + (workdir.apply(plan, on_step) if on_step else workdir.apply(plan))
+    plan = workdir_restore.plan(m, epoch_dir, snap)
+    return notes + (workdir_restore.apply(plan, on_step) if on_step else workdir_restore.apply(plan))
 
 
 def test_every_regular_file_is_taken_and_unchanged_ones_are_linked_from_the_previous_epoch(tmp_path):
@@ -250,3 +250,19 @@ def test_a_copy_linked_into_the_next_epoch_is_counted_once_in_the_jobs_storage(t
     plain = sum(f.size for f in committed[1].files.values()) - workdir_bytes
     assert own[committed[1].epoch] == plain + (files.epoch_dir(committed[1].epoch) / "manifest.json").stat().st_size
     assert storage == sum(own.values()) + workdir_bytes  # the shared copies once, in neither epoch's own
+
+
+def test_a_users_file_gets_its_setgid_bit_back_only_for_a_group_the_user_is_still_in(tmp_path):
+    wd = make_workdir(tmp_path)
+    f = wd / "model.ckpt"
+    os.chown(f, 65534, 0)  # nobody's file, in root's group (nobody is not in it)
+    os.chmod(f, 0o2750)
+    e1 = tmp_path / "epochs" / "1"
+    _, m = take(wd, e1, uid=65534)
+    m.user = "nobody"
+    f.write_bytes(b"later")
+    [todo] = workdir_restore.plan(m, e1, workdir.read(e1)).todo
+    assert todo.entry.mode == 0o750
+    m.user = "root"
+    [todo] = workdir_restore.plan(m, e1, workdir.read(e1)).todo
+    assert todo.entry.mode == 0o2750
