@@ -246,28 +246,34 @@ class Taker:
 
     def _check_budget(self, todo: list[tuple[str, WorkdirFile]]) -> None:
         total = sum(rec.size for _, rec in todo)
-        if total <= self.budget or self._clones():
+        if total <= self.budget:
             return
         largest = sorted(todo, key=lambda t: -t[1].size)[:_NAMED]
+        if self._clones(*largest[0]):
+            return
         named = ", ".join(f"{rel} ({size_text(rec.size)})" for rel, rec in largest)
         raise OverBudget(f"the working directory's changes since the last epoch are {size_text(total)} in {len(todo)} "
                          f"files, over workdir_snapshot_max_bytes ({size_text(self.budget)}); the largest: {named}")
 
-    def _clones(self) -> bool:
-        """The epoch's filesystem clones files (copies then cost no bytes, whatever the budget)."""
+    def _clones(self, rel: str, rec: WorkdirFile) -> bool:
+        """A file of the workdir clones into the epoch (the same filesystem, with reflinks): copies
+        then cost no bytes, whatever the budget.  Tried on ``rel`` itself, into a scratch name."""
+        dirs = {"": beneath.open_dir(self.workdir)}
         probe = self.epoch_tmp / ".reflink-probe"
-        src = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(src, b"x")
-            dst = os.open(f"{probe}.2", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            src = self._open(dirs, rel, rec)
             try:
-                return reflink(src, dst)
+                dst = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    return reflink(src, dst)
+                finally:
+                    os.close(dst)
+                    os.unlink(probe)
             finally:
-                os.close(dst)
-                os.unlink(f"{probe}.2")
+                os.close(src)
         finally:
-            os.close(src)
-            os.unlink(probe)
+            for fd in dirs.values():
+                os.close(fd)
 
     def _open(self, dirs: dict[str, int], rel: str, rec: WorkdirFile) -> int:
         """A read-only descriptor of ``rel``, checked to be the file the listing saw."""
