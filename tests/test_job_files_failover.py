@@ -45,4 +45,6 @@ def test_a_failover_leaves_every_file_of_the_job_exact(make_cluster, tmp_path):
     restored = [e for e in job_events(cluster, job) if e["kind"] == "restored"]
     assert f"cut {wd / 'train.log'} back" in restored[0]["reason"], restored
     assert f"restored {wd / 'steps.db'} from epoch {first['epochs'][0]['n']}'s copy" in restored[0]["reason"]
-    assert (wd / f"revenant-after-epoch-{first['epochs'][0]['n']}" / "ckpt.json").exists()
+    # Its checkpoint, closed at the dump and renamed over after it, was put back, not moved aside.
+    assert "ckpt.json" in restored[0]["reason"] and "as they were at epoch" in restored[0]["reason"], restored
+    assert not (wd / f"revenant-after-epoch-{first['epochs'][0]['n']}" / "ckpt.json").exists()

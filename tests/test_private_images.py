@@ -88,12 +88,12 @@ async def test_epochs_are_root_only_whatever_the_umask(tmp_path, storage, superv
         assert sup.engine is not None
         # The manifest records who owns the job.
         manifest, _, _ = await sup.engine.checkpoint("1", 1, sup.jobs["1"].pid, stop=False, workdir=str(wd),
-                                                  user="alice")
+                                                  user="nobody")
     finally:
         os.umask(old)
     files = JobFiles(storage, "1")
     assert files.committed() == [first.epoch.n, manifest.epoch]
-    assert files.read_manifest(manifest.epoch).user == "alice" == manifest.user
+    assert files.read_manifest(manifest.epoch).user == "nobody" == manifest.user
     assert files.read_manifest(first.epoch.n).user == spec.user
     private = assert_private(files.epochs_dir)
     latest = files.epoch_dir(manifest.epoch)
