@@ -183,8 +183,11 @@ class LineServer:
     @staticmethod
     def _read(conn: socket.socket, lines: list[int]) -> None:
         with conn, conn.makefile("rb") as f:
-            for raw in f:
-                lines.append(int(raw))
+            try:
+                for raw in f:
+                    lines.append(int(raw))
+            except ConnectionResetError:
+                pass  # a failover's end of a connection: the killed job's socket may close with a reset
 
     def close(self) -> None:
         self.sock.close()
