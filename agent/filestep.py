@@ -49,7 +49,7 @@ def _newest(files: JobFiles, job_workdir: str) -> workdir.Previous | None:
             m = files.read_manifest(n)
         except EpochError:
             continue
-        return workdir.previous([(files.epoch_dir(n), m)], job_workdir)
+        return workdir.previous(files.epoch_dir(n), m, job_workdir)
     return None
 
 

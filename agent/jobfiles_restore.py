@@ -140,15 +140,19 @@ def _how(st: os.stat_result | None, e: JobFile) -> str:
     return "grown" if st.st_size > e.size else "rewritten"
 
 
-def _users_uid(manifest: Manifest) -> int | None:
-    """The uid of the job's user here, None for root's job (or a record from before jobs had users)."""
-    if manifest.user in ("", "root"):
+def users_uid(user: str) -> int | None:
+    """The uid of ``user`` here, None for root's job (or a record from before jobs had users);
+    KeyError if the user is unknown here."""
+    if user in ("", "root"):
         return None
+    return pwd.getpwnam(user).pw_uid or None
+
+
+def _users_uid(manifest: Manifest) -> int | None:
     try:
-        uid = pwd.getpwnam(manifest.user).pw_uid
+        return users_uid(manifest.user)
     except KeyError:
         raise FilesChanged(f"the job's user {manifest.user!r} is unknown here; refusing epoch {manifest.epoch}") from None
-    return uid or None
 
 
 def plan(manifest: Manifest, epoch_dir: Path) -> list[PutBack]:

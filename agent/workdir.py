@@ -27,7 +27,6 @@ the epoch, which is what failover does.
 from __future__ import annotations
 
 import os
-import pwd
 import resource
 import stat
 import time
@@ -37,7 +36,7 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent import beneath, cowgate
+from revenant.agent import beneath, cowgate, jobfiles_restore
 from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, Manifest
 from revenant.agent.fileio import copy_bytes, reflink
 
@@ -65,9 +64,13 @@ class WorkdirFile(msgspec.Struct, array_like=True):
     # that coarse).  Never linked to by the next epoch, always put back on restore.
     racy: bool = False
 
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """What says the file is unchanged since (unless it is racy)."""
+        return self.ino, self.size, self.mtime_ns, self.ctime_ns
+
     def same(self, st: os.stat_result) -> bool:
-        return not self.racy and (self.ino, self.size, self.mtime_ns, self.ctime_ns) == (
-            st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return not self.racy and self.key == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class OverBudget(EpochError):
@@ -121,28 +124,22 @@ def read(epoch_dir: Path) -> dict[str, WorkdirFile] | None:
         raise EpochError(f"epoch {epoch_dir.name}: unreadable {WORKDIR_FILES}: {exc}") from None
 
 
-def previous(epochs: list[tuple[Path, Manifest]], workdir: str) -> Previous | None:
-    """The snapshot to link unchanged files from: the newest of ``epochs`` (oldest first) that
-    took one of ``workdir``; None if there is none, or it cannot be read (then all is copied)."""
-    for epoch_dir, m in reversed(epochs):
-        if m.workdir != workdir or not m.workdir_files:
-            continue
-        try:
-            files = read(epoch_dir)
-        except EpochError:
-            return None
-        if files is None:
-            return None
-        return Previous(epoch_dir, files, {n: (e.size, e.checksum) for n, e in m.files.items()})
-    return None
+def previous(epoch_dir: Path, m: Manifest, workdir: str) -> Previous | None:
+    """Epoch ``m``'s snapshot to link unchanged files from, if it took one of ``workdir``; None if
+    not, or if it cannot be read (then every file is copied)."""
+    if m.workdir != workdir or not m.workdir_files:
+        return None
+    try:
+        files = read(epoch_dir)
+    except EpochError:
+        return None
+    return Previous(epoch_dir, files, {n: (e.size, e.checksum) for n, e in m.files.items()}) if files else None
 
 
 def users_uid(user: str) -> int | None:
     """The uid whose files a job of ``user`` covers; None: every file (root's job)."""
-    if user in ("", "root"):
-        return None
     try:
-        return pwd.getpwnam(user).pw_uid or None
+        return jobfiles_restore.users_uid(user)
     except KeyError:
         raise EpochError(f"the job's user {user!r} is unknown here") from None
 
@@ -233,8 +230,7 @@ class Taker:
         """Whether ``rec`` is unchanged since the previous epoch: then its copy is that epoch's,
         linked after the job resumes (link_all: the copy never changes, the decision is made here)."""
         was = self.prev.files.get(rel) if self.prev is not None else None
-        if was is None or was.racy or rec.racy or (was.ino, was.size, was.mtime_ns, was.ctime_ns) != (
-                rec.ino, rec.size, rec.mtime_ns, rec.ctime_ns):
+        if was is None or was.racy or rec.racy or was.key != rec.key:
             return False
         sums = self.prev.sums.get(was.copy)
         if sums is None or sums[0] != rec.size:

@@ -161,6 +161,25 @@ def test_a_restore_puts_back_every_file_as_at_the_epoch_keeping_its_inode(tmp_pa
     assert state(wd) == again
 
 
+def killed_at(k: int, work) -> bool:
+    """Run ``work(on_step)`` in a forked agent, SIGKILLed as it reaches its step number ``k``;
+    whether it was killed (False: it finished in fewer steps)."""
+    pid = os.fork()
+    if pid == 0:
+        seen = []
+
+        def stop(step: str) -> None:
+            seen.append(step)
+            if len(seen) > k:
+                os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            work(stop)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status)
+
+
 def test_a_put_back_killed_at_each_step_is_completed_by_the_next_restore(tmp_path):
     wd = make_workdir(tmp_path)
     e1 = tmp_path / "epochs" / "1"
@@ -172,20 +191,7 @@ def test_a_put_back_killed_at_each_step_is_completed_by_the_next_restore(tmp_pat
             with open(p, "r+b") as f:
                 f.write(os.urandom(64))
         (wd / f"after-{steps}").write_text("new")
-        pid = os.fork()
-        if pid == 0:  # the agent, SIGKILLed as it reaches step number `steps`
-            seen = []
-
-            def stop(step: str) -> None:
-                seen.append(step)
-                if len(seen) > steps:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            try:
-                restore(m, e1, stop)
-            finally:
-                os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        killed = os.WIFSIGNALED(status)
+        killed = killed_at(steps, lambda stop: restore(m, e1, stop))
         restore(m, e1)  # the next restore of the epoch (a failover's)
         assert {k: v for k, v in state(wd).items() if not k.startswith("revenant-after-epoch-")} == at_epoch
         if not killed:
@@ -201,20 +207,9 @@ def test_a_snapshot_killed_at_each_step_changes_nothing_in_the_workdir(tmp_path)
         f.write(b"changed")
     before = state(wd)
     for k in range(5):
-        pid = os.fork()
-        if pid == 0:
-            seen = []
-
-            def stop(step: str) -> None:
-                seen.append(step)
-                if len(seen) > k:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            try:
-                take(wd, tmp_path / "epochs" / f"{10 + k}", previous(tmp_path / "epochs" / "1"), on_step=stop)
-            finally:
-                os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFSIGNALED(status) == (k < 4), k  # 3 links, 1 copy
+        killed = killed_at(k, lambda stop: take(wd, tmp_path / "epochs" / f"{10 + k}",
+                                                previous(tmp_path / "epochs" / "1"), on_step=stop))
+        assert killed == (k < 4), k  # 3 links, 1 copy
         assert state(wd) == before
 
 
@@ -240,7 +235,7 @@ def test_a_copy_linked_into_the_next_epoch_is_counted_once_in_the_jobs_storage(t
         prev = None
         if committed:
             d = files.epoch_dir(committed[-1].epoch)
-            prev = workdir.previous([(d, committed[-1])], str(wd))
+            prev = workdir.previous(d, committed[-1], str(wd))
         taken, m = take(wd, tmp, prev)
         m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
         committed.append(files.commit(tmp, m))
