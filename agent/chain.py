@@ -27,7 +27,7 @@ from typing import BinaryIO, Iterator
 
 import msgspec
 
-from revenant.agent.manifest import MANIFEST, CorruptEpoch, EpochStore, Manifest
+from revenant.agent.manifest import MANIFEST, CorruptEpoch, EpochStore, Manifest, WorkdirFile, read_workdir
 from revenant.agent.private import PRIVATE_FILE, trusted
 
 PAGE = 4096
@@ -91,12 +91,9 @@ def read_recipe(files: EpochStore, m: Manifest, name: str) -> Recipe:
         recipe = msgspec.msgpack.decode((files.epoch_dir(m.epoch) / entry.recipe).read_bytes(), type=Recipe)
     except (OSError, msgspec.DecodeError) as exc:
         raise _unreadable(exc, f"epoch {m.epoch}: recipe of {name} is unreadable") from None
-    runs = recipe.runs
-    pages = sum(runs[2::3])
-    if (len(runs) % 3 or not set(recipe.packs) <= set(m.packs) or pages != -(-entry.size // PAGE)
-            or any(not 0 <= p < len(recipe.packs) for p in runs[0::3]) or min(runs, default=0) < 0):
-        raise CorruptEpoch(f"epoch {m.epoch}: recipe of {name} does not describe a {entry.size}-byte image "
-                           "from the epoch's packs")
+    if not set(recipe.packs) <= set(m.packs):
+        raise CorruptEpoch(f"epoch {m.epoch}: recipe of {name} reads packs the epoch does not list")
+    check_runs(recipe, entry.size, f"epoch {m.epoch}: recipe of {name}")
     return recipe
 
 
@@ -155,7 +152,14 @@ def rebuild(files: EpochStore, m: Manifest, name: str, out: BinaryIO | None = No
     checking the size and CRC-32 the original had; CorruptEpoch names the pack and page at fault."""
     entry = m.recipes[name]
     recipe = recipe if recipe is not None else read_recipe(files, m, name)
-    crc, left = 0, entry.size
+    stream(files, recipe, entry.size, entry.checksum, f"epoch {m.epoch}: {name}", out)
+
+
+def stream(files: EpochStore, recipe: Recipe, size: int, checksum: str, what: str,
+           out: BinaryIO | None = None) -> None:
+    """Stream the ``size`` bytes ``recipe`` rebuilds (into ``out``, if given), checking their
+    CRC-32 against ``checksum``; CorruptEpoch (about ``what``) names the pack and page at fault."""
+    crc, left = 0, size
     try:
         for _, _, data in _pages(files, recipe):
             if len(data) > left:  # the last page of an image whose size is not a multiple of 4 KiB
@@ -165,10 +169,41 @@ def rebuild(files: EpochStore, m: Manifest, name: str, out: BinaryIO | None = No
             if out is not None:
                 out.write(data)
     except CorruptEpoch as exc:
-        raise CorruptEpoch(f"epoch {m.epoch}: {name}: {exc}") from None
-    if left or f"{crc:08x}" != entry.checksum:
+        raise CorruptEpoch(f"{what}: {exc}") from None
+    if left or f"{crc:08x}" != checksum:
         why = _culprit(files, recipe) or "its pages match their digests, the whole does not"
-        raise CorruptEpoch(f"epoch {m.epoch}: {name} rebuilt from its packs fails its checksum: {why}")
+        raise CorruptEpoch(f"{what} rebuilt from its packs fails its checksum: {why}")
+
+
+def check_runs(recipe: Recipe, size: int, what: str) -> None:
+    """``recipe`` rebuilds ``size`` bytes from its own table of packs (else CorruptEpoch)."""
+    runs = recipe.runs
+    if (len(runs) % 3 or sum(runs[2::3]) != -(-size // PAGE) or min(runs, default=0) < 0
+            or any(not 0 <= p < len(recipe.packs) for p in runs[0::3])):
+        raise CorruptEpoch(f"{what} does not describe a {size}-byte file from its packs")
+
+
+def workdir_recipe(m: Manifest, rec: WorkdirFile, what: str) -> Recipe:
+    """The recipe of packed working-directory file ``rec`` of epoch ``m`` (agent/workdir_packs.py)."""
+    recipe = Recipe(packs=m.workdir_packs, runs=rec.runs or [])
+    check_runs(recipe, rec.size, what)
+    return recipe
+
+
+def verify_workdir(files: EpochStore, m: Manifest, epoch_dir: Path) -> None:
+    """Every page of epoch ``m``'s packed working-directory files, read and checked against
+    each file's CRC-32 (its snapshot, workdir-files.json, was checked with the epoch's files)."""
+    for seg in sorted({ref.partition("/")[0] for ref in m.workdir_packs}):
+        for d in (files.packs_dir, files.packs_dir / seg):
+            if not trusted(d):
+                raise CorruptEpoch(f"epoch {m.epoch}: {d} is not the agent's own directory; its packs are not used")
+    seen: set[str] = set()
+    for rel, rec in sorted((read_workdir(epoch_dir) or {}).items()):
+        if rec.runs is None or rec.copy in seen:
+            continue
+        seen.add(rec.copy)
+        what = f"epoch {m.epoch}: the working directory's {rel}"
+        stream(files, workdir_recipe(m, rec, what), rec.size, rec.crc, what)
 
 
 def check_trusted(files: EpochStore, m: Manifest) -> None:

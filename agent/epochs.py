@@ -38,10 +38,10 @@ from typing import Callable, Collection
 import msgspec
 
 from revenant.agent import imagesum
-from revenant.agent.chain import verify_recipes
+from revenant.agent.chain import verify_recipes, verify_workdir
 from revenant.agent.fileio import Durable, copy_bytes, fsync_path
 from revenant.agent.manifest import (MANIFEST, MANIFEST_VERSION, CorruptEpoch, EpochError, FileEntry,  # noqa: F401
-                                     FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry)
+                                     FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry, WORKDIR_FILES)
 from revenant.agent.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
 from revenant.messages import EpochFile, EpochInfo
@@ -99,8 +99,6 @@ def link_predump(directory: Path, names: Collection[str]) -> None:
 # The job's own files taken with an epoch (agent/jobfiles.py): copies, and the workdir's listing.
 FILES_DIR = "files"
 LISTING = "workdir.json"
-# Every regular file of the working directory, as at the dump, with its copy (agent/workdir.py).
-WORKDIR_FILES = "workdir-files.json"
 
 
 def _job_file_names(directory: Path) -> list[str]:
@@ -243,6 +241,8 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
         if m.recipes:  # every page it needs, from the packs
             verify_recipes(self, m)
+        if m.workdir_packs:  # and its working directory's
+            verify_workdir(self, m, d)
         return m
 
     def check_trusted(self) -> None:

@@ -9,14 +9,17 @@ import os
 import threading
 from pathlib import Path
 
-from revenant.agent import aside, criuimages, jobfiles_restore, netstate, remade, workdir, workdir_restore
+from revenant.agent import (aside, criuimages, jobfiles_restore, netstate, packs, remade, workdir, workdir_packs,
+                            workdir_restore)
 from revenant.agent.epochs import EpochError, FileEntry, JobFiles, Manifest
 from revenant.agent.jobfiles import Snapshot, SnapshotResult
 from revenant.agent.steps import BaseStep, DumpContext, RestoreContext
-from revenant.messages import JobResource
+from revenant.messages import CheckpointPolicy, JobResource
 
 log = logging.getLogger(__name__)
 
+# DumpContext.state's key for the epoch's packer of working-directory files (agent/workdir_packs.py).
+_PACKER = "workdir-packer"
 # Once criu has exited, the snapshot's thread has answered (or never started): this long at most.
 _SETTLE_S = 5.0
 
@@ -53,6 +56,17 @@ def _newest(files: JobFiles, job_workdir: str) -> workdir.Previous | None:
     return None
 
 
+def prepare_workdir(files: JobFiles, job_workdir: str, full_every: int) -> tuple[workdir.Previous | None,
+                                                                          workdir_packs.Packer]:
+    """Before the dump (the job still runs): the previous snapshot, and the packer of this
+    epoch's changed files, with the indexes of the packs of its segment it deduplicates against."""
+    prev = _newest(files, job_workdir)
+    n = files.next_number()  # the epoch this will be (one checkpoint of a job at a time)
+    seg = packs.segment_of(n, full_every)
+    base = [ref for ref in prev.packs if ref.startswith(f"{seg}/")] if prev is not None else []
+    return prev, workdir_packs.Packer(files, n, seg, base)
+
+
 class JobFilesStep(BaseStep):
     name = "job-files"
 
@@ -68,10 +82,12 @@ class JobFilesStep(BaseStep):
     async def before_dump(self, ctx: DumpContext) -> None:
         taker = None
         if self.workdir_max_bytes > 0 and ctx.job_workdir:
-            prev = await asyncio.to_thread(_newest, ctx.files, ctx.job_workdir)
+            full_every = ctx.policy.full_every if ctx.policy is not None else CheckpointPolicy().full_every
+            prev, packer = await asyncio.to_thread(prepare_workdir, ctx.files, ctx.job_workdir, full_every)
+            ctx.state[_PACKER] = packer
             taker = workdir.Taker(ctx.job_workdir, ctx.epoch_tmp, ctx.shared_tmp, prev,
                                   workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes,
-                                  self.workdir_gate).take
+                                  self.workdir_gate, packer=packer).take
         snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
                         max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
                         taker=taker)
@@ -111,6 +127,7 @@ class JobFilesStep(BaseStep):
         if taken is not None:  # the job runs again: its changed files' copies, its unchanged ones' links
             await asyncio.to_thread(workdir.finish, taken)
             m.workdir_files, m.workdir_copied, m.workdir_linked = len(taken.files), taken.copied, taken.linked
+            m.workdir_packs = taken.table
             m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
         try:  # as criu recorded them: read from its images, the job no longer frozen
             m.listening, m.connections = await asyncio.to_thread(criuimages.inet_sockets, ctx.epoch_tmp,
@@ -128,6 +145,9 @@ class JobFilesStep(BaseStep):
             result = await self._finish(ctx)
             if result is not None and isinstance(result.taken, workdir.Taken):
                 result.taken.abandon()
+        packer = ctx.state.pop(_PACKER, None)
+        if packer is not None:  # after the gate let go: nothing packs any more
+            await asyncio.to_thread(packer.discard)
 
     def check_restore(self, manifest: Manifest, epoch_dir: Path) -> list[jobfiles_restore.PutBack]:
         return jobfiles_restore.plan(manifest, epoch_dir)
@@ -149,7 +169,7 @@ class JobFilesStep(BaseStep):
             notes += aside.move_aside(m, ctx.epoch_dir, self.max_entries, leave=ctx.leave_workdir,
                                       snapshot=frozenset(snapshot or ()))
             if snapshot and os.path.isdir(m.workdir):  # after what appeared since went aside
-                notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot))
+                notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot, ctx.files))
             return notes
         ctx.notes += await asyncio.to_thread(put_back)
 

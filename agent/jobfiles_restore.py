@@ -31,6 +31,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
@@ -56,6 +57,9 @@ class PutBack:
     workdir: str = ""  # that working directory (make_parent only)
     inode: tuple[int, int] | None = None  # (device, inode) of the file put back, once it is
     mtime_ns: int | None = None  # the mtime to give it (a working directory's file: make reads it)
+    # Writes its ``size`` bytes into the descriptor it is given, from its start (a packed file of
+    # the working directory: agent/workdir_restore.py); then ``source`` is not read.
+    fill: Callable[[int], None] | None = None
 
 
 def _stat(path: str, n: int) -> os.stat_result | None:
@@ -217,7 +221,9 @@ def _parent(p: PutBack) -> tuple[int, str]:
 def _put_back_in(p: PutBack, parent: int, name: str) -> None:
     existing = beneath.lstat_in(parent, name)
     in_place = not p.new_inode and existing is not None
-    if p.source == p.path:  # cut back: the file is its own source
+    if p.fill is not None:
+        src = -1
+    elif p.source == p.path:  # cut back: the file is its own source
         src = beneath.open_file(parent, name, os.O_RDONLY)
     else:
         src = os.open(p.source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -228,12 +234,16 @@ def _put_back_in(p: PutBack, parent: int, name: str) -> None:
             if in_place and p.entry is not None and os.fstat(dst).st_uid != p.entry.uid:
                 raise beneath.Unsafe(0, f"it is now owned by uid {os.fstat(dst).st_uid}, not uid {p.entry.uid} "
                                         "as at the dump", p.path)
-            if not in_place or p.source != p.path:  # a new file, or from the epoch's copy
+            if p.fill is not None:
+                p.fill(dst)
+            elif not in_place or p.source != p.path:  # a new file, or from the epoch's copy
                 copy_bytes(src, dst, p.size)
             os.ftruncate(dst, p.size)
-            st = os.fstat(src)
-            mode, uid, gid = ((p.entry.mode, p.entry.uid, p.entry.gid) if p.entry is not None
-                              else (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid))
+            if p.entry is not None:
+                mode, uid, gid = p.entry.mode, p.entry.uid, p.entry.gid
+            else:
+                st = os.fstat(src)
+                mode, uid, gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
             os.fchown(dst, uid, gid)
             os.fchmod(dst, mode)  # after chown, which clears set-id bits
             if p.mtime_ns is not None:
@@ -253,7 +263,8 @@ def _put_back_in(p: PutBack, parent: int, name: str) -> None:
                 pass
         raise
     finally:
-        os.close(src)
+        if src >= 0:
+            os.close(src)
 
 
 def apply(plan: list[PutBack]) -> list[str]:

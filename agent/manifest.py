@@ -4,6 +4,7 @@ other's module."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -13,6 +14,8 @@ from revenant.common.errors import RevenantError
 from revenant.messages import JobGpu
 
 MANIFEST = "manifest.json"
+# An epoch's snapshot of its job's working directory (agent/workdir.py): {relative path: WorkdirFile}.
+WORKDIR_FILES = "workdir-files.json"
 MANIFEST_VERSION = 1
 
 
@@ -62,6 +65,47 @@ class JobFile(msgspec.Struct, kw_only=True):
     sample: str = ""
 
 
+class WorkdirFile(msgspec.Struct, array_like=True):
+    """A regular file of the job's working directory at the dump (agent/workdir.py)."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    mode: int
+    uid: int
+    gid: int
+    # Its copy in the epoch ("files/w<i>"; two links to one inode share one).  A packed one
+    # (``runs`` not None) has no file of that name: the name only says which records share it.
+    copy: str
+    # Its times cannot vouch for its content: the job maps or holds it (a write through a mapping
+    # may not touch them), or it changed within RACY_NS of the dump (a filesystem's clock may be
+    # that coarse).  Never linked to by the next epoch, always put back on restore.
+    racy: bool = False
+    # Packed: its content as runs of 4 KiB pages, flat (index into Manifest.workdir_packs, first
+    # page, count) triples (agent/chain.py), and its CRC-32.
+    runs: list[int] | None = None
+    crc: str = ""
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """What says the file is unchanged since (unless it is racy)."""
+        return self.ino, self.size, self.mtime_ns, self.ctime_ns
+
+    def same(self, st: os.stat_result) -> bool:
+        return not self.racy and self.key == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def read_workdir(epoch_dir: Path) -> dict[str, WorkdirFile] | None:
+    """An epoch's snapshot of its working directory; None if it has none."""
+    try:
+        return msgspec.json.decode((epoch_dir / WORKDIR_FILES).read_bytes(), type=dict[str, WorkdirFile])
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise CorruptEpoch(f"epoch {epoch_dir.name}: unreadable {WORKDIR_FILES}: {exc}") from None
+
+
 class Manifest(msgspec.Struct, kw_only=True):
     version: int = MANIFEST_VERSION
     job: str
@@ -87,6 +131,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     workdir_files: int = 0
     workdir_copied: int = 0
     workdir_linked: int = 0
+    # The packs its larger files' pages are in (agent/workdir_packs.py): "<segment>/<N>-<rnd>".
+    workdir_packs: list[str] = []
     checksum: str = "crc32"
     # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
     # fsync (and copy, with staging); all of it.

@@ -36,11 +36,12 @@ from typing import BinaryIO, Callable
 
 import msgspec
 
-from revenant.agent.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Recipe, check_trusted, converted,
-                                  idx_bytes, is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, read_recipe, rebuild,
-                                  runs_of, write_private)
-from revenant.agent.epochs import FILES_DIR, MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
+from revenant.agent.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Recipe, check_trusted, converted, idx_bytes,
+                                  is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, rebuild, write_private)
+from revenant.agent.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
+from revenant.agent.manifest import EpochStore
 from revenant.agent.fileio import fsync_path
+from revenant.agent.packusage import readable_manifests, usage
 from revenant.agent.private import PRIVATE_FILE, private_dir
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ __all__ = ["STEPS", "ConvertResult", "convert", "converted", "gc", "materialize"
 STEPS = ("pack", "packed", "recipes", "manifest", "committed", "unlinking")
 _PAGES_RE = re.compile(r"^pages-[0-9]+\.img$")
 _SEG_RE = re.compile(r"^[0-9]{1,9}$")
+_EPOCH_OF = re.compile(r"^[0-9]{1,9}-")
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,15 @@ def _index(files: JobFiles, n: int, seg: int) -> tuple[list[str], dict[bytes, in
             continue
         if k != n and converted(m) and m.segment == seg:
             refs.update(m.packs)
+    return index_of(files, sorted(refs, key=lambda r: (len(r), r)))  # "<seg>/<N>-<rnd>", oldest first
+
+
+def index_of(files: EpochStore, refs: list[str]) -> tuple[list[str], dict[bytes, int]]:
+    """Packs ``refs`` that can be read, in that order, and their pages by digest (as ``pack
+    number << 32 | page``; a page two packs hold, by the first)."""
     packs: list[str] = []
     index: dict[bytes, int] = {}
-    for ref in sorted(refs, key=lambda r: (len(r), r)):  # "<seg>/<N>-<rnd>", oldest first
+    for ref in refs:
         try:
             digests = read_idx(files, ref)
         except CorruptEpoch as exc:
@@ -104,48 +112,48 @@ def _fill(f: BinaryIO, view: memoryview) -> int:
     return got
 
 
-def _cut(path: Path, index: dict[bytes, int], new_no: int, digests: bytearray,
-         pack: BinaryIO) -> tuple[list[int], int, int]:
-    """Hash every page of the image at ``path``: pages ``index`` lacks are appended to ``pack``
-    (pack number ``new_no``) and their digests to ``digests``.  (runs, size, CRC-32)."""
+def cut(f: BinaryIO, index: dict[bytes, int], new_no: int, digests: bytearray,
+        pack: BinaryIO) -> tuple[list[int], int, int]:
+    """Hash every page read from ``f`` (to its end): pages ``index`` lacks are appended to ``pack``
+    (pack number ``new_no``), their digests to ``digests``, and they go into ``index``.  (runs
+    of (pack number, first page, count), size, CRC-32)."""
     runs: list[int] = []
     size = crc = 0
     nxt = -1  # where the current run continues
     get, base = index.get, new_no << 32
     buf = bytearray(BATCH * PAGE)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while got := _fill(f, view):
-            crc = zlib.crc32(view[:got], crc)
-            size += got
-            chunk = view[:got] if got % PAGE == 0 else memoryview(bytes(view[:got]) + bytes(PAGE - got % PAGE))
-            out = bytearray()
-            for off in range(0, len(chunk), PAGE):
-                page = chunk[off:off + PAGE]
-                d = page_hash(page)
-                loc = get(d)
-                if loc is None:  # a page no pack holds yet
-                    loc = index[d] = base | len(digests) // DIGEST
-                    digests += d
-                    out += page
-                if loc == nxt:
-                    runs[-1] += 1
-                else:
-                    runs += (loc >> 32, loc & 0xFFFFFFFF, 1)
-                nxt = loc + 1
-            pack.write(out)
-            if got < len(buf):
-                break
+    while got := _fill(f, view):
+        crc = zlib.crc32(view[:got], crc)
+        size += got
+        chunk = view[:got] if got % PAGE == 0 else memoryview(bytes(view[:got]) + bytes(PAGE - got % PAGE))
+        out = bytearray()
+        for off in range(0, len(chunk), PAGE):
+            page = chunk[off:off + PAGE]
+            d = page_hash(page)
+            loc = get(d)
+            if loc is None:  # a page no pack holds yet
+                loc = index[d] = base | len(digests) // DIGEST
+                digests += d
+                out += page
+            if loc == nxt:
+                runs[-1] += 1
+            else:
+                runs += (loc >> 32, loc & 0xFFFFFFFF, 1)
+            nxt = loc + 1
+        pack.write(out)
+        if got < len(buf):
+            break
     return runs, size, crc
 
 
-def _new_manifest(m: Manifest, seg: int, table: list[str], cut: dict[str, tuple[list[int], int, int]],
+def _new_manifest(m: Manifest, seg: int, table: list[str], cuts: dict[str, tuple[list[int], int, int]],
                   token: str) -> tuple[Manifest, dict[str, Recipe]]:
     """The converted manifest (its recipe files, named with ``token`` so no two conversions share
     one, not yet in ``files``) and each image's recipe."""
     recipes: dict[str, Recipe] = {}
     entries: dict[str, RecipeEntry] = {}
-    for name, (runs, size, crc) in cut.items():
+    for name, (runs, size, crc) in cuts.items():
         used = sorted(set(runs[0::3]))
         renumber = {p: i for i, p in enumerate(used)}
         runs[0::3] = [renumber[p] for p in runs[0::3]]
@@ -153,11 +161,11 @@ def _new_manifest(m: Manifest, seg: int, table: list[str], cut: dict[str, tuple[
         entries[name] = RecipeEntry(size=size, checksum=f"{crc:08x}",
                                     recipe=f"{Path(name).stem}-{token}{RECIPE_SUFFIX}")
     packs = sorted({ref for r in recipes.values() for ref in r.packs})
-    files = {k: v for k, v in m.files.items() if k not in cut}
+    files = {k: v for k, v in m.files.items() if k not in cuts}
     return msgspec.structs.replace(m, files=files, recipes=entries, packs=packs, segment=seg), recipes
 
 
-def _pack_dir(files: JobFiles, seg: int) -> Path:
+def pack_dir(files: EpochStore, seg: int) -> Path:
     """packs/<seg>/, private (agent/private.py); a new directory's entry durable before a pack in it is."""
     d = files.packs_dir / str(seg)
     for directory in (files.packs_dir, d):
@@ -183,18 +191,19 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         return _result(files, n, False, 0, started, note=why)
     seg = segment_of(n, full_every)
     table, index = _index(files, n, seg)
-    d = _pack_dir(files, seg)
+    d = pack_dir(files, seg)
     stem = f"{n}-{secrets.token_hex(4)}"
     ref = f"{seg}/{stem}"
     tmp_pack, tmp_idx = d / f".tmp-{stem}.pack", d / f".tmp-{stem}.idx"
     digests = bytearray()
-    cut: dict[str, tuple[list[int], int, int]] = {}
+    cuts: dict[str, tuple[list[int], int, int]] = {}
     try:
         with open(os.open(tmp_pack, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as pack:
             for name in images:
-                cut[name] = _cut(files.epoch_dir(n) / name, index, len(table), digests, pack)
+                with open(files.epoch_dir(n) / name, "rb", buffering=0) as image:
+                    cuts[name] = cut(image, index, len(table), digests, pack)
                 entry = m.files[name]
-                if (cut[name][1], f"{cut[name][2]:08x}") != (entry.size, entry.checksum):
+                if (cuts[name][1], f"{cuts[name][2]:08x}") != (entry.size, entry.checksum):
                     return _result(files, n, False, 0, started, note=f"epoch {n}: {name} fails its checksum")
             pack.flush()
             os.fsync(pack.fileno())
@@ -208,7 +217,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     finally:
         for leftover in (tmp_pack, tmp_idx):
             leftover.unlink(missing_ok=True)
-    new, recipes = _new_manifest(m, seg, table + [ref], cut, stem.rsplit("-", 1)[1])
+    new, recipes = _new_manifest(m, seg, table + [ref], cuts, stem.rsplit("-", 1)[1])
     try:
         check_trusted(files, new)
         for name, recipe in recipes.items():
@@ -220,7 +229,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         return _result(files, n, False, 0, started, note=str(exc))
     new_pages = len(digests) // DIGEST
     added = _commit(files, n, new, recipes, step) + (new_pages * PAGE + len(idx_bytes(digests)) if new_pages else 0)
-    return _result(files, n, True, added, started, pages=sum(-(-r[1] // PAGE) for r in cut.values()),
+    return _result(files, n, True, added, started, pages=sum(-(-r[1] // PAGE) for r in cuts.values()),
                    new_pages=new_pages)
 
 
@@ -287,18 +296,6 @@ def materialize(files: JobFiles, m: Manifest, dest: Path) -> None:
 # ------------------------------------------------------------------ collection, accounting
 
 
-def _manifests(files: JobFiles) -> tuple[dict[int, Manifest], bool]:
-    """The readable manifests of the committed epochs; whether every one was."""
-    out: dict[int, Manifest] = {}
-    complete = True
-    for n in files.committed():
-        try:
-            out[n] = files.read_manifest(n)
-        except CorruptEpoch:
-            complete = False
-    return out, complete
-
-
 def _unlink(path: Path) -> int:
     try:
         size = os.lstat(path).st_size
@@ -312,8 +309,11 @@ def gc(files: JobFiles) -> int:
     """Delete the packs no committed epoch's manifest lists (none at all while a manifest is
     unreadable), recipes and plain images an epoch's manifest does not list, and what an
     interrupted conversion left; returns the bytes freed.  Callers hold the job's lock (no
-    conversion is under way, on any node: agent/policy.py)."""
-    manifests, complete = _manifests(files)
+    conversion is under way, on any node: agent/policy.py).  A checkpoint does not take that
+    lock: the pack it writes its working directory's pages into (agent/workdir_packs.py) is
+    named for an epoch newer than any committed, and such a pack is never deleted here (one a
+    failed checkpoint left goes once an epoch of that number or newer commits)."""
+    manifests, complete = readable_manifests(files)
     freed = 0
     for n, m in manifests.items():
         d = files.epoch_dir(n)
@@ -321,7 +321,8 @@ def gc(files: JobFiles) -> int:
             doomed = [e.name for e in entries if e.name not in m.files and e.is_file(follow_symlinks=False) and (
                 _PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name))]
         freed += sum(_unlink(d / name) for name in doomed)
-    referenced = {ref for m in manifests.values() for ref in m.packs}
+    referenced = {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}
+    newest = max(manifests, default=0)
     if not files.packs_dir.is_dir():
         return freed
     with os.scandir(files.packs_dir) as entries:
@@ -331,7 +332,8 @@ def gc(files: JobFiles) -> int:
             names = [e.name for e in entries]
         for name in names:
             stem, _, suffix = name.rpartition(".")
-            if (name.startswith(".tmp-") or (complete and suffix in ("pack", "idx")
+            if (name.startswith(".tmp-") or (complete and suffix in ("pack", "idx") and _EPOCH_OF.match(stem)
+                                              and int(stem.split("-")[0]) <= newest
                                               and f"{seg.name}/{stem}" not in referenced)):
                 freed += _unlink(seg / name)
         try:
@@ -339,79 +341,3 @@ def gc(files: JobFiles) -> int:
         except OSError:
             pass
     return freed
-
-
-def _own_pages(intervals: list[tuple[int, int, int]]) -> dict[int, int]:
-    """Per epoch, the pages of one pack that only it references; ``intervals``: (first, end, epoch)."""
-    merged: list[tuple[int, int, int]] = []
-    for first, end, n in sorted(intervals, key=lambda iv: (iv[2], iv[0])):
-        if merged and merged[-1][2] == n and first <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(end, merged[-1][1]), n)
-        else:
-            merged.append((first, end, n))
-    events = sorted([(f, 1, n) for f, _, n in merged] + [(e, -1, n) for _, e, n in merged])
-    own: dict[int, int] = {}
-    count = total = last = 0
-    for pos, delta, n in events:
-        if count == 1:  # exactly one epoch covered [last, pos): total is its number
-            own[total] = own.get(total, 0) + pos - last
-        count += delta
-        total += delta * n
-        last = pos
-    return own
-
-
-def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
-    """(the job's storage, {epoch: bytes only it holds}), from manifests, recipes and file sizes,
-    never page data: the kept epochs' files and the packs they reference, a shared page once;
-    an epoch's own bytes are its files and the pages (with their digests) no other kept epoch reads."""
-    manifests, _ = _manifests(files)
-    own: dict[int, int] = {}
-    intervals: dict[str, list[tuple[int, int, int]]] = {}
-    for n, m in manifests.items():
-        try:
-            own[n] = sum(f.size for f in m.files.values()) + os.stat(files.epoch_dir(n) / MANIFEST).st_size
-        except OSError:
-            own[n] = sum(f.size for f in m.files.values())
-        for name in m.recipes:
-            try:
-                recipe = read_recipe(files, m, name)
-            except CorruptEpoch:
-                continue
-            for ref, first, count in runs_of(recipe):
-                intervals.setdefault(ref, []).append((first, first + count, n))
-    storage = sum(own.values())
-    for ref in {ref for m in manifests.values() for ref in m.packs}:
-        for suffix in (".pack", ".idx"):
-            try:
-                storage += os.stat(pack_path(files, ref, suffix)).st_size
-            except (OSError, CorruptEpoch):
-                pass
-    for ivs in intervals.values():
-        for n, pages in _own_pages(ivs).items():
-            own[n] += pages * (PAGE + DIGEST)
-    return storage - _shared_copies(files, manifests, own), own
-
-
-def _shared_copies(files: JobFiles, manifests: dict[int, Manifest], own: dict[int, int]) -> int:
-    """Working-directory copies linked from one epoch into the next (agent/workdir.py): taken out
-    of each sharing epoch's own bytes; the bytes counted more than once in the storage."""
-    holders: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for n, m in manifests.items():
-        if not m.workdir_files:
-            continue
-        for name, f in m.files.items():
-            if name.startswith(f"{FILES_DIR}/w"):
-                try:
-                    st = os.stat(files.epoch_dir(n) / name)
-                except OSError:
-                    continue
-                holders.setdefault((st.st_dev, st.st_ino), []).append((n, f.size))
-    extra = 0
-    for held in holders.values():
-        if len(held) > 1:
-            extra += held[0][1] * (len(held) - 1)
-            for n, size in held:
-                own[n] -= size
-    return extra
-

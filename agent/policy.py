@@ -127,6 +127,10 @@ class PolicyRunner:
         epoch's info and the job's storage bytes."""
         async with self.lock(files):
             info, pruned = await self.book.committed(files, generation, manifest, max_epochs, **(why or {}))
+            if pruned and not policy.incremental and files.packs_dir.is_dir():
+                # the working directory's packs only the pruned epochs read (an incremental job's:
+                # after its conversions)
+                await asyncio.to_thread(packs.gc, files)
             kept, storage = await asyncio.to_thread(self.listing, files)
         if policy.incremental:
             task = asyncio.create_task(self._convert(files, generation, policy.full_every),

@@ -36,8 +36,9 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent import beneath, cowgate, jobfiles_restore
+from revenant.agent import beneath, cowgate, jobfiles_restore, workdir_packs
 from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, Manifest
+from revenant.agent.manifest import WorkdirFile, read_workdir
 from revenant.agent.fileio import copy_bytes, reflink
 
 _COPY = f"{FILES_DIR}/w"
@@ -48,29 +49,6 @@ _NAMED = 3
 RACY_NS = (2_000_000_000, 20_000_000)
 # Descriptors the gate leaves to the rest of the agent: past the limit less these, files are copied now.
 _SPARE_FDS = 256
-
-
-class WorkdirFile(msgspec.Struct, array_like=True):
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    mode: int
-    uid: int
-    gid: int
-    copy: str  # its content in the epoch ("files/w<i>"; two links to one inode share one)
-    # Its times cannot vouch for its content: the job maps or holds it (a write through a mapping
-    # may not touch them), or it changed within RACY_NS of the dump (a filesystem's clock may be
-    # that coarse).  Never linked to by the next epoch, always put back on restore.
-    racy: bool = False
-
-    @property
-    def key(self) -> tuple[int, int, int, int]:
-        """What says the file is unchanged since (unless it is racy)."""
-        return self.ino, self.size, self.mtime_ns, self.ctime_ns
-
-    def same(self, st: os.stat_result) -> bool:
-        return not self.racy and self.key == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class OverBudget(EpochError):
@@ -84,6 +62,7 @@ class Previous:
     dir: Path
     files: dict[str, WorkdirFile]
     sums: dict[str, tuple[int, str]]  # its copies' (size, CRC-32), by name
+    packs: list[str] = field(default_factory=list)  # its packed files' packs (Manifest.workdir_packs)
 
 
 @dataclass
@@ -99,6 +78,13 @@ class Taken:
     link_to: Path = Path()
     # The changed files copied after the job resumes (agent/cowgate.py), or None.
     gate: cowgate.CowGate | None = None
+    # Packed files' runs by copy (agent/workdir_packs.py): those kept from the previous epoch here,
+    # the new ones from the packer once the gate has copied them.
+    runs: dict[str, tuple[workdir_packs.Runs, str]] = field(default_factory=dict)  # and CRC-32
+    sizes: dict[str, int] = field(default_factory=dict)  # what the packer read of each
+    packer: workdir_packs.Packer | None = None
+    epoch_tmp: Path = Path()  # where workdir-files.json is (written again once the packed files are in)
+    table: list[str] = field(default_factory=list)  # Manifest.workdir_packs, once finished
 
     def abandon(self) -> None:
         """Let the gated files go uncopied (the dump failed): every open of them goes through."""
@@ -116,12 +102,7 @@ def size_text(n: int) -> str:
 
 def read(epoch_dir: Path) -> dict[str, WorkdirFile] | None:
     """An epoch's snapshot of its working directory; None if it has none."""
-    try:
-        return msgspec.json.decode((epoch_dir / WORKDIR_FILES).read_bytes(), type=dict[str, WorkdirFile])
-    except FileNotFoundError:
-        return None
-    except (OSError, msgspec.DecodeError) as exc:
-        raise EpochError(f"epoch {epoch_dir.name}: unreadable {WORKDIR_FILES}: {exc}") from None
+    return read_workdir(epoch_dir)
 
 
 def previous(epoch_dir: Path, m: Manifest, workdir: str) -> Previous | None:
@@ -133,7 +114,9 @@ def previous(epoch_dir: Path, m: Manifest, workdir: str) -> Previous | None:
         files = read(epoch_dir)
     except EpochError:
         return None
-    return Previous(epoch_dir, files, {n: (e.size, e.checksum) for n, e in m.files.items()}) if files else None
+    if not files:
+        return None
+    return Previous(epoch_dir, files, {n: (e.size, e.checksum) for n, e in m.files.items()}, m.workdir_packs)
 
 
 def users_uid(user: str) -> int | None:
@@ -148,7 +131,8 @@ class Taker:
     """The snapshot of the working directory, taken while the job is frozen (see the module)."""
 
     def __init__(self, workdir: str, epoch_tmp: Path, link_dir: Path, prev: Previous | None, uid: int | None,
-                 budget: int, gate: bool = True, racy_ns: tuple[int, int] = RACY_NS) -> None:
+                 budget: int, gate: bool = True, racy_ns: tuple[int, int] = RACY_NS,
+                 packer: workdir_packs.Packer | None = None) -> None:
         self.workdir = workdir
         self.epoch_tmp = epoch_tmp  # where copies go (node-local staging, or the epoch's directory)
         self.link_dir = link_dir  # the epoch's directory on shared storage: links go there
@@ -159,11 +143,14 @@ class Taker:
         self.racy_ns = racy_ns  # a file changed this close to the dump is never trusted by its times
         # Copy changed files after the job resumes, behind a gate, where fanotify allows it.
         self.gate = gate and not gate_unavailable()
+        self.packer = packer  # larger gated files go into its pack (agent/workdir_packs.py)
+        self._packed: dict[str, str] = {}  # their copies' paths (what the gate copies to): their copy names
 
     def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset()) -> Taken:
         """``held``: paths the job holds (descriptors, mappings): copied while it is frozen, as
         a write through them needs no open the gate would see."""
-        taken = Taken(link_from=self.prev.dir if self.prev is not None else Path(), link_to=self.link_dir)
+        taken = Taken(link_from=self.prev.dir if self.prev is not None else Path(), link_to=self.link_dir,
+                      packer=self.packer, epoch_tmp=self.epoch_tmp)
         todo: list[tuple[str, WorkdirFile]] = []
         inodes: dict[tuple[int, int], WorkdirFile] = {}
         now = time.time_ns()
@@ -181,11 +168,11 @@ class Taker:
             if first is not rec:  # another link to a file already taken: one copy (never opened twice)
                 rec.copy, rec.racy = first.copy, rec.racy or first.racy
                 first.racy = rec.racy
-                continue
+                continue  # (its runs, if it is packed, are set with the first's: finish)
             if not self._link(rel, rec, taken):
                 todo.append((rel, rec))
         self._check_budget(todo)
-        gate = cowgate.CowGate(_copy_gated) if todo and self.gate else None
+        gate = cowgate.CowGate(self._gate_copy) if todo and self.gate else None
         try:
             if todo:
                 self._copy_all(todo, held, gate, taken)
@@ -212,9 +199,15 @@ class Taker:
             for rel, rec in todo:
                 src = self._open(dirs, rel, rec)
                 dest = self.epoch_tmp / rec.copy
+                packed = self.packer is not None and rec.size >= self.packer.pack_min
+                if packed:
+                    self._packed[str(dest)] = rec.copy
                 if gate is not None and gate.gated < room and os.path.join(self.workdir, rel) not in held \
                         and _arm(gate, src, dest, rel):
                     self.on_step(f"gated {rel}")
+                    if packed:
+                        rec.runs = []  # set once it is packed (finish)
+                        continue  # its bytes: the new pages it adds (finish)
                 else:
                     try:
                         _copy_now(src, dest, rec.size)
@@ -226,12 +219,28 @@ class Taker:
             for fd in dirs.values():
                 os.close(fd)
 
+    def _gate_copy(self, src: int, dest: str) -> None:
+        """The gate's copy of a changed file: into the pack, or whole."""
+        copy = self._packed.get(dest)
+        if copy is not None and self.packer is not None:
+            self.packer.pack(src, copy)
+        else:
+            _copy_gated(src, dest)
+
     def _link(self, rel: str, rec: WorkdirFile, taken: Taken) -> bool:
         """Whether ``rec`` is unchanged since the previous epoch: then its copy is that epoch's,
-        linked after the job resumes (link_all: the copy never changes, the decision is made here)."""
+        linked after the job resumes (link_all: the copy never changes, the decision is made here),
+        or its runs that epoch's, over packs this epoch's segment reads."""
         was = self.prev.files.get(rel) if self.prev is not None else None
         if was is None or was.racy or rec.racy or was.key != rec.key:
             return False
+        if was.runs is not None:
+            runs = workdir_packs.named(was.runs, self.prev.packs) if _in_table(was.runs, self.prev.packs) else None
+            if runs is None or self.packer is None or not {ref for ref, _, _ in runs} <= set(self.packer.base):
+                return False
+            taken.runs[rec.copy], rec.runs = (runs, was.crc), []
+            taken.linked += rec.size
+            return True
         sums = self.prev.sums.get(was.copy)
         if sums is None or sums[0] != rec.size:
             return False
@@ -300,6 +309,10 @@ def gate_unavailable() -> str:
     return _GATE_WHY
 
 
+def _in_table(runs: list[int], table: list[str]) -> bool:
+    return len(runs) % 3 == 0 and all(0 <= p < len(table) for p in runs[0::3])
+
+
 def _arm(gate: cowgate.CowGate, src: int, dest: Path, rel: str) -> bool:
     try:
         return gate.arm(src, str(dest), rel)
@@ -329,7 +342,29 @@ def finish(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> 
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise EpochError(f"the working directory changed while its snapshot was copied: {errors[0]}{more}")
+    _packed(taken)
     link_all(taken, on_step)
+
+
+def _packed(taken: Taken) -> None:
+    """The packed files' runs, numbered over the epoch's packs (Manifest.workdir_packs), and
+    workdir-files.json written again with them."""
+    if taken.packer is None or not any(rec.runs is not None for rec in taken.files.values()):
+        return
+    taken.packer.close()
+    for copy, (runs, size, crc) in taken.packer.results.items():
+        taken.runs[copy] = (runs, crc)
+        taken.sizes[copy] = size
+    taken.table = workdir_packs.table_of([runs for runs, _ in taken.runs.values()])
+    numbered = {copy: (workdir_packs.numbered(runs, taken.table), crc) for copy, (runs, crc) in taken.runs.items()}
+    for rel, rec in taken.files.items():
+        if rec.copy in numbered:  # a packed file, or another link to one
+            rec.runs, rec.crc = numbered[rec.copy]
+            if taken.sizes.get(rec.copy, rec.size) != rec.size:
+                raise EpochError(f"the working directory changed while its snapshot was copied: {rel} changed size")
+    taken.copied += taken.packer.new_bytes
+    with open(os.open(taken.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_TRUNC), "wb") as f:
+        f.write(msgspec.json.encode(taken.files))
 
 
 def link_all(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> None:

@@ -10,6 +10,7 @@ following a link (agent/beneath.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import stat
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from revenant.agent import beneath
+from revenant.agent.chain import Recipe, stream, workdir_recipe
 from revenant.agent.epochs import EpochError, JobFile, Manifest
+from revenant.agent.manifest import EpochStore
 from revenant.agent.jobfiles_restore import MAX_NAMED, PutBack, put_back
 from revenant.agent.workdir import WorkdirFile, size_text
 
@@ -32,9 +35,10 @@ class Plan:
     unchanged: int = 0
 
 
-def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile]) -> Plan:
+def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile], files: EpochStore) -> Plan:
     """What putting the working directory back as at the epoch takes (after agent/aside.py moved
-    aside what appeared since, and anything that is no longer a regular file where one was)."""
+    aside what appeared since, and anything that is no longer a regular file where one was).
+    A packed file's pages are read from ``files``' packs (agent/workdir_packs.py)."""
     workdir, n = manifest.workdir, manifest.epoch
     out = Plan(workdir, n, files=len(snapshot))
     keep_setgid = _setgid_rule(manifest.user)
@@ -58,13 +62,24 @@ def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile]) 
             path = os.path.join(workdir, rel)
             mode = rec.mode if keep_setgid(rec.gid) else rec.mode & ~stat.S_ISGID
             entry = JobFile(size=rec.size, mode=mode, uid=rec.uid, gid=rec.gid, ino=rec.ino, mtime_ns=rec.mtime_ns)
+            fill = None
+            if rec.runs is not None:
+                what = f"epoch {n}: the working directory's {rel}"
+                fill = functools.partial(_fill, files, workdir_recipe(manifest, rec, what), rec.size, rec.crc, what)
             out.todo.append(PutBack(path, rec.size, str(epoch_dir / rec.copy), entry, "",
-                                    make_parent=st is None, workdir=workdir, mtime_ns=rec.mtime_ns))
+                                    make_parent=st is None, workdir=workdir, mtime_ns=rec.mtime_ns, fill=fill))
     finally:
         for fd in dirs.values():
             if fd is not None:
                 os.close(fd)
     return out
+
+
+def _fill(files: EpochStore, recipe: Recipe, size: int, crc: str, what: str, fd: int) -> None:
+    """A packed file's content, from its packs, into ``fd`` from its start (checked: CorruptEpoch)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    with open(os.dup(fd), "wb") as out:
+        stream(files, recipe, size, crc, what, out)
 
 
 def _setgid_rule(user: str) -> Callable[[int], bool]:

@@ -169,7 +169,7 @@ def test_put_back_cut_back_and_move_aside_touch_nothing_outside_the_job_while_th
             except (FilesChanged, EpochError):
                 refused += 1
             try:  # the working directory's files, put back through the same swaps
-                workdir_restore.apply(workdir_restore.plan(m, epoch, snap))
+                workdir_restore.apply(workdir_restore.plan(m, epoch, snap, JobFiles(base / "storage", "1")))
                 put += 1
             except EpochError:
                 refused += 1

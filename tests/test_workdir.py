@@ -14,7 +14,7 @@ import pytest
 
 from revenant.agent import workdir, workdir_restore
 from revenant.agent.aside import move_aside
-from revenant.agent.epochs import LISTING, EpochError, FileEntry, Manifest
+from revenant.agent.epochs import LISTING, EpochError, FileEntry, JobFiles, Manifest
 from revenant.agent.jobfiles import scan_workdir
 
 pytestmark = pytest.mark.unit
@@ -71,7 +71,7 @@ def restore(m: Manifest, epoch_dir: Path, on_step=None) -> list[str]:
     """What agent/filestep.py does before criu restores: move aside, then put back."""
     snap = workdir.read(epoch_dir)
     notes = move_aside(m, epoch_dir, 1000, snapshot=frozenset(snap))
-    plan = workdir_restore.plan(m, epoch_dir, snap)
+    plan = workdir_restore.plan(m, epoch_dir, snap, JobFiles(epoch_dir.parent, "1"))
     return notes + (workdir_restore.apply(plan, on_step) if on_step else workdir_restore.apply(plan))
 
 
@@ -224,7 +224,6 @@ def test_an_unreadable_snapshot_refuses_the_restore(tmp_path):
 
 def test_a_copy_linked_into_the_next_epoch_is_counted_once_in_the_jobs_storage(tmp_path):
     from revenant.agent import packs
-    from revenant.agent.epochs import JobFiles
 
     files = JobFiles(tmp_path / "storage", "1")
     wd = make_workdir(tmp_path)
@@ -256,8 +255,9 @@ def test_a_users_file_gets_its_setgid_bit_back_only_for_a_group_the_user_is_stil
     _, m = take(wd, e1, uid=65534)
     m.user = "nobody"
     f.write_bytes(b"later")
-    [todo] = workdir_restore.plan(m, e1, workdir.read(e1)).todo
+    files = JobFiles(tmp_path / "storage", "1")
+    [todo] = workdir_restore.plan(m, e1, workdir.read(e1), files).todo
     assert todo.entry.mode == 0o750
     m.user = "root"
-    [todo] = workdir_restore.plan(m, e1, workdir.read(e1)).todo
+    [todo] = workdir_restore.plan(m, e1, workdir.read(e1), files).todo
     assert todo.entry.mode == 0o2750
