@@ -119,6 +119,8 @@ class CowGate:
                     f.error = f"{f.name} changed size while it was copied (truncated by path)"
             except OSError as exc:
                 f.error = f"{f.name}: {exc.strerror or exc}"
+            except Exception as exc:  # noqa: BLE001 - a copy that fails any way fails the epoch, never the gate
+                f.error = f"{f.name}: {exc}"
             finally:
                 f.done.set()
 

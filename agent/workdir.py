@@ -82,6 +82,7 @@ class Taken:
     # the new ones from the packer once the gate has copied them.
     runs: dict[str, tuple[workdir_packs.Runs, str]] = field(default_factory=dict)  # and CRC-32
     sizes: dict[str, int] = field(default_factory=dict)  # what the packer read of each
+    repack: list[str] = field(default_factory=list)  # packed files copied whole while frozen: packed from those
     packer: workdir_packs.Packer | None = None
     epoch_tmp: Path = Path()  # where workdir-files.json is (written again once the packed files are in)
     table: list[str] = field(default_factory=list)  # Manifest.workdir_packs, once finished
@@ -143,7 +144,7 @@ class Taker:
         self.racy_ns = racy_ns  # a file changed this close to the dump is never trusted by its times
         # Copy changed files after the job resumes, behind a gate, where fanotify allows it.
         self.gate = gate and not gate_unavailable()
-        self.packer = packer  # larger gated files go into its pack (agent/workdir_packs.py)
+        self.packer = packer  # changed files of its pack_min or more go into its pack (agent/workdir_packs.py)
         self._packed: dict[str, str] = {}  # their copies' paths (what the gate copies to): their copy names
 
     def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset()) -> Taken:
@@ -205,15 +206,17 @@ class Taker:
                 if gate is not None and gate.gated < room and os.path.join(self.workdir, rel) not in held \
                         and _arm(gate, src, dest, rel):
                     self.on_step(f"gated {rel}")
-                    if packed:
-                        rec.runs = []  # set once it is packed (finish)
-                        continue  # its bytes: the new pages it adds (finish)
                 else:
                     try:
                         _copy_now(src, dest, rec.size)
                     finally:
                         os.close(src)
                     self.on_step(f"copied {rel}")
+                    if packed:  # packed from this copy once the job runs again (finish)
+                        taken.repack.append(rec.copy)
+                if packed:
+                    rec.runs = []  # set once it is packed (finish)
+                    continue  # its bytes: the new pages it adds (finish)
                 taken.copied += rec.size
         finally:
             for fd in dirs.values():
@@ -351,6 +354,14 @@ def _packed(taken: Taken) -> None:
     workdir-files.json written again with them."""
     if taken.packer is None or not any(rec.runs is not None for rec in taken.files.values()):
         return
+    for copy in taken.repack:
+        whole = taken.epoch_tmp / copy
+        fd = os.open(whole, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            taken.packer.pack(fd, copy)
+        finally:
+            os.close(fd)
+        whole.unlink()
     taken.packer.close()
     for copy, (runs, size, crc) in taken.packer.results.items():
         taken.runs[copy] = (runs, crc)

@@ -1,8 +1,9 @@
 """A job's working-directory files as pages in packs, deduplicated against earlier epochs.
 
 A database of 2 GiB that changed 1 % of its blocks since the last epoch should cost that epoch
-about 1 %, not 2 GiB.  So a changed file of at least ``PACK_MIN`` bytes that the gate copies after
-the job resumes (agent/cowgate.py) is not copied as a whole: :meth:`Packer.pack` cuts it into
+about 1 %, not 2 GiB.  So a changed file of at least ``PACK_MIN`` bytes is not stored whole: as
+the gate copies it after the job resumes (agent/cowgate.py), or, for one copied whole while the
+job was frozen (one it holds), from that copy once the job runs again, :meth:`Packer.pack` cuts it into
 4 KiB pages, hashes each, and stores only the pages that neither the previous epoch's packs nor
 this epoch's new pack hold yet, into one new pack per epoch (``packs/<seg>/<N>-<rnd>.pack`` and
 its ``.idx``: agent/chain.py's format, memory's packs' too).  The file's record in
@@ -13,8 +14,8 @@ An epoch's packs are those of its segment only (``(N - 1) // full_every``, as fo
 that goes bad takes at most ``full_every`` epochs with it, and the first epoch of a segment
 stores every page again.  The pack is written under its final name before the epoch commits:
 agent/packs.py's gc never deletes a pack named for an epoch newer than every committed one, and
-a failed checkpoint deletes its own (:meth:`Packer.discard`).  Smaller files, and files copied
-while the job is frozen, stay whole copies (``files/w<i>``).
+a failed checkpoint deletes its own (:meth:`Packer.discard`).  Smaller files stay whole copies
+(``files/w<i>``).
 """
 
 from __future__ import annotations

@@ -35,14 +35,15 @@ def make_workdir(tmp_path: Path) -> Path:
     return wd
 
 
-def checkpoint(files: JobFiles, wd: Path, full_every: int = 10) -> Manifest:
+def checkpoint(files: JobFiles, wd: Path, full_every: int = 10, gate: bool = True,
+               held: frozenset[str] = frozenset()) -> Manifest:
     """What agent/filestep.py and the engine do for the working directory around one dump."""
     prev, packer = prepare_workdir(files, str(wd), full_every)
     tmp = files.new_tmp("n1")
     (tmp / "pages-1.img").write_bytes(b"p" * PAGE)
     stats: dict[str, os.stat_result] = {}
     (tmp / LISTING).write_bytes(msgspec.json.encode(scan_workdir(str(wd), 1000, stats=stats)))
-    taken = workdir.Taker(str(wd), tmp, tmp, prev, None, 2**30, racy_ns=(0, 0), packer=packer).take(stats)
+    taken = workdir.Taker(str(wd), tmp, tmp, prev, None, 2**30, gate, racy_ns=(0, 0), packer=packer).take(stats, held)
     workdir.finish(taken)
     m = Manifest(job="1", epoch=0, generation=1, node="n1", created_at=0, criu_version="4.2.1", kernel="k",
                  workdir=str(wd), workdir_files=len(taken.files), workdir_copied=taken.copied,
@@ -67,12 +68,6 @@ def restore(files: JobFiles, m: Manifest, on_step=None) -> list[str]:
 
 def pages_of(files: JobFiles, ref: str) -> int:
     return pack_path(files, ref).stat().st_size // PAGE
-
-
-@pytest.fixture(autouse=True)
-def gated():
-    if workdir.gate_unavailable():
-        pytest.skip(f"changed files are packed behind the gate only: {workdir.gate_unavailable()}")
 
 
 def test_an_epoch_adds_only_the_pages_that_changed_and_restores_every_byte(tmp_path):
@@ -197,3 +192,24 @@ def test_a_file_gone_since_is_made_again_from_its_pages(tmp_path):
     (wd / "model.ckpt").unlink()
     restore(files, m)
     assert contents(wd) == at_epoch
+
+
+@pytest.mark.parametrize("how", ["held", "no gate"])
+def test_a_file_copied_while_frozen_is_packed_from_its_copy_once_the_job_runs(tmp_path, how):
+    files = JobFiles(tmp_path / "storage", "1")
+    wd = make_workdir(tmp_path)
+    rel = wd / "base" / "5" / "16384"
+    held = frozenset({str(rel)}) if how == "held" else frozenset()
+    m1 = checkpoint(files, wd, gate=how != "no gate", held=held)
+    at_epoch1 = contents(wd)
+    with open(rel, "r+b") as f:
+        f.seek(9 * PAGE)
+        f.write(os.urandom(PAGE))
+    m2 = checkpoint(files, wd, gate=how != "no gate", held=held)
+    snap = workdir.read(files.epoch_dir(2))
+    assert snap["base/5/16384"].runs is not None
+    assert pages_of(files, m2.workdir_packs[-1]) == 1  # the page that changed, from the whole copy
+    whole = {p.name for p in (files.epoch_dir(2) / "files").iterdir()}
+    assert whole == {snap["small.txt"].copy.split("/")[1]}  # the frozen copy went once packed
+    restore(files, m1)
+    assert contents(wd) == at_epoch1
