@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 import select
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_CONTENT = 0x1, 0x2, 0x4
@@ -65,7 +64,7 @@ class _File:
     src: int  # our read-only descriptor of it
     dest: str
     size: int  # when armed
-    done: threading.Event = field(default_factory=threading.Event)
+    done: bool = False  # copied (or failed): set under the gate's lock (an Event each costs the freeze 12 µs)
     error: str = ""
     name: str = ""  # what messages call it
 
@@ -110,7 +109,7 @@ class CowGate:
 
     def _copy_once(self, f: _File) -> None:
         with self._lock:
-            if f.done.is_set():
+            if f.done:
                 return
             try:
                 self._copy(f.src, f.dest)
@@ -122,7 +121,7 @@ class CowGate:
             except Exception as exc:  # noqa: BLE001 - a copy that fails any way fails the epoch, never the gate
                 f.error = f"{f.name}: {exc}"
             finally:
-                f.done.set()
+                f.done = True
 
     def _answer(self) -> None:
         """Answer every open of a gated file: copy it first if it is not yet, then allow."""

@@ -81,6 +81,9 @@ class Taken:
     # Packed files' runs by copy (agent/workdir_packs.py): those kept from the previous epoch here,
     # the new ones from the packer once the gate has copied them.
     runs: dict[str, tuple[workdir_packs.Runs, str]] = field(default_factory=dict)  # and CRC-32
+    # Unchanged packed files: the previous epoch's runs (numbered over its packs) and CRC-32, by copy.
+    kept: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+    kept_table: list[str] = field(default_factory=list)  # the previous epoch's packs
     sizes: dict[str, int] = field(default_factory=dict)  # what the packer read of each
     repack: list[str] = field(default_factory=list)  # packed files copied whole while frozen: packed from those
     packer: workdir_packs.Packer | None = None
@@ -146,16 +149,22 @@ class Taker:
         self.gate = gate and not gate_unavailable()
         self.packer = packer  # changed files of its pack_min or more go into its pack (agent/workdir_packs.py)
         self._packed: dict[str, str] = {}  # their copies' paths (what the gate copies to): their copy names
+        # The previous epoch's packs (by number) this epoch reads: its segment's, readable.
+        base = set(packer.base) if packer is not None else set()
+        self._readable = {i for i, ref in enumerate(prev.packs if prev is not None else []) if ref in base}
 
     def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset()) -> Taken:
         """``held``: paths the job holds (descriptors, mappings): copied while it is frozen, as
         a write through them needs no open the gate would see."""
         taken = Taken(link_from=self.prev.dir if self.prev is not None else Path(), link_to=self.link_dir,
-                      packer=self.packer, epoch_tmp=self.epoch_tmp)
+                      packer=self.packer, epoch_tmp=self.epoch_tmp,
+                      kept_table=self.prev.packs if self.prev is not None else [])
         todo: list[tuple[str, WorkdirFile]] = []
         inodes: dict[tuple[int, int], WorkdirFile] = {}
         now = time.time_ns()
         coarse, fine = now - self.racy_ns[0], now - self.racy_ns[1]
+        top = self.workdir.rstrip("/") + "/"
+        held = frozenset(p[len(top):] for p in held if p.startswith(top))  # relative, as the listing's
         for i, rel in enumerate(sorted(stats)):
             st = stats[rel]
             if not stat.S_ISREG(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
@@ -163,7 +172,7 @@ class Taker:
             rec = WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IMODE(st.st_mode),
                               st.st_uid, st.st_gid, f"{_COPY}{i}",
                               racy=max(st.st_ctime_ns, st.st_mtime_ns) > (fine if st.st_mtime_ns % 10**9 else coarse)
-                              or os.path.join(self.workdir, rel) in held)
+                              or rel in held)
             taken.files[rel] = rec
             first = inodes.setdefault((st.st_dev, st.st_ino), rec)
             if first is not rec:  # another link to a file already taken: one copy (never opened twice)
@@ -192,18 +201,20 @@ class Taker:
 
     def _copy_all(self, todo: list[tuple[str, WorkdirFile]], held: frozenset[str], gate: cowgate.CowGate | None,
                   taken: Taken) -> None:
-        """Gate each changed file (or copy it now: one the job holds, past the gate's descriptors)."""
+        """Gate each changed file (or copy it now: one the job holds, past the gate's descriptors);
+        ``held``: relative paths."""
         (self.epoch_tmp / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
         dirs = {"": beneath.open_dir(self.workdir)}  # each directory walked to once
         room = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - _SPARE_FDS
+        tmp = str(self.epoch_tmp)
         try:
             for rel, rec in todo:
                 src = self._open(dirs, rel, rec)
-                dest = self.epoch_tmp / rec.copy
+                dest = f"{tmp}/{rec.copy}"  # a string: a Path costs 10 µs, and this is the freeze
                 packed = self.packer is not None and rec.size >= self.packer.pack_min
                 if packed:
-                    self._packed[str(dest)] = rec.copy
-                if gate is not None and gate.gated < room and os.path.join(self.workdir, rel) not in held \
+                    self._packed[dest] = rec.copy
+                if gate is not None and gate.gated < room and rel not in held \
                         and _arm(gate, src, dest, rel):
                     self.on_step(f"gated {rel}")
                 else:
@@ -235,13 +246,13 @@ class Taker:
         linked after the job resumes (link_all: the copy never changes, the decision is made here),
         or its runs that epoch's, over packs this epoch's segment reads."""
         was = self.prev.files.get(rel) if self.prev is not None else None
-        if was is None or was.racy or rec.racy or was.key != rec.key:
+        if was is None or was.racy or rec.racy or was.ino != rec.ino or was.size != rec.size \
+                or was.mtime_ns != rec.mtime_ns or was.ctime_ns != rec.ctime_ns:  # (not .key: 10,000 times)
             return False
-        if was.runs is not None:
-            runs = workdir_packs.named(was.runs, self.prev.packs) if _in_table(was.runs, self.prev.packs) else None
-            if runs is None or self.packer is None or not {ref for ref, _, _ in runs} <= set(self.packer.base):
+        if was.runs is not None:  # its pages kept, if this epoch's segment reads every pack they are in
+            if len(was.runs) % 3 or not self._readable.issuperset(was.runs[0::3]):
                 return False
-            taken.runs[rec.copy], rec.runs = (runs, was.crc), []
+            taken.kept[rec.copy], rec.runs = (was.runs, was.crc), []
             taken.linked += rec.size
             return True
         sums = self.prev.sums.get(was.copy)
@@ -312,13 +323,9 @@ def gate_unavailable() -> str:
     return _GATE_WHY
 
 
-def _in_table(runs: list[int], table: list[str]) -> bool:
-    return len(runs) % 3 == 0 and all(0 <= p < len(table) for p in runs[0::3])
-
-
-def _arm(gate: cowgate.CowGate, src: int, dest: Path, rel: str) -> bool:
+def _arm(gate: cowgate.CowGate, src: int, dest: str, rel: str) -> bool:
     try:
-        return gate.arm(src, str(dest), rel)
+        return gate.arm(src, dest, rel)
     except OSError:  # out of descriptors or marks: copied now instead
         return False
 
@@ -363,6 +370,8 @@ def _packed(taken: Taken) -> None:
             os.close(fd)
         whole.unlink()
     taken.packer.close()
+    for copy, (numbers, crc) in taken.kept.items():
+        taken.runs[copy] = (workdir_packs.named(numbers, taken.kept_table), crc)
     for copy, (runs, size, crc) in taken.packer.results.items():
         taken.runs[copy] = (runs, crc)
         taken.sizes[copy] = size
