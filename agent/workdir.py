@@ -165,6 +165,8 @@ class Taker:
         coarse, fine = now - self.racy_ns[0], now - self.racy_ns[1]
         top = self.workdir.rstrip("/") + "/"
         held = frozenset(p[len(top):] for p in held if p.startswith(top))  # relative, as the listing's
+        # Held through any of its links: every link of it is racy (decided before the first is linked).
+        held_inodes = {(stats[rel].st_dev, stats[rel].st_ino) for rel in held if rel in stats}
         for i, rel in enumerate(sorted(stats)):
             st = stats[rel]
             if not stat.S_ISREG(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
@@ -172,13 +174,12 @@ class Taker:
             rec = WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IMODE(st.st_mode),
                               st.st_uid, st.st_gid, f"{_COPY}{i}",
                               racy=max(st.st_ctime_ns, st.st_mtime_ns) > (fine if st.st_mtime_ns % 10**9 else coarse)
-                              or rel in held)
+                              or (st.st_dev, st.st_ino) in held_inodes)
             taken.files[rel] = rec
             first = inodes.setdefault((st.st_dev, st.st_ino), rec)
             if first is not rec:  # another link to a file already taken: one copy (never opened twice)
-                rec.copy, rec.racy = first.copy, rec.racy or first.racy
-                first.racy = rec.racy
-                continue  # (its runs, if it is packed, are set with the first's: finish)
+                rec.copy = first.copy  # (and its runs, if it is packed, the first's: finish)
+                continue
             if not self._link(rel, rec, taken):
                 todo.append((rel, rec))
         self._check_budget(todo)
