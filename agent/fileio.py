@@ -40,20 +40,21 @@ def fsync_path(path: Path | str, directory: bool = False) -> None:
         os.close(fd)
 
 
-def copy_bytes(src: int, dst: int, size: int) -> None:
-    """Copy ``size`` bytes in the kernel: copy_file_range within a filesystem, sendfile across
-    (tmpfs → ext4 is EXDEV); ``dst`` ends up exactly ``size`` bytes long."""
+def copy_bytes(src: int, dst: int, size: int, at: int = 0) -> None:
+    """Copy ``size`` bytes in the kernel: copy_file_range within a filesystem (a clone where it
+    can), sendfile across (tmpfs → ext4 is EXDEV); ``src``'s from its start, into ``dst`` from
+    ``at``, which ends up exactly ``at + size`` bytes long."""
     copied = 0
     try:
         while copied < size:
-            n = os.copy_file_range(src, dst, size - copied, copied, copied)
+            n = os.copy_file_range(src, dst, size - copied, copied, at + copied)
             if n == 0:
                 break
             copied += n
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise
-        os.lseek(dst, copied, os.SEEK_SET)  # sendfile writes at dst's position
+        os.lseek(dst, at + copied, os.SEEK_SET)  # sendfile writes at dst's position
         while copied < size:
             n = os.sendfile(dst, src, copied, size - copied)
             if n == 0:
@@ -61,7 +62,7 @@ def copy_bytes(src: int, dst: int, size: int) -> None:
             copied += n
     if copied < size:
         raise OSError(errno.EIO, f"short copy: {copied} of {size} bytes")
-    os.ftruncate(dst, size)
+    os.ftruncate(dst, at + size)
 
 
 def reflink(src: int, dst: int) -> bool:

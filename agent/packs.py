@@ -32,7 +32,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Protocol
 
 import msgspec
 
@@ -105,14 +105,18 @@ def index_of(files: EpochStore, refs: list[str]) -> tuple[list[str], dict[bytes,
     return packs, index
 
 
-def _fill(f: BinaryIO, view: memoryview) -> int:
+def _fill(f: Readable, view: memoryview) -> int:
     got = 0
     while got < len(view) and (k := f.readinto(view[got:])):
         got += k
     return got
 
 
-def cut(f: BinaryIO, index: dict[bytes, int], new_no: int, digests: bytearray,
+class Readable(Protocol):
+    def readinto(self, buf: memoryview, /) -> int | None: ...
+
+
+def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
         pack: BinaryIO) -> tuple[list[int], int, int]:
     """Hash every page read from ``f`` (to its end): pages ``index`` lacks are appended to ``pack``
     (pack number ``new_no``), their digests to ``digests``, and they go into ``index``.  (runs

@@ -38,8 +38,10 @@ import msgspec
 
 from revenant.agent import beneath, cowgate, jobfiles_restore, workdir_packs
 from revenant.agent.epochs import FILES_DIR, WORKDIR_FILES, EpochError, Manifest
-from revenant.agent.manifest import WorkdirFile, read_workdir
 from revenant.agent.fileio import copy_bytes, reflink
+from revenant.agent.manifest import WorkdirFile, read_workdir
+# What a snapshot took, and its finish once the job runs again (re-exported: callers know them here).
+from revenant.agent.workdir_taken import SCRATCH, Taken, finish, link_all  # noqa: F401
 
 _COPY = f"{FILES_DIR}/w"
 # The largest files an over-budget error names.
@@ -63,38 +65,6 @@ class Previous:
     files: dict[str, WorkdirFile]
     sums: dict[str, tuple[int, str]]  # its copies' (size, CRC-32), by name
     packs: list[str] = field(default_factory=list)  # its packed files' packs (Manifest.workdir_packs)
-
-
-@dataclass
-class Taken:
-    files: dict[str, WorkdirFile] = field(default_factory=dict)
-    copied: int = 0  # bytes copied (or cloned) into the epoch
-    linked: int = 0  # bytes linked from the previous epoch
-    known: dict[str, tuple[int, str]] = field(default_factory=dict)  # linked copies' checksums
-    # (the previous epoch's copy, this epoch's name for it), names in those epochs' directories:
-    # made by link_all() once the job runs.
-    links: list[tuple[str, str]] = field(default_factory=list)
-    link_from: Path = Path()
-    link_to: Path = Path()
-    # The changed files copied after the job resumes (agent/cowgate.py), or None.
-    gate: cowgate.CowGate | None = None
-    # Packed files' runs by copy (agent/workdir_packs.py): those kept from the previous epoch here,
-    # the new ones from the packer once the gate has copied them.
-    runs: dict[str, tuple[workdir_packs.Runs, str]] = field(default_factory=dict)  # and CRC-32
-    # Unchanged packed files: the previous epoch's runs (numbered over its packs) and CRC-32, by copy.
-    kept: dict[str, tuple[list[int], str]] = field(default_factory=dict)
-    kept_table: list[str] = field(default_factory=list)  # the previous epoch's packs
-    sizes: dict[str, int] = field(default_factory=dict)  # what the packer read of each
-    repack: list[str] = field(default_factory=list)  # packed files copied whole while frozen: packed from those
-    packer: workdir_packs.Packer | None = None
-    epoch_tmp: Path = Path()  # where workdir-files.json is (written again once the packed files are in)
-    table: list[str] = field(default_factory=list)  # Manifest.workdir_packs, once finished
-
-    def abandon(self) -> None:
-        """Let the gated files go uncopied (the dump failed): every open of them goes through."""
-        gate, self.gate = self.gate, None
-        if gate is not None:
-            gate.close()
 
 
 def size_text(n: int) -> str:
@@ -193,6 +163,7 @@ class Taker:
         except BaseException:
             if gate is not None:
                 gate.close()
+            taken.abandon()
             raise
         if gate is not None and gate.gated:
             taken.gate = gate
@@ -220,12 +191,13 @@ class Taker:
                     self.on_step(f"gated {rel}")
                 else:
                     try:
-                        _copy_now(src, dest, rec.size)
+                        if packed:  # into the scratch file, packed from there once the job runs (finish)
+                            taken.repack.append((rec.copy, self._frozen_copy(src, rec.size, taken), rec.size))
+                        else:
+                            _copy_now(src, dest, rec.size)
                     finally:
                         os.close(src)
                     self.on_step(f"copied {rel}")
-                    if packed:  # packed from this copy once the job runs again (finish)
-                        taken.repack.append(rec.copy)
                 if packed:
                     rec.runs = []  # set once it is packed (finish)
                     continue  # its bytes: the new pages it adds (finish)
@@ -233,6 +205,18 @@ class Taker:
         finally:
             for fd in dirs.values():
                 os.close(fd)
+
+    def _frozen_copy(self, src: int, size: int, taken: Taken) -> int:
+        """Copy a file to be packed into the epoch's one scratch file, at a page boundary (a clone
+        where the filesystem can); where it starts.  One file, not one each: thousands of files
+        made and removed each epoch slow the next epoch's creates (ext4 leaves a removed inode
+        unused for seconds to minutes)."""
+        if taken.scratch < 0:
+            taken.scratch = os.open(self.epoch_tmp / SCRATCH, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                    0o600)
+        at = -(-os.fstat(taken.scratch).st_size // 4096) * 4096
+        copy_bytes(src, taken.scratch, size, at)
+        return at
 
     def _gate_copy(self, src: int, dest: str) -> None:
         """The gate's copy of a changed file: into the pack, or whole."""
@@ -342,66 +326,3 @@ def _copy_now(src: int, dest: Path | str, size: int) -> None:
 
 def _copy_gated(src: int, dest: str) -> None:
     _copy_now(src, dest, os.fstat(src).st_size)
-
-
-def finish(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> None:
-    """Blocking, once the job runs again: the gated files' copies, then the unchanged files'
-    links.  A gated file changed without an open (truncated by path) fails the epoch."""
-    gate, taken.gate = taken.gate, None
-    if gate is not None:
-        errors = gate.run()
-        if errors:
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise EpochError(f"the working directory changed while its snapshot was copied: {errors[0]}{more}")
-    _packed(taken)
-    link_all(taken, on_step)
-
-
-def _packed(taken: Taken) -> None:
-    """The packed files' runs, numbered over the epoch's packs (Manifest.workdir_packs), and
-    workdir-files.json written again with them."""
-    if taken.packer is None or not any(rec.runs is not None for rec in taken.files.values()):
-        return
-    for copy in taken.repack:
-        whole = taken.epoch_tmp / copy
-        fd = os.open(whole, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            taken.packer.pack(fd, copy)
-        finally:
-            os.close(fd)
-        whole.unlink()
-    taken.packer.close()
-    for copy, (numbers, crc) in taken.kept.items():
-        taken.runs[copy] = (workdir_packs.named(numbers, taken.kept_table), crc)
-    for copy, (runs, size, crc) in taken.packer.results.items():
-        taken.runs[copy] = (runs, crc)
-        taken.sizes[copy] = size
-    taken.table = workdir_packs.table_of([runs for runs, _ in taken.runs.values()])
-    numbered = {copy: (workdir_packs.numbered(runs, taken.table), crc) for copy, (runs, crc) in taken.runs.items()}
-    for rel, rec in taken.files.items():
-        if rec.copy in numbered:  # a packed file, or another link to one
-            rec.runs, rec.crc = numbered[rec.copy]
-            if taken.sizes.get(rec.copy, rec.size) != rec.size:
-                raise EpochError(f"the working directory changed while its snapshot was copied: {rel} changed size")
-    taken.copied += taken.packer.new_bytes
-    with open(os.open(taken.epoch_tmp / WORKDIR_FILES, os.O_WRONLY | os.O_TRUNC), "wb") as f:
-        f.write(msgspec.json.encode(taken.files))
-
-
-def link_all(taken: Taken, on_step: Callable[[str], None] = lambda step: None) -> None:
-    """Link the unchanged files' copies from the previous epoch (blocking; the job runs again)."""
-    if not taken.links:
-        return
-    (taken.link_to / FILES_DIR).mkdir(mode=0o700, exist_ok=True)
-    src_dir, dst_dir = os.open(taken.link_from, os.O_RDONLY | os.O_DIRECTORY), os.open(taken.link_to, os.O_RDONLY)
-    try:
-        for src, dst in taken.links:
-            try:
-                os.link(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
-            except OSError as exc:
-                raise EpochError(f"cannot link {dst} to the previous epoch's copy {taken.link_from / src}: "
-                                 f"{exc.strerror or exc}") from None
-            on_step(f"linked {dst}")
-    finally:
-        os.close(src_dir)
-        os.close(dst_dir)

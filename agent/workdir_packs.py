@@ -72,9 +72,9 @@ class Packer:
         pages = len(self._digests) // DIGEST
         return pages * PAGE + len(idx_bytes(self._digests)) if pages else 0
 
-    def pack(self, src: int, key: str) -> None:
-        """The file behind ``src`` (read from its start to its end) as runs over the base packs and
-        the new one, under ``key``."""
+    def pack(self, src: int, key: str, at: int = 0, size: int = -1) -> None:
+        """The file behind ``src`` (``size`` bytes of it from ``at``; -1: to its end) as runs over
+        the base packs and the new one, under ``key``."""
         with self._lock:
             if self._pack is None:
                 packs.pack_dir(self.files, self.seg)
@@ -82,10 +82,8 @@ class Packer:
                              PRIVATE_FILE)
                 self._pack = open(fd, "wb")
             new_no = len(self.base)
-            with open(os.dup(src), "rb", buffering=0) as f:
-                f.seek(0)
-                runs, size, crc = packs.cut(f, self._index, new_no, self._digests, self._pack)
-            self.results[key] = (named(runs, [*self.base, self.ref]), size, f"{crc:08x}")
+            runs, read, crc = packs.cut(_Region(src, at, size), self._index, new_no, self._digests, self._pack)
+            self.results[key] = (named(runs, [*self.base, self.ref]), read, f"{crc:08x}")
 
     def close(self) -> bool:
         """The new pack and its index made durable (or the pack removed, if no page was new);
@@ -112,6 +110,21 @@ class Packer:
                 self._pack.close()
             for suffix in (".pack", ".idx"):
                 pack_path(self.files, self.ref, suffix).unlink(missing_ok=True)
+
+
+class _Region:
+    """``size`` bytes of a file from ``at`` (-1: to its end), read as a file object is."""
+
+    def __init__(self, fd: int, at: int, size: int) -> None:
+        self.fd, self.at, self.left = fd, at, size
+
+    def readinto(self, view: memoryview) -> int:
+        want = len(view) if self.left < 0 else min(len(view), self.left)
+        n = os.preadv(self.fd, [view[:want]], self.at) if want else 0
+        self.at += n
+        if self.left > 0:
+            self.left -= n
+        return n
 
 
 def table_of(runs: list[Runs]) -> list[str]:
