@@ -85,11 +85,12 @@ class CowGate:
         # link to it, or by another job's snapshot) never waits for an answer nobody gives.
         self.start()
 
-    def arm(self, fd: int, dest: str, name: str = "") -> bool:
+    def arm(self, fd: int, dest: str, name: str = "", st: os.stat_result | None = None) -> bool:
         """Gate the file behind ``fd`` (a descriptor of the caller's, read-only, kept by the gate
-        once this returns True) to be copied to ``dest``; call while nothing can change it (the
-        job frozen).  False: the file is gated already (a second link to it), the caller copies."""
-        st = os.fstat(fd)
+        once this returns True; ``st``: its fstat, if the caller has it) to be copied to ``dest``;
+        call while nothing can change it (the job frozen).  False: the file is gated already (a
+        second link to it), the caller copies."""
+        st = st if st is not None else os.fstat(fd)
         if (st.st_dev, st.st_ino) in self._files:
             return False
         _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))

@@ -119,9 +119,21 @@ class Taker:
         self.gate = gate and not gate_unavailable()
         self.packer = packer  # changed files of its pack_min or more go into its pack (agent/workdir_packs.py)
         self._packed: dict[str, str] = {}  # their copies' paths (what the gate copies to): their copy names
-        # The previous epoch's packs (by number) this epoch reads: its segment's, readable.
-        base = set(packer.base) if packer is not None else set()
-        self._readable = {i for i, ref in enumerate(prev.packs if prev is not None else []) if ref in base}
+        # Before the freeze: what says each of the previous epoch's files is unchanged, for those
+        # whose copy (or pages) this epoch can keep: the freeze compares, and decides nothing more.
+        self._unchanged: dict[str, tuple[tuple[int, int, int, int], WorkdirFile]] = {}
+        if prev is not None:
+            base = set(packer.base) if packer is not None else set()
+            readable = {i for i, ref in enumerate(prev.packs) if ref in base}  # its segment's packs, readable
+            for rel, was in prev.files.items():
+                if was.racy:
+                    continue
+                if was.runs is not None:
+                    if len(was.runs) % 3 or not readable.issuperset(was.runs[0::3]):
+                        continue
+                elif prev.sums.get(was.copy, (-1, ""))[0] != was.size:
+                    continue
+                self._unchanged[rel] = (was.ino, was.size, was.mtime_ns, was.ctime_ns), was
 
     def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset()) -> Taken:
         """``held``: paths the job holds (descriptors, mappings): copied while it is frozen, as
@@ -137,20 +149,25 @@ class Taker:
         held = frozenset(p[len(top):] for p in held if p.startswith(top))  # relative, as the listing's
         # Held through any of its links: every link of it is racy (decided before the first is linked).
         held_inodes = {(stats[rel].st_dev, stats[rel].st_ino) for rel in held if rel in stats}
+        unchanged, uid, regular = self._unchanged, self.uid, stat.S_ISREG
         for i, rel in enumerate(sorted(stats)):
             st = stats[rel]
-            if not stat.S_ISREG(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+            if not regular(st.st_mode) or (uid is not None and st.st_uid != uid):
                 continue  # not a regular file, or another user's: left as it is
-            rec = WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IMODE(st.st_mode),
-                              st.st_uid, st.st_gid, f"{_COPY}{i}",
-                              racy=max(st.st_ctime_ns, st.st_mtime_ns) > (fine if st.st_mtime_ns % 10**9 else coarse)
-                              or (st.st_dev, st.st_ino) in held_inodes)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            racy = max(st.st_ctime_ns, st.st_mtime_ns) > (fine if st.st_mtime_ns % 10**9 else coarse) \
+                or (st.st_dev, st.st_ino) in held_inodes
+            rec = WorkdirFile(*key, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, f"{_COPY}{i}", racy=racy)
             taken.files[rel] = rec
-            first = inodes.setdefault((st.st_dev, st.st_ino), rec)
-            if first is not rec:  # another link to a file already taken: one copy (never opened twice)
-                rec.copy = first.copy  # (and its runs, if it is packed, the first's: finish)
-                continue
-            if not self._link(rel, rec, taken):
+            if st.st_nlink > 1:
+                first = inodes.setdefault((st.st_dev, st.st_ino), rec)
+                if first is not rec:  # another link to a file already taken: one copy (never opened twice)
+                    rec.copy = first.copy  # (and its runs, if it is packed, the first's: finish)
+                    continue
+            hit = None if racy else unchanged.get(rel)
+            if hit is not None and hit[0] == key:
+                self._keep(hit[1], rec, taken)
+            else:
                 todo.append((rel, rec))
         self._check_budget(todo)
         gate = cowgate.CowGate(self._gate_copy) if todo and self.gate else None
@@ -181,13 +198,13 @@ class Taker:
         tmp = str(self.epoch_tmp)
         try:
             for rel, rec in todo:
-                src = self._open(dirs, rel, rec)
+                src, st = self._open(dirs, rel, rec)
                 dest = f"{tmp}/{rec.copy}"  # a string: a Path costs 10 µs, and this is the freeze
                 packed = self.packer is not None and rec.size >= self.packer.pack_min
                 if packed:
                     self._packed[dest] = rec.copy
                 if gate is not None and gate.gated < room and rel not in held \
-                        and _arm(gate, src, dest, rel):
+                        and _arm(gate, src, dest, rel, st):
                     self.on_step(f"gated {rel}")
                 else:
                     try:
@@ -226,27 +243,16 @@ class Taker:
         else:
             _copy_gated(src, dest)
 
-    def _link(self, rel: str, rec: WorkdirFile, taken: Taken) -> bool:
-        """Whether ``rec`` is unchanged since the previous epoch: then its copy is that epoch's,
-        linked after the job resumes (link_all: the copy never changes, the decision is made here),
-        or its runs that epoch's, over packs this epoch's segment reads."""
-        was = self.prev.files.get(rel) if self.prev is not None else None
-        if was is None or was.racy or rec.racy or was.ino != rec.ino or was.size != rec.size \
-                or was.mtime_ns != rec.mtime_ns or was.ctime_ns != rec.ctime_ns:  # (not .key: 10,000 times)
-            return False
-        if was.runs is not None:  # its pages kept, if this epoch's segment reads every pack they are in
-            if len(was.runs) % 3 or not self._readable.issuperset(was.runs[0::3]):
-                return False
+    def _keep(self, was: WorkdirFile, rec: WorkdirFile, taken: Taken) -> None:
+        """``rec`` is unchanged since the previous epoch (``was``): its copy is that epoch's, linked
+        after the job resumes (link_all: the copy never changes, the decision is made here), or its
+        runs are that epoch's, over packs this epoch's segment reads."""
+        if was.runs is not None:
             taken.kept[rec.copy], rec.runs = (was.runs, was.crc), []
-            taken.linked += rec.size
-            return True
-        sums = self.prev.sums.get(was.copy)
-        if sums is None or sums[0] != rec.size:
-            return False
-        taken.links.append((was.copy, rec.copy))  # names: a Path each costs 10 µs, 10,000 of them a freeze
+        else:
+            taken.links.append((was.copy, rec.copy))  # names: a Path each costs 10 µs, 10,000 of them a freeze
+            taken.known[rec.copy] = self.prev.sums[was.copy]  # type: ignore[union-attr]
         taken.linked += rec.size
-        taken.known[rec.copy] = sums
-        return True
 
     def _check_budget(self, todo: list[tuple[str, WorkdirFile]]) -> None:
         total = sum(rec.size for _, rec in todo)
@@ -265,7 +271,7 @@ class Taker:
         dirs = {"": beneath.open_dir(self.workdir)}
         probe = self.epoch_tmp / ".reflink-probe"
         try:
-            src = self._open(dirs, rel, rec)
+            src, _ = self._open(dirs, rel, rec)
             try:
                 dst = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
@@ -279,22 +285,21 @@ class Taker:
             for fd in dirs.values():
                 os.close(fd)
 
-    def _open(self, dirs: dict[str, int], rel: str, rec: WorkdirFile) -> int:
-        """A read-only descriptor of ``rel``, checked to be the file the listing saw."""
+    def _open(self, dirs: dict[str, int], rel: str, rec: WorkdirFile) -> tuple[int, os.stat_result]:
+        """A read-only descriptor of ``rel``, checked to be the file the listing saw, and its stat."""
         head, _, name = rel.rpartition("/")
-        where = os.path.join(self.workdir, rel)
         try:
             if head not in dirs:
-                dirs[head] = beneath.walk(dirs[""], head.split("/"), where)
+                dirs[head] = beneath.walk(dirs[""], head.split("/"), os.path.join(self.workdir, rel))
             src = beneath.open_file(dirs[head], name, os.O_RDONLY)
         except OSError as exc:
-            raise EpochError(f"cannot snapshot {where}: {exc.strerror or exc}") from None
+            raise EpochError(f"cannot snapshot {os.path.join(self.workdir, rel)}: {exc.strerror or exc}") from None
         st = os.fstat(src)
         if st.st_ino != rec.ino or st.st_size != rec.size:
             os.close(src)
-            raise EpochError(f"cannot snapshot {where}: it changed while the job was frozen (another process "
-                             "writes it)")
-        return src
+            raise EpochError(f"cannot snapshot {os.path.join(self.workdir, rel)}: it changed while the job was "
+                             "frozen (another process writes it)")
+        return src, st
 
 
 _GATE_WHY: str | None = None
@@ -308,9 +313,9 @@ def gate_unavailable() -> str:
     return _GATE_WHY
 
 
-def _arm(gate: cowgate.CowGate, src: int, dest: str, rel: str) -> bool:
+def _arm(gate: cowgate.CowGate, src: int, dest: str, rel: str, st: os.stat_result) -> bool:
     try:
-        return gate.arm(src, dest, rel)
+        return gate.arm(src, dest, rel, st)
     except OSError:  # out of descriptors or marks: copied now instead
         return False
 
