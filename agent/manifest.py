@@ -79,8 +79,8 @@ class WorkdirFile(msgspec.Struct, array_like=True):
     # (``runs`` not None) has no file of that name: the name only says which records share it.
     copy: str
     # Its times cannot vouch for its content: the job maps or holds it (a write through a mapping
-    # may not touch them), or it changed within RACY_NS of the dump (a filesystem's clock may be
-    # that coarse).  Never linked to by the next epoch, always put back on restore.
+    # may not touch them), or it changed within a tick of the dump (agent/workdir.py RACY_NS: a
+    # filesystem's clock may be that coarse).  Never linked to by the next epoch, always put back on restore.
     racy: bool = False
     # Packed: its content as runs of 4 KiB pages, flat (index into Manifest.workdir_packs, first
     # page, count) triples (agent/chain.py), and its CRC-32.
@@ -126,8 +126,9 @@ class Manifest(msgspec.Struct, kw_only=True):
     # The job's working directory, and why its listing (workdir.json) was not taken ("" if it was).
     workdir: str = ""
     workdir_note: str = ""
-    # Its snapshot (workdir-files.json, agent/workdir.py): regular files in it, bytes copied into
-    # this epoch, bytes linked from the previous one.  0 files: none was taken (an older epoch).
+    # Its snapshot (workdir-files.json, agent/workdir.py): regular files in it, bytes stored by
+    # this epoch (whole copies, new pages with their digests), bytes of the files unchanged since the
+    # previous one (their copy linked, or their pages kept).  0 files: none was taken (an older epoch).
     workdir_files: int = 0
     workdir_copied: int = 0
     workdir_linked: int = 0

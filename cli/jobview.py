@@ -150,7 +150,7 @@ def _epoch_files(rec: JobRecord) -> list[tuple[str, str]]:
     if e.workdir_note:
         rows.append(("", f"workdir not tracked: {e.workdir_note}"))
     elif e.workdir_files:
-        rows.append(("", f"workdir: {e.workdir_files} files as at the dump, {_fmt_bytes(e.workdir_copied)} copied, "
+        rows.append(("", f"workdir: {e.workdir_files} files as at the dump, {_fmt_bytes(e.workdir_copied)} stored, "
                          f"{_fmt_bytes(e.workdir_linked)} shared with the epoch before"))
     return rows
 

@@ -257,8 +257,9 @@ class EpochInfo(_Body):
     files_copied: int = 0
     # Why the working directory's later changes are not moved aside on restore ("" if they are).
     workdir_note: str = ""
-    # The working directory's snapshot: its regular files, the bytes this epoch copied of them
-    # (changed since the previous epoch) and those it shares with that epoch (0 files: none).
+    # The working directory's snapshot: its regular files, the bytes this epoch stored for them
+    # (whole copies, and the new pages of packed files with their digests) and the bytes of those
+    # unchanged since the previous epoch, whose copy or pages it shares (0 files: none).
     workdir_files: int = 0
     workdir_copied: int = 0
     workdir_linked: int = 0

@@ -117,3 +117,34 @@ def test_an_agent_killed_with_files_gated_leaves_no_open_waiting(tmp_path):
     os.waitpid(pid, 0)
     assert opener.wait(timeout=30) == 0
     assert p.read_bytes().startswith(b"after")
+
+
+def test_a_packed_files_writer_waits_until_its_pages_as_at_the_epoch_are_in_the_pack(tmp_path):
+    from revenant.agent import workdir
+    from revenant.agent.chain import stream, workdir_recipe
+    from revenant.agent.epochs import JobFiles, Manifest
+    from revenant.agent.filestep import prepare_workdir
+    from revenant.agent.jobfiles import scan_workdir
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    at_epoch = os.urandom(4096) * 64 + os.urandom(100)  # 64 equal pages and a tail
+    (wd / "db").write_bytes(at_epoch)
+    files = JobFiles(tmp_path / "storage", "1")
+    _, packer = prepare_workdir(files, str(wd), 10)
+    stats = {}
+    scan_workdir(str(wd), 1000, stats=stats)
+    tmp = files.new_tmp("n")
+    taken = workdir.Taker(str(wd), tmp, tmp, None, None, 2**30, racy_ns=(0, 0), packer=packer).take(stats)
+    assert taken.gate is not None and taken.gate.gated == 1
+    writer = subprocess.Popen([sys.executable, "-c", f"open({str(wd / 'db')!r}, 'r+b').write(b'AFTER' * 5000)"])
+    assert writer.wait(timeout=30) == 0  # its open had the file packed first
+    workdir.finish(taken)
+    rec = taken.files["db"]
+    m = Manifest(job="1", epoch=1, generation=1, node="n", created_at=0, criu_version="", kernel="",
+                 workdir_packs=taken.table)
+    assert rec.runs is not None and len(taken.table) == 1
+    out = tmp_path / "rebuilt"
+    with open(out, "wb") as f:
+        stream(files, workdir_recipe(m, rec, "db"), rec.size, rec.crc, "db", f)
+    assert out.read_bytes() == at_epoch
+    assert taken.copied == 2 * (4096 + 16) + 4  # two distinct pages (the tail padded), their digests, the CRC
