@@ -30,7 +30,7 @@ from pathlib import Path
 import nats
 import psutil
 
-from revenant.common.natsserver import start_nats_server
+from revenant.common.messaging.natsserver import start_nats_server
 from revenant.messages import Heartbeat, decode_as, subjects
 
 REPO = Path(__file__).resolve().parent.parent

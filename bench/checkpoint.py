@@ -19,7 +19,7 @@ phases    (unless --no-phases) where revenant's time goes, measured outside
           revenant on the same job: a dump with the agent's exact criu flags
           straight into the storage filesystem (+ fsync; then removed), the same
           dump into tmpfs staging as the agent does, then revenant's own commit
-          code (``revenant.agent.epochs.JobFiles.commit``) timed on those
+          code (``revenant.agent.storage.epochs.JobFiles.commit``) timed on those
           images, the agent's read/write copy + fsync, a sendfile copy + fsync
           and a SHA-256 of the same images, each alone, and an alternative
           commit (sendfile copy || SHA-256 over an mmap).
@@ -67,9 +67,9 @@ from pathlib import Path
 
 import psutil
 
-from revenant.agent import criustats
-from revenant.agent.epochs import JobFiles, Manifest
-from revenant.agent.launcher import INIT_NAME, INIT_SCRIPT
+from revenant.agent.pipeline import criustats
+from revenant.agent.running.launcher import INIT_NAME, INIT_SCRIPT
+from revenant.agent.storage.epochs import JobFiles, Manifest
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
@@ -282,7 +282,7 @@ class Bench:
         raise BenchError(f"the workload was not ready within {timeout_s:g} s ({out})")
 
     def start_raw_workload(self, mib: int, out: Path) -> tuple[subprocess.Popen[bytes], int, str]:
-        """The job exactly as the agent starts it (agent/jobs.py: same wrapper, same init script), without the agent."""
+        """The job exactly as the agent starts it (agent/running/jobs.py: same wrapper, same init script), without the agent."""
         out.touch()
         stamp = out.with_name("alive")
         stamp.touch()
@@ -734,7 +734,7 @@ def report(summary: list[dict], meta: dict) -> str:
         "cli rtt = one `revenant show job` (CLI start-up + NATS + coordinator, no work)",
         "phases (outside revenant): staged dump = criu with the agent's flags (-v4, action script) into tmpfs; "
         "direct = the same criu straight into the storage filesystem, + fsync; "
-        "commit = revenant.agent.epochs.JobFiles.commit on those images; copy+fsync (the agent's read/write copy), "
+        "commit = revenant.agent.storage.epochs.JobFiles.commit on those images; copy+fsync (the agent's read/write copy), "
         "sendfile+fsync and sha256 each alone; alt commit = sendfile+fsync || sha256 over mmap",
         f"goals: revenant wall / raw wall <= {WALL_GOAL} at {GOAL_SIZE_MIB} MiB; revenant freeze <= raw freeze",
     ]

@@ -2,7 +2,7 @@
 
 Both sides dump the same job, bench/workloads/hold_memory.py holding --mib MiB
 (default 2048) of resident, page-distinct memory, started as the agent starts a
-job (agent/launcher.py ``init_argv``: its own PID, IPC and mount namespaces, its
+job (agent/running/launcher.py ``init_argv``: its own PID, IPC and mount namespaces, its
 private /tmp and /dev/shm, revenant-init, the job's own directory as the init's
 working directory), with its images on the same filesystem:
 
@@ -61,8 +61,8 @@ from pathlib import Path
 
 import psutil
 
-from revenant.agent.criu import DUMP_MOUNTS
-from revenant.agent.launcher import DEFAULT_SCRATCH, INIT_NAME, init_argv, scratch_plan, scratch_script
+from revenant.agent.pipeline.criu import DUMP_MOUNTS
+from revenant.agent.running.launcher import DEFAULT_SCRATCH, INIT_NAME, init_argv, scratch_plan, scratch_script
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
@@ -96,7 +96,7 @@ _DONE_RE = re.compile(r"engine: checkpoint of (\S+): epoch (\d+), [\d.]+ MiB, cr
 
 
 def agent_phases(log_text: str, job: str, epoch: int) -> dict:
-    """The agent's own account of one checkpoint (agent/engine.py, agent/imagesum.py log lines)."""
+    """The agent's own account of one checkpoint (agent/checkpointing/engine.py, agent/storage/imagesum.py log lines)."""
     last_seal: dict = {}
     for line in log_text.splitlines():
         if m := _SEAL_RE.search(line):
@@ -188,7 +188,7 @@ class Bench:
         out.touch()
         stamp.touch()
         job = [PYTHON, str(WORKLOAD), str(self.args.mib)]
-        # As agent/launcher.py (Launcher.spawn, _scratch) starts a root job: same namespaces, same init.
+        # As agent/running/launcher.py (Launcher.spawn, _scratch) starts a root job: same namespaces, same init.
         mounts, _ = scratch_plan(DEFAULT_SCRATCH, [str(self.work), str(jobdir), PYTHON, str(WORKLOAD)])
         scratch = scratch_script(mounts, str(out), proc=True) if mounts else None
         argv = init_argv(Path(out.name), Path(stamp.name), 10**6, job, str(self.work), 10**6, scratch)

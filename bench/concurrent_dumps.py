@@ -1,8 +1,8 @@
 """Concurrent checkpoints of jobs that share a working directory: do they collide?
 
 Drives the agent's own code path in this process, with real criu and no bus: a
-``Supervisor`` (agent/jobs.py: the launcher's PID namespace and revenant-init)
-and its ``Engine`` (agent/engine.py: criu dump, output sizes, commit, retention),
+``Supervisor`` (agent/running/jobs.py: the launcher's PID namespace and revenant-init)
+and its ``Engine`` (agent/checkpointing/engine.py: criu dump, output sizes, commit, retention),
 exactly what an agent runs for ``revenant checkpoint create``.  The engine's
 concurrency is set to --jobs, so every criu of a round runs at the same time
 (an agent's default ``checkpoint_concurrency`` is 2; a drain dumps all at once).
@@ -45,11 +45,11 @@ from pathlib import Path
 
 import psutil
 
-from revenant.agent import procs
-from revenant.agent.criu import inspect_criu
-from revenant.agent.engine import Engine
-from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
+from revenant.agent.checkpointing.engine import Engine
+from revenant.agent.pipeline.criu import inspect_criu
+from revenant.agent.processes import procs
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 

@@ -91,7 +91,7 @@ def run_once(d: Path, server: Server, conns: int, creates: int) -> list[float]:
 
 def criu_alone(scratch: Path, server: Server, conns: int, creates: int) -> list[float]:
     """The same job's freeze under criu alone, with the options revenant gives a create's dump
-    (agent/criu.py): what criu itself costs per connection, beside revenant's total."""
+    (agent/pipeline/criu.py): what criu itself costs per connection, beside revenant's total."""
     out = scratch / f"alone-{conns}.out"
     with open(out, "w") as f:
         job = subprocess.Popen([sys.executable, str(WORKLOAD), str(conns), str(server.port)], stdout=f,

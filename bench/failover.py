@@ -331,7 +331,8 @@ class Observer(threading.Thread):
 
         import msgspec
 
-        from revenant.common import bus, security
+        from revenant.common.messaging import bus
+        from revenant.common.settings import security
         from revenant.messages import codec
 
         self._loop = asyncio.get_running_loop()

@@ -37,7 +37,7 @@ def _median(xs: list[float]) -> float | None:
 def agent_has_restore_mode() -> bool:
     """Whether this revenant's agent has a ``restore_mode`` setting (lazy restore)."""
     try:
-        from revenant.common.config import AgentConfig
+        from revenant.common.settings.config import AgentConfig
     except ImportError:
         return False
     return "restore_mode" in AgentConfig.__struct_fields__

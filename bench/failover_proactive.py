@@ -129,7 +129,7 @@ def clean_env() -> tuple[dict[str, str], list[str]]:
 
 
 def coordinator_defaults() -> dict:
-    from revenant.common.config import CoordinatorConfig
+    from revenant.common.settings.config import CoordinatorConfig
 
     cfg = CoordinatorConfig()
     return {k: getattr(cfg, k) for k in DEFAULTS if hasattr(cfg, k)}
@@ -175,7 +175,7 @@ class Watch(threading.Thread):
 
         import msgspec
 
-        from revenant.common import bus
+        from revenant.common.messaging import bus
         from revenant.messages import codec
 
         self._loop = asyncio.get_running_loop()

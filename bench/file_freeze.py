@@ -1,7 +1,7 @@
 """What a job's own files cost the freeze: a job with N open files against the same job without.
 
 Drives the agent's own code path in this process, with real criu and no bus: a
-``Supervisor`` (agent/jobs.py) and its ``Engine`` (agent/engine.py), exactly what
+``Supervisor`` (agent/running/jobs.py) and its ``Engine`` (agent/checkpointing/engine.py), exactly what
 an agent runs for ``revenant checkpoint create``.  Two jobs run side by side
 (bench/workloads/file_logger.py), each holding M MiB of page-distinct memory:
 
@@ -24,14 +24,14 @@ the ratio is printed as the cross-check.
     .venv/bin/python bench/file_freeze.py                       # 2 GiB, 10 files of 4 MiB, 7 rounds
     .venv/bin/python bench/file_freeze.py --mib 256 --rounds 3  # a quick look
 
-``--workdir`` measures the working directory's snapshot instead (agent/workdir.py): two
+``--workdir`` measures the working directory's snapshot instead (agent/files/workdir.py): two
 identical jobs of M MiB, each with --wd-files files (--wd-mib MiB in all, closed) in its
 working directory, one checkpointed with the snapshot and one without (a second engine,
 ``workdir_snapshot_max_bytes = 0``).  Before each round the benchmark rewrites 1 % of the file
 blocks of both workdirs: whole files (``--pattern files``: 1 % of the files) or 4 KiB blocks
 at random across all of them (``--pattern blocks``).  Reported: the freeze, the agent's part of
 it, and the bytes each epoch added to the storage for the workdir (counted on disk: whole copies
-no earlier epoch holds, and the pack of changed pages named for it; agent/workdir_packs.py),
+no earlier epoch holds, and the pack of changed pages named for it; agent/files/workdir_packs.py),
 the first epoch (every file copied) apart.  Goals (the
 issue's floors): the snapshot's part of the freeze <= 10 % of the baseline's freeze, and the
 bytes an epoch adds <= 3 % of the workdir.
@@ -55,12 +55,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from revenant.agent import procs
-from revenant.agent.criu import inspect_criu
-from revenant.agent.engine import Engine
-from revenant.agent.epochs import JobFiles
-from revenant.agent.filestep import JobFilesStep
-from revenant.agent.jobs import Supervisor
+from revenant.agent.checkpointing.engine import Engine
+from revenant.agent.files.filestep import JobFilesStep
+from revenant.agent.pipeline.criu import inspect_criu
+from revenant.agent.processes import procs
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pattern", choices=("files", "blocks"), default="files",
                    help="1 %% of the blocks changed as whole files, or as blocks at random (files)")
     p.add_argument("--no-gate", action="store_true",
-                   help="copy changed files while the job is frozen, not after it resumes (agent/cowgate.py)")
+                   help="copy changed files while the job is frozen, not after it resumes (agent/files/cowgate.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.workdir and args.rounds < 2:

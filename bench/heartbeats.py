@@ -25,7 +25,7 @@ publish to ack (p50/p99/max, in buckets 20 % apart, interpolated), timeouts and
 errors, and the longest time a node went between two acked renewals; a gap past
 the agents' ``fence_timeout_s`` would have been a self-fence.
 ``--nats-servers 3`` runs on a 3-server JetStream cluster started by
-common/natsserver.py, as ``revenant up --nats-servers 3`` starts it; the bucket
+common/messaging/natsserver.py, as ``revenant up --nats-servers 3`` starts it; the bucket
 and the coordinator's streams then get 3 replicas (``nats_replicas`` auto, or
 ``--replicas``), and the generators (at least one per server) each connect to a
 server of their own.
@@ -97,13 +97,13 @@ import nats
 import nats.errors
 import psutil
 
-from revenant.agent.liveness import FULL_FIRST
+from revenant.agent.node.liveness import FULL_FIRST
 from revenant.cli.client import request_nodes
-from revenant.common import bus
-from revenant.common.config import AgentConfig
 from revenant.common.errors import RevenantError
-from revenant.common.kv import open_bucket
-from revenant.common.natsserver import NatsServer, start_nats_cluster, start_nats_server, wait_jetstream
+from revenant.common.messaging import bus
+from revenant.common.messaging.kv import open_bucket
+from revenant.common.messaging.natsserver import NatsServer, start_nats_cluster, start_nats_server, wait_jetstream
+from revenant.common.settings.config import AgentConfig
 from revenant.messages import (
     Capabilities,
     CriuInfo,
@@ -132,7 +132,7 @@ LATENESS_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
 # Lease renewal latency (publish to the stream's ack): buckets 20 % apart, 0.1 ms to about 5 s.
 LEASE_BUCKETS_MS = tuple(round(0.1 * 1.2**i, 4) for i in range(60))
 try:  # the agent's own list, so the payload has the agent's shape
-    from revenant.agent.criu import FEATURES as CRIU_FEATURES
+    from revenant.agent.pipeline.criu import FEATURES as CRIU_FEATURES
 except Exception:  # pragma: no cover - keep the bench usable if the agent package changes
     CRIU_FEATURES = ("mem_dirty_track", "uffd-noncoop", "pidfd_store", "clone3_set_tid", "timens")
 
@@ -362,7 +362,7 @@ class Generator:
         interval, jitter = a.interval, a.jitter
         # Heartbeats are scheduled in slots of BATCH_S on a ring two intervals long: a node's next
         # heartbeat goes one interval +/- jitter later (rounded to a slot), or one interval from the
-        # current slot if the generator fell behind (the agent's rule, agent/liveness.py).  A heap
+        # current slot if the generator fell behind (the agent's rule, agent/node/liveness.py).  A heap
         # per heartbeat cost more than the rest of the heartbeat at 100,000 nodes.
         per = max(1, round(interval / BATCH_S))
         ring_len = 2 * per + 1
@@ -407,7 +407,7 @@ class Generator:
                             continue  # silenced for good: its schedule ends here
                         seq = seqs[k] = seqs[k] + 1
                         # As the agent: full in its first heartbeats and every full_every-th (the
-                        # simulated verdicts never change), slim in between (agent/liveness.py FullBeats).
+                        # simulated verdicts never change), slim in between (agent/node/liveness.py FullBeats).
                         frame, seq_at, sent_at = frames[k] if seq <= FULL_FIRST or seq % full_every == 0 else slims[k]
                         pack_into(">I", frame, seq_at, seq)
                         pack_into(">d", frame, sent_at, wall)
@@ -683,7 +683,7 @@ class Run:
 
     async def start_nats(self) -> list[NatsServer]:
         """One nats-server, or a JetStream cluster of ``servers`` started as `revenant up --nats-servers`
-        starts it (common/natsserver.py), ready once its metadata leader is elected."""
+        starts it (common/messaging/natsserver.py), ready once its metadata leader is elected."""
         if self.servers == 1:
             return [start_nats_server(self.tmp / "nats", log_file=self.tmp / "nats.log")]
         servers = start_nats_cluster(self.tmp / "nats", self.servers, log_dir=self.tmp)

@@ -70,7 +70,7 @@ from pathlib import Path
 
 import psutil
 
-from revenant.agent.launcher import INIT_NAME
+from revenant.agent.running.launcher import INIT_NAME
 
 from checkpoint import _fs, _table, foreign_criu, sweep  # bench/: this script's own directory
 

@@ -1,7 +1,7 @@
 """The working directory's snapshot alone, without criu: how long the part inside the freeze
 (``Taker.take``) and the part after the job resumes (``finish``: the gated copies, packing, links)
 take, and what each epoch adds, for --files files of --file-kib KiB with 1 % of their 4 KiB
-blocks rewritten at random before each epoch (agent/workdir.py, agent/workdir_packs.py).
+blocks rewritten at random before each epoch (agent/files/workdir.py, agent/files/workdir_packs.py).
 
     .venv/bin/python bench/workdir_take.py                  # 10,000 files of 104 KiB (1 GiB), 6 epochs
     .venv/bin/python bench/workdir_take.py --files 1000     # a quick look
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent import workdir
-from revenant.agent.epochs import LISTING, FileEntry, JobFiles, Manifest
-from revenant.agent.filestep import prepare_workdir
-from revenant.agent.jobfiles import scan_workdir
+from revenant.agent.files import workdir
+from revenant.agent.files.filestep import prepare_workdir
+from revenant.agent.files.jobfiles import scan_workdir
+from revenant.agent.storage.epochs import LISTING, FileEntry, JobFiles, Manifest
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 4096
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file-kib", type=int, default=104)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    p.add_argument("--no-gate", action="store_true", help="copy changed files while frozen (agent/cowgate.py)")
+    p.add_argument("--no-gate", action="store_true", help="copy changed files while frozen (agent/files/cowgate.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.out = args.out or REPO / "bench" / "results" / f"workdir_take{'_nogate' if args.no_gate else ''}.json"

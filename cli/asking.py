@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import pwd
 
-from revenant.common import security
 from revenant.common.errors import RevenantError
+from revenant.common.settings import security
 from revenant.messages import subjects
 
 

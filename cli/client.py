@@ -22,11 +22,12 @@ from revenant.cli import asking
 from revenant.cli.exports import exported_env
 from revenant.cli.jobview import _fmt_bytes, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
-from revenant.common import bus, security
-from revenant.common.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.errors import RemoteError, RevenantError
-from revenant.common.intervals import parse_interval
-from revenant.common.limits import ROOT_USERS, BadRequest, check_submit
+from revenant.common.messaging import bus
+from revenant.common.settings import security
+from revenant.common.settings.cluster import read_cluster, resolve_creds, resolve_nats_url
+from revenant.common.settings.intervals import parse_interval
+from revenant.common.settings.limits import ROOT_USERS, BadRequest, check_submit
 from revenant.messages import (
     FailoverReply,
     FailoverRequest,
@@ -186,7 +187,7 @@ async def coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_
 
 def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequest:
     """The request ``revenant submit`` sends, checked against every limit the coordinator checks
-    (:func:`revenant.common.limits.check_submit`), before anything is sent."""
+    (:func:`revenant.common.settings.limits.check_submit`), before anything is sent."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

@@ -12,8 +12,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from revenant.cli.client import auth, bus_url
 from revenant.cli.jobview import _fmt_bytes, _fmt_time
-from revenant.common import bus
 from revenant.common.errors import BusError, described
+from revenant.common.messaging import bus
 from revenant.messages import AnomalyEvent, EpochEvent, JobEvent, MessageError, NodeEvent, decode, subjects
 
 

@@ -1,12 +1,12 @@
 """What a job's environment is made of at ``revenant submit``: ``--export`` and ``--env``, as
 sbatch has them (docs/cli.md).  Pure: the coordinator checks the result again
-(common/limits.py)."""
+(common/settings/limits.py)."""
 
 from __future__ import annotations
 
 from typing import Mapping
 
-from revenant.common.limits import BadRequest, env_problem
+from revenant.common.settings.limits import BadRequest, env_problem
 
 
 def exported_env(export: str | None, pairs: list[str], environ: Mapping[str, str],

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import msgspec
 
 from revenant.common.gpufit import describe
-from revenant.common.intervals import format_interval
+from revenant.common.settings.intervals import format_interval
 from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord, JobResource
 
 

@@ -18,10 +18,10 @@ import signal
 import sys
 from pathlib import Path
 
-from revenant.common import security
-from revenant.common.cluster import read_cluster
 from revenant.common.errors import ConfigError, RevenantError
-from revenant.common.natsserver import write_server_config
+from revenant.common.messaging.natsserver import write_server_config
+from revenant.common.settings import security
+from revenant.common.settings.cluster import read_cluster
 from revenant.messages import MessageError
 
 FRAGMENT = "authorization.conf"

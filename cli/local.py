@@ -29,8 +29,8 @@ import psutil
 from revenant.cli.processes import (INSECURE_WARNING, check_nats_servers, describe_exit, ours, refuse_running,
                                     start_cluster, stop_processes, tail, wait_gone)
 from revenant.cli.supervise import log_to, supervise_until_stopped
-from revenant.common.cluster import ProcessInfo, cluster_file, read_cluster
 from revenant.common.errors import ClusterNotFound, RevenantError
+from revenant.common.settings.cluster import ProcessInfo, cluster_file, read_cluster
 
 
 def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0,

@@ -10,7 +10,7 @@ import sys
 from typing import Any, NoReturn
 
 from revenant.common.errors import RevenantError
-from revenant.common.limits import MAX_EPOCHS, check_range
+from revenant.common.settings.limits import MAX_EPOCHS, check_range
 from revenant.common.version import version
 from revenant.messages import MessageError
 
@@ -240,9 +240,9 @@ def _job_commands(sub: Any) -> None:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from revenant.agent.agent import Agent
+    from revenant.agent.node.agent import Agent
     from revenant.cli.service import run_service, setup_logging
-    from revenant.common.config import AgentConfig, load_config
+    from revenant.common.settings.config import AgentConfig, load_config
 
     cfg = load_config(AgentConfig, "agent", args.config, {
         "node": args.node, "nats_url": args.nats, "nats_creds": args.creds, "storage": args.storage,
@@ -257,7 +257,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from revenant.cli.service import run_service, setup_logging
-    from revenant.common.config import CoordinatorConfig, load_config
+    from revenant.common.settings.config import CoordinatorConfig, load_config
     from revenant.coordinator.coordinator import Coordinator
 
     cfg = load_config(CoordinatorConfig, "coordinator", args.config, {

@@ -17,10 +17,11 @@ from urllib.parse import urlsplit
 import psutil
 
 from revenant.cli.client import request_nodes
-from revenant.common import bus, security
-from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
 from revenant.common.errors import ClusterNotFound, RevenantError
-from revenant.common.natsserver import pin_option, start_local_nats, write_server_config
+from revenant.common.messaging import bus
+from revenant.common.messaging.natsserver import pin_option, start_local_nats, write_server_config
+from revenant.common.settings import security
+from revenant.common.settings.cluster import ClusterFile, ProcessInfo, cluster_file, read_cluster, write_cluster
 from revenant.messages import NodesReply
 
 # The coordinator first: the agents' drains leave their evicted jobs in the event stream,

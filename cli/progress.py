@@ -93,7 +93,7 @@ class ProgressLine:
             self.shown = False
 
 
-# --stats: criu's statistics (agent/criustats.py names) in the order a person reads them.
+# --stats: criu's statistics (agent/pipeline/criustats.py names) in the order a person reads them.
 STATS_ROWS = (
     ("freezing_time_s", "freezing time"), ("frozen_time_s", "frozen time"),
     ("memory_dump_time_s", "memory dump time"), ("memory_write_time_s", "memory write time"),

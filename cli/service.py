@@ -8,8 +8,8 @@ import signal
 import sys
 import uvloop
 
-from revenant.common import gcpause
-from revenant.common.service import Service
+from revenant.common.serving import gcpause
+from revenant.common.serving.service import Service
 
 
 def setup_logging(role: str, name: str = "", level: str = "INFO") -> None:

@@ -50,8 +50,8 @@ from urllib.parse import urlsplit
 
 from revenant.cli.processes import (INSECURE_WARNING, STOP_ORDER, check_nats_servers, describe_exit, nodes,
                                     refuse_running, spawn, start_cluster, stop_processes)
-from revenant.common.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
 from revenant.common.errors import RevenantError
+from revenant.common.settings.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
 from revenant.messages import MessageError
 
 log = logging.getLogger(__name__)

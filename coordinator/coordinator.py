@@ -18,30 +18,32 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from revenant.common import bus, gcpause, security
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, RevenantError, described
-from revenant.common.events import EventPublisher
-from revenant.common.httpserver import HttpServer
-from revenant.common.kv import raise_replicas
-from revenant.common.metrics import CoordinatorMetrics, health_routes
-from revenant.common.loopmonitor import LoopMonitor
-from revenant.common.rawsub import RawSubscriber, plain_urls, starting_with
-from revenant.coordinator.detector import FailureDetector, Transition
-from revenant.coordinator.failover import Failover
-from revenant.coordinator.heartbeats import ClientSubscription, HeartbeatIntake, TransitionLog, ask_full_heartbeats
-from revenant.common.service import Service
-from revenant.coordinator.agents import AgentClient, check_may_act
-from revenant.coordinator.archive import Archiver
-from revenant.coordinator.job_events import EPOCHS_CONSUMER, JobEventConsumer
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.leader import Leadership, Term
-from revenant.coordinator.paging import fitting
-from revenant.coordinator.periodic import PeriodicCheckpoints
-from revenant.coordinator.sick import ProactiveMoves
-from revenant.coordinator.requests import USER_VERBS, ClientRequests, check_admin, requester_of
-from revenant.coordinator.store import KvJobStore
-from revenant.coordinator.takeover import take_over
+from revenant.common.messaging import bus
+from revenant.common.messaging.events import EventPublisher
+from revenant.common.messaging.kv import raise_replicas
+from revenant.common.messaging.rawsub import RawSubscriber, plain_urls, starting_with
+from revenant.common.serving import gcpause
+from revenant.common.serving.httpserver import HttpServer
+from revenant.common.serving.loopmonitor import LoopMonitor
+from revenant.common.serving.metrics import CoordinatorMetrics, health_routes
+from revenant.common.serving.service import Service
+from revenant.common.settings import security
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.nodes.detector import FailureDetector, Transition
+from revenant.coordinator.nodes.heartbeats import ClientSubscription, HeartbeatIntake, TransitionLog, ask_full_heartbeats
+from revenant.coordinator.nodes.leader import Leadership, Term
+from revenant.coordinator.recovery.failover import Failover
+from revenant.coordinator.recovery.sick import ProactiveMoves
+from revenant.coordinator.recovery.takeover import take_over
+from revenant.coordinator.table.agents import AgentClient, check_may_act
+from revenant.coordinator.table.archive import Archiver
+from revenant.coordinator.table.job_events import EPOCHS_CONSUMER, JobEventConsumer
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.paging import fitting
+from revenant.coordinator.table.periodic import PeriodicCheckpoints
+from revenant.coordinator.table.requests import USER_VERBS, ClientRequests, check_admin, requester_of
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages import (ClusterEvent, FailoverRequest, HealthSummary, Message, MessageError, NodeEvent,
                                NodesReply, NodesRequest, Probe, ProbeReply, ReconcileRequest, decode_as, subjects)
 
@@ -51,7 +53,7 @@ MAX_PROBES_IN_FLIGHT = 512
 # Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
 NODES_PAGE_MAX = 300
 # Requests the leader answers on revenant.coord.<verb> (admin's), and on revenant.user.*.<verb>
-# (users', coordinator/requests.py) all of them but reconcile, which is the agents'.
+# (users', coordinator/table/requests.py) all of them but reconcile, which is the agents'.
 REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile",
                  "check")
 
@@ -84,7 +86,7 @@ class Coordinator(Service):
         self.step_downs = 0
         self._storm_dirty = False
         self._reconnected = False
-        # Heartbeats come on a connection of their own, straight to the detector (coordinator/heartbeats.py).
+        # Heartbeats come on a connection of their own, straight to the detector (coordinator/nodes/heartbeats.py).
         self._intake = HeartbeatIntake(self.detector, clock, self._emit)
         self._transition_log = TransitionLog(clock)
         self._hb_sub: RawSubscriber | ClientSubscription | None = None
@@ -267,7 +269,7 @@ class Coordinator(Service):
     def _deposed(self) -> None:
         """The leader lease is lost: every leader-only part stops at once (requests, job events,
         checkpoints, failovers, the take-over), the node table stays warm, and the leadership
-        campaigns again (coordinator/leader.py).  A new term reloads the job table."""
+        campaigns again (coordinator/nodes/leader.py).  A new term reloads the job table."""
         term, self._term = self._term, None
         if term is None:
             return  # not leading: a write conflict noticed after the step-down
@@ -313,7 +315,7 @@ class Coordinator(Service):
         await bus.answer(msg, reply, "nodes request")
 
     async def _on_job_request(self, msg: Msg) -> None:
-        subject = msg.subject  # who asks: admin or the user it names (coordinator/requests.py)
+        subject = msg.subject  # who asks: admin or the user it names (coordinator/table/requests.py)
         bus.answer_in_task(self._requests, msg, lambda verb, data: self._job_request(verb, data, subject),
                            "{verb} request")
 

@@ -9,7 +9,7 @@ import msgspec
 
 HealthState = Literal["GREEN", "YELLOW", "RED"]
 JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
-# restore_completed: every page of a lazily restored job is in (agent/lazy.py).
+# restore_completed: every page of a lazily restored job is in (agent/lazyrestore/lazy.py).
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
                        "requeued", "failed", "evicted", "restore_completed", "migrated", "migration_failed",
                        "migration_skipped", "not_checkpointable"]
@@ -38,7 +38,7 @@ class CriuInfo(_Body):
     # `criu check` failed or criu is missing: criu's own last error line.
     error: str | None = None
     # `criu check --feature NAME` results, e.g. {"mem_dirty_track": False}, and the socket probe's
-    # (agent/netprobe.py): inet_sockets, tcp_established, ext_unix_sk.
+    # (agent/network/netprobe.py): inet_sockets, tcp_established, ext_unix_sk.
     features: dict[str, bool] = {}
     # The socket probe failed: why (criu's line), or None.  Jobs with sockets cannot be checkpointed.
     network_error: str | None = None
@@ -285,7 +285,7 @@ class JobRecord(_Body):
     # The address of that node as its agent advertises it (Capabilities.address): filled in by
     # the leader when it shows the record; clients reach the job's listening ports there.
     address: str = ""
-    # What in the job blocks its checkpoints (the latest refusal's line, agent/blockers.py and the
+    # What in the job blocks its checkpoints (the latest refusal's line, agent/pipeline/blockers.py and the
     # like); "" once one commits.  Its first refusal is published as a not_checkpointable event.
     blocking: str = ""
     pid: int = 0

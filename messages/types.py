@@ -308,7 +308,7 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     # Fresh infos of every epoch the job keeps, oldest first: when not empty, the job table's
     # listing is replaced by them (own bytes change as older epochs become deltas).
     epochs: list[EpochInfo] = []
-    # criu's own statistics of this dump or restore (agent/criustats.py: times in seconds, pages
+    # criu's own statistics of this dump or restore (agent/pipeline/criustats.py: times in seconds, pages
     # counted); {}: none reported.
     stats: dict[str, float] = {}
     # check: what the job holds, each with what a checkpoint or a move does to it.

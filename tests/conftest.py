@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from revenant.common.natsserver import start_nats_server
+from revenant.common.messaging.natsserver import start_nats_server
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -106,11 +106,11 @@ async def supervisors(tmp_path):
     ``kw``: the Supervisor's (scratch, allow_root_jobs), the job-files step's (max_bytes,
     max_entries, timeout_s, workdir_max_bytes) or the Engine's (staging, ...).  No agent renews a lease: a long switch timeout keeps the dead
     man's switch quiet.  Every job they started is killed at the end."""
-    from revenant.agent import procs
-    from revenant.agent.criu import locate_criu
-    from revenant.agent.engine import Engine
-    from revenant.agent.filestep import JobFilesStep
-    from revenant.agent.jobs import Supervisor
+    from revenant.agent.processes import procs
+    from revenant.agent.pipeline.criu import locate_criu
+    from revenant.agent.checkpointing.engine import Engine
+    from revenant.agent.files.filestep import JobFilesStep
+    from revenant.agent.running.jobs import Supervisor
 
     procs.become_subreaper()
     made = []
@@ -269,11 +269,11 @@ def _missing(tool: str) -> str | None:
     if tool not in cache:
         try:
             if tool == "nats-server":
-                from revenant.common.natsserver import find_nats_server
+                from revenant.common.messaging.natsserver import find_nats_server
 
                 find_nats_server()
             else:
-                from revenant.agent.criu import locate_criu
+                from revenant.agent.pipeline.criu import locate_criu
 
                 locate_criu()
             cache[tool] = None
@@ -301,7 +301,7 @@ def pytest_runtest_setup(item):
 
 
 # criu's nftables lock tables (``inet CRIU-<run id>``) that the run leaves behind are named at its
-# end: one left behind black-holes the connections it lists (agent/netlock.py removes every one
+# end: one left behind black-holes the connections it lists (agent/network/netlock.py removes every one
 # it knows of; an agent SIGKILLed while it holds one leaves it).
 _CRIU_TABLES: set[str] = set()
 

@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 
-from revenant.common.config import AgentConfig
+from revenant.common.settings.config import AgentConfig
 
 
 @contextlib.asynccontextmanager

@@ -22,8 +22,9 @@ import nats.errors
 import psutil
 
 from conftest import COUNTER, Cluster, revenant_cli, wait_until
-from revenant.common import bus, security
 from revenant.common.errors import BusError
+from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.messages import JobRecord, subjects
 
 T = TypeVar("T")

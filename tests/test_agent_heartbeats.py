@@ -9,8 +9,8 @@ import nats
 import pytest
 
 from helpers import agent_config, running
-from revenant.agent.agent import Agent
-from revenant.agent.liveness import FULL_FIRST
+from revenant.agent.node.agent import Agent
+from revenant.agent.node.liveness import FULL_FIRST
 from revenant.messages import Heartbeat, HeartbeatRequest, decode_as, encode, subjects
 
 pytestmark = pytest.mark.nats

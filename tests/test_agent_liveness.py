@@ -9,9 +9,9 @@ import nats
 import pytest
 
 from helpers import _states, agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders, RemoteError
+from revenant.common.messaging import bus
 from revenant.messages import Heartbeat, NodesReply, NodesRequest, decode, decode_as, subjects
 
 pytestmark = pytest.mark.cluster

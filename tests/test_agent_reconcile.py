@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from helpers import agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders
+from revenant.common.messaging import bus
 from revenant.messages import (
     AgentJobReply,
     JobEvent,
@@ -78,13 +78,13 @@ async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_p
 
 
 async def test_without_a_leader_reconcile_leaves_the_jobs_alone(nats_url, tmp_path, caplog, monkeypatch):
-    from revenant.agent import reconcile
+    from revenant.agent.node import reconcile
 
     monkeypatch.setattr(reconcile, "RECONCILE_RETRY_FOR_S", 1.5)  # asks again for 60 s by default
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
         await _start(nc, "1", 1)
-        with caplog.at_level(logging.WARNING, logger="revenant.agent.reconcile"):
+        with caplog.at_level(logging.WARNING, logger="revenant.agent.node.reconcile"):
             await agent.reconcile()
         assert any("cannot reconcile" in r.getMessage() for r in caplog.records)
         assert "1" in agent.supervisor.jobs

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from helpers import agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders
+from revenant.common.messaging import bus
 from revenant.messages import ErrorReply, Probe, ProbeReply, decode, subjects
 
 pytestmark = pytest.mark.nats

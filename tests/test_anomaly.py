@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from revenant.agent.anomaly import Anomaly, AnomalyDetector
+from revenant.agent.node.anomaly import Anomaly, AnomalyDetector
 
 pytestmark = pytest.mark.unit
 

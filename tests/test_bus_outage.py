@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER, Cluster, counter_reference, revenant_cli, running, wait_until
-from revenant.common.natsserver import start_nats_server
+from revenant.common.messaging.natsserver import start_nats_server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER, counter_reference, wait_until
-from revenant.agent.epochs import JobFiles
+from revenant.agent.storage.epochs import JobFiles
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 

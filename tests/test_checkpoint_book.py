@@ -1,12 +1,12 @@
-"""Checkpoint bookkeeping (agent/checkpoints.py): epoch events, the failure count the health
+"""Checkpoint bookkeeping (agent/checkpointing/checkpoints.py): epoch events, the failure count the health
 rules read, and retention after a commit; epochs faked on local disk, the clock fixed."""
 
 from __future__ import annotations
 
 import pytest
 
-from revenant.agent.checkpoints import CheckpointBook
-from revenant.agent.epochs import MANIFEST, JobFiles, Manifest
+from revenant.agent.checkpointing.checkpoints import CheckpointBook
+from revenant.agent.storage.epochs import MANIFEST, JobFiles, Manifest
 from revenant.common.errors import CriuError
 from revenant.messages import subjects
 

@@ -11,12 +11,12 @@ import pytest
 from helpers import HeldLease
 
 from revenant.cli.jobview import _print_job, job_view, policy_line
-from revenant.common.config import CheckpointConfig, CoordinatorConfig
 from revenant.common.errors import CheckpointSkipped, RemoteError, RevenantError
-from revenant.common.limits import BadRequest, check_submit
-from revenant.coordinator import lifecycle as lc
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.store import MemoryJobStore
+from revenant.common.settings.config import CheckpointConfig, CoordinatorConfig
+from revenant.common.settings.limits import BadRequest, check_submit
+from revenant.coordinator.table import lifecycle as lc
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.store import MemoryJobStore
 from revenant.messages import (
     AgentJobReply,
     Capabilities,

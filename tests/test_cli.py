@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import VENV_BIN, revenant_cli, wait_until
-from revenant.common.natsserver import start_nats_server
+from revenant.common.messaging.natsserver import start_nats_server
 
 pytestmark = pytest.mark.cluster
 

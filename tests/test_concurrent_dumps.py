@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from conftest import COUNTER
-from revenant.agent.criu import PARASITE_PROC_DIR
-from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
+from revenant.agent.pipeline.criu import PARASITE_PROC_DIR
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError
 from revenant.messages import JobSpec
 
@@ -35,7 +35,7 @@ JOBS = 4
 def sup(supervisors):
     """Jobs without a mount namespace of their own (no private scratch): they see the host's /proc,
     the case where criu's parasite mounts a proc of its own at ``proc.crtools`` (a job with a mount
-    namespace gets a /proc of its own, agent/launcher.py)."""
+    namespace gets a /proc of its own, agent/running/launcher.py)."""
     return supervisors("n1", concurrency=JOBS, scratch={})  # every dump of a round at once
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from revenant.common.config import GUIDE_NAMES, AgentConfig, CheckpointConfig, CoordinatorConfig, load_config
 from revenant.common.errors import ConfigError
-from revenant.common.limits import POLICY_RANGES
+from revenant.common.settings.config import GUIDE_NAMES, AgentConfig, CheckpointConfig, CoordinatorConfig, load_config
+from revenant.common.settings.limits import POLICY_RANGES
 from revenant.messages import CheckpointPolicy, SubmitRequest
 
 pytestmark = pytest.mark.unit

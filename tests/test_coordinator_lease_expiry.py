@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.messages import subjects
 
 pytestmark = pytest.mark.nats
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.nats
 async def test_lease_expiry_is_read_from_the_store_only_when_needed(nats_url):
     import msgspec
 
-    from revenant.common.kv import open_bucket
+    from revenant.common.messaging.kv import open_bucket
     from revenant.messages import LeaseValue
-    from revenant.coordinator.failover import Failover
+    from revenant.coordinator.recovery.failover import Failover
 
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     js = nc.jetstream()

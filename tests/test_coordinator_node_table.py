@@ -7,10 +7,10 @@ import msgpack
 import pytest
 
 from helpers import _states, agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders, RemoteError
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
 from revenant.messages import Heartbeat, HeartbeatRequest, NodeEvent, NodesReply, NodesRequest, Probe, decode_as, encode, subjects
 

@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from helpers import running
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import NoResponders, RemoteError
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.store import KvJobStore
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages import JobRecord, JobSpec, LocalJob, ReconcileReply, ReconcileRequest, subjects
 
 pytestmark = pytest.mark.nats

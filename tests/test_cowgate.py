@@ -1,4 +1,4 @@
-"""agent/cowgate.py: files copied as they were when the gate was armed, whoever opens them to
+"""agent/files/cowgate.py: files copied as they were when the gate was armed, whoever opens them to
 write after that (the job, resumed) waiting for their copy.  Real fanotify, as root."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from revenant.agent.cowgate import CowGate
+from revenant.agent.files.cowgate import CowGate
 
 pytestmark = pytest.mark.criu  # needs root and fanotify's permission events, not criu
 
@@ -51,8 +51,8 @@ def test_a_file_truncated_by_path_while_copied_is_reported(tmp_path):
 # ------------------------------------------------------------------ through the workdir's snapshot
 
 def _taken(wd, epoch, held=frozenset()):
-    from revenant.agent import workdir
-    from revenant.agent.jobfiles import scan_workdir
+    from revenant.agent.files import workdir
+    from revenant.agent.files.jobfiles import scan_workdir
     epoch.mkdir(parents=True, exist_ok=True)
     stats = {}
     scan_workdir(str(wd), 1000, stats=stats)
@@ -60,7 +60,7 @@ def _taken(wd, epoch, held=frozenset()):
 
 
 def test_the_workdirs_changed_files_are_copied_after_the_freeze_and_a_writer_waits_for_its_copy(tmp_path):
-    from revenant.agent import workdir
+    from revenant.agent.files import workdir
     assert workdir.gate_unavailable() == ""
     wd = tmp_path / "wd"
     wd.mkdir()
@@ -79,8 +79,8 @@ def test_the_workdirs_changed_files_are_copied_after_the_freeze_and_a_writer_wai
 
 
 def test_a_gated_file_truncated_by_path_fails_the_epoch_and_abandon_lets_opens_through(tmp_path):
-    from revenant.agent import workdir
-    from revenant.agent.epochs import EpochError
+    from revenant.agent.files import workdir
+    from revenant.agent.storage.epochs import EpochError
     wd = tmp_path / "wd"
     wd.mkdir()
     (wd / "a").write_bytes(b"x" * 4096)
@@ -120,11 +120,11 @@ def test_an_agent_killed_with_files_gated_leaves_no_open_waiting(tmp_path):
 
 
 def test_a_packed_files_writer_waits_until_its_pages_as_at_the_epoch_are_in_the_pack(tmp_path):
-    from revenant.agent import workdir
-    from revenant.agent.chain import stream, workdir_recipe
-    from revenant.agent.epochs import JobFiles, Manifest
-    from revenant.agent.filestep import prepare_workdir
-    from revenant.agent.jobfiles import scan_workdir
+    from revenant.agent.files import workdir
+    from revenant.agent.storage.chain import stream, workdir_recipe
+    from revenant.agent.storage.epochs import JobFiles, Manifest
+    from revenant.agent.files.filestep import prepare_workdir
+    from revenant.agent.files.jobfiles import scan_workdir
     wd = tmp_path / "wd"
     wd.mkdir()
     at_epoch = os.urandom(4096) * 64 + os.urandom(100)  # 64 equal pages and a tail

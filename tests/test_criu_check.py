@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from revenant.agent.criu import inspect_criu
+from revenant.agent.pipeline.criu import inspect_criu
 
 pytestmark = pytest.mark.criu
 

@@ -1,4 +1,4 @@
-"""criu's command lines and what it says when it fails (agent/criu.py), pure: no criu is run."""
+"""criu's command lines and what it says when it fails (agent/pipeline/criu.py), pure: no criu is run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent import criu
+from revenant.agent.pipeline import criu
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from revenant.agent.criu import error_line, locate_criu, parse_version
+from revenant.agent.pipeline.criu import error_line, locate_criu, parse_version
 from revenant.common.errors import CriuError
 
 pytestmark = pytest.mark.unit

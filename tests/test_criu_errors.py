@@ -1,11 +1,11 @@
-"""What criu says when it fails (agent/criu.py): the line the user sees, the failed run's log that
+"""What criu says when it fails (agent/pipeline/criu.py): the line the user sees, the failed run's log that
 is kept, and the parasite's leftover proc mountpoint; pure file work, no criu is run."""
 
 from __future__ import annotations
 
 import pytest
 
-from revenant.agent import criu
+from revenant.agent.pipeline import criu
 
 pytestmark = pytest.mark.unit
 

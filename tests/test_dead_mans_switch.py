@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent.epochs import JobFiles
-from revenant.agent.exits import SWITCH_EXIT, JobEnd
-from revenant.agent.jobs import JobRuntime, Launch, Supervisor
-from revenant.agent.launcher import INIT_NAME, INIT_SCRIPT, init_argv, new_stamp, reset_stamp
+from revenant.agent.processes.exits import SWITCH_EXIT, JobEnd
+from revenant.agent.running.jobs import JobRuntime, Launch, Supervisor
+from revenant.agent.running.launcher import INIT_NAME, INIT_SCRIPT, init_argv, new_stamp, reset_stamp
+from revenant.agent.storage.epochs import JobFiles
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.unit
@@ -108,8 +108,8 @@ class Stamps:
 
 
 def test_switches_reset_too_late_are_a_self_fence_even_when_the_lease_was_renewed(tmp_path):
-    from revenant.agent.agent import Agent
-    from revenant.common.config import AgentConfig
+    from revenant.agent.node.agent import Agent
+    from revenant.common.settings.config import AgentConfig
 
     agent = Agent(AgentConfig(node="n1", storage=str(tmp_path), http_port=-1))
     stamps, asked = Stamps(), []

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from revenant.common.config import AgentConfig, CoordinatorConfig, load_config
-from revenant.common.metrics import AgentMetrics, CoordinatorMetrics, health_routes
+from revenant.common.serving.metrics import AgentMetrics, CoordinatorMetrics, health_routes
+from revenant.common.settings.config import AgentConfig, CoordinatorConfig, load_config
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary, NodeEvent, NodeStatus
 
 pytestmark = pytest.mark.unit

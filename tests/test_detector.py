@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from revenant.common.config import CoordinatorConfig
-from revenant.coordinator.detector import FailureDetector, phi
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.nodes.detector import FailureDetector, phi
 from revenant.messages import HealthSummary, Heartbeat
 
 pytestmark = pytest.mark.unit

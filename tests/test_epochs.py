@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch
-from revenant.agent.jobfiles_restore import apply, plan
+from revenant.agent.files.jobfiles_restore import apply, plan
+from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, EpochError, FileEntry, JobFiles, Manifest, NoEpoch
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from revenant.common import bus
-from revenant.common.events import EventPublisher
+from revenant.common.messaging import bus
+from revenant.common.messaging.events import EventPublisher
 from revenant.messages import JobEvent, NodeEvent, subjects
 
 pytestmark = pytest.mark.nats

@@ -1,4 +1,4 @@
-"""The event publisher (common/events.py) against a real nats-server: ordering, stop, and an outage."""
+"""The event publisher (common/messaging/events.py) against a real nats-server: ordering, stop, and an outage."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from revenant.common import bus
+from revenant.common.messaging import bus
 from revenant.messages import NodeEvent, decode_as, subjects
 
 pytestmark = pytest.mark.nats
 
 
 async def test_event_bursts_are_published_in_order_per_subject(nats_url):
-    from revenant.common.events import EventPublisher
+    from revenant.common.messaging.events import EventPublisher
 
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     js = nc.jetstream()
@@ -37,7 +37,7 @@ async def test_event_bursts_are_published_in_order_per_subject(nats_url):
 async def test_a_publisher_on_its_own_connection_keeps_a_burst_off_the_callers(nats_url):
     """The coordinator's publisher: 20,000 joins go out on its connection, none on the caller's
     (whose leader-lease renewals must not wait behind them), and it closes that one at stop."""
-    from revenant.common.events import EventPublisher
+    from revenant.common.messaging.events import EventPublisher
 
     nc = await bus.connect(nats_url, "caller", endless_reconnect=False)
     js = nc.jetstream()
@@ -70,7 +70,7 @@ async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url)
     event, and could leave a worker that never ended)."""
     import time
 
-    from revenant.common.events import EventPublisher
+    from revenant.common.messaging.events import EventPublisher
 
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     js = nc.jetstream()
@@ -90,8 +90,8 @@ async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url)
 
 async def test_events_emitted_while_nats_is_down_are_published_once_it_is_back(tmp_path):
     """A self-fence happens exactly when NATS is out of reach: its reports must wait, not drop."""
-    from revenant.common.events import EventPublisher
-    from revenant.common.natsserver import start_nats_server
+    from revenant.common.messaging.events import EventPublisher
+    from revenant.common.messaging.natsserver import start_nats_server
 
     server = start_nats_server(tmp_path / "nats")
     port = int(server.url.rsplit(":", 1)[1])

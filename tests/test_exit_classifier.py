@@ -1,10 +1,10 @@
-"""Which job event a job's end becomes (agent/exits.py), pure, on a fake clock."""
+"""Which job event a job's end becomes (agent/processes/exits.py), pure, on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from revenant.agent.exits import SWITCH_EXIT, SWITCH_FIRED, ExitClassifier, ExitVerdict, JobEnd, classify_exit
+from revenant.agent.processes.exits import SWITCH_EXIT, SWITCH_FIRED, ExitClassifier, ExitVerdict, JobEnd, classify_exit
 
 pytestmark = pytest.mark.unit
 

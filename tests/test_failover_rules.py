@@ -2,9 +2,9 @@
 
 import pytest
 
-from revenant.agent.lease import FenceClock
-from revenant.coordinator.lifecycle import takeover_plan
-from revenant.coordinator.failover import LeaseState, StormGuard, TokenBucket
+from revenant.agent.node.lease import FenceClock
+from revenant.coordinator.recovery.failover import LeaseState, StormGuard, TokenBucket
+from revenant.coordinator.table.lifecycle import takeover_plan
 from revenant.messages import JobRecord, JobSpec, NodeStatus
 
 pytestmark = pytest.mark.unit
@@ -108,7 +108,7 @@ async def test_a_renewal_that_comes_back_past_the_fence_deadline_is_a_fence():
     leader's word thaws them (else a job stays stopped for ever with its node healthy)."""
     import asyncio
 
-    from revenant.agent.lease import LeaseKeeper
+    from revenant.agent.node.lease import LeaseKeeper
 
     now = [100.0]
     said: list = []
@@ -146,8 +146,8 @@ from helpers import examples  # noqa: E402
 def test_the_storm_counted_from_the_detectors_counts_is_the_storm_of_the_walk(states, data):
     """What a tick checks (the detector's counts and the pending nodes' states) decides as the walk
     of every node did, whatever the states and whichever failovers are pending."""
-    from revenant.common.config import CoordinatorConfig
-    from revenant.coordinator.failover import Failover
+    from revenant.common.settings.config import CoordinatorConfig
+    from revenant.coordinator.recovery.failover import Failover
 
     cluster = nodes(states)
     pending = data.draw(st.sets(st.sampled_from([n.name for n in cluster] + ["gone"])) if cluster else st.just(set()))

@@ -270,7 +270,7 @@ def _state_or_none(gpu: FakeGpu, pid: int) -> str | None:
 
 MONITOR = """
 import json
-from revenant.agent.gpu import GpuMonitor, discover_gpus
+from revenant.agent.gpus.gpu import GpuMonitor, discover_gpus
 kind, gpus = discover_gpus()
 m = GpuMonitor()
 m.start()
@@ -305,7 +305,7 @@ def test_gpu_monitor_reads_the_fake_nvml(gpu, apps):
 
 def test_without_a_state_dir_nvml_and_the_app_say_no_gpu(gpu, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REVENANT_FAKEGPU_DIR"}
-    code = "from revenant.agent.gpu import discover_gpus; print(discover_gpus()[0])"
+    code = "from revenant.agent.gpus.gpu import discover_gpus; print(discover_gpus()[0])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**env, "LD_LIBRARY_PATH": str(gpu.libdir)})
     assert out.stdout.strip() == "none"

@@ -1,4 +1,4 @@
-"""What the agent does with a lazily restored job once its fetch ends (agent/fetches.py), against
+"""What the agent does with a lazily restored job once its fetch ends (agent/lazyrestore/fetches.py), against
 stand-ins for the supervisor and the fetch: the verdicts, the held-back exit, the marks it leaves."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from revenant.agent import fetches, lazy
-from revenant.agent.epochs import JobFiles
-from revenant.agent.lazy import LazyResult
+from revenant.agent.lazyrestore import fetches, lazy
+from revenant.agent.lazyrestore.lazy import LazyResult
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import JobNotRunning
 
 pytestmark = pytest.mark.unit

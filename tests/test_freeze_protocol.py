@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from helpers import examples
 
-from revenant.coordinator import lifecycle as lc
+from revenant.coordinator.table import lifecycle as lc
 from revenant.messages import EpochInfo, JobRecord, JobSpec
 
 pytestmark = pytest.mark.unit

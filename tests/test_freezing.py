@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from conftest import COUNTER, running
-from revenant.agent import procs
-from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
+from revenant.agent.processes import procs
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 

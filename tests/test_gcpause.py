@@ -1,4 +1,4 @@
-"""Full garbage collections in a long-running service (common/gcpause.py): what survives one is
+"""Full garbage collections in a long-running service (common/serving/gcpause.py): what survives one is
 frozen, so that the next walks only what is new; once every rewalk period everything is walked
 again; a long pause is logged."""
 
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from revenant.common import gcpause
+from revenant.common.serving import gcpause
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_survivors_of_a_full_collection_are_frozen_until_the_rewalk(watched):
 def test_without_freezing_collections_are_only_watched(watched, caplog, monkeypatch):
     monkeypatch.setattr(gcpause, "LONG_PAUSE_S", 0.0)  # every collection is "long"
     gcpause.install(freeze=False, clock=watched)
-    with caplog.at_level(logging.WARNING, logger="revenant.common.gcpause"):
+    with caplog.at_level(logging.WARNING, logger="revenant.common.serving.gcpause"):
         gc.collect()
     assert gc.get_freeze_count() == 0
     assert "a full garbage collection paused this process" in caplog.text
@@ -61,7 +61,7 @@ def test_a_service_that_chooses_the_rewalk_gets_it_only_when_it_asks(watched, ca
     watched.now = 61.0
     gc.collect()  # due, but a collection no longer releases what is frozen
     assert gc.get_freeze_count() >= len(survivors)
-    with caplog.at_level(logging.INFO, logger="revenant.common.gcpause"):
+    with caplog.at_level(logging.INFO, logger="revenant.common.serving.gcpause"):
         assert gcpause.rewalk_if_due() == 0.0  # walked everything now (the clock is the test's)
     assert "walked every object for garbage cycles (every 60 s)" in caplog.text
     assert gc.get_freeze_count() >= len(survivors)  # and froze the survivors again

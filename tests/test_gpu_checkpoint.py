@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from fakegpu import build, counter_request, free_port
-from revenant.agent import cuda
-from revenant.agent.epochs import JobFiles
-from revenant.agent.gpu import CudaProcess, GpuScan
-from revenant.agent.gpustep import GpuStep
+from revenant.agent.gpus import cuda
+from revenant.agent.gpus.gpu import CudaProcess, GpuScan
+from revenant.agent.gpus.gpustep import GpuStep
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import Capabilities, EpochEvent, GpuInfo, JobEvent, JobSpec
 

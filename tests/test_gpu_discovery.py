@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from revenant.agent.gpu import discover_gpus
+from revenant.agent.gpus.gpu import discover_gpus
 
 pytestmark = pytest.mark.unit
 

@@ -15,9 +15,9 @@ import types
 
 import pytest
 
-from revenant.agent.gpu import APPLICATION_XIDS, GpuMonitor, classify_gpu, classify_xid
-from revenant.agent.health import HealthSample, evaluate
-from revenant.common.thresholds import GpuThresholds, HealthThresholds
+from revenant.agent.gpus.gpu import APPLICATION_XIDS, GpuMonitor, classify_gpu, classify_xid
+from revenant.agent.node.health import HealthSample, evaluate
+from revenant.common.settings.thresholds import GpuThresholds, HealthThresholds
 from revenant.messages import GpuHealth
 
 pytestmark = pytest.mark.unit

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent.cuda import CHECKPOINTED, FAILED, LOCKED, RUNNING, CudaError
-from revenant.agent.epochs import EpochError, JobFiles, Manifest
-from revenant.agent.gpu import CudaProcess, GpuScan
-from revenant.agent.blockers import NotCheckpointable
-from revenant.agent.gpustep import GpuStep, device_mappers, unsupported
-from revenant.agent.steps import DumpContext, RestoreContext
+from revenant.agent.gpus.cuda import CHECKPOINTED, FAILED, LOCKED, RUNNING, CudaError
+from revenant.agent.gpus.gpu import CudaProcess, GpuScan
+from revenant.agent.gpus.gpustep import GpuStep, device_mappers, unsupported
+from revenant.agent.pipeline.blockers import NotCheckpointable
+from revenant.agent.pipeline.steps import DumpContext, RestoreContext
+from revenant.agent.storage.epochs import EpochError, JobFiles, Manifest
 from revenant.messages import Capabilities, GpuInfo, JobGpu
 
 pytestmark = pytest.mark.unit

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from helpers import examples
 
-from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
-from revenant.common import bus
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles
+from revenant.common.messaging import bus
 from revenant.messages import MessageError, PurgeJob, decode, decode_as, encode, subjects
 from revenant.messages.codec import MAX_MESSAGE_BYTES
 from revenant.messages.errors import OversizedMessage
@@ -141,7 +141,7 @@ async def test_the_event_stream_refuses_junk_bigger_than_an_event(nats_url):
 async def test_an_older_event_stream_gets_the_message_size_limit(tmp_path):
     from nats.js.api import StreamConfig
 
-    from revenant.common.natsserver import start_nats_server
+    from revenant.common.messaging.natsserver import start_nats_server
 
     server = start_nats_server(tmp_path / "nats")
     nc = await bus.connect(server.url, "test", endless_reconnect=False)
@@ -169,7 +169,7 @@ def test_epochs_the_jobs_user_could_have_planted_are_never_written_or_restored(t
     """The job's directory may belong to the job's user, who could replace epochs/ inside it."""
     import os
 
-    from revenant.agent.epochs import EpochError
+    from revenant.agent.storage.epochs import EpochError
 
     files = JobFiles(tmp_path / "storage", "1")
     files.dir.mkdir(parents=True)

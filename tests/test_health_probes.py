@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from revenant.agent.health import HealthSample, evaluate, probe_values
-from revenant.common.loopmonitor import LoopMonitor
-from revenant.common.thresholds import GpuThresholds, HealthThresholds
+from revenant.agent.node.health import HealthSample, evaluate, probe_values
+from revenant.common.serving.loopmonitor import LoopMonitor
+from revenant.common.settings.thresholds import GpuThresholds, HealthThresholds
 from revenant.messages import GpuHealth, GpuProcess, HealthSummary
 
 pytestmark = pytest.mark.unit

@@ -1,5 +1,5 @@
-"""Slim heartbeats: which ones an agent sends in full (agent/liveness.py FullBeats), and the
-coordinator's intake (coordinator/heartbeats.py) keeping a node's health and capabilities
+"""Slim heartbeats: which ones an agent sends in full (agent/node/liveness.py FullBeats), and the
+coordinator's intake (coordinator/nodes/heartbeats.py) keeping a node's health and capabilities
 across the slim ones, decoding capabilities only when their bytes change."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from revenant.agent.liveness import FULL_FIRST, FullBeats
-from revenant.common.config import CoordinatorConfig
-from revenant.coordinator.detector import FailureDetector
-from revenant.coordinator.heartbeats import HeartbeatIntake
+from revenant.agent.node.liveness import FULL_FIRST, FullBeats
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.nodes.detector import FailureDetector
+from revenant.coordinator.nodes.heartbeats import HeartbeatIntake
 from revenant.messages import (Capabilities, CriuInfo, HealthFinding, HealthSummary, Heartbeat, HeartbeatV1,
                                encode, subjects)
 

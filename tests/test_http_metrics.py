@@ -9,8 +9,8 @@ import socket
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from revenant.common.httpserver import HttpServer, HttpServerError, parse_request_line
-from revenant.common.metrics import (
+from revenant.common.serving.httpserver import HttpServer, HttpServerError, parse_request_line
+from revenant.common.serving.metrics import (
     CONTENT_TYPE,
     AgentMetrics,
     CoordinatorMetrics,
@@ -360,7 +360,7 @@ def test_each_instance_has_its_own_registry():
 
 
 def test_nodes_by_health_and_per_node_series_that_can_be_turned_off():
-    from revenant.common.metrics import CoordinatorMetrics
+    from revenant.common.serving.metrics import CoordinatorMetrics
 
     m = CoordinatorMetrics()
     nodes = [NodeStatus(name="a", state="alive", health="GREEN"), NodeStatus(name="b", state="suspect", health="RED"),

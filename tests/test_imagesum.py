@@ -1,5 +1,5 @@
-"""CRC-32s taken while criu writes (agent/imagesum.py) and one syncfs for a whole epoch
-(agent/fileio.py): the same checksums as reading every file after the dump, never a stale one."""
+"""CRC-32s taken while criu writes (agent/storage/imagesum.py) and one syncfs for a whole epoch
+(agent/storage/fileio.py): the same checksums as reading every file after the dump, never a stale one."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import COUNTER
-from revenant.agent import imagesum
-from revenant.agent.epochs import JobFiles, Manifest
-from revenant.agent.fileio import SYNCFS_FILESYSTEMS, Durable, fs_magic, kernel_at_least
-from revenant.agent.imagesum import Follower, checksums, crc32_combine, crc32_file, seal
+from revenant.agent.storage import imagesum
+from revenant.agent.storage.epochs import JobFiles, Manifest
+from revenant.agent.storage.fileio import SYNCFS_FILESYSTEMS, Durable, fs_magic, kernel_at_least
+from revenant.agent.storage.imagesum import Follower, checksums, crc32_combine, crc32_file, seal
 from revenant.messages import JobSpec
 
 MiB = 1 << 20
@@ -157,7 +157,7 @@ def test_durable_is_one_syncfs_only_where_that_is_as_strong_as_fsyncs(tmp_path):
 @pytest.mark.unit
 @pytest.mark.parametrize("kernel", [None, "5.4.0"])
 def test_seal_and_commit_use_the_followers_checksums(tmp_path, caplog, kernel):
-    caplog.set_level(logging.INFO, logger="revenant.agent.imagesum")
+    caplog.set_level(logging.INFO, logger="revenant.agent.storage.imagesum")
     files = JobFiles(tmp_path / "storage", "7")
     tmp = files.new_tmp("n1")
     with Durable(tmp, kernel=kernel) as durable:
@@ -201,7 +201,7 @@ async def test_real_dumps_commit_checksums_that_verify(tmp_path, supervisors, mo
     """criu's page images, followed as it wrote them, verify when read again whole: directly on the
     storage (writeback; and reading during the dump too, as on a machine with more CPUs) and through
     node-local staging."""
-    caplog.set_level(logging.INFO, logger="revenant.agent.imagesum")
+    caplog.set_level(logging.INFO, logger="revenant.agent.storage.imagesum")
     if mode == "read-during-too":
         monkeypatch.setattr(imagesum, "FOLLOW_MIN_CPUS", 1)
     sup = supervisors(staging=tmp_path / "staging" if mode == "staging" else None)

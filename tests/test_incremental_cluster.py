@@ -121,7 +121,7 @@ def stored(cluster, job: str, n: int) -> str:
 
 
 def files_of(cluster, job: str):
-    from revenant.agent.epochs import JobFiles
+    from revenant.agent.storage.epochs import JobFiles
 
     return JobFiles(cluster.storage, job)
 
@@ -193,7 +193,7 @@ def test_an_older_incremental_epoch_restores_exactly_then_the_newest(make_cluste
 
 def pages_needed(cluster, job: str, n: int) -> set[tuple[str, int]]:
     """(pack, page) of every page converted epoch ``n`` reads (from its recipes)."""
-    from revenant.agent.chain import read_recipe, runs_of
+    from revenant.agent.storage.chain import read_recipe, runs_of
 
     files = files_of(cluster, job)
     m = files.read_manifest(n)

@@ -11,14 +11,14 @@ import pytest
 
 from conftest import revenant_cli
 from helpers import HeldLease, agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import UnknownJob
-from revenant.coordinator.archive import Archiver, due_for_archive, is_due, pass_interval_s
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.store import KvJobStore, MemoryJobStore, WriteConflict
+from revenant.coordinator.table.archive import Archiver, due_for_archive, is_due, pass_interval_s
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.store import KvJobStore, MemoryJobStore, WriteConflict
 from revenant.messages import AgentJobReply, JobRecord, JobSpec, NodeStatus
 
 DAY = 86400.0

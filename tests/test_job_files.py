@@ -15,9 +15,9 @@ import pytest
 
 from helpers import until
 from conftest import REPO
-from revenant.agent.epochs import JobFiles, NoEpoch
-from revenant.agent.jobs import Supervisor
-from revenant.agent.procs import signal_tree
+from revenant.agent.processes.procs import signal_tree
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles, NoEpoch
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.criu

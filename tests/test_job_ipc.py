@@ -1,4 +1,4 @@
-"""Each job's own IPC namespace (agent/launcher.py: ``unshare --ipc``): a job that holds System V
+"""Each job's own IPC namespace (agent/running/launcher.py: ``unshare --ipc``): a job that holds System V
 IPC objects (tests/jobs/sysv_shm.py: a shared-memory segment and a semaphore set) is checkpointed
 and restored with them, and the host never sees them.  While jobs shared the host's IPC namespace,
 criu refused such a job ("SysVIPC shmem map ... doesn't live in IPC ns").
@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, wait_until
 from helpers import until
 
-from revenant.agent.epochs import JobFiles
+from revenant.agent.storage.epochs import JobFiles
 from revenant.messages import JobSpec
 
 SYSV_JOB = REPO / "tests" / "jobs" / "sysv_shm.py"

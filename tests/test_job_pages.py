@@ -12,11 +12,11 @@ import pytest
 
 from conftest import revenant_cli
 from helpers import running
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.paging import JOBS_PAGE_MAX, PAGE_BYTES, JobPages, fitting, job_sort_key, shown
-from revenant.coordinator.store import KvJobStore
+from revenant.coordinator.table.paging import JOBS_PAGE_MAX, PAGE_BYTES, JobPages, fitting, job_sort_key, shown
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages import MAX_MESSAGE_BYTES, JobRecord, JobSpec, encode
 
 SEEDED = 5_000

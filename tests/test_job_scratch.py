@@ -1,5 +1,5 @@
-"""Each job's own mount namespace with a private tmpfs /tmp and /dev/shm (agent/launcher.py), dumped
-and restored by criu (agent/criu.py): the rules without processes, then real jobs with real criu,
+"""Each job's own mount namespace with a private tmpfs /tmp and /dev/shm (agent/running/launcher.py), dumped
+and restored by criu (agent/pipeline/criu.py): the rules without processes, then real jobs with real criu,
 restored by a second supervisor (another node) on the same storage.
 
 The criu tests keep their storage and workdirs under /var/tmp: a job whose storage lies under /tmp
@@ -20,14 +20,14 @@ import pytest
 
 from helpers import until
 
-from revenant.agent.criu import DUMP_MOUNTS, RESTORE_MOUNTS, dump_argv, restore_argv
-from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
-from revenant.agent.launcher import (INIT_NAME, INIT_SCRIPT, SCRATCH_EXIT, SCRATCH_NAME, given_paths, init_argv, scratch_plan,
+from revenant.agent.pipeline.criu import DUMP_MOUNTS, RESTORE_MOUNTS, dump_argv, restore_argv
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.storage.epochs import JobFiles
+from revenant.agent.running.launcher import (INIT_NAME, INIT_SCRIPT, SCRATCH_EXIT, SCRATCH_NAME, given_paths, init_argv, scratch_plan,
                                      scratch_script)
-from revenant.agent.procs import signal_tree
-from revenant.common.config import AgentConfig, load_config
+from revenant.agent.processes.procs import signal_tree
 from revenant.common.errors import ConfigError
+from revenant.common.settings.config import AgentConfig, load_config
 from revenant.messages import JobSpec
 
 SIZES = {"/tmp": "8M", "/dev/shm": "4M"}
@@ -259,7 +259,7 @@ async def test_multiprocessing_shared_memory_and_semaphores_survive_a_restore(ba
 
 @pytest.mark.criu
 async def test_storage_under_tmp_keeps_the_host_s_tmp_and_the_switch_turns_it_all_off(tmp_path, nodes, caplog):
-    caplog.set_level(logging.WARNING, logger="revenant.agent.launcher")
+    caplog.set_level(logging.WARNING, logger="revenant.agent.running.launcher")
     under_tmp = nodes("n1", storage=tmp_path / "storage")
     await start(under_tmp, Path("/"), ["sleep", "60"])
     pid = under_tmp.jobs["1"].pid

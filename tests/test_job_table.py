@@ -8,14 +8,14 @@ import asyncio
 import nats
 import pytest
 
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
-from revenant.common.events import EventPublisher
-from revenant.coordinator.agents import AgentClient, NotLeader
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.store import KvJobStore
-from revenant.coordinator.leader import Leadership
 from revenant.common.errors import BusError, RemoteError, RevenantError
+from revenant.common.messaging import bus
+from revenant.common.messaging.events import EventPublisher
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.nodes.leader import Leadership
+from revenant.coordinator.table.agents import AgentClient, NotLeader
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages import AgentJobReply, Capabilities, CriuInfo, EpochInfo, JobEvent, JobRecord, JobSpec, KillJob, NodeStatus, SubmitRequest
 
 pytestmark = pytest.mark.nats
@@ -277,7 +277,7 @@ async def test_what_a_deposed_leader_moved_on_is_taken_as_the_truth(table):
 
 
 async def test_an_operators_failover_hold_outlives_the_leader(table):
-    from revenant.coordinator.failover import Failover
+    from revenant.coordinator.recovery.failover import Failover
 
     def failover(service: JobService) -> Failover:
         return Failover(service.config, service.js, service, service.events, lambda: [], lambda node: None)

@@ -1,4 +1,4 @@
-"""Jobs run as their user (agent/launcher.py): the uid, gid and groups the node resolves for
+"""Jobs run as their user (agent/running/launcher.py): the uid, gid and groups the node resolves for
 ``JobSpec.user``, no_new_privs, the job's directory and output the user's; never root unless
 ``allow_root_jobs``.  criu runs as root and keeps the job's credentials: checked in
 /proc/PID/status after a checkpoint, a vacate and a restore on another node (two supervisors on
@@ -27,15 +27,15 @@ import pytest
 
 from conftest import COUNTER, counter_reference, gone
 from helpers import agent_config, running, until, wait_for
-from revenant.agent import procs
-from revenant.agent.agent import Agent
-from revenant.agent.epochs import JobFiles
-from revenant.agent.jobs import Supervisor
-from revenant.agent.jobuser import job_env
-from revenant.agent.launcher import LaunchError, Launcher, can_checkpoint_other_users, resolve_user, setpriv_argv
-from revenant.common import bus
-from revenant.common.config import AgentConfig, load_config
+from revenant.agent.node.agent import Agent
+from revenant.agent.processes import procs
+from revenant.agent.running.jobs import Supervisor
+from revenant.agent.running.jobuser import job_env
+from revenant.agent.running.launcher import LaunchError, Launcher, can_checkpoint_other_users, resolve_user, setpriv_argv
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError, NoResponders, RevenantError
+from revenant.common.messaging import bus
+from revenant.common.settings.config import AgentConfig, load_config
 from revenant.messages import AgentJobReply, JobSpec, StartJob, subjects
 
 USER, EXTRA_GROUP = "revenant-test", "revenant-test-x"

@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from revenant.agent.epochs import FilesChanged, JobFile, JobFiles, Manifest
-from revenant.agent.jobfiles import (
+from revenant.agent.storage.epochs import FilesChanged, JobFile, JobFiles, Manifest
+from revenant.agent.files.jobfiles import (
     LISTING,
     Snapshot,
     SnapshotResult,
@@ -26,8 +26,8 @@ from revenant.agent.jobfiles import (
     open_for_writing,
     scan_workdir,
 )
-from revenant.agent.aside import changed_since, move_aside
-from revenant.agent.jobfiles_restore import apply, plan
+from revenant.agent.files.aside import changed_since, move_aside
+from revenant.agent.files.jobfiles_restore import apply, plan
 
 pytestmark = pytest.mark.unit
 
@@ -213,7 +213,7 @@ def rendezvous(snap: Snapshot) -> tuple[bytes, SnapshotResult]:
 @contextlib.contextmanager
 def holder(path: Path):
     """A process standing for the job: it holds ``path`` open for writing, rewritten in place
-    (pytest itself holds deleted files in /tmp, which the dump would refuse: agent/remade.py)."""
+    (pytest itself holds deleted files in /tmp, which the dump would refuse: agent/files/remade.py)."""
     proc = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'r+'); "
                              "print('held', flush=True); time.sleep(60)", str(path)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""The launcher's checks and its start deadline (agent/launcher.py), without starting a job."""
+"""The launcher's checks and its start deadline (agent/running/launcher.py), without starting a job."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import psutil
 import pytest
 
-from revenant.agent.jobuser import SYS_PATH
-from revenant.agent.launcher import LaunchError, Launcher
+from revenant.agent.running.jobuser import SYS_PATH
+from revenant.agent.running.launcher import LaunchError, Launcher
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.unit

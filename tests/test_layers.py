@@ -1,15 +1,18 @@
-"""The package layers point one way, and modules stay small enough to read.
+"""The package layers point one way, inside each package too, and modules stay small enough to read.
 
     messages  <-  common  <-  agent, coordinator (side by side)  <-  cli
 
-Every import of every module is read from its source (imports inside functions
-included), so an arrow pointing the wrong way fails here, not in review.
+Inside agent/, coordinator/ and common/, each subpackage may import only the ones SUBLAYERS
+names (its ``__init__`` docstring says the same in words), and docs/architecture.md's map lists
+exactly the subpackages there are.  Every import of every module is read from its source
+(imports inside functions included), so an arrow pointing the wrong way fails here, not in review.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 
 import pytest
@@ -26,14 +29,45 @@ ALLOWED = {
     "coordinator": {"messages", "common"},
     "cli": {"messages", "common", "agent", "coordinator"},
 }
-# Benchmarks aside, no module in these packages grows past about a few screens.
+# Inside a package, what each subpackage may import of its package's other subpackages ("": the
+# modules at the package's top, which may import every subpackage unless named here).
+SUBLAYERS = {
+    "agent": {
+        "storage": set(), "processes": set(),
+        "pipeline": {"storage", "processes"},
+        "network": {"pipeline", "processes"},
+        "gpus": {"pipeline", "storage", "processes"},
+        "lazyrestore": {"pipeline", "storage", "processes"},
+        "files": {"network", "pipeline", "storage", "processes"},
+        "checkpointing": {"files", "lazyrestore", "gpus", "network", "pipeline", "storage", "processes"},
+        "running": {"checkpointing", "lazyrestore", "files", "gpus", "network", "pipeline", "storage", "processes"},
+        "node": {"running", "checkpointing", "lazyrestore", "files", "gpus", "network", "pipeline", "storage",
+                 "processes"},
+    },
+    "coordinator": {"table": set(), "nodes": set(), "recovery": {"table", "nodes"}},
+    "common": {"": set(), "settings": {""}, "serving": {""}, "messaging": {"settings", ""}},
+}
+# Benchmarks aside, no module in these packages grows past about a few screens, and no folder
+# holds more modules than a reader can name.
 SMALL = ("agent", "common", "coordinator", "cli")
 MAX_MODULE_LINES = 420
 MAX_FUNCTION_LINES = 85
+MAX_FOLDER_MODULES = 13
 
 
 def modules(package: str) -> list[pathlib.Path]:
-    return sorted((ROOT / package).glob("*.py"))
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def dotted(path: pathlib.Path) -> str:
+    """``agent/storage/epochs.py`` as ``revenant.agent.storage.epochs``."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(("revenant", *parts))
+
+
+def subpackages(package: str) -> list[str]:
+    return sorted(d.name for d in (ROOT / package).iterdir() if (d / "__init__.py").is_file())
 
 
 def revenant_imports(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -54,7 +88,7 @@ def revenant_imports(path: pathlib.Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_point_down_the_layers(package):
-    wrong = [f"{package}/{path.name}:{line} imports revenant.{layer}"
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports revenant.{layer}"
              for path in modules(package)
              for line, layer in revenant_imports(path)
              if layer != package and layer not in ALLOWED[package]]
@@ -63,7 +97,7 @@ def test_imports_point_down_the_layers(package):
 
 def test_the_layer_test_sees_a_wrong_arrow(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from revenant.agent.health import evaluate\n")
+    bad.write_text("def f():\n    from revenant.agent.node.health import evaluate\n")
     assert revenant_imports(bad) == [(2, "agent")]
 
 
@@ -74,17 +108,17 @@ def test_modules_and_functions_stay_small(package):
         source = path.read_text()
         lines = source.count("\n")
         if lines > MAX_MODULE_LINES:
-            long.append(f"{package}/{path.name}: {lines} lines")
+            long.append(f"{path.relative_to(ROOT)}: {lines} lines")
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
-                    long.append(f"{package}/{path.name}:{node.lineno} {node.name}() is {length} lines")
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}() is {length} lines")
     assert not long, "split these:\n" + "\n".join(long)
 
 
 def module_imports(path: pathlib.Path) -> set[str]:
-    """The revenant modules a module imports (``revenant.agent.epochs``), anywhere in it: inside
+    """The revenant modules a module imports (``revenant.agent.storage.epochs``), anywhere in it: inside
     functions and under TYPE_CHECKING as well, since a circle there is a circle to a reader."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -99,7 +133,7 @@ def module_imports(path: pathlib.Path) -> set[str]:
 
 def import_circles() -> list[list[str]]:
     """Every import circle between the packages' modules, each once, as the modules around it."""
-    graph = {f"revenant.{p}.{m.stem}": module_imports(m) for p in PACKAGES for m in modules(p)}
+    graph = {dotted(m): module_imports(m) for p in PACKAGES for m in modules(p) if m.name != "__init__.py"}
     circles, seen = [], set()
 
     def walk(node: str, path: list[str]) -> None:
@@ -134,3 +168,49 @@ def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("agent",))
     assert import_circles() == [["revenant.agent.a", "revenant.agent.b"]]
+
+
+def subpackage_of(package: str, module: str) -> str | None:
+    """The subpackage of ``package`` that dotted ``module`` is in ("" for its top-level modules);
+    None if it is not in ``package``."""
+    parts = module.split(".")
+    if parts[:2] != ["revenant", package] or len(parts) < 3:
+        return None
+    return parts[2] if (ROOT / package / parts[2] / "__init__.py").is_file() else ""
+
+
+@pytest.mark.parametrize("package", sorted(SUBLAYERS))
+def test_subpackages_import_only_the_ones_below_them(package):
+    rules = SUBLAYERS[package]
+    assert set(subpackages(package)) == set(rules) - {""}, "SUBLAYERS and the folders differ"
+    wrong = []
+    for path in modules(package):
+        here = subpackage_of(package, dotted(path))
+        if here not in rules:
+            continue  # a top-level module not named in the rules: it may import every subpackage
+        for target in module_imports(path):
+            there = subpackage_of(package, target)
+            if there is not None and there != here and there not in rules[here]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not wrong, "imports against the subpackages' layering:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", SMALL)
+def test_no_folder_holds_more_modules_than_a_reader_can_name(package):
+    crowded = []
+    for folder in [ROOT / package, *(ROOT / package / s for s in subpackages(package))]:
+        count = sum(1 for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+        if count > MAX_FOLDER_MODULES:
+            crowded.append(f"{folder.relative_to(ROOT)}: {count} modules")
+    assert not crowded, "group these:\n" + "\n".join(crowded)
+
+
+def test_the_architecture_map_lists_exactly_the_subpackages():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    mapped = set(re.findall(r"^\| `((?:agent|coordinator|common)/[a-z_]+)/` \|", text, re.M))
+    folders = {f"{p}/{s}" for p in SUBLAYERS for s in subpackages(p)}
+    assert mapped == folders, f"in the map, not a folder: {sorted(mapped - folders)}; a folder, not in the map: " \
+                              f"{sorted(folders - mapped)}"
+    for folder in folders:  # each says what it owns and what it may import
+        doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text())) or ""
+        assert "import" in doc, f"{folder}/__init__.py: its docstring says nothing of what it may import"

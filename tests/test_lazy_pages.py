@@ -1,4 +1,4 @@
-"""agent/lazy.py against real criu: a job dumped, then restored lazily through a criu
+"""agent/lazyrestore/lazy.py against real criu: a job dumped, then restored lazily through a criu
 lazy-pages daemon; the daemon's verdict on complete, corrupt, killed and impossible restores."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from revenant.agent import criu, procs
-from revenant.agent.epochs import FileEntry, Manifest, checksum_file
-from revenant.agent.lazy import LazyPages, LazyResult
+from revenant.agent.lazyrestore.lazy import LazyPages, LazyResult
+from revenant.agent.pipeline import criu
+from revenant.agent.processes import procs
+from revenant.agent.storage.epochs import FileEntry, Manifest, checksum_file
 from revenant.common.errors import CriuError
 
 pytestmark = pytest.mark.criu
@@ -218,7 +219,7 @@ async def test_a_job_that_ends_while_its_pages_arrive_needed_no_more(dumped):
 
 
 def test_the_log_judges_a_task_exited_meanwhile_complete_and_any_other_short_task_not():
-    from revenant.agent.lazy import judge_log
+    from revenant.agent.lazyrestore.lazy import judge_log
 
     log = ("uffd: Received PID: 7, uffd: 5\nuffd: Received PID: 8, uffd: 6\n"
            "uffd: 7-5: UFFD transferred pages: (961/52111)\nuffd: 7--5: EXIT\n"

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER, counter_reference
-from revenant.agent.epochs import JobFiles
+from revenant.agent.storage.epochs import JobFiles
 from revenant.messages import EpochEvent, JobEvent, JobSpec
 
 pytestmark = pytest.mark.criu

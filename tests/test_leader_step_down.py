@@ -9,14 +9,14 @@ import asyncio
 import pytest
 
 from helpers import wait_for
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import NoResponders, RemoteError
-from revenant.common.kv import open_bucket
-from revenant.common.service import ServiceStatus
+from revenant.common.messaging import bus
+from revenant.common.messaging.kv import open_bucket
+from revenant.common.serving.service import ServiceStatus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.leader import KEY
-from revenant.coordinator.store import KvJobStore
+from revenant.coordinator.nodes.leader import KEY
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages import ClusterEvent, JobReply, JobRecord, JobRequest, JobSpec, decode_as, subjects
 
 pytestmark = pytest.mark.nats
@@ -154,7 +154,7 @@ async def test_a_write_conflict_with_a_newer_leader_steps_down_in_process(nats_u
 
 async def test_a_leader_cut_off_from_nats_steps_down_and_leads_again_when_it_is_back(tmp_path):
     """Finding 1 of issue 9: the leader exited 1.85 s into a NATS outage."""
-    from revenant.common.natsserver import start_nats_server
+    from revenant.common.messaging.natsserver import start_nats_server
 
     server = start_nats_server(tmp_path / "nats")
     port = int(server.url.rsplit(":", 1)[1])

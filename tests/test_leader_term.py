@@ -1,4 +1,4 @@
-"""A leader's term (coordinator/leader.py Term): its tasks stop as one when it ends, even a task
+"""A leader's term (coordinator/nodes/leader.py Term): its tasks stop as one when it ends, even a task
 that swallowed its cancellation (Python 3.11's wait_for can, where nats-py awaits)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from revenant.coordinator.leader import Term
+from revenant.coordinator.nodes.leader import Term
 
 pytestmark = pytest.mark.unit
 

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from helpers import examples
 
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError, JobNotRunning, RevenantError
-from revenant.coordinator import lifecycle as lc
-from revenant.coordinator.agents import NotLeader
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.store import MemoryJobStore
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.table import lifecycle as lc
+from revenant.coordinator.table.agents import NotLeader
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.store import MemoryJobStore
 from revenant.messages import (
     AgentJobReply,
     Capabilities,
@@ -184,8 +184,8 @@ def test_a_restart_announces_what_it_listens_on_and_which_connections_it_kept_or
 
 
 def test_a_submit_chooses_what_a_move_does_to_its_connections():
-    from revenant.common.config import CheckpointConfig
-    from revenant.common.limits import BadRequest, check_submit
+    from revenant.common.settings.config import CheckpointConfig
+    from revenant.common.settings.limits import BadRequest, check_submit
     assert CheckpointConfig().policy(SubmitRequest(argv=["x"])).connections == "keep"
     assert CheckpointConfig(connections="close").policy(SubmitRequest(argv=["x"])).connections == "close"
     assert CheckpointConfig().policy(SubmitRequest(argv=["x"], connections="close")).connections == "close"
@@ -452,7 +452,7 @@ async def test_a_conflict_nobody_could_settle_is_settled_by_the_next_write():
 
 
 def test_a_periodic_checkpoint_is_due_a_full_interval_after_the_last_one_or_the_last_failure():
-    from revenant.coordinator.periodic import due
+    from revenant.coordinator.table.periodic import due
 
     rec = record("running")
     rec.spec.checkpoint_interval_s, rec.last_checkpoint_at = 60, 100.0

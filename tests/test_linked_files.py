@@ -1,7 +1,7 @@
 """A held file whose name was removed while the file keeps another name: what every POSIX
 semaphore looks like (glibc's sem_open makes it under a temporary name, then links it to its
 own), and so every Lock and Queue of Python's multiprocessing under the spawn and forkserver
-start methods (agent/relink.py).  In the job's private /dev/shm it is given the name criu looks
+start methods (agent/files/relink.py).  In the job's private /dev/shm it is given the name criu looks
 for while criu dumps, the job comes back from a checkpoint that left it running, its output
 exact, and neither the running job nor the restored one keeps that name; anywhere else it is
 refused before the dump in one line, and the job runs on."""
@@ -18,16 +18,16 @@ import pytest
 
 from helpers import until
 
-from revenant.agent.epochs import JobFiles
-from revenant.agent.procs import signal_tree
-from revenant.agent.relink import RELINKED
+from revenant.agent.files.relink import RELINKED
+from revenant.agent.processes.procs import signal_tree
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.criu
 
 # The system's python, the script beside the workdir: a job whose command line names a path
-# under /tmp keeps the host's /tmp (agent/launcher.py), and a checkout may lie under /tmp.
+# under /tmp keeps the host's /tmp (agent/running/launcher.py), and a checkout may lie under /tmp.
 PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 
 WORKERS = """import multiprocessing as mp, sys, time

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from revenant.agent.liveness import Liveness, next_beat_at, published_health
-from revenant.common.config import AgentConfig
+from revenant.agent.node.liveness import Liveness, next_beat_at, published_health
+from revenant.common.settings.config import AgentConfig
 from revenant.messages import Capabilities, HealthSummary
 
 pytestmark = pytest.mark.unit

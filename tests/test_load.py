@@ -1,4 +1,4 @@
-"""Load-aware checkpoints (agent/load.py): the readings, their average over a window, and the rule
+"""Load-aware checkpoints (agent/checkpointing/load.py): the readings, their average over a window, and the rule
 that skips a scheduled checkpoint under load but never leaves a job without any."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from revenant.agent.load import (MAX_SKIPS_IN_A_ROW, Decision, Exceeded, Load, LoadGate, LoadSampler,
+from revenant.agent.checkpointing.load import (MAX_SKIPS_IN_A_ROW, Decision, Exceeded, Load, LoadGate, LoadSampler,
                                  PsutilReadings, exceeded, over_threshold)
 from revenant.messages import CheckpointPolicy
 

@@ -11,9 +11,9 @@ import asyncio
 import pytest
 
 from revenant.common.errors import BusError, RevenantError
-from revenant.coordinator import store
-from revenant.coordinator.agents import AgentClient, NodeLost, NotLeader
-from revenant.coordinator.store import patiently
+from revenant.coordinator.table import store
+from revenant.coordinator.table.agents import AgentClient, NodeLost, NotLeader
+from revenant.coordinator.table.store import patiently
 from revenant.messages import CheckpointJob, SubmitRequest
 from test_lifecycle import shell
 
@@ -146,8 +146,8 @@ def test_an_agent_reconciling_names_the_jobs_it_is_starting_or_restoring_too():
     """Else a leader whose table has one there would have it evicted while it comes up."""
     from types import SimpleNamespace
 
-    from revenant.agent.jobs import Launch
-    from revenant.agent.reconcile import local_jobs
+    from revenant.agent.running.jobs import Launch
+    from revenant.agent.node.reconcile import local_jobs
     from revenant.messages import LocalJob
 
     sup = SimpleNamespace(jobs={"1": SimpleNamespace(generation=3, frozen_at=None)},

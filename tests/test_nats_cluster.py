@@ -19,8 +19,8 @@ import pytest
 
 from conftest import COUNTER, Cluster, counter_reference, revenant_cli, wait_until
 from nats_cluster_helpers import STREAMS, caught_up, doc, newest_epoch, output, streams, streams_now
-from revenant.common import bus
 from revenant.common.errors import BusError
+from revenant.common.messaging import bus
 from revenant.messages import subjects
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]

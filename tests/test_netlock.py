@@ -1,5 +1,5 @@
-"""A vacated job's connections held on its node (agent/netlock.py), and what a job's sockets say
-of themselves (agent/netstate.py): the table criu's lock is named by, the holds an agent notes
+"""A vacated job's connections held on its node (agent/network/netlock.py), and what a job's sockets say
+of themselves (agent/network/netstate.py): the table criu's lock is named by, the holds an agent notes
 and a later one lets go, with the real nft."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from revenant.agent import netlock, netstate
+from revenant.agent.network import netlock, netstate
 
 NFT = netlock.locate() or "nft"  # set-up installs it (Debian package nftables)
 
@@ -88,8 +88,8 @@ def test_a_jobs_sockets_are_told_by_the_sockets_themselves():
 def test_an_epochs_sockets_are_read_from_crius_images_as_the_running_job_shows_them(tmp_path):
     """What show job and the restored event list of an epoch comes from criu's images, after the
     dump (the job is not kept frozen for it), and says what the running job's sockets say."""
-    from revenant.agent import criuimages
-    from revenant.agent.criu import locate_criu
+    from revenant.agent.network import criuimages
+    from revenant.agent.pipeline.criu import locate_criu
 
     server = socket.create_server(("127.0.0.1", 0))
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(server.getsockname()[1])], stdout=subprocess.PIPE,
@@ -115,7 +115,7 @@ def test_an_epochs_sockets_are_read_from_crius_images_as_the_running_job_shows_t
 
 @pytest.mark.unit
 def test_a_malformed_files_image_is_an_error_not_a_guess(tmp_path):
-    from revenant.agent import criuimages
+    from revenant.agent.network import criuimages
     (tmp_path / "files.img").write_bytes(b"\0" * 8 + (20).to_bytes(4, "little") + b"\x08\x04\x22\x30\x08")
     with pytest.raises(ValueError, match="files.img is malformed"):
         criuimages.inet_sockets(tmp_path, 64)
@@ -128,8 +128,8 @@ def test_a_vacates_hold_keeps_crius_lock_until_a_restore_here_or_its_end(tmp_pat
     """The hold names criu's table from the images and the connections from the epoch; a
     restore of that epoch here is told to keep them, one of another epoch lets them go; a hold
     that ends unused removes the table (the peers then get their reset)."""
-    from revenant.agent.epochs import JobFiles, Manifest
-    from revenant.agent.steps import DumpContext, RestoreContext
+    from revenant.agent.storage.epochs import JobFiles, Manifest
+    from revenant.agent.pipeline.steps import DumpContext, RestoreContext
     from revenant.messages import CheckpointPolicy
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -211,8 +211,8 @@ def test_a_vacates_hold_keeps_crius_lock_until_a_restore_here_or_its_end(tmp_pat
 def test_a_vacate_that_fails_before_its_hold_leaves_no_lock_of_criu_behind(tmp_path):
     """criu killed mid-dump writes no inventory, but its table is there: the tables that appeared
     during the dump go (and one named by an inventory, when criu got that far)."""
-    from revenant.agent.epochs import JobFiles, Manifest
-    from revenant.agent.steps import DumpContext
+    from revenant.agent.storage.epochs import JobFiles, Manifest
+    from revenant.agent.pipeline.steps import DumpContext
 
     m = Manifest(job="8", epoch=0, generation=1, node="n1", created_at=1.0, criu_version="4.2.1", kernel="k")
     before = "CRIU-00000000-test-older-aa"  # another vacate's, held before this dump began
@@ -242,8 +242,8 @@ def test_a_dump_that_holds_nothing_leaves_no_lock_behind(tmp_path):
     default would make a table at every dump and leave it whenever the job is left stopped."""
     from pathlib import Path
 
-    from revenant.agent import criu
-    from revenant.agent.criu import locate_criu
+    from revenant.agent.pipeline import criu
+    from revenant.agent.pipeline.criu import locate_criu
 
     server = socket.create_server(("127.0.0.1", 0))
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(server.getsockname()[1])], stdout=subprocess.PIPE,

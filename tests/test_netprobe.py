@@ -1,4 +1,4 @@
-"""The socket probe (agent/netprobe.py): with this node's criu, a process holding a UDP socket, a
+"""The socket probe (agent/network/netprobe.py): with this node's criu, a process holding a UDP socket, a
 listening TCP socket, an established loopback pair and a unix datagram socket connected outside
 comes back from a dump and restore working; with a criu that cannot (4.1 on Linux >= 6.16, here
 a stand-in saying what it said there), each feature is reported, with criu's own line."""
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent import netprobe
-from revenant.agent.criu import inspect_criu, locate_criu
+from revenant.agent.network import netprobe
+from revenant.agent.pipeline.criu import inspect_criu, locate_criu
 from revenant.messages import CriuInfo
 
 

@@ -1,7 +1,7 @@
 """A vacate that fails after criu has dumped the job (here: its dump is spoiled before the commit)
 resumes the job, and its established connections go on.  A vacate whose node holds them
-(agent/netlock.py) has criu leave them in repair mode and locked: the undo takes them out of
-repair mode before the job resumes (agent/blockers.py repair_off), and the hold lets go of
+(agent/network/netlock.py) has criu leave them in repair mode and locked: the undo takes them out of
+repair mode before the job resumes (agent/pipeline/blockers.py repair_off), and the hold lets go of
 criu's lock.  Without the first, every recv and send of the job's would fail with EPERM; without
 the second, not a packet of them would pass."""
 
@@ -15,8 +15,8 @@ import pytest
 
 from helpers import until
 
-from revenant.agent import netlock
-from revenant.agent.epochs import JobFiles
+from revenant.agent.network import netlock
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from revenant.cli.keys import make_keys
-from revenant.common.natsserver import find_nats_server
+from revenant.common.messaging.natsserver import find_nats_server
 
 pytestmark = pytest.mark.nats
 
@@ -106,7 +106,7 @@ def test_the_wheel_runs_from_a_fresh_venv(fresh_venv):
         assert re.search(rf"^ +{command}\b", usage.stdout, re.M), command
     # Every subpackage comes from the fresh venv's site-packages, not from this checkout.
     where = run([str(fresh_venv / "bin" / "python"), "-c",
-                 "import revenant, revenant.agent.agent, revenant.coordinator.coordinator, revenant.cli.main as m\n"
+                 "import revenant, revenant.agent.node.agent, revenant.coordinator.coordinator, revenant.cli.main as m\n"
                  "print(*revenant.__path__, m.__file__, sep='\\n')"], cwd="/", env=env)
     assert where.returncode == 0, where.stderr
     site = purelib(fresh_venv / "bin" / "python")

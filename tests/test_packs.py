@@ -12,8 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from revenant.agent import chain, packs
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest, NoEpoch
+from revenant.agent.storage import chain, packs
+from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest, NoEpoch
 
 pytestmark = pytest.mark.unit
 

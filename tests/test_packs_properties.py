@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from helpers import examples
 
-from revenant.agent import chain, packs
-from revenant.agent.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest, NoEpoch
+from revenant.agent.storage import chain, packs
+from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest, NoEpoch
 
 pytestmark = pytest.mark.unit
 

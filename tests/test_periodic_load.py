@@ -1,4 +1,4 @@
-"""The coordinator's periodic checkpoints (coordinator/periodic.py) are sent as scheduled; a node's
+"""The coordinator's periodic checkpoints (coordinator/table/periodic.py) are sent as scheduled; a node's
 refusal under load (code "checkpoint_skipped") is no failure of the job, and its next try comes
 on schedule, a full interval later."""
 
@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from revenant.common.errors import CheckpointSkipped, CriuError, RemoteError, RevenantError
-from revenant.coordinator.periodic import PeriodicCheckpoints
+from revenant.coordinator.table.periodic import PeriodicCheckpoints
 from revenant.messages import JobRecord, JobSpec, NodeStatus
 
 pytestmark = pytest.mark.unit
@@ -67,7 +67,7 @@ SKIPPED_OVER_THE_BUS = RemoteError("cpu 0.97 > 0.95", code="checkpoint_skipped",
 @pytest.mark.parametrize("refusal", [SKIPPED_OVER_THE_BUS, CheckpointSkipped("cpu 0.97 > 0.95")],
                          ids=["remote-error", "checkpoint-skipped"])
 async def test_a_skipped_periodic_checkpoint_is_logged_at_info_and_tried_again_a_full_interval_later(refusal, caplog):
-    caplog.set_level(logging.DEBUG, logger="revenant.coordinator.periodic")
+    caplog.set_level(logging.DEBUG, logger="revenant.coordinator.table.periodic")
     periodic, jobs, wall = loop(refusal, None)
     assert await tick_at(periodic, wall, 159.0) == 0
     assert await tick_at(periodic, wall, 160.0) == 1
@@ -87,7 +87,7 @@ async def test_a_skipped_periodic_checkpoint_is_logged_at_info_and_tried_again_a
 
 
 async def test_a_failed_periodic_checkpoint_still_warns_and_waits_a_full_interval(caplog):
-    caplog.set_level(logging.DEBUG, logger="revenant.coordinator.periodic")
+    caplog.set_level(logging.DEBUG, logger="revenant.coordinator.table.periodic")
     periodic, jobs, wall = loop(CriuError("criu dump failed: Error (criu/sk-inet.c:188): Unsupported socket"), None)
     assert await tick_at(periodic, wall, 160.0) == 1
     [rec] = caplog.records

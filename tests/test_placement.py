@@ -2,7 +2,7 @@
 
 import pytest
 
-from revenant.coordinator.placement import NoNodeAvailable, place
+from revenant.coordinator.table.placement import NoNodeAvailable, place
 from revenant.messages import Capabilities, CriuInfo, GpuInfo, JobGpu, NodeStatus
 
 pytestmark = pytest.mark.unit

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from revenant.agent import criu, guard, predump
-from revenant.agent.epochs import JobFiles, Manifest
-from revenant.agent.steps import DumpContext
+from revenant.agent.checkpointing import guard, predump
+from revenant.agent.pipeline import criu
+from revenant.agent.pipeline.steps import DumpContext
+from revenant.agent.storage.epochs import JobFiles, Manifest
 from revenant.common.errors import CriuError
 from revenant.messages import CheckpointPolicy
 
@@ -134,7 +135,7 @@ async def test_the_storage_guard_lets_a_dump_through_with_room_to_spare(tmp_path
 def test_a_predumped_epoch_keeps_its_predump_images_checksummed_staged_and_rebuilt(tmp_path: Path) -> None:
     """criu's images after a pre-dump: pages in predump/, linked as parent.  The commit checksums
     them with the others (directly and through staging), and a rebuilt delta links them again."""
-    from revenant.agent import packs
+    from revenant.agent.storage import packs
 
     files = JobFiles(tmp_path / "storage", "j1")
 

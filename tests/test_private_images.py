@@ -1,4 +1,4 @@
-"""Checkpoint images are private (agent/private.py): after a real checkpoint every path under the
+"""Checkpoint images are private (agent/storage/private.py): after a real checkpoint every path under the
 job's epochs/ is root's, directories 0700 and files 0600, whatever the agent's umask and whether
 criu wrote an image in place or it was copied from staging; another user cannot read a job's
 memory from its pages-*.img even with every directory above it opened to 0755."""
@@ -18,7 +18,7 @@ import pytest
 
 from helpers import until
 from conftest import REPO
-from revenant.agent.epochs import JobFiles
+from revenant.agent.storage.epochs import JobFiles
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.criu

@@ -1,13 +1,13 @@
-"""The proactive rules, pure (coordinator/proactive.py): which jobs of a sick node are checkpointed
+"""The proactive rules, pure (coordinator/nodes/proactive.py): which jobs of a sick node are checkpointed
 or moved, when, and when not (hysteresis, cooldown, storm guard, policies, cordon)."""
 
 from __future__ import annotations
 
 import pytest
 
-from revenant.common.config import CoordinatorConfig
-from revenant.coordinator.placement import NoNodeAvailable, place
-from revenant.coordinator.proactive import ProactiveRules, Settings, policy_of, sickness
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.nodes.proactive import ProactiveRules, Settings, policy_of, sickness
+from revenant.coordinator.table.placement import NoNodeAvailable, place
 from revenant.messages import Capabilities, CriuInfo, HealthFinding, JobRecord, JobSpec, NodeStatus
 
 pytestmark = pytest.mark.unit
@@ -189,7 +189,7 @@ def test_a_dead_node_is_forgotten_and_its_jobs_left_to_failover():
 
 
 def test_the_policy_is_fixed_at_submit_and_a_bad_one_is_one_line():
-    from revenant.common.limits import BadRequest, check_submit
+    from revenant.common.settings.limits import BadRequest, check_submit
     from revenant.messages import SubmitRequest
 
     c = CoordinatorConfig()
@@ -203,7 +203,7 @@ def test_the_policy_is_fixed_at_submit_and_a_bad_one_is_one_line():
 
 
 def test_a_misspelt_finding_code_in_the_tables_is_a_config_error():
-    from revenant.common.config import load_config
+    from revenant.common.settings.config import load_config
     from revenant.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown finding code 'gpu' in proactive_.*known are memory, storage_low"):

@@ -1,4 +1,4 @@
-"""The proactive shell (coordinator/sick.py) over the job service with an in-memory store and
+"""The proactive shell (coordinator/recovery/sick.py) over the job service with an in-memory store and
 agents that answer at once: what each action sends, and what a move that cannot go ahead leaves."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RevenantError
-from revenant.common.metrics import CoordinatorMetrics
-from revenant.coordinator import lifecycle as lc
-from revenant.coordinator.failover import StormGuard
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.sick import ProactiveMoves
-from revenant.coordinator.store import MemoryJobStore
+from revenant.common.serving.metrics import CoordinatorMetrics
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.coordinator.recovery.failover import StormGuard
+from revenant.coordinator.recovery.sick import ProactiveMoves
+from revenant.coordinator.table import lifecycle as lc
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.store import MemoryJobStore
 from revenant.messages import AgentJobReply, EpochInfo, SubmitRequest
 
 from test_lifecycle import Agents, Lease
@@ -169,7 +169,7 @@ async def test_a_move_that_meets_a_checkpoint_in_progress_is_tried_again_next_ti
 
 
 async def test_a_failed_or_skipped_move_is_tried_again_after_the_retry_delay_not_a_cooldown():
-    from revenant.coordinator.proactive import RETRY_S
+    from revenant.coordinator.nodes.proactive import RETRY_S
 
     moves, jobs, agents, events, failover, table, _ = await setup([node("node-1", MEMORY_RED),
                                                                    node("node-2", ("RED", "criu", "criu unusable"))])

@@ -13,10 +13,10 @@ import struct
 
 import pytest
 
-from revenant.agent import criustats, progress
-from revenant.agent.guard import resident_bytes
+from revenant.agent.checkpointing.guard import resident_bytes
+from revenant.agent.pipeline import criustats, progress
 from revenant.cli.progress import ProgressLine, Rate, progress_text, stats_table
-from revenant.common import security
+from revenant.common.settings import security
 from revenant.messages import Progress, decode_as, encode, subjects
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from conftest import REPO, VENV_BIN, wait_until
-from revenant.common import security
+from revenant.common.settings import security
 from revenant.messages import Progress, decode_as, subjects
 
 pytestmark = pytest.mark.criu

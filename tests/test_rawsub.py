@@ -1,4 +1,4 @@
-"""The coordinator's heartbeat subscriber (common/rawsub.py) against a real nats-server: what
+"""The coordinator's heartbeat subscriber (common/messaging/rawsub.py) against a real nats-server: what
 nats-py publishes arrives whole and in order, whatever the socket's reads cut; a restarted
 server is found again; a credential is signed as the server asks; a refusal is one line; a bus
 reached over TLS gets its heartbeats through the client library instead."""
@@ -13,13 +13,13 @@ import nats
 import pytest
 
 from helpers import running
-from revenant.common import security
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import BusError
-from revenant.common.natsserver import start_nats_cluster, start_nats_server, write_server_config
-from revenant.common.rawsub import RawSubscriber, _Connection, plain_urls, starting_with
+from revenant.common.messaging.natsserver import start_nats_cluster, start_nats_server, write_server_config
+from revenant.common.messaging.rawsub import RawSubscriber, _Connection, plain_urls, starting_with
+from revenant.common.settings import security
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.heartbeats import ClientSubscription
+from revenant.coordinator.nodes.heartbeats import ClientSubscription
 from revenant.messages import Heartbeat, encode, subjects
 
 pytestmark = pytest.mark.nats

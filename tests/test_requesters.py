@@ -15,15 +15,15 @@ import pytest
 
 from conftest import VENV_BIN, revenant_cli
 from helpers import agent_config, running, wait_for
-from revenant.agent.agent import Agent
+from revenant.agent.node.agent import Agent
 from revenant.cli import client
 from revenant.cli.main import parse_args
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
 from revenant.common.errors import RemoteError, UnknownJob
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.paging import JobPages
-from revenant.coordinator.requests import (
+from revenant.coordinator.table.paging import JobPages
+from revenant.coordinator.table.requests import (
     ADMIN,
     Forbidden,
     Requester,
@@ -32,7 +32,7 @@ from revenant.coordinator.requests import (
     submit_user,
     visible,
 )
-from revenant.coordinator.store import KvJobStore
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages.subjects import InvalidName
 from revenant.messages import (
     FailoverReply,
@@ -286,7 +286,7 @@ async def _started(coord: Coordinator) -> bool:
 @pytest.mark.criu
 async def test_a_submit_records_who_asked_and_admin_may_submit_for_a_user(nats_url, tmp_path):
     agent = Agent(agent_config(nats_url, tmp_path, criu_path=str(VENV_BIN / "criu")))
-    wd = tmp_path / "nobodys"  # a job's workdir is its user's own (agent/jobuser.py workdir_problem)
+    wd = tmp_path / "nobodys"  # a job's workdir is its user's own (agent/running/jobuser.py workdir_problem)
     wd.mkdir()
     os.chown(wd, 65534, 65534)
     async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord, running(agent):

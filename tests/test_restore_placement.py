@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 
 from helpers import HeldLease
 
-from revenant.agent.health import HealthSample, evaluate
-from revenant.common.config import CoordinatorConfig
-from revenant.common.events import EventPublisher
-from revenant.common.thresholds import HealthThresholds
-from revenant.coordinator.agents import AgentClient
-from revenant.coordinator.detector import FailureDetector
-from revenant.coordinator.jobs import JobService
-from revenant.coordinator.placement import NoNodeAvailable, place, restore_note, restore_waivers
-from revenant.coordinator.store import MemoryJobStore
+from revenant.agent.node.health import HealthSample, evaluate
+from revenant.common.messaging.events import EventPublisher
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.common.settings.thresholds import HealthThresholds
+from revenant.coordinator.nodes.detector import FailureDetector
+from revenant.coordinator.table.agents import AgentClient
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.placement import NoNodeAvailable, place, restore_note, restore_waivers
+from revenant.coordinator.table.store import MemoryJobStore
 from revenant.messages import (
     AgentJobReply,
     Capabilities,
@@ -168,7 +168,7 @@ async def test_a_dead_nodes_job_is_restored_on_a_node_red_only_for_low_shared_st
 
 @pytest.mark.unit
 def test_a_restore_leaves_a_working_directory_other_live_jobs_share():
-    from revenant.coordinator.placement import workdir_shared
+    from revenant.coordinator.table.placement import workdir_shared
     from revenant.messages import JobRecord, JobSpec
 
     def rec(job: str, workdir: str, state: str = "running") -> JobRecord:

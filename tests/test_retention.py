@@ -48,7 +48,7 @@ def test_the_rule_is_the_one_the_agent_always_applied(epochs, keep):
 
 
 def test_the_agent_prunes_epoch_directories_by_the_rule(tmp_path):
-    from revenant.agent.epochs import MANIFEST, JobFiles
+    from revenant.agent.storage.epochs import MANIFEST, JobFiles
 
     files = JobFiles(tmp_path, "7")
     for n in (1, 2, 3, 5, 8):

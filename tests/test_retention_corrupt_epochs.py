@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from revenant.agent.epochs import JobFiles, Manifest
+from revenant.agent.storage.epochs import JobFiles, Manifest
 from revenant.common.retention import epochs_to_prune, kept
 
 pytestmark = pytest.mark.unit

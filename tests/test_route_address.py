@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from revenant.common.bus import route_address
+from revenant.common.messaging.bus import route_address
 
 pytestmark = pytest.mark.unit
 

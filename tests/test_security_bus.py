@@ -1,6 +1,6 @@
 """The bus's authentication and per-identity permissions, enforced by a real nats-server.
 
-A server is started with the configuration ``revenant up`` writes (common/security.py):
+A server is started with the configuration ``revenant up`` writes (common/settings/security.py):
 every identity connects with its own NKey, and each operation the identity must not do is
 tried and must be refused by the server (a permissions violation reported to the client's
 error callback, the message never delivered), while what it needs keeps working.
@@ -20,9 +20,10 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageTy
 
 from conftest import revenant_cli
 
-from revenant.common import bus, security
 from revenant.common.errors import BusError, ConfigError
-from revenant.common.natsserver import start_nats_server, write_server_config
+from revenant.common.messaging import bus
+from revenant.common.messaging.natsserver import start_nats_server, write_server_config
+from revenant.common.settings import security
 from revenant.messages import NodesReply, NodesRequest, decode, encode, subjects
 
 NODES = ["node-1", "node-2"]
@@ -153,7 +154,7 @@ def test_seed_files_are_private_and_kept(tmp_path):
 
 @pytest.mark.unit
 def test_names_the_permissions_use_are_the_coordinators():
-    from revenant.coordinator import job_events, store
+    from revenant.coordinator.table import job_events, store
 
     assert security.COORDINATOR_CONSUMER == job_events.CONSUMER
     assert security.COORDINATOR_EPOCHS_CONSUMER == job_events.EPOCHS_CONSUMER

@@ -28,14 +28,14 @@ import msgspec
 import psutil
 import pytest
 
-from revenant.agent import workdir, workdir_restore
-from revenant.agent.epochs import FILES_DIR, LISTING, WORKDIR_FILES, EpochError, FilesChanged, JobFile, JobFiles, \
+from revenant.agent.files import workdir, workdir_restore
+from revenant.agent.storage.epochs import FILES_DIR, LISTING, WORKDIR_FILES, EpochError, FilesChanged, JobFile, JobFiles, \
     Manifest
-from revenant.agent.jobfiles import HELD, scan_workdir
-from revenant.agent.jobprocs import held_paths
-from revenant.agent.aside import move_aside
-from revenant.agent.jobfiles_restore import apply, plan, swapped
-from revenant.agent.launcher import reset_stamp
+from revenant.agent.files.aside import move_aside
+from revenant.agent.files.jobfiles import HELD, scan_workdir
+from revenant.agent.files.jobfiles_restore import apply, plan, swapped
+from revenant.agent.processes.jobprocs import held_paths
+from revenant.agent.running.launcher import reset_stamp
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
@@ -244,7 +244,7 @@ async def test_a_restore_with_real_criu_touches_nothing_outside_the_job_while_th
 def test_the_users_cannot_touch_the_stamp_and_a_link_in_its_place_is_never_followed(tmp_path):
     files = JobFiles(tmp_path / "storage", "1")
     files.dir.mkdir(parents=True)
-    files.dir.chmod(0o711)  # as the launcher leaves it (agent/jobuser.py own_job_files)
+    files.dir.chmod(0o711)  # as the launcher leaves it (agent/running/jobuser.py own_job_files)
     (tmp_path).chmod(0o755)
     (tmp_path / "storage").chmod(0o755)
     (tmp_path / "storage" / "jobs").chmod(0o755)

@@ -23,15 +23,15 @@ import pytest
 from conftest import REPO
 from helpers import until
 
-from revenant.agent import beneath
-from revenant.agent.epochs import EpochError, JobFiles
-from revenant.agent.steps import BaseStep, RestoreContext
+from revenant.agent.files import beneath
+from revenant.agent.pipeline.steps import BaseStep, RestoreContext
+from revenant.agent.storage.epochs import EpochError, JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
 NOBODY = pwd.getpwnam("nobody")
 # The jobs run with the system's python and their scripts copied next to their workdir: a job
-# whose command line names a path under /tmp keeps the host's /tmp (agent/launcher.py), and a
+# whose command line names a path under /tmp keeps the host's /tmp (agent/running/launcher.py), and a
 # checkout (and its venv) may well lie under /tmp.
 PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 
@@ -291,9 +291,9 @@ async def test_the_restore_check_runs_before_the_job_is_its_users_and_a_refusal_
 def test_the_restore_check_tells_watches_of_different_directories_apart(tmp_path):
     """The check itself, on two live watchers standing for the job at the dump and restored (each
     pid 1 of a PID namespace of its own, as a job's init is)."""
-    from revenant.agent.jobfiles import HELD, HELD_FORMAT
-    from revenant.agent.jobfiles_restore import swapped
-    from revenant.agent.jobprocs import held_paths
+    from revenant.agent.files.jobfiles import HELD, HELD_FORMAT
+    from revenant.agent.files.jobfiles_restore import swapped
+    from revenant.agent.processes.jobprocs import held_paths
     import msgspec
     import subprocess
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from revenant.agent.epochs import FilesChanged, JobFile, Manifest
-from revenant.agent.jobfiles import scan_workdir
-from revenant.agent.jobfiles_restore import plan
-from revenant.agent.jobuser import env_script, workdir_problem
-from revenant.agent.launcher import CD_NAME, CD_SHIM, ROOT_ENV, init_argv
+from revenant.agent.files.jobfiles import scan_workdir
+from revenant.agent.files.jobfiles_restore import plan
+from revenant.agent.running.jobuser import env_script, workdir_problem
+from revenant.agent.running.launcher import CD_NAME, CD_SHIM, ROOT_ENV, init_argv
+from revenant.agent.storage.epochs import FilesChanged, JobFile, Manifest
 from revenant.cli.exports import exported_env
-from revenant.common.limits import BadRequest, check_env, check_submit, env_problem
+from revenant.common.settings.limits import BadRequest, check_env, check_submit, env_problem
 from revenant.messages import SubmitRequest
 
 pytestmark = pytest.mark.unit

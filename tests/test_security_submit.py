@@ -19,10 +19,10 @@ import nats
 import pytest
 
 from conftest import revenant_cli, wait_until
-from revenant.agent.epochs import JobFiles
-from revenant.agent.launcher import Launcher
-from revenant.agent.jobuser import job_env
-from revenant.common import security
+from revenant.agent.running.jobuser import job_env
+from revenant.agent.running.launcher import Launcher
+from revenant.agent.storage.epochs import JobFiles
+from revenant.common.settings import security
 from revenant.messages import ErrorReply, JobSpec, SubmitRequest, decode, encode
 
 NOBODY = pwd.getpwnam("nobody")

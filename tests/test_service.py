@@ -1,4 +1,4 @@
-"""The one service lifecycle (common/service.py): start, stop, failures, async with."""
+"""The one service lifecycle (common/serving/service.py): start, stop, failures, async with."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from revenant.common.service import Service, ServiceStatus
+from revenant.common.serving.service import Service, ServiceStatus
 
 pytestmark = pytest.mark.unit
 

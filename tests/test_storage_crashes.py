@@ -15,8 +15,8 @@ import pytest
 
 from helpers import EXAMPLES_SCALE
 
-from revenant.agent import packs
-from revenant.agent.epochs import JobFiles, Manifest
+from revenant.agent.storage import packs
+from revenant.agent.storage.epochs import JobFiles, Manifest
 
 pytestmark = pytest.mark.unit
 

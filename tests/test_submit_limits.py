@@ -11,10 +11,10 @@ import pytest
 
 from conftest import VENV_BIN, revenant_cli
 from helpers import agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import RemoteError
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
 from revenant.messages import MAX_MESSAGE_BYTES, JobReply, SubmitRequest, encode, subjects
 

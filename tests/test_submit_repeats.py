@@ -1,5 +1,5 @@
 """A submit asked again (its reply lost, a leader changing) makes one job: the coordinator answers a
-repeat of a request id with the job the first made (coordinator/requests.py), and the CLI asks again
+repeat of a request id with the job the first made (coordinator/table/requests.py), and the CLI asks again
 with the same id while no leader answers (cli/client.py ``submitted``)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from revenant.common import bus
 from revenant.common.errors import BusError, RemoteError, RevenantError
-from revenant.common.limits import BadRequest, check_submit
-from revenant.coordinator.requests import ClientRequests
+from revenant.common.messaging import bus
+from revenant.common.settings.limits import BadRequest, check_submit
+from revenant.coordinator.table.requests import ClientRequests
 from revenant.messages import ErrorReply, JobRecord, JobReply, JobSpec, SubmitRequest, decode_as, encode, subjects
 from test_lifecycle import Agents, shell
 
@@ -160,7 +160,7 @@ async def test_the_cli_does_not_ask_again_after_a_coordinators_answer(nats_url, 
 async def test_a_submit_whose_first_write_landed_but_timed_out_is_one_job(monkeypatch):
     """The job table stored the new record but its answer was lost: the write is asked again
     (it meets the record it made, which stands), and the job starts once, as one job."""
-    from revenant.coordinator import store
+    from revenant.coordinator.table import store
 
     monkeypatch.setattr(store, "PATIENCE_DELAYS_S", (0.001, 0.001))
     jobs, table, agents, _ = shell()

@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-from revenant.cli.supervise import AGENT_HOLD_MAX_S, DEAD_FOR_S, RestartPolicy, failed, restart_hold
 from revenant.cli.processes import describe_exit
-from revenant.common.natsserver import pin_option
+from revenant.cli.supervise import AGENT_HOLD_MAX_S, DEAD_FOR_S, RestartPolicy, failed, restart_hold
+from revenant.common.messaging.natsserver import pin_option
 
 pytestmark = pytest.mark.unit
 

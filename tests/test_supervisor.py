@@ -15,13 +15,13 @@ import psutil
 import pytest
 
 from conftest import COUNTER, running
-from revenant.agent import procs
-from revenant.agent.criu import locate_criu
-from revenant.agent.engine import Engine, NoSpace
-from revenant.agent.epochs import JobFiles
-from revenant.agent.exits import SWITCH_EXIT
-from revenant.agent.jobs import JobNotRunning, Supervisor
-from revenant.agent.steps import BaseStep
+from revenant.agent.checkpointing.engine import Engine, NoSpace
+from revenant.agent.pipeline.criu import locate_criu
+from revenant.agent.pipeline.steps import BaseStep
+from revenant.agent.processes import procs
+from revenant.agent.processes.exits import SWITCH_EXIT
+from revenant.agent.running.jobs import JobNotRunning, Supervisor
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError, RevenantError, StaleGeneration
 from revenant.messages import JobSpec
 

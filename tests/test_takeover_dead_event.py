@@ -10,14 +10,14 @@ import time
 import pytest
 
 from helpers import wait_for
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig
-from revenant.common.kv import open_bucket
+from revenant.common.messaging import bus
+from revenant.common.messaging.kv import open_bucket
+from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.detector import FailureDetector
-from revenant.coordinator.leader import KEY
-from revenant.coordinator.store import KvJobStore
-from revenant.coordinator.takeover import announce_dead, announced
+from revenant.coordinator.nodes.detector import FailureDetector
+from revenant.coordinator.nodes.leader import KEY
+from revenant.coordinator.recovery.takeover import announce_dead, announced
+from revenant.coordinator.table.store import KvJobStore
 from revenant.messages import (
     Capabilities,
     CriuInfo,
@@ -105,7 +105,7 @@ async def test_a_dead_event_already_out_is_not_published_again(nats_url):
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
-    from revenant.common.events import EventPublisher
+    from revenant.common.messaging.events import EventPublisher
 
     events = EventPublisher(js)
     events.start()
@@ -142,7 +142,7 @@ def test_announced_means_a_dead_event_newer_than_the_last_sign_of_life():
 
 @pytest.mark.unit
 def test_a_recovery_log_line_never_names_an_empty_node():
-    from revenant.coordinator.failover import Failover
+    from revenant.coordinator.recovery.failover import Failover
 
     f = Failover(CoordinatorConfig(), None, None, None, lambda: [], lambda node: 10.0 if node == "node-1" else None,
                  clock=lambda: 12.5)

@@ -1,4 +1,4 @@
-"""Health thresholds and anomaly settings are configuration values (common/thresholds.py):
+"""Health thresholds and anomaly settings are configuration values (common/settings/thresholds.py):
 bad ones fail when the config is loaded, with one ConfigError, and the agent's rules use them."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from revenant.agent.anomaly import AnomalyDetector
-from revenant.common.config import AgentConfig, load_config
+from revenant.agent.node.anomaly import AnomalyDetector
 from revenant.common.errors import ConfigError
-from revenant.common.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
+from revenant.common.settings.config import AgentConfig, load_config
+from revenant.common.settings.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Per-user limits on submits (coordinator/userlimits.py): the jobs a user may have that are not
+"""Per-user limits on submits (coordinator/table/userlimits.py): the jobs a user may have that are not
 finished, and a token bucket of submits per user.  A submit past either is refused before
 anything happens (no job id, no record, nothing started) with one line naming the limit, the
 user and the number; a repeat of a submit that made a job still gets its job back."""
@@ -19,14 +19,14 @@ import pytest
 
 from conftest import VENV_BIN, revenant_cli
 from helpers import agent_config, running, wait_for
-from revenant.agent.agent import Agent
-from revenant.common import bus
-from revenant.common.config import CoordinatorConfig, load_config
+from revenant.agent.node.agent import Agent
 from revenant.common.errors import ConfigError, RemoteError
+from revenant.common.messaging import bus
+from revenant.common.settings.config import CoordinatorConfig, load_config
 from revenant.coordinator.coordinator import Coordinator
-from revenant.coordinator.requests import ClientRequests
-from revenant.coordinator.store import KvJobStore
-from revenant.coordinator.userlimits import (BUCKETS_KEPT, JobTable, SubmitRate, SubmitRateExceeded, TooManyJobs,
+from revenant.coordinator.table.requests import ClientRequests
+from revenant.coordinator.table.store import KvJobStore
+from revenant.coordinator.table.userlimits import (BUCKETS_KEPT, JobTable, SubmitRate, SubmitRateExceeded, TooManyJobs,
                                              UserLimits)
 from revenant.messages import JobRecord, JobReply, JobSpec, SubmitRequest, subjects
 from test_lifecycle import shell

@@ -1,4 +1,4 @@
-"""The working directory's snapshot (agent/workdir.py): taken as at the dump, linked where nothing
+"""The working directory's snapshot (agent/files/workdir.py): taken as at the dump, linked where nothing
 changed, bounded by its budget; put back exactly, whatever happened to the files since; a put-back
 killed at any step is completed by the next restore; a snapshot killed at any step changed nothing."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from revenant.agent import workdir, workdir_restore
-from revenant.agent.aside import move_aside
-from revenant.agent.epochs import LISTING, EpochError, FileEntry, JobFiles, Manifest
-from revenant.agent.jobfiles import scan_workdir
+from revenant.agent.files import workdir, workdir_restore
+from revenant.agent.files.aside import move_aside
+from revenant.agent.files.jobfiles import scan_workdir
+from revenant.agent.storage.epochs import LISTING, EpochError, FileEntry, JobFiles, Manifest
 
 pytestmark = pytest.mark.unit
 
@@ -68,7 +68,7 @@ def previous(epoch_dir: Path) -> workdir.Previous:
 
 
 def restore(m: Manifest, epoch_dir: Path, on_step=None) -> list[str]:
-    """What agent/filestep.py does before criu restores: move aside, then put back."""
+    """What agent/files/filestep.py does before criu restores: move aside, then put back."""
     snap = workdir.read(epoch_dir)
     notes = move_aside(m, epoch_dir, 1000, snapshot=frozenset(snap))
     plan = workdir_restore.plan(m, epoch_dir, snap, JobFiles(epoch_dir.parent, "1"))
@@ -223,7 +223,7 @@ def test_an_unreadable_snapshot_refuses_the_restore(tmp_path):
 
 
 def test_a_copy_linked_into_the_next_epoch_is_counted_once_in_the_jobs_storage(tmp_path):
-    from revenant.agent import packs
+    from revenant.agent.storage import packs
 
     files = JobFiles(tmp_path / "storage", "1")
     wd = make_workdir(tmp_path)

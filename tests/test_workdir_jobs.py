@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO
 from helpers import until
 from test_job_files import exact_steps, node_dies, steps_in
-from revenant.agent import workdir
-from revenant.agent.epochs import JobFiles
+from revenant.agent.files import workdir
+from revenant.agent.storage.epochs import JobFiles
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.criu
@@ -35,7 +35,7 @@ async def test_a_job_that_closes_its_files_goes_on_exactly_from_each_epoch(tmp_p
     files = JobFiles(n1.storage, "1")
     out = files.output
     # Files changed within a tick of a dump (2 s where times are whole seconds) are never linked by
-    # the next (agent/workdir.py RACY_NS): the first epoch comes once the first files are older.
+    # the next (agent/files/workdir.py RACY_NS): the first epoch comes once the first files are older.
     await until(lambda: steps_in(out) >= 10 and time.monotonic() - started > 3)
     first = await n1.checkpoint("1", 1, stop=False)
     at_first = steps_in(out)

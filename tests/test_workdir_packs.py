@@ -1,4 +1,4 @@
-"""The working directory's larger files stored as pages in packs (agent/workdir_packs.py): an epoch
+"""The working directory's larger files stored as pages in packs (agent/files/workdir_packs.py): an epoch
 adds only the pages that changed, an unchanged file keeps its runs, a segment starts afresh,
 verification names the pack and page at fault, retention and gc keep exactly what a kept epoch
 reads, a failed checkpoint leaves no pack, and a restore puts every file back byte for byte."""
@@ -12,12 +12,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from revenant.agent import packs, workdir, workdir_restore
-from revenant.agent.aside import move_aside
-from revenant.agent.chain import DIGEST, PAGE, pack_path
-from revenant.agent.epochs import LISTING, CorruptEpoch, FileEntry, JobFiles, Manifest
-from revenant.agent.filestep import prepare_workdir
-from revenant.agent.jobfiles import scan_workdir
+from revenant.agent.files import workdir, workdir_restore
+from revenant.agent.files.aside import move_aside
+from revenant.agent.files.filestep import prepare_workdir
+from revenant.agent.files.jobfiles import scan_workdir
+from revenant.agent.storage import packs
+from revenant.agent.storage.chain import DIGEST, PAGE, pack_path
+from revenant.agent.storage.epochs import LISTING, CorruptEpoch, FileEntry, JobFiles, Manifest
 
 pytestmark = pytest.mark.unit
 
@@ -37,7 +38,7 @@ def make_workdir(tmp_path: Path) -> Path:
 
 def checkpoint(files: JobFiles, wd: Path, full_every: int = 10, gate: bool = True,
                held: frozenset[str] = frozenset()) -> Manifest:
-    """What agent/filestep.py and the engine do for the working directory around one dump."""
+    """What agent/files/filestep.py and the engine do for the working directory around one dump."""
     prev, packer = prepare_workdir(files, str(wd), full_every)
     tmp = files.new_tmp("n1")
     (tmp / "pages-1.img").write_bytes(b"p" * PAGE)

@@ -9,7 +9,7 @@
 # debootstrap (criu 4.2.1 and the libnftables its network lock uses) and run criu through that
 # root's own dynamic loader: the host's libc is untouched.
 #
-# Beyond `criu check`, the probe (python -m revenant.agent.netprobe) dumps and restores a
+# Beyond `criu check`, the probe (python -m revenant.agent.network.netprobe) dumps and restores a
 # process holding a UDP socket, a listening TCP socket, an established loopback TCP pair and a
 # unix datagram socket connected to the outside; the agent runs the same at start-up.
 #
@@ -67,11 +67,11 @@ write_launcher() {
 probe() {
     local py
     py="$(dirname "$launcher")/python"
-    if ! [ -x "$py" ] || ! "$py" -c 'import revenant.agent.netprobe' 2>/dev/null; then
+    if ! [ -x "$py" ] || ! "$py" -c 'import revenant.agent.network.netprobe' 2>/dev/null; then
         log "revenant is not installed next to $launcher: the socket probe is left to the agent"
         return 0
     fi
-    timeout 300 "$py" -m revenant.agent.netprobe "$launcher" >&2 && probed=" and the socket probe"
+    timeout 300 "$py" -m revenant.agent.network.netprobe "$launcher" >&2 && probed=" and the socket probe"
 }
 probed=
 

@@ -78,7 +78,7 @@ if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || ! command -v psql 
     apt_install postgresql postgresql-client
 fi
 command -v git >/dev/null 2>&1 || apt_install git
-# The agent locks a job's TCP connections while criu dumps them with nft (agent/netlock.py).
+# The agent locks a job's TCP connections while criu dumps them with nft (agent/network/netlock.py).
 if ! command -v nft >/dev/null 2>&1 && ! [ -x /usr/sbin/nft ]; then
     apt_install nftables
 fi

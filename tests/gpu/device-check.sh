@@ -172,7 +172,7 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); 
     fi
     # What the agent's own probe finds: sockets, established TCP, the nftables network lock.
     if [ "$criu_ok" = yes ] && [ "$venv_ok" = yes ]; then
-        step netprobe 60 "$venv/bin/python" -m revenant.agent.netprobe "$bundle/criu/criu" || true
+        step netprobe 60 "$venv/bin/python" -m revenant.agent.network.netprobe "$bundle/criu/criu" || true
     fi
 else
     skip criu-works "no bundled criu at $bundle/criu/criu"

@@ -2,7 +2,7 @@
 (answers "pong" to each connection), a named FIFO there (held open), and a file there that it
 deleted while holding it; plus an abstract socket.  Prints a counter and what its deleted file
 holds, every 20 ms.  Usage: remade.py DIR (``own-tmp``: /tmp, without naming it in the job's
-arguments, which would keep the host's /tmp for it: agent/launcher.py)"""
+arguments, which would keep the host's /tmp for it: agent/running/launcher.py)"""
 
 import os
 import select

@@ -1,0 +1,186 @@
+"""The engine step for a job's own files: taken while criu holds the job frozen
+(agent/files/jobfiles.py), put back before a restore (agent/files/jobfiles_restore.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from pathlib import Path
+
+from revenant.agent.files import aside, jobfiles_restore, remade, workdir, workdir_packs, workdir_restore
+from revenant.agent.files.jobfiles import Snapshot, SnapshotResult
+from revenant.agent.network import criuimages, netstate
+from revenant.agent.pipeline.steps import BaseStep, DumpContext, RestoreContext
+from revenant.agent.storage import packs
+from revenant.agent.storage.epochs import EpochError, FileEntry, JobFiles, Manifest
+from revenant.messages import CheckpointPolicy, JobResource
+
+log = logging.getLogger(__name__)
+
+# DumpContext.state's key for the epoch's packer of working-directory files (agent/files/workdir_packs.py).
+_PACKER = "workdir-packer"
+# Once criu has exited, the snapshot's thread has answered (or never started): this long at most.
+_SETTLE_S = 5.0
+
+
+def _in_thread(snap: Snapshot, name: str) -> asyncio.Future[SnapshotResult]:
+    """``snap.serve`` in a thread of its own: never queued behind the default executor's
+    other work while the job is frozen."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[SnapshotResult] = loop.create_future()
+
+    def settle(result: SnapshotResult) -> None:
+        if not done.done():
+            done.set_result(result)
+
+    def run() -> None:
+        result = snap.serve()
+        try:
+            loop.call_soon_threadsafe(settle, result)
+        except RuntimeError:
+            pass  # the loop is gone (the agent stopped): nobody waits any more
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def _newest(files: JobFiles, job_workdir: str) -> workdir.Previous | None:
+    """The newest committed epoch's snapshot of ``job_workdir``: its unchanged files are linked."""
+    for n in reversed(files.committed()):
+        try:
+            m = files.read_manifest(n)
+        except EpochError:
+            continue
+        return workdir.previous(files.epoch_dir(n), m, job_workdir)
+    return None
+
+
+def prepare_workdir(files: JobFiles, job_workdir: str, full_every: int) -> tuple[workdir.Previous | None,
+                                                                          workdir_packs.Packer]:
+    """Before the dump (the job still runs): the previous snapshot, and the packer of this
+    epoch's changed files, with the indexes of the packs of its segment it deduplicates against."""
+    prev = _newest(files, job_workdir)
+    n = files.next_number()  # the epoch this will be (one checkpoint of a job at a time)
+    seg = packs.segment_of(n, full_every)
+    base = [ref for ref in prev.packs if ref.startswith(f"{seg}/")] if prev is not None else []
+    return prev, workdir_packs.Packer(files, n, seg, base)
+
+
+class JobFilesStep(BaseStep):
+    name = "job-files"
+
+    def __init__(self, storage: Path, max_bytes: int = 64 * 1024**2, max_entries: int = 20_000,
+                 timeout_s: float = 120.0, workdir_max_bytes: int = 4 * 1024**3, workdir_gate: bool = True) -> None:
+        self.storage = storage
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.timeout_s = timeout_s
+        self.workdir_max_bytes = workdir_max_bytes  # 0: no snapshot of the working directory
+        self.workdir_gate = workdir_gate  # False: changed files copied while frozen (bench/file_freeze.py)
+
+    async def before_dump(self, ctx: DumpContext) -> None:
+        taker = None
+        if self.workdir_max_bytes > 0 and ctx.job_workdir:
+            full_every = ctx.policy.full_every if ctx.policy is not None else CheckpointPolicy().full_every
+            prev, packer = await asyncio.to_thread(prepare_workdir, ctx.files, ctx.job_workdir, full_every)
+            ctx.state[_PACKER] = packer
+            taker = workdir.Taker(ctx.job_workdir, ctx.epoch_tmp, ctx.shared_tmp, prev,
+                                  workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes,
+                                  self.workdir_gate, packer=packer).take
+        snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
+                        max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
+                        taker=taker)
+        ctx.post_dump_script += snap.script_lines()
+        ctx.why_failed.append(snap.why_failed)
+        ctx.state[self.name] = (snap, _in_thread(snap, f"snapshot-{ctx.job}"))
+
+    async def _finish(self, ctx: DumpContext) -> SnapshotResult | None:
+        """Let the snapshot's thread go (criu has exited) and take its result; None if it is still
+        busy (a hung file system): it is abandoned, and the dump fails."""
+        snap, serving = ctx.state.pop(self.name)
+        snap.release()
+        try:
+            return await asyncio.wait_for(asyncio.shield(serving), _SETTLE_S)
+        except asyncio.TimeoutError:
+            log.error("job %s: the snapshot of its files is still busy after the dump; abandoned", ctx.job)
+            return None
+
+    async def after_dump(self, ctx: DumpContext) -> None:
+        result = await self._finish(ctx)
+        taken = result.taken if result is not None and isinstance(result.taken, workdir.Taken) else None
+        try:
+            await self._after_dump(ctx, result, taken)
+        finally:
+            if taken is not None:
+                taken.abandon()  # finished already, or the dump failed: its gate never outlives the dump
+
+    async def _after_dump(self, ctx: DumpContext, result: SnapshotResult | None, taken: workdir.Taken | None) -> None:
+        if result is None or not result.ran:
+            raise EpochError(f"checkpoint of {ctx.job} failed: the job's files were not snapshotted "
+                             "while it was frozen")
+        if result.error:
+            raise EpochError(f"checkpoint of {ctx.job} failed: {result.error}")
+        m = ctx.manifest
+        m.job_files, m.workdir, m.workdir_note, m.files_s = result.files, result.workdir, result.workdir_note, \
+            result.seconds
+        if taken is not None:  # the job runs again: its changed files' copies, its unchanged ones' links
+            await asyncio.to_thread(workdir.finish, taken)
+            m.workdir_files, m.workdir_copied, m.workdir_linked = len(taken.files), taken.copied, taken.linked
+            m.workdir_packs = taken.table
+            m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
+        try:  # as criu recorded them: read from its images, the job no longer frozen
+            m.listening, m.connections = await asyncio.to_thread(criuimages.inet_sockets, ctx.epoch_tmp,
+                                                                 netstate.MAX_LISTED)
+        except (OSError, ValueError) as exc:
+            log.warning("job %s: cannot read its sockets from the images: %s", ctx.job, exc)
+        # The output's size as well, as epochs had it before job_files: an older agent restoring
+        # this epoch still cuts the output back.
+        out = str(ctx.files.output)
+        if out in result.files:
+            m.outputs = {out: result.files[out].size}
+
+    async def on_dump_failed(self, ctx: DumpContext) -> None:
+        if self.name in ctx.state:
+            result = await self._finish(ctx)
+            if result is not None and isinstance(result.taken, workdir.Taken):
+                result.taken.abandon()
+        packer = ctx.state.pop(_PACKER, None)
+        if packer is not None:  # after the gate let go: nothing packs any more
+            await asyncio.to_thread(packer.discard)
+
+    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> list[jobfiles_restore.PutBack]:
+        return jobfiles_restore.plan(manifest, epoch_dir)
+
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        why = await asyncio.to_thread(remade.recheck_epoch, ctx.epoch_dir, ctx.manifest.user)
+        if why:
+            raise EpochError(f"restore of job {ctx.job} refused: {why}")
+        planned = ctx.checked.get(self.name)  # what check_restore found for this epoch, moments ago
+
+        def put_back() -> list[str]:
+            todo = planned if planned is not None else jobfiles_restore.plan(ctx.manifest, ctx.epoch_dir)
+            notes = jobfiles_restore.apply(todo)
+            ctx.checked[self.name] = todo  # with each file's inode: checked before the job resumes
+            m = ctx.manifest
+            snapshot = None
+            if m.workdir_files and not (m.workdir_note or ctx.leave_workdir):
+                snapshot = workdir.read(ctx.epoch_dir)
+            notes += aside.move_aside(m, ctx.epoch_dir, self.max_entries, leave=ctx.leave_workdir,
+                                      snapshot=frozenset(snapshot or ()))
+            if snapshot and os.path.isdir(m.workdir):  # after what appeared since went aside
+                notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot, ctx.files))
+            return notes
+        ctx.notes += await asyncio.to_thread(put_back)
+
+    async def before_resume(self, ctx: RestoreContext) -> None:
+        done = ctx.checked.get(self.name) or []
+        path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir,
+                                       bool(ctx.manifest.job_files), str(ctx.workdir))
+        if path is not None:
+            raise EpochError(f"restore of job {ctx.job} refused: criu opened {path}, which is not a file the job "
+                             "had open at the dump (a directory on its path was swapped while it restored)")
+
+    def inspect(self, pid: int) -> list[JobResource]:
+        return remade.inspect(pid)

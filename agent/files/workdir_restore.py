@@ -1,0 +1,110 @@
+"""Putting a job's working directory back as it was at an epoch (its snapshot: agent/files/workdir.py),
+before criu restores the job and after agent/files/aside.py moved aside what appeared since.
+
+Every file that changed or went since the epoch gets back its content, size, mode, owner and
+mtime: in place where the path still names a regular file (the inode a program knows is kept),
+made again, with its directories, where it went.  Idempotent: a put-back cut short is completed
+by the next restore of the epoch.  Every path is walked from the working directory without
+following a link (agent/files/beneath.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pwd
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from revenant.agent.files import beneath
+from revenant.agent.files.jobfiles_restore import MAX_NAMED, PutBack, put_back
+from revenant.agent.files.workdir import WorkdirFile, size_text
+from revenant.agent.storage.chain import Recipe, stream, workdir_recipe
+from revenant.agent.storage.epochs import EpochError, JobFile, Manifest
+from revenant.agent.storage.manifest import EpochStore
+
+
+@dataclass
+class Plan:
+    workdir: str
+    epoch: int
+    todo: list[PutBack] = field(default_factory=list)
+    files: int = 0  # files in the snapshot
+    unchanged: int = 0
+
+
+def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile], files: EpochStore) -> Plan:
+    """What putting the working directory back as at the epoch takes (after agent/files/aside.py moved
+    aside what appeared since, and anything that is no longer a regular file where one was).
+    A packed file's pages are read from ``files``' packs (agent/files/workdir_packs.py)."""
+    workdir, n = manifest.workdir, manifest.epoch
+    out = Plan(workdir, n, files=len(snapshot))
+    keep_setgid = _setgid_rule(manifest.user)
+    dirs: dict[str, int | None] = {"": beneath.open_dir(workdir)}  # each directory walked to once (None: gone)
+    try:
+        for rel, rec in sorted(snapshot.items()):
+            head, _, name = rel.rpartition("/")
+            if head not in dirs:
+                try:
+                    dirs[head] = beneath.walk(dirs[""], head.split("/"), rel)  # type: ignore[arg-type]
+                except FileNotFoundError:
+                    dirs[head] = None
+                except OSError as exc:
+                    raise EpochError(f"cannot put back {os.path.join(workdir, rel)}: {exc.strerror or exc}") \
+                        from None
+            parent = dirs[head]
+            st = beneath.lstat_in(parent, name) if parent is not None else None
+            if st is not None and stat.S_ISREG(st.st_mode) and rec.same(st):
+                out.unchanged += 1
+                continue
+            path = os.path.join(workdir, rel)
+            mode = rec.mode if keep_setgid(rec.gid) else rec.mode & ~stat.S_ISGID
+            entry = JobFile(size=rec.size, mode=mode, uid=rec.uid, gid=rec.gid, ino=rec.ino, mtime_ns=rec.mtime_ns)
+            fill = None
+            if rec.runs is not None:
+                what = f"epoch {n}: the working directory's {rel}"
+                fill = functools.partial(_fill, files, workdir_recipe(manifest, rec, what), rec.size, rec.crc, what)
+            out.todo.append(PutBack(path, rec.size, str(epoch_dir / rec.copy), entry, "",
+                                    make_parent=st is None, workdir=workdir, mtime_ns=rec.mtime_ns, fill=fill))
+    finally:
+        for fd in dirs.values():
+            if fd is not None:
+                os.close(fd)
+    return out
+
+
+def _fill(files: EpochStore, recipe: Recipe, size: int, crc: str, what: str, fd: int) -> None:
+    """A packed file's content, from its packs, into ``fd`` from its start (checked: CorruptEpoch)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    with open(os.dup(fd), "wb") as out:
+        stream(files, recipe, size, crc, what, out)
+
+
+def _setgid_rule(user: str) -> Callable[[int], bool]:
+    """Whether a file of ``user``'s job may get its set-group-id bit back for a group: only if
+    the user is still in that group (root never hands back a group the user has left)."""
+    if user in ("", "root"):
+        return lambda gid: True
+    try:
+        pw = pwd.getpwnam(user)
+        groups = set(os.getgrouplist(user, pw.pw_gid))
+    except KeyError:
+        return lambda gid: False
+    return groups.__contains__
+
+
+def apply(p: Plan, on_step: Callable[[str], None] = lambda step: None) -> list[str]:
+    for todo in p.todo:
+        on_step(f"put back {todo.path}")
+        try:
+            put_back(todo)
+        except OSError as exc:
+            raise EpochError(f"cannot put back {todo.path}: {exc.strerror or exc}") from None
+    if not p.todo:
+        return []
+    names = [os.path.relpath(t.path, p.workdir) for t in p.todo]
+    named = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+    return [f"put back {len(p.todo)} of the {p.files} files of {p.workdir} as they were at epoch {p.epoch} "
+            f"({size_text(sum(t.size for t in p.todo))}; changed or gone since): {named}"]

@@ -1,0 +1,45 @@
+"""What the supervisor (agent/running/jobs.py) knows of each job on this node: one running
+(:class:`JobRuntime`) or coming up (:class:`Launch`).  Its own module, so that the parts that act
+on running jobs (agent/running/freezing.py) can name them without importing the supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from revenant.agent.storage.epochs import JobFiles
+from revenant.messages import JobGpu, JobSpec
+
+
+@dataclass
+class JobRuntime:
+    spec: JobSpec
+    generation: int
+    pid: int  # host pid of the namespace's init: the root criu dumps
+    files: JobFiles
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A vacate is under way: the job's exit is reported when it ends (see _report_exit).
+    vacating: bool = False
+    # The vacate (or drain) committed this epoch, holding these GPUs under this driver, then stopped the job.
+    stopped_at_epoch: int | None = None
+    stopped_gpus: tuple[list[JobGpu], str] = ([], "")
+    killing: bool = False
+    kill_reason: str = ""
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int | None = None
+    # Stopped by its node (a drain, a fence), not by a user or itself: to be restored elsewhere.
+    evicted: bool = False
+    # When its node's self-fence froze it (SIGSTOP; clock time), or None: running.
+    frozen_at: float | None = None
+
+
+@dataclass
+class Launch:
+    """A start or restore in progress: the job is not running yet, but will be."""
+
+    generation: int
+    superseded: str = ""  # why its result must not live (a newer generation, or a kill)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The new job's dead man's switch, reset with the running jobs' while it comes up.
+    stamp: Path | None = None

@@ -1,0 +1,324 @@
+"""Epochs on shared storage: atomic commit, verification, retention.
+
+Layout, per job, under ``<storage>/jobs/<job>/``::
+
+    output.log                the job's stdout and stderr (append mode)
+    epochs/<N>/               a committed epoch: criu images, files/ (copies of the job's own
+                              files, agent/files/jobfiles.py), workdir.json, manifest.json
+    epochs/.tmp-<node>-<rnd>/ an epoch being written (or a delta rebuilt); never listed
+    epochs/.trash-<N>-<rnd>/  an epoch being deleted; never listed
+    epochs/.lock, packs/      the job's storage lock; pages of older epochs (agent/checkpointing/policy.py, packs.py)
+
+An epoch is committed by writing its files into a temporary directory, then ``manifest.json``
+(size and CRC-32 of every file, the criu version, kernel, CPU flags, the job's own files at the
+dump), fsyncing, and renaming it to ``<N>``: a directory named by a number is a complete epoch.
+
+The checksums guard against corruption (a torn write, a bad disk, a truncated copy), not an
+attacker who can write the storage: CRC-32 (zlib, several GB/s), not SHA-256 (1.6 GB/s here).
+
+Epochs are private: root's, directories 0700 and files 0600 (agent/storage/private.py).
+Everything here is blocking file I/O, run in a worker thread by the engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, Collection
+
+import msgspec
+
+from revenant.agent.storage import imagesum
+from revenant.agent.storage.chain import verify_recipes, verify_workdir
+from revenant.agent.storage.fileio import Durable, copy_bytes, fsync_path
+from revenant.agent.storage.manifest import (MANIFEST, MANIFEST_VERSION, CorruptEpoch, EpochError, FileEntry,  # noqa: F401
+                                     FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry, WORKDIR_FILES)
+from revenant.agent.storage.private import PRIVATE_FILE, make_private, private_dir, trusted
+from revenant.common import retention
+from revenant.messages import EpochFile, EpochInfo
+from revenant.messages.parts import MAX_EPOCH_FILES
+from revenant.messages.subjects import check_name
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 * 1024 * 1024
+_EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
+
+
+def checksum_file(path: Path, algo: str = "crc32") -> str:
+    with open(path, "rb", buffering=0) as f:
+        if algo == "crc32":
+            crc = 0
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+            return f"{crc:08x}"
+        if algo == "sha256":  # manifests written before CRC-32 was the default
+            h = hashlib.sha256()
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+            return h.hexdigest()
+    raise CorruptEpoch(f"{path}: unknown checksum algorithm {algo!r}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fsync_path(path, directory=True)
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    """A private (0600) copy of ``src`` at ``dst``, in the kernel (made durable by the commit)."""
+    with open(src, "rb") as fin, open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as fout:
+        copy_bytes(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size)
+
+
+# A pre-dump's images inside the epoch (agent/checkpointing/predump.py), and criu's link to them.
+PREDUMP_DIR, PARENT_LINK = "predump", "parent"
+
+
+def _image_names(directory: Path) -> list[str]:
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.suffix == ".img")
+    pre = directory / PREDUMP_DIR
+    names += sorted(f"{PREDUMP_DIR}/{p.name}" for p in pre.iterdir() if p.suffix == ".img") if pre.is_dir() else []
+    return names + [n for n in ("stats-dump",) if (directory / n).is_file()]
+
+
+def link_predump(directory: Path, names: Collection[str]) -> None:
+    """criu's ``parent`` link to the pre-dump, made again (always to PREDUMP_DIR, never elsewhere)."""
+    if any(n.startswith(f"{PREDUMP_DIR}/") for n in names) and not os.path.lexists(directory / PARENT_LINK):
+        os.symlink(PREDUMP_DIR, directory / PARENT_LINK)
+
+
+# The job's own files taken with an epoch (agent/files/jobfiles.py): copies, and the workdir's listing.
+FILES_DIR = "files"
+LISTING = "workdir.json"
+
+
+def _job_file_names(directory: Path) -> list[str]:
+    copies = directory / FILES_DIR
+    names = sorted(f"{FILES_DIR}/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
+    return names + [n for n in (LISTING, WORKDIR_FILES) if (directory / n).is_file()]
+
+
+class JobFiles:
+    """Paths of one job on shared storage."""
+
+    def __init__(self, storage: str | os.PathLike[str], job: str) -> None:
+        # The one way from a job id to a path: an id that could leave jobs/ is refused here.
+        self.dir = Path(storage) / "jobs" / check_name(job, "job id")
+        self.job = job
+        self.epochs_dir = self.dir / "epochs"
+        self.output = self.dir / "output.log"
+        self.stamp = self.dir / "alive"  # the dead man's switch's stamp (agent/running/launcher.py)
+        self.packs_dir = self.dir / "packs"  # pages of converted epochs (agent/storage/packs.py)
+
+    def epoch_dir(self, n: int) -> Path:
+        return self.epochs_dir / str(n)
+
+    # ------------------------------------------------------------------ listing
+
+    def committed(self) -> list[int]:
+        """Committed epoch numbers, oldest first."""
+        try:
+            names = os.listdir(self.epochs_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if _EPOCH_RE.match(n) and (self.epochs_dir / n / MANIFEST).is_file())
+
+    def next_number(self) -> int:
+        try:
+            names = os.listdir(self.epochs_dir)
+        except FileNotFoundError:
+            return 1
+        numbers = [int(n) for n in names if _EPOCH_RE.match(n)]
+        numbers += [int(m.group(1)) for n in names if (m := re.match(r"^\.trash-([0-9]+)-", n))]
+        return max(numbers, default=0) + 1
+
+    def read_manifest(self, n: int) -> Manifest:
+        path = self.epoch_dir(n) / MANIFEST
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=Manifest)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
+
+    def info(self, m: Manifest) -> EpochInfo:
+        # The files it could not copy first: they are the ones an operator needs to see.
+        files = sorted(m.job_files.items(), key=lambda kv: (bool(kv[1].copy) or kv[1].append, kv[0]))
+        return EpochInfo(n=m.epoch, bytes=m.total_bytes, created_at=m.created_at, freeze_s=m.freeze_s,
+                         duration_s=m.total_s or m.dump_s, node=m.node, generation=m.generation,
+                         files=[EpochFile(path=path, size=f.size, copied=bool(f.copy), not_copied=f.no_copy)
+                                for path, f in files[:MAX_EPOCH_FILES]],
+                         files_total=len(m.job_files), files_copied=sum(1 for f in m.job_files.values() if f.copy),
+                         workdir_note=m.workdir_note, workdir_files=m.workdir_files, workdir_copied=m.workdir_copied,
+                         workdir_linked=m.workdir_linked, gpus=m.gpus, gpu_driver=m.gpu_driver,
+                         listening=m.listening, connections=m.connections)
+
+    # ------------------------------------------------------------------ commit
+
+    def new_tmp(self, node: str) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.epochs_dir)
+        return private_dir(self.epochs_dir / f".tmp-{check_name(node)}-{secrets.token_hex(4)}")
+
+    def commit(self, tmp: Path, manifest: Manifest, staging: Path | None = None,
+               clock: Callable[[], float] = time.monotonic, follower: imagesum.Follower | None = None,
+               durable: Durable | None = None) -> Manifest:
+        """Make the images in ``tmp`` (copied there from ``staging`` first, if given) an epoch: a
+        CRC-32 of every file (the ``follower``'s, taken as criu wrote them, where it has them), all
+        of them durable at once (``durable``, opened before they were written: agent/storage/imagesum.py),
+        the manifest, fsynced, last, then the rename to the next N."""
+        started = clock()
+        if staging is not None:
+            staged = _image_names(staging) + _job_file_names(staging)
+            for sub in (FILES_DIR, PREDUMP_DIR):
+                if (staging / sub).is_dir():
+                    (tmp / sub).mkdir(mode=0o700, exist_ok=True)
+            link_predump(tmp, staged)
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
+        make_private(tmp)  # whatever criu's and the copies' modes were
+        with Durable(tmp) if durable is None else contextlib.nullcontext(durable) as sync:
+            known = {n: (e.size, e.checksum) for n, e in manifest.files.items()}  # set by a step: linked copies
+            sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower, known)
+        manifest.checksum = "crc32"
+        manifest.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in sums.items()}
+        manifest.commit_s = clock() - started
+        manifest.total_s = manifest.dump_s + manifest.commit_s
+        n = self.next_number()
+        manifest.epoch = n
+        mpath = tmp / MANIFEST
+        with open(os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as f:
+            f.write(msgspec.json.encode(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+        if (tmp / FILES_DIR).is_dir():
+            _fsync_dir(tmp / FILES_DIR)
+        _fsync_dir(tmp)
+        final = self.epoch_dir(n)
+        os.rename(tmp, final)  # the commit point; a crash before it leaves only .tmp-*
+        _fsync_dir(self.epochs_dir)
+        return manifest
+
+    def discard(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def clean_stale_tmp(self, node: str) -> None:
+        """Remove this node's half-written epochs (from a crash mid-dump) and unfinished deletions."""
+        try:
+            names = os.listdir(self.epochs_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            # Exactly new_tmp's names for this node: node "n1" never takes node "n1-b"'s.
+            if re.fullmatch(rf"\.tmp-{re.escape(node)}-[0-9a-f]{{8}}", name) or name.startswith(".trash-"):
+                shutil.rmtree(self.epochs_dir / name, ignore_errors=True)
+
+    # ------------------------------------------------------------------ verify, prune
+
+    def verify(self, n: int, skip: Callable[[Manifest, str], bool] | None = None) -> Manifest:
+        """Epoch ``n``'s manifest if every file matches its size and checksum (``skip``: files whose
+        checksum the caller checks: what a lazy restore serves)."""
+        m = self.read_manifest(n)
+        if m.job != self.job:  # an epoch moved here from another job's directory
+            raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
+        d = self.epoch_dir(n)
+        for name, entry in m.files.items():
+            path = d / name
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise CorruptEpoch(f"epoch {n}: {name} is missing") from None
+            if size != entry.size:
+                raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
+            if (skip is None or not skip(m, name)) and checksum_file(path, m.checksum) != entry.checksum:
+                raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
+        if m.recipes:  # every page it needs, from the packs
+            verify_recipes(self, m)
+        if m.workdir_packs:  # and its working directory's
+            verify_workdir(self, m, d)
+        return m
+
+    def check_trusted(self) -> None:
+        """Refuse to restore from an ``epochs/`` that is not the agent's own (agent/storage/private.py)."""
+        if not trusted(self.epochs_dir):
+            raise EpochError(f"job {self.job}: {self.epochs_dir} is not the agent's own directory; never restored from")
+
+    def newest_verified(self, check: Callable[[Manifest], None] | None = None,
+                        skip: Callable[[Manifest, str], bool] | None = None) -> tuple[Manifest, list[str]]:
+        """The newest epoch that verifies (and that ``check`` does not refuse with FilesChanged),
+        and a note for each newer one that did not."""
+        self.check_trusted()
+        notes: list[str] = []
+        refused = False
+        for n in reversed(self.committed()):
+            try:
+                m = self.verify(n, skip)
+                if check is not None:
+                    check(m)
+                return m, notes
+            except (CorruptEpoch, FilesChanged) as exc:
+                refused = refused or isinstance(exc, FilesChanged)
+                notes.append(f"{exc}; falling back to an older epoch")
+        if notes:
+            raise NoEpoch(f"job {self.job}: no epoch {'can be restored' if refused else 'verifies'} "
+                          f"({'; '.join(notes)})")
+        raise NoEpoch(f"job {self.job} has no checkpoint")
+
+    def prune(self, keep: int, verified: Collection[int] = ()) -> list[int]:
+        """Delete committed epochs beyond ``keep`` by the shared retention rule: those that fail
+        verification first, never the newest that verifies; returns the numbers removed.
+        ``verified``: epochs known to verify, not read again (the one just committed, whose
+        checksums were taken as it was written: with ``keep`` 1 nothing is read at all).
+        ``keep`` below 1 deletes nothing, and so does a storage error while verifying (a
+        read that failed proves nothing about the epoch)."""
+        committed = self.committed()
+        if keep < 1 or len(committed) <= keep:
+            return []
+
+        def verifies(n: int) -> bool:
+            if n in verified:
+                return True
+            try:
+                self.verify(n)
+                return True
+            except CorruptEpoch:
+                return False
+
+        try:
+            doomed = retention.epochs_to_prune(committed, keep, verifies)
+        except OSError as exc:
+            log.warning("job %s: retention skipped, an epoch could not be read: %s", self.job, exc)
+            return []
+        return [n for n in doomed if self.delete_epoch(n)]
+
+    def delete_epoch(self, n: int) -> bool:
+        """Unlist epoch ``n`` at once, then delete it; False if it was gone (another node's retention)."""
+        trash = self.epochs_dir / f".trash-{n}-{secrets.token_hex(4)}"
+        try:
+            os.rename(self.epoch_dir(n), trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+    def purge(self) -> int:
+        """Remove every checkpoint of the job, epochs first, then their packs; returns the bytes freed."""
+        freed = 0
+        for tree in (d for d in (self.epochs_dir, self.packs_dir) if d.exists()):
+            for root, _, files in os.walk(tree):
+                for f in files:
+                    try:
+                        freed += os.lstat(os.path.join(root, f)).st_size
+                    except OSError:
+                        pass
+            trash = self.dir / f".purge-{secrets.token_hex(4)}"
+            os.rename(tree, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        return freed

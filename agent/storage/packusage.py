@@ -1,0 +1,120 @@
+"""What a job's epochs cost: the job's storage, and each kept epoch's own bytes (what deleting
+it alone would free), from manifests, recipes and file sizes, never page data (agent/storage/packs.py
+stores the pages)."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from revenant.agent.storage.chain import DIGEST, PAGE, Recipe, pack_path, read_recipe, runs_of, workdir_recipe
+from revenant.agent.storage.epochs import FILES_DIR, MANIFEST, CorruptEpoch, JobFiles, Manifest
+from revenant.agent.storage.manifest import read_workdir
+
+
+def readable_manifests(files: JobFiles) -> tuple[dict[int, Manifest], bool]:
+    """The readable manifests of the committed epochs; whether every one was."""
+    out: dict[int, Manifest] = {}
+    complete = True
+    for n in files.committed():
+        try:
+            out[n] = files.read_manifest(n)
+        except CorruptEpoch:
+            complete = False
+    return out, complete
+
+
+def _own_pages(intervals: list[tuple[int, int, int]]) -> dict[int, int]:
+    """Per epoch, the pages of one pack that only it references; ``intervals``: (first, end, epoch)."""
+    merged: list[tuple[int, int, int]] = []
+    for first, end, n in sorted(intervals, key=lambda iv: (iv[2], iv[0])):
+        if merged and merged[-1][2] == n and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]), n)
+        else:
+            merged.append((first, end, n))
+    events = sorted([(f, 1, n) for f, _, n in merged] + [(e, -1, n) for _, e, n in merged])
+    own: dict[int, int] = {}
+    count = total = last = 0
+    for pos, delta, n in events:
+        if count == 1:  # exactly one epoch covered [last, pos): total is its number
+            own[total] = own.get(total, 0) + pos - last
+        count += delta
+        total += delta * n
+        last = pos
+    return own
+
+
+def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
+    """(the job's storage, {epoch: bytes only it holds}), from manifests, recipes and file sizes,
+    never page data: the kept epochs' files and the packs they reference, a shared page once;
+    an epoch's own bytes are its files and the pages (with their digests) no other kept epoch reads."""
+    manifests, _ = readable_manifests(files)
+    own: dict[int, int] = {}
+    intervals: dict[str, list[tuple[int, int, int]]] = {}
+    for n, m in manifests.items():
+        try:
+            own[n] = sum(f.size for f in m.files.values()) + os.stat(files.epoch_dir(n) / MANIFEST).st_size
+        except OSError:
+            own[n] = sum(f.size for f in m.files.values())
+        for recipe in _recipes(files, m):
+            for ref, first, count in runs_of(recipe):
+                intervals.setdefault(ref, []).append((first, first + count, n))
+    storage = sum(own.values())
+    for ref in {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}:
+        for suffix in (".pack", ".idx"):
+            try:
+                storage += os.stat(pack_path(files, ref, suffix)).st_size
+            except (OSError, CorruptEpoch):
+                pass
+    for ivs in intervals.values():
+        for n, pages in _own_pages(ivs).items():
+            own[n] += pages * (PAGE + DIGEST)
+    return storage - _shared_copies(files, manifests, own), own
+
+
+def _recipes(files: JobFiles, m: Manifest) -> Iterator[Recipe]:
+    """Every recipe epoch ``m`` reads pages by: its images', its working directory's packed files'
+    (one per copy); those that cannot be read are left out."""
+    for name in m.recipes:
+        try:
+            yield read_recipe(files, m, name)
+        except CorruptEpoch:
+            continue
+    if not m.workdir_packs:
+        return
+    try:
+        snapshot = read_workdir(files.epoch_dir(m.epoch)) or {}
+    except CorruptEpoch:
+        return
+    seen: set[str] = set()
+    for rec in snapshot.values():
+        if rec.runs is not None and rec.copy not in seen:
+            seen.add(rec.copy)
+            try:
+                yield workdir_recipe(m, rec, rec.copy)
+            except CorruptEpoch:
+                continue
+
+
+def _shared_copies(files: JobFiles, manifests: dict[int, Manifest], own: dict[int, int]) -> int:
+    """Working-directory copies linked from one epoch into the next (agent/files/workdir.py): taken out
+    of each sharing epoch's own bytes; the bytes counted more than once in the storage."""
+    holders: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for n, m in manifests.items():
+        if not m.workdir_files:
+            continue
+        for name, f in m.files.items():
+            if name.startswith(f"{FILES_DIR}/w"):
+                try:
+                    st = os.stat(files.epoch_dir(n) / name)
+                except OSError:
+                    continue
+                holders.setdefault((st.st_dev, st.st_ino), []).append((n, f.size))
+    extra = 0
+    for held in holders.values():
+        if len(held) > 1:
+            extra += held[0][1] * (len(held) - 1)
+            for n, size in held:
+                own[n] -= size
+    return extra
+

@@ -1,0 +1,202 @@
+"""Who asks the coordinator, and which jobs they may see and act on.
+
+Every client request arrives on one of two subjects (messages/subjects.py):
+
+- ``revenant.coord.<verb>``: admin (root, operators; and agents, for ``reconcile``), who
+  sees and acts on every job and may submit on any user's behalf;
+- ``revenant.user.<user>.<verb>``: the Unix user ``<user>``, who sees and acts on the jobs
+  whose ``spec.user`` is theirs, and submits as themself only.
+
+Who asks is read from the subject alone, never from a field of the request: in the
+authenticated mode the server lets identity ``user-<user>`` publish on its own subjects only,
+so the name is the server's word; in the insecure mode it is the client's own claim.
+
+Another user's job answers exactly like a job that does not exist (``unknown job N``), so
+that no one learns which ids are taken.  A record stored before jobs had users
+(``spec.user == ""``) is shown to admin only: the agent runs such a job as root, and root's
+jobs are admin's.
+
+:func:`requester_of`, :func:`may_see`, :func:`visible` and :func:`submit_user` are the rules,
+pure; :class:`ClientRequests` answers the job verbs with them, and holds a submit to its user's
+limits (coordinator/table/userlimits.py) once it is not a repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import msgspec
+
+from revenant.common.errors import RevenantError, UnknownJob
+from revenant.coordinator.table.jobs import JobService
+from revenant.coordinator.table.paging import JobPages, shown
+from revenant.coordinator.table.placement import node_address
+from revenant.coordinator.table.userlimits import UserLimits
+from revenant.messages import (
+    CheckJob,
+    JobRecord,
+    JobReply,
+    JobRequest,
+    JobsRequest,
+    Message,
+    SubmitRequest,
+    decode_as,
+    subjects,
+)
+
+log = logging.getLogger(__name__)
+
+# The user an admin's job runs as when the submit names none.
+ROOT_USER = "root"
+# The verbs served to users on revenant.user.<user>.<verb> (``reconcile`` is the agents').
+USER_VERBS = ("nodes", "submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "check")
+
+
+class Forbidden(RevenantError):
+    code = "forbidden"
+
+
+@dataclasses.dataclass(frozen=True)
+class Requester:
+    """Who asks: the Unix user ``user``, or admin (``user`` empty)."""
+
+    user: str = ""
+
+    @property
+    def admin(self) -> bool:
+        return not self.user
+
+    def __str__(self) -> str:
+        return "admin" if self.admin else f"user {self.user}"
+
+
+ADMIN = Requester()
+
+
+def requester_of(subject: str) -> Requester:
+    """Who asks on ``subject``: admin on ``revenant.coord.<verb>``, ``<user>`` on
+    ``revenant.user.<user>.<verb>``.  Root asks as admin only: a job recorded as root's
+    runs as root, so no user subject may ask for one."""
+    user = subjects.user_from_request(subject)
+    if user == ROOT_USER:
+        raise Forbidden(f"root asks as admin, on {subjects.COORDINATOR_PREFIX}.<verb>, not on {subject}")
+    if user is not None:
+        return Requester(user)
+    if subject.startswith(subjects.COORDINATOR_PREFIX + ".") and subject.count(".") == 2:
+        return ADMIN
+    raise Forbidden(f"{subject} is not a request subject")
+
+
+def may_see(asker: Requester, rec: JobRecord) -> bool:
+    """Admin sees every job; a user their own (never one from before jobs had users)."""
+    return asker.admin or (bool(rec.spec.user) and rec.spec.user == asker.user)
+
+
+def visible(asker: Requester, job: str, rec: JobRecord | None) -> JobRecord:
+    """``rec`` if ``asker`` may see it; else the very error a job that does not exist gives."""
+    if rec is None or not may_see(asker, rec):
+        raise UnknownJob(f"unknown job {job}")
+    return rec
+
+
+def submit_user(asker: Requester, req: SubmitRequest) -> str:
+    """The user a submit's job is recorded as (and runs as): the asking user; admin's choice
+    (``req.user``), root when admin names none.  A user naming someone else is refused."""
+    if asker.admin:
+        return subjects.check_name(req.user, "user name") if req.user else ROOT_USER
+    if req.user and req.user != asker.user:
+        raise Forbidden(f"user {asker.user} may not submit as {req.user}: only admin (root) submits "
+                        "on another user's behalf (revenant submit --user)")
+    return asker.user
+
+
+def check_admin(asker: Requester, what: str) -> None:
+    if not asker.admin:
+        raise Forbidden(f"{what} is for admin (root) only; {asker} asked")
+
+
+class ClientRequests:
+    """Answers clients' job verbs (submit, jobs, job, checkpoint, vacate, restart, purge) for
+    whoever asks, with the rules above.  The coordinator acting on its own (failover,
+    periodic checkpoints, archiving, drains) goes to the :class:`JobService` directly."""
+
+    VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "check")
+
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+        self._pages = JobPages()
+        # Submits with a request id under way, by (user, request id): a repeat waits for the first.
+        self._submitting: dict[tuple[str, str], asyncio.Event] = {}
+        # A submit under way whose job is in the table already is told by its request id.
+        self.limits = UserLimits.of(jobs.config, made=jobs.made_by)
+
+    async def answer(self, verb: str, data: bytes, asker: Requester) -> Message:
+        jobs = self.jobs
+        if verb == "submit":
+            req_s = decode_as(data, SubmitRequest)
+            return JobReply(job=await self.submit(req_s, submit_user(asker, req_s)))
+        if verb == "jobs":
+            req_j = decode_as(data, JobsRequest)
+            keep = None if asker.admin else (lambda rec: may_see(asker, rec))
+            return self._pages.page(jobs.jobs, req_j.after, req_j.limit, keep=keep)
+        req = decode_as(data, JobRequest)
+        subjects.check_name(req.job, "job id")
+        if verb == "job":
+            rec = jobs.jobs.get(req.job)
+            archived = rec is None and (rec := await jobs.store.load_archived(req.job)) is not None
+            notes = ["archived: finished more than job_retention_s ago, so `revenant jobs` no longer lists it"]
+            return JobReply(job=self._placed(shown(visible(asker, req.job, rec))), notes=notes if archived else [])
+        if verb == "check":  # what in the running job will not survive a checkpoint or a move
+            rec = visible(asker, req.job, jobs.jobs.get(req.job))
+            if rec.state != "running" or not rec.node:
+                raise RevenantError(f"job {req.job} is {rec.state}; only a running job can be checked",
+                                    code="bad_state")
+            found = await jobs.agents.send(rec.node, "check", CheckJob(job=req.job, generation=rec.generation),
+                                           jobs.config.start_timeout_s)
+            return JobReply(job=self._placed(rec), resources=found.resources)
+        if verb not in ("checkpoint", "vacate", "restart", "purge"):
+            raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
+        if not asker.admin:  # the user never changes: checked once, before acting
+            visible(asker, req.job, jobs.jobs.get(req.job) or await jobs.store.load_archived(req.job))
+        stats: dict[str, float] = {}  # criu's, of the dump or restore
+        if verb in ("checkpoint", "vacate"):
+            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate", cause="operator", stats=stats)
+        elif verb == "restart":
+            rec, notes = await jobs.restart(req.job, req.node, req.epoch, stats=stats)
+        else:
+            rec, notes = await jobs.purge(req.job)
+        return JobReply(job=self._placed(rec), notes=notes, stats=stats)
+
+    def _placed(self, rec: JobRecord) -> JobRecord:
+        """``rec`` with its node's address, where clients reach its listening ports."""
+        return msgspec.structs.replace(rec, address=node_address(self.jobs.nodes(), rec.node))
+
+    async def submit(self, req: SubmitRequest, user: str) -> JobRecord:
+        """A submit; one with a request id that already made a job (its reply was lost, or a
+        leader changed, and the client asked again) is answered with that job, never a second.
+        Only a submit that is not such a repeat meets its user's limits: a repeat is never
+        refused, and takes no token."""
+        if not req.request_id:
+            with self.limits.admitting(user, self.jobs.jobs):
+                return await self.jobs.submit(req, user=user)
+        key = (user, req.request_id)
+        while (first := self._submitting.get(key)) is not None:
+            await first.wait()  # the same submit is under way: its job is the answer
+        made = self.jobs.made_by(user, req.request_id)
+        if made is not None:
+            if (made.spec.argv, made.spec.workdir, made.spec.env) != (req.argv, req.workdir, req.env):
+                raise RevenantError(f"request id {req.request_id} already made job {made.spec.id}, which runs "
+                                    f"another command", code="request_id_reused")
+            if made.state == "failed" and not made.pid:  # it never started: as the first answer said
+                raise RevenantError(f"job {made.spec.id} could not start: {made.reason}", code="start_failed")
+            log.info("job %s: its submit %s came again: answered with the job", made.spec.id, req.request_id)
+            return made
+        self._submitting[key] = done = asyncio.Event()
+        try:
+            with self.limits.admitting(user, self.jobs.jobs, req.request_id):
+                return await self.jobs.submit(req, user=user)
+        finally:
+            del self._submitting[key]
+            done.set()

@@ -1,0 +1,206 @@
+"""Per-user limits on submits, checked before anything happens (no job id taken, no record
+written, nothing started), each refusal one line naming the limit, the user and the number:
+
+- ``max_jobs_per_user``: the jobs one user may have that are not finished, in any state but
+  the ended ones (completed, failed: :data:`lifecycle.ENDED`).  A vacated job counts: it holds
+  its checkpoints and comes back with one ``restart``.
+- ``submit_rate_per_user`` with ``submit_burst_per_user``: a token bucket per user.
+
+Both count the user a job is recorded as (and runs as): the asking user, or the one admin names
+with ``revenant submit --user``.  Root's jobs (admin's own submits) and records from before jobs
+had users are limited by neither: admin runs the cluster.  0 turns a limit off.
+
+coordinator/table/requests.py answers a repeat of a submit (its request id made a job) before these
+limits, so a repeat is never refused and takes no token.  The unfinished jobs are counted by
+the job table itself (:class:`JobTable`), which a new leader loads whole; the buckets live in
+the leader's memory, so a new leader starts them full.
+
+Nothing here does I/O or reads a clock of its own: :class:`SubmitRate` takes a monotonic clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Callable, Iterator, Mapping
+
+from revenant.common.errors import RevenantError
+from revenant.common.settings.config import CoordinatorConfig
+from revenant.common.settings.limits import ROOT_USERS
+from revenant.coordinator.table import lifecycle as lc
+from revenant.messages import JobRecord
+
+# Past this many buckets, those of users idle long enough to be full again are dropped.
+BUCKETS_KEPT = 1024
+
+
+class UserLimitReached(RevenantError):
+    """A submit past one of its user's limits (docs/security.md, "Per-user limits")."""
+
+    code = "user_limit"
+
+
+class TooManyJobs(UserLimitReached):
+    code = "too_many_jobs"
+
+
+class SubmitRateExceeded(UserLimitReached):
+    code = "submit_rate"
+    retriable = True
+
+
+class JobTable(dict[str, JobRecord]):
+    """The live job table, job id -> record, that also counts each user's jobs that are not
+    finished: a submit reads its user's count without walking a table of 100,000 jobs.
+
+    Every way a record enters or leaves the table passes through here (set, del, pop, update,
+    clear), so the counts cannot drift from the records; and a record is never changed in place
+    once in the table (:func:`lifecycle.transition` returns a new one)."""
+
+    def __init__(self, records: Mapping[str, JobRecord] | None = None) -> None:
+        super().__init__()
+        self._unfinished: dict[str, int] = {}
+        if records:
+            self.update(records)
+
+    def unfinished(self, user: str) -> int:
+        """``user``'s jobs in the table that are not finished."""
+        return self._unfinished.get(user, 0)
+
+    def _count(self, rec: JobRecord | None, step: int) -> None:
+        if rec is None or rec.state in lc.ENDED:
+            return
+        user = rec.spec.user
+        if n := self._unfinished.get(user, 0) + step:
+            self._unfinished[user] = n
+        else:
+            del self._unfinished[user]
+
+    def __setitem__(self, job: str, rec: JobRecord) -> None:
+        self._count(self.get(job), -1)
+        super().__setitem__(job, rec)
+        self._count(rec, 1)
+
+    def __delitem__(self, job: str) -> None:
+        self._count(self[job], -1)
+        super().__delitem__(job)
+
+    def pop(self, job: str, *default):  # type: ignore[override]
+        self._count(self.get(job), -1)
+        return super().pop(job, *default)
+
+    def popitem(self) -> tuple[str, JobRecord]:
+        job, rec = super().popitem()
+        self._count(rec, -1)
+        return job, rec
+
+    def setdefault(self, job: str, rec: JobRecord) -> JobRecord:  # type: ignore[override]
+        if job not in self:
+            self[job] = rec
+        return self[job]
+
+    def update(self, *args, **kw) -> None:  # type: ignore[override]
+        for job, rec in dict(*args, **kw).items():
+            self[job] = rec
+
+    def __ior__(self, other):  # type: ignore[override]
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        super().clear()
+        self._unfinished.clear()
+
+
+class SubmitRate:
+    """A token bucket per user: up to ``burst`` submits at once, then ``rate`` a second;
+    ``clock`` is monotonic seconds.  A fresh bucket is full, so a bucket full again is the same
+    as none: they are dropped, and those kept are about the users submitting now."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (0 < rate < math.inf and burst >= 1):
+            raise ValueError(f"a submit rate needs rate > 0 and burst >= 1, got {rate!r} and {burst!r}")
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # user -> (tokens, when counted)
+        self._prune_at = BUCKETS_KEPT
+
+    def take(self, user: str) -> float:
+        """A token for one of ``user``'s submits: 0.0 if there was one (taken), else the seconds
+        until there is one (nothing taken)."""
+        now = self.clock()
+        tokens, then = self._buckets.get(user, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - then) * self.rate)
+        if tokens < 1.0 - 1e-9:  # not a float's rounding short of a whole token
+            self._buckets[user] = (tokens, now)
+            return (1.0 - tokens) / self.rate
+        self._buckets[user] = (max(0.0, tokens - 1.0), now)
+        if len(self._buckets) >= self._prune_at:
+            full_after_s = self.burst / self.rate
+            self._buckets = {u: b for u, b in self._buckets.items() if now - b[1] < full_after_s}
+            self._prune_at = max(BUCKETS_KEPT, 2 * len(self._buckets))  # a walk per doubling at most
+        return 0.0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+def _never_made(user: str, request_id: str) -> JobRecord | None:
+    return None
+
+
+class UserLimits:
+    """Both limits, for the submits clients ask for; 0 turns one off.  ``made(user, request_id)``
+    is the live job that submit made, if any (:meth:`JobService.made_by`)."""
+
+    def __init__(self, max_jobs: int = 0, rate: float = 0.0, burst: int = 0, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 made: Callable[[str, str], JobRecord | None] = _never_made) -> None:
+        self.max_jobs = max_jobs
+        self.rate = SubmitRate(rate, burst, clock) if rate else None
+        self.made = made
+        # The request ids ("" for none) of each user's submits under way: admitted, not yet answered.
+        self._starting: dict[str, list[str]] = {}
+
+    @classmethod
+    def of(cls, config: CoordinatorConfig, **kw) -> UserLimits:
+        return cls(config.max_jobs_per_user, config.submit_rate_per_user, config.submit_burst_per_user, **kw)
+
+    @contextlib.contextmanager
+    def admitting(self, user: str, table: JobTable, request_id: str = "") -> Iterator[None]:
+        """Refuse ``user``'s submit past a limit (:class:`TooManyJobs` first, which takes no
+        token; then :class:`SubmitRateExceeded`); else count it as under way until the block ends."""
+        if user in ROOT_USERS:  # admin's: root's, and those from before jobs had users
+            yield
+            return
+        self.check_jobs(user, table)
+        if self.rate is not None and (wait_s := self.rate.take(user)) > 0:
+            raise SubmitRateExceeded(
+                f"user {user} submitted more than {self.rate.rate:g} jobs/s (submit_rate_per_user = "
+                f"{self.rate.rate:g}, burst {self.rate.burst}): try again in {math.ceil(wait_s * 10) / 10:g} s")
+        starting = self._starting.setdefault(user, [])
+        starting.append(request_id)
+        try:
+            yield
+        finally:
+            starting.remove(request_id)
+            if not starting:
+                del self._starting[user]
+
+    def check_jobs(self, user: str, table: JobTable) -> None:
+        if not self.max_jobs:
+            return
+        starting = self._starting.get(user, [])
+        if table.unfinished(user) + len(starting) < self.max_jobs:
+            return
+        if (held := self.held(user, table)) >= self.max_jobs:
+            raise TooManyJobs(f"user {user} already has {held} jobs that are not finished "
+                              f"(max_jobs_per_user = {self.max_jobs})")
+
+    def held(self, user: str, table: JobTable) -> int:
+        """``user``'s unfinished jobs: those in ``table``, and their submits under way whose job
+        is not in it yet.  One without a request id cannot be told apart and counts: never too few."""
+        starting = self._starting.get(user, [])
+        return table.unfinished(user) + sum(1 for rid in starting if not rid or self.made(user, rid) is None)
