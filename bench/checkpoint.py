@@ -44,605 +44,28 @@ never absolute times across runs.  Everything it starts is stopped and everythin
 removed, also on an error or Ctrl-C; if it is killed outright, run
 ``revenant down --dir DIR`` on the directory it printed.
 """
-
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import ctypes
-import hashlib
 import json
-import mmap
 import os
 import platform
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-from revenant.agent.pipeline import criustats
-from revenant.agent.running.launcher import INIT_NAME, INIT_SCRIPT
-from revenant.agent.storage.epochs import JobFiles, Manifest
+# bench/ is not a package: these are this script's own directory's.
+from checkpoint_bench import Bench
+from checkpoint_parts import (BIN, GOAL_SIZE_MIB, NODE, REPO, WALL_GOAL, WALL_INCLUDES, WORKLOAD, GiB, MiB, median,
+                              prefault, rounded)
+from harness import BenchError, filesystem, text_table
 
-REPO = Path(__file__).resolve().parent.parent
-WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
-BIN = Path(sys.executable).parent
-PYTHON = sys.executable
-NODE = "node-1"
-MiB = 1 << 20
-GiB = 1 << 30
-WALL_GOAL = 1.10
-GOAL_SIZE_MIB = 2048
-_CHUNK = 8 * MiB
-
-WALL_INCLUDES = {
-    "raw": "criu dump (process start to exit, into a directory on the storage filesystem) "
-           "+ fsync of every image file + fsync of the directory",
-    "revenant": "`revenant checkpoint create` from exec to exit: CLI start-up, NATS request, coordinator, "
-                "agent, criu dump straight into the epoch on the storage (or into staging and a copy, "
-                "with staging_dir), CRC-32 of every image overlapped with its fsync, manifest, rename, "
-                "directory fsync, reply",
-}
-
-
-class BenchError(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------- small helpers
-
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child after fork must not dlopen
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the raw workload's unshare dies with the benchmark (as the agent's does with the agent)."""
-    _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def _median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _r(x: float | None, nd: int = 4) -> float | None:
-    return None if x is None else round(x, nd)
-
-
-def _image_names(d: Path) -> list[str]:
-    """The files revenant keeps in an epoch: criu's images and stats-dump (not criu's log)."""
-    names = sorted(p.name for p in d.iterdir() if p.is_file() and p.suffix == ".img")
-    return names + [n for n in ("stats-dump",) if (d / n).is_file()]
-
-
-def _image_bytes(d: Path) -> int:
-    return sum((d / n).stat().st_size for n in _image_names(d))
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sendfile_copy(src: Path, dst: Path) -> None:
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        offset, remaining = 0, os.fstat(fin.fileno()).st_size
-        while remaining > 0:
-            n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(remaining, 1 << 30))
-            if n == 0:
-                break
-            offset += n
-            remaining -= n
-        os.fsync(fout.fileno())
-
-
-def _sha256_mmap(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-            view = memoryview(m)
-            for off in range(0, len(m), _CHUNK):
-                h.update(view[off:off + _CHUNK])
-            view.release()
-    return h.hexdigest()
-
-
-_STAT_RE = re.compile(r"^([A-Za-z][A-Za-z ]+):\s*(\d+)(?:\s*(us))?", re.M)
-
-
-def parse_criu_stats(output: str) -> dict[str, float]:
-    """``--display-stats`` lines as {name: value}; times in seconds."""
-    stats: dict[str, float] = {}
-    if "Displaying dump stats" not in output:
-        return stats
-    for name, value, unit in _STAT_RE.findall(output.split("Displaying dump stats", 1)[1]):
-        key = name.strip().lower().replace(" ", "_")
-        stats[key + ("_s" if unit else "")] = int(value) / 1e6 if unit else int(value)
-    return stats
-
-
-def foreign_criu() -> list[int]:
-    """criu processes on this machine that are not ours (other users' dumps skew a benchmark)."""
-    pids = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = p.info["cmdline"] or []
-        except psutil.Error:
-            continue
-        if any(os.path.basename(a) == "criu" for a in cmd[:4]) and any(a in ("dump", "restore", "pre-dump")
-                                                                        for a in cmd[:8]):
-            pids.append(p.pid)
-    return pids
-
-
-def init_args(out: Path, stamp: Path) -> list[str]:
-    """The arguments revenant's init script takes before the job's argv, by the names it gives them.
-
-    ``out`` is the output file; ``stamp`` and ``fence_ms`` are the dead man's
-    switch (if the agent stops touching the stamp for fence_ms, the init freezes the job).
-    With no agent on the raw side, the fence is set beyond any run.
-    """
-    first = INIT_SCRIPT.split("\n", 1)[0]
-    names = {name: int(i) for name, i in re.findall(r"(\w+)=\$(\d+)", first)}
-    shift = re.search(r"\bshift(?:\s+(\d+))?", first)
-    count = (int(shift.group(1) or 1)) if shift else 0
-    known = {"out": str(out), "stamp": str(stamp), "fence_ms": str(10**9), "max_frozen_ms": str(10**9)}
-    args: list[str | None] = [None] * count
-    for name, i in names.items():
-        if name not in known or not 1 <= i <= count:
-            raise BenchError(f"revenant's init script takes ${i} as {name!r}, unknown to this benchmark: "
-                             "update init_args() in bench/checkpoint.py")
-        args[i - 1] = known[name]
-    if None in args:
-        raise BenchError("cannot tell what revenant's init script expects before the job's argv: "
-                         "update init_args() in bench/checkpoint.py")
-    return [a for a in args if a is not None]
-
-
-# ---------------------------------------------------------------------- the benchmark
-
-class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.criu = args.criu
-        if args.dir:
-            self.base = Path(args.dir).resolve()
-            self.base.mkdir(parents=True, exist_ok=True)
-            self.own_base = False
-        else:
-            self.base = Path(tempfile.mkdtemp(prefix="revenant-bench-checkpoint-", dir="/var/tmp"))
-            self.own_base = True
-        self.cluster = self.base / "cluster"
-        self.storage = self.cluster / "storage"
-        self.raw = self.base / "raw"
-        self.shm = Path(tempfile.mkdtemp(prefix="revenant-bench-checkpoint-", dir=args.staging))
-        self.revenant = str(BIN / "revenant")
-        self.workloads: list[tuple[subprocess.Popen[bytes], int]] = []
-        self.jobs: dict[str, int] = {}  # job id -> namespace init pid, while running
-        self.cluster_up = False
-        self.runs: list[dict] = []
-        self.seq = 0
-        self.waited_for_others_s = 0.0
-
-    # ------------------------------------------------------------------ cluster
-
-    def cli(self, *argv: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([self.revenant, *argv], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout)
-        if check and done.returncode != 0:
-            raise BenchError(f"revenant {' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
-        return done
-
-    def up(self) -> dict:
-        self.cluster_up = True  # from here on, `down` runs whatever happens
-        self.cli("up", "--nodes", "1", "--dir", str(self.cluster), "--detach", timeout=120)
-        nodes = json.loads(self.cli("nodes", "--dir", str(self.cluster), "--json").stdout)
-        criu = nodes[0]["capabilities"]["criu"] if nodes else {}
-        if not criu.get("ok"):
-            raise BenchError(f"the agent cannot use criu: {criu}")
-        return {"path": criu.get("path"), "version": criu.get("version")}
-
-    def down(self) -> None:
-        if self.cluster_up:
-            done = self.cli("down", "--dir", str(self.cluster), timeout=120, check=False)
-            if done.returncode != 0:
-                print(f"warning: revenant down: {done.stderr.strip()}", file=sys.stderr)
-            self.cluster_up = False
-
-    # ------------------------------------------------------------------ workloads
-
-    def _ready_timeout(self, mib: int) -> float:
-        return 60.0 + mib / 20
-
-    @staticmethod
-    def _wait_ready(out: Path, timeout_s: float, alive) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                text = out.read_text(errors="replace")
-            except FileNotFoundError:
-                text = ""
-            for line in text.splitlines():
-                if line.startswith("ready "):
-                    return line
-            if not alive():
-                raise BenchError(f"the workload died before it was ready; its output: {text[-500:]!r}")
-            time.sleep(0.1)
-        raise BenchError(f"the workload was not ready within {timeout_s:g} s ({out})")
-
-    def start_raw_workload(self, mib: int, out: Path) -> tuple[subprocess.Popen[bytes], int, str]:
-        """The job exactly as the agent starts it (agent/running/jobs.py: same wrapper, same init script), without the agent."""
-        out.touch()
-        stamp = out.with_name("alive")
-        stamp.touch()
-        argv = ["unshare", "--pid", "--fork", "--kill-child", "setsid", "/bin/sh", "-c", INIT_SCRIPT, INIT_NAME,
-                *init_args(out, stamp), PYTHON, str(WORKLOAD), str(mib)]
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                cwd=self.base, start_new_session=True, preexec_fn=_die_with_parent)
-        init = 0
-        deadline = time.monotonic() + 10
-        while not init and time.monotonic() < deadline:
-            try:
-                children = psutil.Process(proc.pid).children()
-            except psutil.Error:
-                children = []
-            if children:
-                init = children[0].pid
-            elif proc.poll() is not None:
-                raise BenchError(f"unshare exited with {proc.returncode} at start")
-            else:
-                time.sleep(0.01)
-        if not init:
-            proc.kill()
-            proc.wait()
-            raise BenchError("the workload's PID namespace did not start")
-        self.workloads.append((proc, init))
-        ready = self._wait_ready(out, self._ready_timeout(mib), lambda: proc.poll() is None)
-        return proc, init, ready
-
-    def stop_raw_workload(self, proc: subprocess.Popen[bytes], init: int) -> None:
-        for pid in (init, proc.pid):  # the namespace dies with its init; unshare with it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            print(f"warning: unshare {proc.pid} survived SIGKILL", file=sys.stderr)
-        self.workloads = [(p, i) for p, i in self.workloads if p is not proc]
-
-    def wait_for_quiet(self, run: dict) -> None:
-        """Wait (up to --quiet-wait s) until no other criu runs and the CPUs are idle; note what was seen."""
-        started = time.monotonic()
-        deadline = started + self.args.quiet_wait
-        time.sleep(self.args.settle)
-        while True:
-            others = foreign_criu()
-            busy = psutil.cpu_percent(interval=0.5)  # our workload only sleeps: this is everyone else
-            if (not others and busy <= self.args.quiet_cpu) or time.monotonic() > deadline:
-                break
-        self.waited_for_others_s += time.monotonic() - started
-        run.update(foreign_criu=others, cpu_busy_before_pct=busy, waited_s=round(time.monotonic() - started, 2),
-                   loadavg_before=[round(x, 2) for x in os.getloadavg()])
-
-    def _record(self, run: dict) -> dict:
-        self.runs.append(run)
-        return run
-
-    def _common(self, side: str, mib: int, warmup: bool) -> dict:
-        self.seq += 1
-        return {"side": side, "mib": mib, "warmup": warmup, "seq": self.seq,
-                "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-    # ------------------------------------------------------------------ raw criu
-
-    def run_raw(self, mib: int, warmup: bool) -> dict:
-        run = self._common("raw", mib, warmup)
-        rundir = self.raw / f"run-{self.seq}"
-        images = rundir / "images"
-        images.mkdir(parents=True)
-        proc, init, ready = self.start_raw_workload(mib, rundir / "output.log")
-        try:
-            self.wait_for_quiet(run)
-            argv = [self.criu, "dump", "-t", str(init), "-D", str(images), "--leave-running", "--display-stats",
-                    "-o", "dump.log"]
-            t0 = time.monotonic()
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=self.args.criu_timeout)
-            t1 = time.monotonic()
-            if done.returncode != 0:
-                raise BenchError(f"criu dump failed ({done.returncode}): "
-                                 f"{_last_error(images / 'dump.log', done.stdout)}")
-            for name in _image_names(images):
-                _fsync_path(images / name)
-            _fsync_path(images, directory=True)
-            t2 = time.monotonic()
-            if proc.poll() is not None:
-                raise BenchError("the raw workload died during its dump")
-        finally:
-            self.stop_raw_workload(proc, init)
-        stats = parse_criu_stats(done.stdout)
-        run.update(wall_s=t2 - t0, criu_s=t1 - t0, fsync_s=t2 - t1, freeze_s=stats.get("frozen_time_s"),
-                   bytes=_image_bytes(images), criu_stats=stats, ready=ready,
-                   loadavg_after=[round(x, 2) for x in os.getloadavg()])
-        shutil.rmtree(rundir, ignore_errors=True)
-        return self._record(run)
-
-    # ------------------------------------------------------------------ revenant
-
-    def _show(self, job: str) -> dict:
-        return json.loads(self.cli("show", "job", job, "--dir", str(self.cluster), "--json").stdout)
-
-    def run_revenant(self, mib: int, warmup: bool) -> dict:
-        run = self._common("revenant", mib, warmup)
-        job = self.cli("submit", "--dir", str(self.cluster), "--node", NODE, "--name", f"bench-{mib}-{self.seq}",
-                       "--workdir", str(self.base), "--", PYTHON, str(WORKLOAD), str(mib)).stdout.strip()
-        view = self._show(job)
-        self.jobs[job] = view["pid"]
-        try:
-            ready = self._wait_ready(Path(view["output"]), self._ready_timeout(mib),
-                                     lambda: self._show(job)["state"] == "running")
-            self.wait_for_quiet(run)
-            t0 = time.monotonic()
-            done = subprocess.run([self.revenant, "checkpoint", "create", job, "--dir", str(self.cluster), "--json"],
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=self.args.criu_timeout)
-            t1 = time.monotonic()
-            if done.returncode != 0:
-                raise BenchError(f"revenant checkpoint create {job} failed: {done.stderr.strip()}")
-            run["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-            reply = json.loads(done.stdout)
-            epoch = reply["epochs"][-1]
-            # A client round trip that does no work: CLI start-up + NATS + coordinator.
-            r0 = time.monotonic()
-            view = self._show(job)
-            r1 = time.monotonic()
-            if view["state"] != "running":
-                raise BenchError(f"job {job} is {view['state']} after its checkpoint, not running")
-            epoch_dir = self.storage / "jobs" / job / "epochs" / str(epoch["n"])
-            manifest = json.loads((epoch_dir / "manifest.json").read_text())
-            # criu's stats-dump, from the reply (criu writes the file into the agent's scratch, not the epoch).
-            stats = reply.get("stats") or criustats.read(epoch_dir / criustats.DUMP_FILE)
-        finally:
-            self.stop_job(job)
-        # The manifest on storage is written before the commit finishes, so its dump_s is the agent's criu
-        # run alone (engine.py sets dump_s again after the commit, for the reply): commit = the difference.
-        staged = manifest.get("dump_s")
-        if staged is not None and staged < epoch["duration_s"] - 1e-3:
-            run.update(agent_criu_s=staged, agent_commit_s=epoch["duration_s"] - staged)
-        run.update(job=job, wall_s=t1 - t0, duration_s=epoch["duration_s"], freeze_s=epoch["freeze_s"],
-                   bytes=epoch["bytes"], manifest_dump_s=manifest.get("dump_s"),
-                   engine_after_freeze_s=epoch["duration_s"] - epoch["freeze_s"],
-                   control_plane_s=(t1 - t0) - epoch["duration_s"], cli_roundtrip_s=r1 - r0,
-                   criu_stats=stats, ready=ready)
-        return self._record(run)
-
-    def stop_job(self, job: str) -> None:
-        """Kill the job (its namespace init), wait until revenant sees it gone, purge it, remove its files."""
-        init = self.jobs.pop(job, 0)
-        if init:
-            try:
-                p = psutil.Process(init)
-                if INIT_NAME in p.cmdline() and str(self.storage) in " ".join(p.cmdline()):
-                    p.kill()
-            except psutil.Error:
-                pass
-        deadline = time.monotonic() + 20
-        while self.cluster_up and time.monotonic() < deadline:
-            try:
-                if self._show(job)["state"] != "running":
-                    break
-            except BenchError:
-                break
-            time.sleep(0.1)
-        if self.cluster_up:
-            self.cli("job", "purge", job, "--dir", str(self.cluster), check=False)
-        shutil.rmtree(self.storage / "jobs" / job, ignore_errors=True)
-
-    # ------------------------------------------------------------------ phases
-
-    def run_phases(self, mib: int, warmup: bool) -> dict:
-        """revenant's pipeline, phase by phase, with the agent's exact criu flags and its own commit code."""
-        run = self._common("phases", mib, warmup)
-        rundir = self.raw / f"run-{self.seq}"
-        rundir.mkdir(parents=True)
-        stage = self.shm / f"run-{self.seq}"
-        stage.mkdir()
-        out = rundir / "output.log"
-        proc, init, ready = self.start_raw_workload(mib, out)
-        try:
-            self.wait_for_quiet(run)
-            # The agent's action script (engine.OutputRollback): one stat while the job is frozen.
-            script = stage / "action.sh"
-            sizes = stage / "output-sizes"
-            script.write_text("#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n"
-                              f"stat -c '%s' '{out}' >> '{sizes}' || echo 0 >> '{sizes}'\n")
-            script.chmod(0o755)
-
-            def agent_dump(directory: Path) -> tuple[subprocess.CompletedProcess[str], float]:
-                argv = [self.criu, "dump", "-t", str(init), "-D", str(directory), "-o", "dump.log", "-v4",
-                        "--display-stats", "--action-script", str(script), "--leave-running"]
-                t = time.monotonic()
-                done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=self.args.criu_timeout)
-                elapsed = time.monotonic() - t
-                if done.returncode != 0:
-                    raise BenchError(f"criu dump into {directory} failed: "
-                                     f"{_last_error(directory / 'dump.log', done.stdout)}")
-                return done, elapsed
-
-            # First the agent's dump straight into the storage filesystem, then fsync: what the agent would do
-            # if it skipped staging when its storage is a local disk.  Removed before the staged dump, so that
-            # neither runs next to the other's images.
-            direct = rundir / "direct"
-            direct.mkdir()
-            ddone, direct_s = agent_dump(direct)
-            d1 = time.monotonic()
-            for name in _image_names(direct):
-                _fsync_path(direct / name)
-            _fsync_path(direct, directory=True)
-            d2 = time.monotonic()
-            shutil.rmtree(direct)
-            dstats = parse_criu_stats(ddone.stdout)
-            run.update(direct_dump_s=direct_s, direct_fsync_s=d2 - d1, direct_freeze_s=dstats.get("frozen_time_s"),
-                       direct_criu_stats=dstats)
-            # Then the agent's dump as it is: into tmpfs staging.
-            time.sleep(self.args.settle)
-            done, staged_s = agent_dump(stage)
-        finally:
-            self.stop_raw_workload(proc, init)
-        stats = parse_criu_stats(done.stdout)
-        log_bytes = (stage / "dump.log").stat().st_size
-        names = _image_names(stage)
-        big = max(names, key=lambda n: (stage / n).stat().st_size)
-        with open(stage / big, "rb") as fin, open(rundir / "probe", "wb") as fout:
-            try:
-                os.copy_file_range(fin.fileno(), fout.fileno(), 4096)
-                cfr_ok = True
-            except OSError:  # EXDEV: tmpfs -> ext4; the agent then falls back to a read/write copy
-                cfr_ok = False
-        (rundir / "probe").unlink()
-
-        def timed(fn) -> float:
-            # Each phase starts alike: after --settle seconds, as the agent's commit starts after criu.
-            time.sleep(self.args.settle)
-            t = time.monotonic()
-            fn()
-            return time.monotonic() - t
-
-        # 1. revenant's own commit code on these images: copy and hash in parallel, fsync, manifest, rename.
-        def commit() -> None:
-            files = JobFiles(rundir / "storage", "replica")
-            files.commit(stage, files.new_tmp(NODE),
-                         Manifest(job="replica", epoch=0, generation=1, node=NODE, created_at=time.time(),
-                                  criu_version="", kernel=platform.release()))
-
-        # 2. the agent's copy alone (shutil.copyfileobj, 8 MiB), each file fsynced, then the directory.
-        def copy_rw() -> None:
-            for name in names:
-                with open(stage / name, "rb") as fin, open(dst / name, "wb") as fout:
-                    shutil.copyfileobj(fin, fout, _CHUNK)
-                    fout.flush()
-                    os.fsync(fout.fileno())
-            _fsync_path(dst, directory=True)
-
-        # 3. the same copy with sendfile (in the kernel, no user-space buffer), each file fsynced.
-        def copy_sendfile() -> None:
-            for name in names:
-                _sendfile_copy(stage / name, dst / name)
-            _fsync_path(dst, directory=True)
-
-        # 4. SHA-256 alone, reading the staged images as the agent does.
-        def sha_read() -> None:
-            for name in names:
-                h = hashlib.sha256()
-                with open(stage / name, "rb", buffering=0) as f:
-                    while chunk := f.read(_CHUNK):
-                        h.update(chunk)
-
-        # 5. an alternative commit: sendfile copy + fsync in one thread, SHA-256 over an mmap of the staged
-        #    file in another (no user-space copies at all).
-        def alt_commit() -> None:
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                copying = pool.submit(copy_sendfile)
-                for name in names:
-                    _sha256_mmap(stage / name)
-                copying.result()
-
-        dst = rundir / "copy"
-        results = {}
-        for key, fn in (("commit_s", commit), ("copy_fsync_s", copy_rw), ("sendfile_fsync_s", copy_sendfile),
-                        ("sha256_s", sha_read), ("alt_commit_s", alt_commit)):
-            dst.mkdir()
-            results[key] = timed(fn)
-            shutil.rmtree(dst)
-            shutil.rmtree(rundir / "storage", ignore_errors=True)
-        run.update(stage_dump_s=staged_s, freeze_s=stats.get("frozen_time_s"), criu_stats=stats,
-                   bytes=_image_bytes(stage), criu_log_bytes=log_bytes, copy_file_range_works=cfr_ok, ready=ready,
-                   loadavg_after=[round(x, 2) for x in os.getloadavg()], **results)
-        shutil.rmtree(stage, ignore_errors=True)
-        shutil.rmtree(rundir, ignore_errors=True)
-        return self._record(run)
-
-    # ------------------------------------------------------------------ clean-up
-
-    def cleanup(self, ok: bool) -> None:
-        for proc, init in list(self.workloads):
-            self.stop_raw_workload(proc, init)
-        for job in list(self.jobs):
-            try:
-                self.stop_job(job)
-            except Exception as exc:  # keep cleaning
-                print(f"warning: could not stop job {job}: {exc}", file=sys.stderr)
-        try:
-            self.down()
-        finally:
-            self._sweep()
-            shutil.rmtree(self.shm, ignore_errors=True)
-            shutil.rmtree(self.raw, ignore_errors=True)
-            shutil.rmtree(self.storage / "jobs", ignore_errors=True)
-            if ok and not self.args.keep:
-                shutil.rmtree(self.cluster, ignore_errors=True)
-                if self.own_base:
-                    shutil.rmtree(self.base, ignore_errors=True)
-            elif self.cluster.exists():
-                print(f"cluster logs kept in {self.cluster / 'logs'}", file=sys.stderr)
-
-    def _sweep(self) -> None:
-        sweep(self.base, WORKLOAD)
-
-
-def sweep(base: Path, workload: Path) -> None:
-    """Kill anything of a bench's still alive: ``workload`` by path, in ``base``, or an init naming ``base``."""
-    for p in psutil.process_iter(["cmdline", "cwd"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            mine = (str(workload) in cmd and p.info["cwd"] == str(base)) or (INIT_NAME in cmd and str(base) in cmd)
-            if mine and p.pid != os.getpid():
-                print(f"warning: killing leftover {p.pid}: {cmd[:120]}", file=sys.stderr)
-                p.kill()
-        except psutil.Error:
-            continue
-
-
-def _last_error(logfile: Path, output: str) -> str:
-    try:
-        text = logfile.read_text(errors="replace")
-    except OSError:
-        text = ""
-    lines = [ln for ln in (text + "\n" + output).splitlines() if "Error" in ln and "RLIMIT_NOFILE" not in ln]
-    return (lines[-1] if lines else (output.strip().splitlines() or ["no output"])[-1])[:300]
-
-
-def prefault(gib: float) -> dict:
-    """Touch (and free) gib GiB of fresh memory once, so that no measured run pays the VM's first touch."""
-    if gib <= 0:
-        return {"gib": 0}
-    code = ("import mmap,sys,time\n"
-            "n=int(float(sys.argv[1])*(1<<30))//(64<<20)*(64<<20)\n"
-            "m=mmap.mmap(-1,n); c=b'\\x5a'*(64<<20); t=time.monotonic()\n"
-            "for o in range(0,n,64<<20): m[o:o+(64<<20)]=c\n"
-            "print(time.monotonic()-t)\n")
-    done = subprocess.run([PYTHON, "-c", code, str(gib)], capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        return {"gib": gib, "error": done.stderr.strip()[-300:]}
-    secs = float(done.stdout.strip())
-    return {"gib": gib, "seconds": round(secs, 3), "gib_per_s": round(gib / secs, 2) if secs else None}
-
-
-# ---------------------------------------------------------------------- summary and report
 
 def summarize(runs: list[dict], sizes: list[int], quiet_cpu: float = 25.0) -> list[dict]:
     out = []
@@ -651,26 +74,26 @@ def summarize(runs: list[dict], sizes: list[int], quiet_cpu: float = 25.0) -> li
             return [r[key] for r in runs if r["side"] == side and r["mib"] == mib and not r["warmup"]
                     and r.get(key) is not None]
 
-        raw_wall, rev_wall = _median(pick("raw", "wall_s")), _median(pick("revenant", "wall_s"))
-        raw_freeze, rev_freeze = _median(pick("raw", "freeze_s")), _median(pick("revenant", "freeze_s"))
+        raw_wall, rev_wall = median(pick("raw", "wall_s")), median(pick("revenant", "wall_s"))
+        raw_freeze, rev_freeze = median(pick("raw", "freeze_s")), median(pick("revenant", "freeze_s"))
         ratio = rev_wall / raw_wall if raw_wall and rev_wall else None
         # Paired ratios: run i of revenant against run i of raw (they ran next to each other).
         pairs = [a / b for a, b in zip(pick("revenant", "wall_s"), pick("raw", "wall_s")) if b]
         s = {
             "mib": mib,
             "runs": len(pick("raw", "wall_s")),
-            "raw_wall_s": _r(raw_wall), "raw_criu_s": _r(_median(pick("raw", "criu_s"))),
-            "raw_fsync_s": _r(_median(pick("raw", "fsync_s"))),
-            "revenant_wall_s": _r(rev_wall), "revenant_duration_s": _r(_median(pick("revenant", "duration_s"))),
-            "revenant_engine_after_freeze_s": _r(_median(pick("revenant", "engine_after_freeze_s"))),
-            "revenant_agent_criu_s": _r(_median(pick("revenant", "agent_criu_s"))),
-            "revenant_agent_commit_s": _r(_median(pick("revenant", "agent_commit_s"))),
-            "revenant_control_plane_s": _r(_median(pick("revenant", "control_plane_s"))),
-            "cli_roundtrip_s": _r(_median(pick("revenant", "cli_roundtrip_s"))),
-            "wall_ratio": _r(ratio, 3), "paired_wall_ratio_median": _r(_median(pairs), 3),
-            "raw_freeze_s": _r(raw_freeze), "revenant_freeze_s": _r(rev_freeze),
-            "raw_image_bytes": int(_median(pick("raw", "bytes")) or 0),
-            "revenant_image_bytes": int(_median(pick("revenant", "bytes")) or 0),
+            "raw_wall_s": rounded(raw_wall), "raw_criu_s": rounded(median(pick("raw", "criu_s"))),
+            "raw_fsync_s": rounded(median(pick("raw", "fsync_s"))),
+            "revenant_wall_s": rounded(rev_wall), "revenant_duration_s": rounded(median(pick("revenant", "duration_s"))),
+            "revenant_engine_after_freeze_s": rounded(median(pick("revenant", "engine_after_freeze_s"))),
+            "revenant_agent_criu_s": rounded(median(pick("revenant", "agent_criu_s"))),
+            "revenant_agent_commit_s": rounded(median(pick("revenant", "agent_commit_s"))),
+            "revenant_control_plane_s": rounded(median(pick("revenant", "control_plane_s"))),
+            "cli_roundtrip_s": rounded(median(pick("revenant", "cli_roundtrip_s"))),
+            "wall_ratio": rounded(ratio, 3), "paired_wall_ratio_median": rounded(median(pairs), 3),
+            "raw_freeze_s": rounded(raw_freeze), "revenant_freeze_s": rounded(rev_freeze),
+            "raw_image_bytes": int(median(pick("raw", "bytes")) or 0),
+            "revenant_image_bytes": int(median(pick("revenant", "bytes")) or 0),
             "wall_goal_met": None if ratio is None else ratio <= WALL_GOAL,
             "wall_goal_applies": mib == GOAL_SIZE_MIB,
             "freeze_goal_met": None if rev_freeze is None or raw_freeze is None else rev_freeze <= raw_freeze,
@@ -679,10 +102,10 @@ def summarize(runs: list[dict], sizes: list[int], quiet_cpu: float = 25.0) -> li
                               and (r.get("foreign_criu") or r.get("cpu_busy_before_pct", 0) > quiet_cpu)),
         }
         if pick("phases", "stage_dump_s"):
-            s["phases"] = {k: _r(_median(pick("phases", k))) for k in
+            s["phases"] = {k: rounded(median(pick("phases", k))) for k in
                            ("stage_dump_s", "freeze_s", "direct_dump_s", "direct_fsync_s", "direct_freeze_s",
                             "commit_s", "copy_fsync_s", "sendfile_fsync_s", "sha256_s", "alt_commit_s")}
-            s["phases"]["criu_log_bytes"] = int(_median(pick("phases", "criu_log_bytes")) or 0)
+            s["phases"]["criu_log_bytes"] = int(median(pick("phases", "criu_log_bytes")) or 0)
         out.append(s)
     return out
 
@@ -705,13 +128,13 @@ def report(summary: list[dict], meta: dict) -> str:
                      _f(s["raw_image_bytes"] / MiB, "{:.1f}"), _f(s["revenant_image_bytes"] / MiB, "{:.1f}"),
                      _yn(s["wall_goal_met"]) + ("" if s["wall_goal_applies"] else " (n/a)"),
                      _yn(s["freeze_goal_met"])])
-    lines = [_table(header, rows), ""]
+    lines = [text_table(header, rows), ""]
     header2 = ["M MiB", "raw criu s", "raw fsync s", "rev engine s", "rev criu s", "rev commit s",
                "rev control s", "cli rtt s"]
     rows2 = [[str(s["mib"]), _f(s["raw_criu_s"]), _f(s["raw_fsync_s"]), _f(s["revenant_duration_s"]),
               _f(s["revenant_agent_criu_s"]), _f(s["revenant_agent_commit_s"]),
               _f(s["revenant_control_plane_s"]), _f(s["cli_roundtrip_s"])] for s in summary]
-    lines += [_table(header2, rows2), ""]
+    lines += [text_table(header2, rows2), ""]
     if any("phases" in s for s in summary):
         header3 = ["M MiB", "staged dump s", "staged freeze s", "direct dump+fsync s", "direct freeze s",
                    "commit s", "copy+fsync s", "sendfile+fsync s", "sha256 s", "alt commit s", "-v4 log MiB"]
@@ -721,7 +144,7 @@ def report(summary: list[dict], meta: dict) -> str:
                   _f(p["copy_fsync_s"]), _f(p["sendfile_fsync_s"]), _f(p["sha256_s"]), _f(p["alt_commit_s"]),
                   _f(p["criu_log_bytes"] / MiB, "{:.1f}")]
                  for s in summary if (p := s.get("phases"))]
-        lines += [_table(header3, rows3), ""]
+        lines += [text_table(header3, rows3), ""]
     noisy = sum(s["noisy_runs"] for s in summary)
     if noisy:
         lines += [f"WARNING: {noisy} measured run(s) started while another criu ran or the CPUs were busy", ""]
@@ -741,12 +164,8 @@ def report(summary: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows])
-
-
 # ---------------------------------------------------------------------- main
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -804,14 +223,6 @@ def preflight(args: argparse.Namespace, base: Path) -> dict:
             "mem_available_gib": round(avail / GiB, 1)}
 
 
-def _fs(path: Path) -> str:
-    best, fstype = "", "?"
-    for part in psutil.disk_partitions(all=True):
-        if str(path).startswith(part.mountpoint) and len(part.mountpoint) > len(best):
-            best, fstype = part.mountpoint, part.fstype
-    return f"{fstype} ({best})"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
@@ -825,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         space = preflight(args, bench.base)
         crv = subprocess.run([args.criu, "--version"], capture_output=True, text=True).stdout
         criu_version = (re.search(r"Version:\s*(\S+)", crv) or re.search(r"(\S+)", crv or "?")).group(1)
-        print(f"bench dir {bench.base} ({_fs(bench.base)}); staging {args.staging} ({_fs(Path(args.staging))}); "
+        print(f"bench dir {bench.base} ({filesystem(bench.base)}); staging {args.staging} ({filesystem(Path(args.staging))}); "
               f"criu {criu_version}", flush=True)
         gib = args.prefault_gib
         if gib is None:
@@ -884,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                     if Path("/etc/debian_version").exists() else None,
                     "python": platform.python_version()},
         "criu": {"raw": args.criu, "version": criu_version, "agent": agent_criu},
-        "storage": {"dir": str(bench.base), "fs": _fs(bench.base), "revenant_staging": f"/dev/shm/revenant-{NODE}",
+        "storage": {"dir": str(bench.base), "fs": filesystem(bench.base), "revenant_staging": f"/dev/shm/revenant-{NODE}",
                     "replica_staging": args.staging},
         "space_before": space, "prefault": pre,
         "waited_before_steps_s": round(bench.waited_for_others_s, 1),

@@ -64,6 +64,9 @@ import psutil
 from revenant.agent.pipeline.criu import DUMP_MOUNTS
 from revenant.agent.running.launcher import DEFAULT_SCRATCH, INIT_NAME, init_argv, scratch_plan, scratch_script
 
+# bench/ is not a package: these are this script's own directory's.
+from harness import BenchError
+
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
 BIN = Path(sys.executable).parent
@@ -74,10 +77,6 @@ GOAL = 1.10
 # What `revenant checkpoint create` imports before it connects.
 CLI_IMPORTS = "import revenant.cli.main, revenant.cli.client"
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a child after fork must not dlopen
-
-
-class BenchError(Exception):
-    pass
 
 
 def _die_with_parent() -> None:
@@ -91,6 +90,8 @@ def _frozen_s(text: str) -> float | None:
 
 _SEAL_RE = re.compile(r"imagesum: (\S+): CRC-32 \((\w+)\) of (\d+) files \((\d+) followed as criu wrote, ([\d.]+) "
                       r"MiB read after it\) ([\d.]+) s, the rest ([\d.]+) s; durable \((\w+)\) ([\d.]+) s")
+
+
 _DONE_RE = re.compile(r"engine: checkpoint of (\S+): epoch (\d+), [\d.]+ MiB, criu ([\d.]+) s \(frozen ([\d.]+) s\), "
                       r"commit ([\d.]+) s")
 
@@ -310,6 +311,7 @@ class Bench:
 
 # ---------------------------------------------------------------------- summary
 
+
 def _med(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -379,6 +381,7 @@ def report(summary: list[dict], meta: dict) -> str:
 
 
 # ---------------------------------------------------------------------- main
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

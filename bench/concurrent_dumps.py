@@ -53,12 +53,11 @@ from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
+# bench/ is not a package: these are this script's own directory's.
+from harness import BenchError, wait_for
+
 REPO = Path(__file__).resolve().parent.parent
 COUNTER = REPO / "tests" / "jobs" / "counter.py"
-
-
-class BenchError(Exception):
-    pass
 
 
 def chain_ok(output: bytes) -> tuple[bool, int]:
@@ -82,15 +81,6 @@ def in_shared_workdir(sup: Supervisor) -> None:
         return await spawn(spec, shared, env)
 
     sup.launcher.spawn = spawn_there  # type: ignore[method-assign]
-
-
-async def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise BenchError(f"{what} did not happen within {timeout_s:g} s")
 
 
 async def dump_round(sup: Supervisor, jobs: list[str]) -> list[tuple[str, float, str]]:

@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from failover import BIN, REVENANT, rv  # noqa: E402  (bench/ is not a package)
+
+# bench/ is not a package: these are this script's own directory's.
+from harness import BIN, REVENANT, cluster_down, cluster_up
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_connections.py"
@@ -144,7 +146,7 @@ def main() -> int:
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="revenant-bench-conns-", dir="/var/tmp")) / "cluster"
     env = {**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}  # the job runs as its submitter: root here
-    rv("up", "--nodes", "1", "--dir", str(d), "--detach", timeout=120, env=env)
+    cluster_up(d, 1, env=env)
     server = Server()
     freezes: dict[int, list[float]] = {0: [], args.conns: []}
     alone: dict[int, list[float]] = {0: [], args.conns: []}
@@ -154,7 +156,7 @@ def main() -> int:
                 freezes[conns] += run_once(d, server, conns, args.creates)
                 alone[conns] += criu_alone(d.parent, server, conns, args.creates)
     finally:
-        rv("down", "--dir", str(d), check=False, timeout=120)
+        cluster_down(d)
     base, loaded = statistics.median(freezes[0]), statistics.median(freezes[args.conns])
     ratio = loaded / base if base else float("inf")
     a_base, a_loaded = statistics.median(alone[0]), statistics.median(alone[args.conns])

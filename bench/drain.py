@@ -39,13 +39,12 @@ from pathlib import Path
 
 import psutil
 
+# bench/ is not a package: these are this script's own directory's.
+from harness import BenchError, cluster_down, cluster_up
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
-
-
-class BenchError(Exception):
-    pass
 
 
 def rv(*args: str, timeout: float = 600.0) -> str:
@@ -84,7 +83,7 @@ def gone(proc: psutil.Process) -> bool:
 def one_run(base: Path, mib: int, attempt: int) -> dict:
     d = base / f"revenant-bench-drain-{os.getpid()}-{mib}-{attempt}"
     shutil.rmtree(d, ignore_errors=True)
-    rv("up", "--nodes", "2", "--dir", str(d), "--detach", timeout=120)
+    cluster_up(d, 2)
     cluster = ["--dir", str(d)]
     try:
         job = rv("submit", *cluster, "--node", "node-1", "--workdir", str(d), "--", sys.executable, str(WORKLOAD),
@@ -125,7 +124,7 @@ def one_run(base: Path, mib: int, attempt: int) -> dict:
     except (BenchError, subprocess.TimeoutExpired, psutil.Error, StopIteration, KeyError) as exc:
         return {"size_mib": mib, "attempt": attempt, "status": "failed", "error": str(exc) or type(exc).__name__}
     finally:
-        subprocess.run([str(BIN / "revenant"), "down", "--dir", str(d)], capture_output=True, timeout=120)
+        cluster_down(d)
         shutil.rmtree(d, ignore_errors=True)
 
 

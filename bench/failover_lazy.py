@@ -26,11 +26,11 @@ MODE_ENV = "REVENANT_AGENT_RESTORE_MODE"
 EventLookup = Callable[[str, tuple[str, ...], float], "dict | None"]
 
 
-def _r(x: float | None, nd: int = 3) -> float | None:
+def rounded(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def _median(xs: list[float]) -> float | None:
+def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
@@ -74,7 +74,7 @@ def gaps(walls: list[float]) -> list[float]:
 def gap_before(output: Path, since: float) -> dict:
     """The job's output lines stamped after ``since`` (the checkpoint) so far: their median gap."""
     before = [t for t in ticks(output.read_text(errors="replace")) if t["wall"] > since]
-    return {"ticks_before_kill": len(before), "gap_before_p50_s": _r(_median(gaps([t["wall"] for t in before])), 4)}
+    return {"ticks_before_kill": len(before), "gap_before_p50_s": rounded(median(gaps([t["wall"] for t in before])), 4)}
 
 
 def watch_output(output: Path, t0: float) -> tuple[dict | None, list[dict]]:
@@ -122,27 +122,27 @@ def lazy_measures(r: dict, event: EventLookup, stream: list[dict], job: str, t0:
     nbytes = done.get("bytes") if done else None
     done_s = done["at"] - t0 if done else None
     r.update({
-        "restore_completed_s": _r(done_s),
+        "restore_completed_s": rounded(done_s),
         "restore_completed_duration_s": done.get("duration_s") if done else None,
         "restore_completed_bytes": nbytes,
-        "restore_completed_mib": _r(nbytes / MiB, 1) if nbytes is not None else None,
+        "restore_completed_mib": rounded(nbytes / MiB, 1) if nbytes is not None else None,
         "restore_completed_epoch": done.get("epoch") if done else None,
-        "restore_completed_after_restored_s": _r(done_s - r["total_s"])
+        "restore_completed_after_restored_s": rounded(done_s - r["total_s"])
         if done_s is not None and r.get("total_s") is not None else None,
         "evicted_after_t0": {k: evicted.get(k) for k in ("kind", "at", "node", "epoch", "reason")}
         if evicted else None,
     })
     after = gaps([t["wall"] for t in window])
     before = r.get("gap_before_p50_s")
-    p50 = _median(after)
+    p50 = median(after)
     top = max(after) if after else None
     r.update({
         "window_ticks": len(window),
         "window_corrupt": sum(1 for t in window if t["check"] != "ok"),
-        "gap_after_p50_s": _r(p50, 4),
-        "gap_after_max_s": _r(top, 4),
-        "slowdown_p50_ratio": _r(p50 / before, 2) if p50 is not None and before else None,
-        "slowdown_max_ratio": _r(top / before, 2) if top is not None and before else None,
+        "gap_after_p50_s": rounded(p50, 4),
+        "gap_after_max_s": rounded(top, 4),
+        "slowdown_p50_ratio": rounded(p50 / before, 2) if p50 is not None and before else None,
+        "slowdown_max_ratio": rounded(top / before, 2) if top is not None and before else None,
     })
     if r["status"] != "restored":
         return
@@ -159,7 +159,7 @@ def lazy_over_eager(per: dict) -> dict:
     lazy = per["lazy"]["restore_completed_s"]["median"]
     eager = per["eager"]["total_s"]["median"]
     return {"lazy_restore_completed_s": lazy, "eager_total_s": eager,
-            "ratio": _r(lazy / eager, 3) if lazy is not None and eager else None, "target": LAZY_TARGET_RATIO}
+            "ratio": rounded(lazy / eager, 3) if lazy is not None and eager else None, "target": LAZY_TARGET_RATIO}
 
 
 def targets(summary: dict, sizes: list[int], caches: list[str], modes: list[str]) -> str:

@@ -64,7 +64,8 @@ from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
-from concurrent_dumps import BenchError, wait_for  # bench/: this script's own directory
+# bench/ is not a package: these are this script's own directory's.
+from harness import BenchError, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 LOGGER = REPO / "bench" / "workloads" / "file_logger.py"

@@ -40,7 +40,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from failover import BenchError, rv  # noqa: E402  (bench/ is not a package)
+
+# bench/ is not a package: these are this script's own directory's.
+from harness import BenchError, cluster_down, cluster_up, rv  # noqa: E402  (bench/ is not a package)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "workloads"))
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     env = {**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}
     rnd = random.Random(args.seed)
     rounds = []
-    rv("up", "--nodes", "2", "--dir", str(d / "cluster"), "--detach", timeout=120, env=env)
+    cluster_up(d / "cluster", 2, env=env)
     try:
         pg = Postgres(d)
         job = rv("submit", "--dir", str(d / "cluster"), "--node", "node-1", "--workdir", str(pg.workdir),
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
                   f"resurrected {len(resurrected)} ({back:.1f} s)", file=sys.stderr)
             nodes_alive(d / "cluster")
     finally:
-        rv("down", "--dir", str(d / "cluster"), check=False, timeout=120)
+        cluster_down(d / "cluster")
         subprocess.run(["rm", "-rf", str(d)], check=False)
     lost = sum(x["lost"] for x in rounds)
     resurrected = sum(x["resurrected"] for x in rounds)

@@ -29,7 +29,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from failover import REVENANT, _drop_from_cache, rv  # noqa: E402  (bench/ is not a package)
+
+# bench/ is not a package: these are this script's own directory's.
+from failover_cluster import drop_from_cache  # noqa: E402  (bench/ is not a package)
+from harness import REVENANT, cluster_down, cluster_up, rv  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +55,7 @@ def _ready(out: Path, after: float = 0.0, timeout: float = 300.0) -> float | Non
 def one(mode: str, mib: int, base: Path) -> dict:
     d = Path(tempfile.mkdtemp(prefix=f"revenant-bench-restart-{mib}-{mode}-", dir=base))
     env = {**os.environ, "REVENANT_AGENT_RESTORE_MODE": mode, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}
-    rv("up", "--nodes", "2", "--dir", str(d), "--detach", timeout=120, env=env)
+    cluster_up(d, 2, env=env)
     try:
         job = rv("submit", "--dir", str(d), "--node", "node-1", "--workdir", str(d), "--", sys.executable,
                  str(REPO / "bench" / "failover.py"), "--workload", str(mib)).stdout.strip()
@@ -62,7 +65,7 @@ def one(mode: str, mib: int, base: Path) -> dict:
             raise RuntimeError("the job never printed")
         rv("checkpoint", "vacate", job, "--dir", str(d), timeout=300)
         epochs = sorted((storage / "jobs" / job / "epochs").glob("[0-9]*"), key=lambda e: int(e.name))
-        _drop_from_cache(epochs[-1])
+        drop_from_cache(epochs[-1])
         t0 = time.time()
         done = subprocess.run([REVENANT, "checkpoint", "restart", job, "--node", "node-2", "--dir", str(d)],
                               capture_output=True, text=True, timeout=300)
@@ -77,7 +80,7 @@ def one(mode: str, mib: int, base: Path) -> dict:
                 "restored_s": round(restored[-1]["at"] - t0, 3) if restored else None,
                 "printing_s": round(printing - t0, 3) if printing else None}
     finally:
-        rv("down", "--dir", str(d), check=False, timeout=120)
+        cluster_down(d)
         subprocess.run(["rm", "-rf", str(d)], check=False)
 
 
