@@ -62,6 +62,7 @@ from pathlib import Path
 import psutil
 
 from revenant.agent.pipeline.criu import DUMP_MOUNTS
+from revenant.agent.running.jobuser import ENV_FILE, env_script
 from revenant.agent.running.launcher import DEFAULT_SCRATCH, INIT_NAME, init_argv, scratch_plan, scratch_script
 
 # bench/ is not a package: these are this script's own directory's.
@@ -192,6 +193,7 @@ class Bench:
         # As agent/running/launcher.py (Launcher.spawn, _scratch) starts a root job: same namespaces, same init.
         mounts, _ = scratch_plan(DEFAULT_SCRATCH, [str(self.work), str(jobdir), PYTHON, str(WORKLOAD)])
         scratch = scratch_script(mounts, str(out), proc=True) if mounts else None
+        (jobdir / ENV_FILE).write_text(env_script(dict(os.environ)))  # as the launcher writes the job's (its own env)
         argv = init_argv(Path(out.name), Path(stamp.name), 10**6, job, str(self.work), 10**6, scratch)
         proc = subprocess.Popen(argv, cwd=jobdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
