@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import signal
@@ -32,6 +31,9 @@ import psutil
 
 from revenant.common.messaging.natsserver import start_nats_server
 from revenant.messages import Heartbeat, decode_as, subjects
+
+# bench/ is not a package: these are this script's own directory's.
+from harness import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL_PERCENT = 0.5
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write((Path(tmp) / "agent.log").read_text()[-4000:])
     print(report(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"\nwritten to {args.out}")
     return 0
 

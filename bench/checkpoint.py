@@ -47,7 +47,6 @@ removed, also on an error or Ctrl-C; if it is killed outright, run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -64,7 +63,7 @@ import psutil
 from checkpoint_bench import Bench
 from checkpoint_parts import (BIN, GOAL_SIZE_MIB, NODE, REPO, WALL_GOAL, WALL_INCLUDES, WORKLOAD, GiB, MiB, median,
                               prefault, rounded)
-from harness import BenchError, filesystem, text_table
+from harness import BenchError, filesystem, text_table, write_json
 
 
 def summarize(runs: list[dict], sizes: list[int], quiet_cpu: float = 25.0) -> list[dict]:
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(summary, meta))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": bench.runs}, indent=2) + "\n")
+    write_json(args.out, {"meta": meta, "summary": summary, "runs": bench.runs})
     print(f"\nwritten to {args.out}")
     return 0
 

@@ -66,7 +66,7 @@ from revenant.agent.running.jobuser import ENV_FILE, env_script
 from revenant.agent.running.launcher import DEFAULT_SCRATCH, INIT_NAME, init_argv, scratch_plan, scratch_script
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError
+from harness import BenchError, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(summary, meta))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2) + "\n")
+    write_json(args.out, {"meta": meta, "summary": summary, "runs": runs})
     print(f"\nwritten to {args.out}")
     return 0 if all(s["goal_met"] for s in summary) else 1
 

@@ -35,7 +35,6 @@ import asyncio
 import collections
 import copy
 import hashlib
-import json
 import os
 import shutil
 import statistics
@@ -54,7 +53,7 @@ from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError, wait_for
+from harness import BenchError, wait_for, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTER = REPO / "tests" / "jobs" / "counter.py"
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(summary))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
+    write_json(out, {"summary": summary})
     print(f"\nJSON: {out}")
     return 0 if summary["goal_met"] else 1
 

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BIN, REVENANT, cluster_down, cluster_up
+from harness import BIN, REVENANT, cluster_down, cluster_up, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_connections.py"
@@ -169,7 +169,7 @@ def main() -> int:
               "lines_checked": server.lines, "lost_or_duplicated": server.bad[:20],
               "ok": ratio <= GOAL_RATIO and not server.bad}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"{'connections':>12} {'median freeze (s)':>18} {'criu alone (s)':>15} {'creates':>8}")
     print(f"{0:>12} {base:>18.4f} {a_base:>15.4f} {len(freezes[0]):>8}")
     print(f"{args.conns:>12} {loaded:>18.4f} {a_loaded:>15.4f} {len(freezes[args.conns]):>8}")

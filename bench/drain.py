@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError, cluster_down, cluster_up
+from harness import BenchError, cluster_down, cluster_up, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, sizes)
     print(table(summary, sizes))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n")
+    write_json(args.out, {"summary": summary, "runs": runs})
     print(f"\nJSON: {args.out}")
     return 0 if all(summary[str(m)]["goal_met"] for m in sizes) else 1
 

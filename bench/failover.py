@@ -124,7 +124,6 @@ each --on-sick policy); it writes bench/results/failover-proactive.json.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import random
@@ -140,7 +139,7 @@ from failover_lazy import (CACHES, LAZY_TARGET_RATIO, LAZY_TARGET_RESUMED_S, MOD
                            agent_has_restore_mode, targets)
 from failover_report import servers_lines, servers_ratio, summarize, table
 from failover_run import Run
-from harness import BenchError, machine
+from harness import BenchError, machine, write_json
 
 PAGE = mmap.PAGESIZE
 _STAMP = struct.Struct("<QQ")
@@ -309,9 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["summary_by_nats_servers"] = by
         doc["nats_servers_ratio"] = servers_ratio(by, sizes, caches, modes)
         doc["elapsed_s"] = rounded(time.time() - doc["started_at"], 1)
-        tmp = args.out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, default=str))
-        tmp.replace(args.out)
+        write_json(args.out, doc)
 
     interrupted = False
     # The server counts innermost: 1, 3, 1, 3, ... so that a drift of the load touches both alike.

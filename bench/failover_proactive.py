@@ -51,7 +51,6 @@ One run per policy; the table goes to stdout, every run to bench/results/failove
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -59,7 +58,7 @@ import time
 from failover_proactive_run import Run
 from failover_proactive_watch import (DEATH_AFTER_RED_S, GiB, INTERVAL, JOB_MIB, PAST_RED, POLICIES, RED_ABOVE,
                                       REPO, RUN_BEFORE_S, TICK_S, YELLOW_ABOVE, coordinator_defaults, rounded)
-from harness import BenchError, machine
+from harness import BenchError, machine, write_json
 
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
@@ -132,9 +131,7 @@ def main(args: argparse.Namespace) -> int:
 
     def save() -> None:
         doc["elapsed_s"] = rounded(time.time() - doc["started_at"], 1)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, default=str))
-        tmp.replace(out)
+        write_json(out, doc)
 
     interrupted = False
     try:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -65,7 +64,7 @@ from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError, wait_for
+from harness import BenchError, wait_for, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 LOGGER = REPO / "bench" / "workloads" / "file_logger.py"
@@ -314,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table_workdir(summary) if args.workdir else table(summary))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
+    write_json(args.out, {"summary": summary})
     print(f"\nJSON: {args.out}")
     return 0 if summary["goal_met"] else 1
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import os
 import platform
@@ -199,3 +200,12 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
     """Rows as right-aligned plain-text columns, the header first."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+
+
+def write_json(path: Path, doc: object) -> None:
+    """A benchmark's results as indented JSON at ``path`` (its directory made), replaced at once: a
+    benchmark that writes after every run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    tmp.replace(path)

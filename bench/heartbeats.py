@@ -69,7 +69,6 @@ it starts is stopped, also on an error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -82,7 +81,7 @@ from pathlib import Path
 from revenant.common.settings.config import AgentConfig
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import PACKAGES, REPO, export_ref, git, machine
+from harness import PACKAGES, REPO, export_ref, git, machine, write_json
 from heartbeat_load import generator_main
 from heartbeat_run import Run
 
@@ -363,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           for k, v in vars(args).items()},
            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    write_json(args.out, doc)
     print(f"written to {args.out}")
     return 0 if ok else 1
 

@@ -42,7 +42,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError, cluster_down, cluster_up, rv  # noqa: E402  (bench/ is not a package)
+from harness import BenchError, cluster_down, cluster_up, rv, write_json  # noqa: E402  (bench/ is not a package)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "workloads"))
@@ -162,7 +162,7 @@ def main() -> int:
           f"{s['seconds_to_rows_median']} |")
     print(f"goal (0 lost or resurrected): {'met' if s['goal_met'] else 'NOT met'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(s, indent=2) + "\n")
+    write_json(args.out, s)
     return 0 if s["goal_met"] else 1
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # bench/ is not a package: these are this script's own directory's.
 from failover_cluster import drop_from_cache  # noqa: E402  (bench/ is not a package)
-from harness import REVENANT, cluster_down, cluster_up, rv  # noqa: E402
+from harness import REVENANT, cluster_down, cluster_up, rv, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,7 +105,7 @@ def main() -> None:
             cells.append(f"{statistics.median(xs):.2f} [{min(xs):.2f}–{max(xs):.2f}]" if xs else "–")
         print(f"| {label} | {' | '.join(cells)} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cli_start_s": cli_start, "runs": runs}, indent=2))
+    write_json(args.out, {"cli_start_s": cli_start, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -53,7 +53,6 @@ if it is killed outright, run ``revenant down --dir DIR`` on the directory it pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -66,7 +65,7 @@ from pathlib import Path
 import psutil
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError, filesystem, text_table
+from harness import BenchError, filesystem, text_table, write_json
 from storage_bench import (Bench, CHECK_EVERY, GiB, MiB, REPO, STEADY_FROM, TARGETS, WORKLOAD, median, ratio,
                            rounded)
 
@@ -313,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(bench.epochs, summary, ratios, checks, meta))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "targets": checks, "ratios": ratios, "summary": summary,
-                                    "configs": bench.configs}, indent=2) + "\n")
+    write_json(args.out, {"meta": meta, "targets": checks, "ratios": ratios, "summary": summary,
+                                    "configs": bench.configs})
     print(f"\nwritten to {args.out}")
     return 0
 

@@ -13,7 +13,6 @@ end).  Run it as root: the gate (fanotify's permission events) needs CAP_SYS_ADM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -28,6 +27,9 @@ from revenant.agent.files import workdir
 from revenant.agent.files.filestep import prepare_workdir
 from revenant.agent.files.jobfiles import scan_workdir
 from revenant.agent.storage.epochs import LISTING, FileEntry, JobFiles, Manifest
+
+# bench/ is not a package: these are this script's own directory's.
+from harness import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 4096
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['added_median'] / 2**20:.1f} | {summary['added_share']:.2%} |")
     print(f"first epoch: take {summary['first_take_s'] * 1000:.0f} ms, finish {summary['first_finish_s'] * 1000:.0f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
+    write_json(args.out, {"summary": summary})
     print(f"JSON: {args.out}")
     return 0
 
