@@ -28,7 +28,7 @@ from revenant.agent.storage.epochs import JobFiles, Manifest
 from checkpoint_parts import (BIN, CHUNK, NODE, PYTHON, WORKLOAD, die_with_parent, foreign_criu, fsync_path,
                               image_bytes, image_names, init_args, last_error, parse_criu_stats, sendfile_copy,
                               sha256_mmap, sweep)
-from harness import BenchError
+from harness import BenchError, cluster_down, cluster_up
 
 
 class Bench:
@@ -57,28 +57,19 @@ class Bench:
     # ------------------------------------------------------------------ cluster
 
     def cli(self, *argv: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
-        # The benchmark's job runs as its submitter, root here: the agents must allow it.
-        env = {**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}
         done = subprocess.run([self.revenant, *argv], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout, env=env)
+                              timeout=timeout)
         if check and done.returncode != 0:
             raise BenchError(f"revenant {' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
         return done
 
     def up(self) -> dict:
         self.cluster_up = True  # from here on, `down` runs whatever happens
-        self.cli("up", "--nodes", "1", "--dir", str(self.cluster), "--detach", timeout=120)
-        nodes = json.loads(self.cli("nodes", "--dir", str(self.cluster), "--json").stdout)
-        criu = nodes[0]["capabilities"]["criu"] if nodes else {}
-        if not criu.get("ok"):
-            raise BenchError(f"the agent cannot use criu: {criu}")
-        return {"path": criu.get("path"), "version": criu.get("version")}
+        return cluster_up(self.cluster, 1)
 
     def down(self) -> None:
         if self.cluster_up:
-            done = self.cli("down", "--dir", str(self.cluster), timeout=120, check=False)
-            if done.returncode != 0:
-                print(f"warning: revenant down: {done.stderr.strip()}", file=sys.stderr)
+            cluster_down(self.cluster)
             self.cluster_up = False
 
     # ------------------------------------------------------------------ workloads

@@ -66,7 +66,7 @@ from revenant.agent.running.jobuser import ENV_FILE, env_script
 from revenant.agent.running.launcher import DEFAULT_SCRATCH, INIT_NAME, init_argv, scratch_plan, scratch_script
 
 # bench/ is not a package: these are this script's own directory's.
-from harness import BenchError, write_json
+from harness import BenchError, cluster_down, cluster_up, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workloads" / "hold_memory.py"
@@ -140,20 +140,14 @@ class Bench:
 
     def up(self) -> None:
         self.cluster_up = True
-        self.cli("up", "--nodes", "1", "--dir", str(self.cluster), "--detach")
-        nodes = json.loads(self.cli("nodes", "--dir", str(self.cluster), "--json").stdout)
-        criu = nodes[0]["capabilities"]["criu"] if nodes else {}
-        if not criu.get("ok"):
-            raise BenchError(f"the agent cannot use criu: {criu}")
+        cluster_up(self.cluster, 1)
         if not self.storage.is_dir():
             raise BenchError(f"no storage at {self.storage}")
 
     def down(self) -> None:
         if self.cluster_up:
             self.cluster_up = False
-            done = self.cli("down", "--dir", str(self.cluster), check=False)
-            if done.returncode != 0:
-                print(f"warning: revenant down: {done.stderr.strip()}", file=sys.stderr)
+            cluster_down(self.cluster)
 
     def startup_s(self) -> float:
         t = time.monotonic()

@@ -83,7 +83,7 @@ def gone(proc: psutil.Process) -> bool:
 def one_run(base: Path, mib: int, attempt: int) -> dict:
     d = base / f"revenant-bench-drain-{os.getpid()}-{mib}-{attempt}"
     shutil.rmtree(d, ignore_errors=True)
-    cluster_up(d, 2, env={**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"})  # its job runs as root here
+    cluster_up(d, 2)
     cluster = ["--dir", str(d)]
     try:
         job = rv("submit", *cluster, "--node", "node-1", "--workdir", str(d), "--", sys.executable, str(WORKLOAD),

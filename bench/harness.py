@@ -54,15 +54,30 @@ def rv(*args: str, timeout: float = 60.0, check: bool = True,
                          f"{(proc.stderr or proc.stdout).strip()[-500:]}")
     return proc
 
+# The benchmarks' jobs run as their submitter, root here: their agents must allow it.
+ROOT_JOBS = {"REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}
+
+
 def cluster_up(directory: Path, nodes: int, *extra: str, env: dict[str, str] | None = None,
-               timeout: float = 120.0) -> None:
-    """A local cluster of ``nodes`` agents in ``directory``, started as users start one (``revenant up``)."""
-    rv("up", "--nodes", str(nodes), "--dir", str(directory), "--detach", *extra, timeout=timeout, env=env)
+               timeout: float = 120.0) -> dict:
+    """A local cluster of ``nodes`` agents in ``directory``, started as users start one (``revenant
+    up``) with ``env`` (the benchmark's own environment if None), whose agents allow root jobs; its
+    first node's criu (path, version), and BenchError if that agent cannot use criu."""
+    rv("up", "--nodes", str(nodes), "--dir", str(directory), "--detach", *extra, timeout=timeout,
+       env={**(os.environ if env is None else env), **ROOT_JOBS})
+    listed = json.loads(rv("nodes", "--dir", str(directory), "--json").stdout)
+    criu = listed[0]["capabilities"]["criu"] if listed else {}
+    if not criu.get("ok"):
+        raise BenchError(f"the agent cannot use criu: {criu}")
+    return {"path": criu.get("path"), "version": criu.get("version")}
 
 
 def cluster_down(directory: Path, *extra: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Stop the cluster in ``directory`` (whatever is left of it: never raises for a failed stop)."""
-    return rv("down", "--dir", str(directory), *extra, timeout=timeout, check=False)
+    """Stop the cluster in ``directory`` (whatever is left of it: a failed stop is a warning on stderr)."""
+    done = rv("down", "--dir", str(directory), *extra, timeout=timeout, check=False)
+    if done.returncode != 0:
+        print(f"warning: revenant down: {(done.stderr or done.stdout).strip()}", file=sys.stderr)
+    return done
 
 
 def cpu_s(proc: psutil.Process) -> float:

@@ -23,7 +23,7 @@ from revenant.agent.running.launcher import INIT_NAME
 
 # bench/ is not a package: these are this script's own directory's.
 from checkpoint_parts import foreign_criu, sweep
-from harness import BenchError
+from harness import BenchError, cluster_down, cluster_up
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "tests" / "jobs" / "memdirty.py"
@@ -202,28 +202,16 @@ class Bench:
 
     def up(self) -> dict:
         self.cluster_up = True  # from here on, `down` runs whatever happens
-        # The benchmark runs as root (criu needs it), so its job does: the agent must allow that.
-        env = {**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}
-        done = subprocess.run([self.revenant, "up", "--nodes", "1", "--dir", str(self.cluster), "--detach"],
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=env)
-        if done.returncode != 0:
-            raise BenchError(f"revenant up: exit {done.returncode}: {done.stderr.strip()}")
-        nodes = json.loads(self.cli("nodes", "--json").stdout)
-        criu = nodes[0]["capabilities"]["criu"] if nodes else {}
-        if not criu.get("ok"):
-            raise BenchError(f"the agent cannot use criu: {criu}")
+        criu = cluster_up(self.cluster, 1)
         self.events = EventTail(self.revenant, self.cluster)
-        return {"path": criu.get("path"), "version": criu.get("version")}
+        return criu
 
     def down(self) -> None:
         if self.events is not None:
             self.events.close()
             self.events = None
         if self.cluster_up:
-            done = subprocess.run([self.revenant, "down", "--dir", str(self.cluster)], stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                print(f"warning: revenant down: {done.stderr.strip()}", file=sys.stderr)
+            cluster_down(self.cluster)
             self.cluster_up = False
 
     def show(self, job: str) -> dict:
