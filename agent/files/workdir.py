@@ -39,7 +39,8 @@ import msgspec
 from revenant.agent.files import beneath, cowgate, jobfiles_restore, workdir_packs
 from revenant.agent.storage.epochs import FILES_DIR, WORKDIR_FILES, EpochError, Manifest
 from revenant.agent.storage.fileio import copy_bytes, reflink
-from revenant.agent.storage.manifest import WorkdirFile, read_workdir
+from revenant.agent.storage.manifest import WorkdirFile
+from revenant.agent.storage.manifest import read_workdir as read  # an epoch's snapshot (callers know it here)
 # What a snapshot took, and its finish once the job runs again (re-exported: callers know them here).
 from revenant.agent.files.workdir_taken import SCRATCH, Taken, finish, link_all  # noqa: F401
 
@@ -72,11 +73,6 @@ def size_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"
-
-
-def read(epoch_dir: Path) -> dict[str, WorkdirFile] | None:
-    """An epoch's snapshot of its working directory; None if it has none."""
-    return read_workdir(epoch_dir)
 
 
 def previous(epoch_dir: Path, m: Manifest, workdir: str) -> Previous | None:

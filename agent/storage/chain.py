@@ -193,10 +193,7 @@ def workdir_recipe(m: Manifest, rec: WorkdirFile, what: str) -> Recipe:
 def verify_workdir(files: EpochStore, m: Manifest, epoch_dir: Path) -> None:
     """Every page of epoch ``m``'s packed working-directory files, read and checked against
     each file's CRC-32 (its snapshot, workdir-files.json, was checked with the epoch's files)."""
-    for seg in sorted({ref.partition("/")[0] for ref in m.workdir_packs}):
-        for d in (files.packs_dir, files.packs_dir / seg):
-            if not trusted(d):
-                raise CorruptEpoch(f"epoch {m.epoch}: {d} is not the agent's own directory; its packs are not used")
+    check_trusted(files, m, sorted({ref.partition("/")[0] for ref in m.workdir_packs}))
     seen: set[str] = set()
     for rel, rec in sorted((read_workdir(epoch_dir) or {}).items()):
         if rec.runs is None or rec.copy in seen:
@@ -206,9 +203,10 @@ def verify_workdir(files: EpochStore, m: Manifest, epoch_dir: Path) -> None:
         stream(files, workdir_recipe(m, rec, what), rec.size, rec.crc, what)
 
 
-def check_trusted(files: EpochStore, m: Manifest) -> None:
-    """Pages are never read from a directory the job's user could have put there."""
-    for d in (files.packs_dir, files.packs_dir / str(m.segment)):
+def check_trusted(files: EpochStore, m: Manifest, segments: list[str] | None = None) -> None:
+    """Pages are never read from a directory the job's user could have put there: the packs'
+    and each segment's (``segments``; None: the converted epoch's own)."""
+    for d in (files.packs_dir, *(files.packs_dir / seg for seg in (segments or [str(m.segment)]))):
         if not trusted(d):
             raise CorruptEpoch(f"epoch {m.epoch}: {d} is not the agent's own directory; its packs are not used")
 
