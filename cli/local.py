@@ -26,35 +26,38 @@ from typing import BinaryIO
 
 import psutil
 
-from revenant.cli.processes import (INSECURE_WARNING, check_nats_servers, describe_exit, ours, refuse_running,
-                                    start_cluster, stop_processes, tail, wait_gone)
+from revenant.cli import netns
+from revenant.cli.processes import (INSECURE_WARNING, Shape, check_nats_servers, describe_exit, ours,
+                                    refuse_running, start_cluster, stop_processes, tail, wait_gone)
 from revenant.cli.supervise import log_to, supervise_until_stopped
 from revenant.common.errors import ClusterNotFound, RevenantError
 from revenant.common.settings.cluster import ProcessInfo, cluster_file, read_cluster
 
 
-def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None = None, timeout_s: float = 30.0,
-       insecure: bool = False, nats_servers: int = 1) -> int:
+def up(directory: str, shape: Shape, *, detach: bool, timeout_s: float = 30.0) -> int:
     """Start a local cluster and supervise it: in this process, or with ``detach`` in a
     detached ``revenant supervise`` that this one waits for (until every node is alive).
-    Authenticated (each process its own NATS identity) unless ``insecure``."""
-    if n_nodes < 1:
-        raise RevenantError(f"--nodes must be at least 1, got {n_nodes}")
+    Authenticated (each process its own NATS identity) unless ``shape.insecure``."""
+    shape.check()
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     refuse_running(root)
-    check_nats_servers(root, nats_servers, external_nats)
-    if insecure:
+    check_nats_servers(root, shape.nats_servers, shape.external_nats)
+    if shape.netns:
+        netns.check()
+        netns.sweep()
+    if shape.insecure:
         print(f"revenant: WARNING: {INSECURE_WARNING}", file=sys.stderr)
     if detach:
-        url = _up_detached(root, n_nodes, external_nats, timeout_s, insecure, nats_servers)
+        url = _up_detached(root, shape, timeout_s)
     else:
         log_to(root, echo=True)
-        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s,
-                                       insecure=insecure, nats_servers=nats_servers)
+        cluster, procs = start_cluster(root, shape, timeout_s=timeout_s)
         url = cluster.nats_url
-    mode = "INSECURE (no authentication)" if insecure else f"authenticated (keys in {root / 'keys'})"
-    print(f"revenant: cluster up in {root}: {n_nodes} node(s) alive, NATS at {url}, {mode}", file=sys.stderr)
+    mode = "INSECURE (no authentication)" if shape.insecure else f"authenticated (keys in {root / 'keys'})"
+    where = ", each process in a network namespace of its own (host side: see cluster.json)" if shape.netns else ""
+    print(f"revenant: cluster up in {root}: {shape.nodes} node(s) alive, NATS at {url}, {mode}{where}",
+          file=sys.stderr)
     print(f"revenant: try 'revenant nodes --dir {root}'; stop with "
           f"{'revenant down --dir ' + str(root) if detach else 'Ctrl-C'}", file=sys.stderr)
     if detach:
@@ -62,18 +65,15 @@ def up(directory: str, n_nodes: int, *, detach: bool, external_nats: str | None 
     return supervise_until_stopped(root, cluster, procs)
 
 
-def _up_detached(root: Path, n_nodes: int, external_nats: str | None, timeout_s: float, insecure: bool,
-                 nats_servers: int = 1) -> str:
+def _up_detached(root: Path, shape: Shape, timeout_s: float) -> str:
     """Start ``revenant supervise`` in its own session and wait for its word on the start
     (through a pipe); returns the NATS URL.  Interrupted, it stops the supervisor, which stops
     what it started."""
     log_path = root / "logs" / "supervisor.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-m", "revenant.cli", "supervise", str(root), "--nodes", str(n_nodes),
-            "--timeout", str(timeout_s), "--ready-fd", str(write_fd), "--nats-servers", str(nats_servers)]
-    argv += ["--nats", external_nats] if external_nats else []
-    argv += ["--insecure"] if insecure else []
+    argv = [sys.executable, "-m", "revenant.cli", "supervise", str(root), *shape.options(),
+            "--timeout", str(timeout_s), "--ready-fd", str(write_fd)]
     try:
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
@@ -152,6 +152,8 @@ def down(directory: str, timeout_s: float = 30.0) -> int:
     left = [f"{p.role} {p.name} (pid {p.pid})" for p in cluster.processes if ours(p) is not None]
     if left:
         raise RevenantError(f"could not stop: {', '.join(left)}")
+    if cluster.netns is not None:
+        netns.remove(cluster.netns)
     cluster_file(directory).unlink(missing_ok=True)
     note = f" (killed after {timeout_s:g} s: {', '.join(killed)})" if killed else ""
     print(f"revenant: cluster in {os.path.abspath(directory)} stopped{note}", file=sys.stderr)

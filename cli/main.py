@@ -103,6 +103,11 @@ def _cluster_commands(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the nodes (default 30)")
     p.add_argument("--insecure", action="store_true",
                    help="no authentication: anyone who reaches NATS may do anything (experiments only)")
+    p.add_argument("--coordinators", type=int, default=1, metavar="N",
+                   help="start N coordinators: one leads, the others stand by (default 1)")
+    p.add_argument("--netns", action="store_true",
+                   help="run every process (and so every job) in a network namespace of its own, on a "
+                        "bridge: a node's jobs answer at its address, and links can be cut (needs root)")
     p.set_defaults(func=_cmd_up)
 
     # Hidden (no help): what 'revenant up --detach' leaves running to restart what dies.
@@ -114,6 +119,8 @@ def _cluster_commands(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--ready-fd", type=int, help="a pipe to write the start's outcome to (JSON), then close")
     p.add_argument("--insecure", action="store_true")
+    p.add_argument("--coordinators", type=int, default=1)
+    p.add_argument("--netns", action="store_true")
     p.set_defaults(func=_cmd_supervise)
 
     p = sub.add_parser("keys", help="NATS identities (NKey seeds) and the server's authorization block")
@@ -272,15 +279,20 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from revenant.cli.local import up
 
-    return up(args.dir, args.nodes, detach=args.detach, external_nats=args.nats, timeout_s=args.timeout,
-              insecure=args.insecure, nats_servers=args.nats_servers)
+    return up(args.dir, _shape(args), detach=args.detach, timeout_s=args.timeout)
+
+
+def _shape(args: argparse.Namespace):
+    from revenant.cli.processes import Shape
+
+    return Shape(nodes=args.nodes, nats_servers=args.nats_servers, coordinators=args.coordinators, netns=args.netns,
+                 external_nats=args.nats, insecure=args.insecure)
 
 
 def _cmd_supervise(args: argparse.Namespace) -> int:
     from revenant.cli.supervise import supervise
 
-    return supervise(args.dir, args.nodes, external_nats=args.nats, timeout_s=args.timeout, ready_fd=args.ready_fd,
-                     insecure=args.insecure, nats_servers=args.nats_servers)
+    return supervise(args.dir, _shape(args), timeout_s=args.timeout, ready_fd=args.ready_fd)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:

@@ -11,11 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
 
+from revenant.cli import netns
 from revenant.cli.client import request_nodes
 from revenant.common.errors import ClusterNotFound, RevenantError
 from revenant.common.messaging import bus
@@ -148,11 +150,51 @@ def check_nats_servers(root: Path, count: int, external_nats: str | None) -> Non
                             f"(--nats-servers {members or 1}), or use a new directory")
 
 
-def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeout_s: float, insecure: bool = False,
-                  nats_servers: int = 1) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
-    """Start nats-server (unless ``external_nats``; ``nats_servers`` of them, one JetStream
-    cluster, if more than one), the coordinator and the agents, as this
-    process's children; wait until every node is alive; write cluster.json, naming this process
+@dataclass(frozen=True)
+class Shape:
+    """What ``revenant up`` starts: ``nodes`` agents, ``nats_servers`` servers (none with
+    ``external_nats``), ``coordinators`` (the first leads, the others stand by), each in a
+    network namespace of its own with ``netns``; authenticated unless ``insecure``."""
+
+    nodes: int
+    nats_servers: int = 1
+    coordinators: int = 1
+    netns: bool = False
+    external_nats: str | None = None
+    insecure: bool = False
+
+    def node_names(self) -> list[str]:
+        return [f"node-{i}" for i in range(1, self.nodes + 1)]
+
+    def server_names(self) -> list[str]:
+        return [] if self.external_nats else (
+            ["nats-server"] if self.nats_servers == 1 else [f"nats-server-{i}" for i in range(1, self.nats_servers + 1)])
+
+    def coordinator_names(self) -> list[str]:
+        return ["coordinator"] + [f"coordinator-{i}" for i in range(2, self.coordinators + 1)]
+
+    def check(self) -> None:
+        if self.nodes < 1:
+            raise RevenantError(f"--nodes must be at least 1, got {self.nodes}")
+        if self.coordinators < 1:
+            raise RevenantError(f"--coordinators must be at least 1, got {self.coordinators}")
+        if self.netns and self.external_nats:
+            raise RevenantError("--netns starts its own NATS in a namespace: it cannot use --nats")
+
+    def options(self) -> list[str]:
+        """The command-line options that give this shape (``revenant supervise``'s)."""
+        out = ["--nodes", str(self.nodes), "--nats-servers", str(self.nats_servers),
+               "--coordinators", str(self.coordinators)]
+        out += ["--nats", self.external_nats] if self.external_nats else []
+        out += ["--insecure"] if self.insecure else []
+        return out + (["--netns"] if self.netns else [])
+
+
+def start_cluster(root: Path, shape: Shape, *, timeout_s: float) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
+    """Start nats-server (unless ``shape.external_nats``; ``shape.nats_servers`` of them, one
+    JetStream cluster, if more than one), the coordinators and the agents, as this
+    process's children (with ``shape.netns``, each in a network namespace of its own:
+    cli/netns.py); wait until every node is alive; write cluster.json, naming this process
     their supervisor and pinning the ports each one chose into its argv, so that a restart with
     that argv comes back on them.  Each process gets its own NATS identity (DIR/keys), and
     cluster.json the admin's; with ``insecure`` none does, and the bus is open to anyone.
@@ -167,50 +209,55 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeou
     storage = root / "storage"
     storage.mkdir(parents=True, exist_ok=True)
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
-    names = [f"node-{i}" for i in range(1, n_nodes + 1)]
-    keys = None if insecure else generate_identities(root, names)
+    names = shape.node_names()
+    keys = None if shape.insecure else generate_identities(root, names)
+    layout = None
 
     def creds(identity: str) -> list[str]:
         return [] if keys is None else ["--creds", str(keys.seed_path(identity))]
 
+    def placed(name: str, argv: list[str]) -> list[str]:
+        """``argv`` run in ``name``'s namespace, serving HTTP on its address (with --netns)."""
+        if layout is None:
+            return argv
+        return netns.wrap(layout, name) + argv + ["--http-host", layout.members[name].address]
+
     try:
+        if shape.netns:
+            layout = netns.plan(root, shape.server_names() + shape.coordinator_names() + names)
+            netns.create(layout)
         # (The coordinator's identity may ask JetStream whether the cluster is ready.)
         js_creds = {} if keys is None else security.credentials(security.COORDINATOR,
                                                                 str(keys.seed_path(security.COORDINATOR)))
-        servers = [] if external_nats else start_local_nats(
-            root / "nats", nats_servers, log_dir=logs, config_file=None if keys is None else root / "nats.conf",
-            credentials=js_creds, timeout_s=timeout_s)
+        servers = [] if shape.external_nats else start_local_nats(
+            root / "nats", shape.nats_servers, log_dir=logs, config_file=None if keys is None else root / "nats.conf",
+            credentials=js_creds, timeout_s=timeout_s,
+            placed=None if layout is None else [(layout.members[n].address, tuple(netns.wrap(layout, n)))
+                                                for n in shape.server_names()])
         # Every process gets every server's URL, comma-separated: it reconnects to another.
-        url = external_nats or ",".join(server.url for server in servers)
-        for i, server in enumerate(servers, 1):
-            name = "nats-server" if nats_servers == 1 else f"nats-server-{i}"
+        url = shape.external_nats or ",".join(server.url for server in servers)
+        for name, server in zip(shape.server_names(), servers):
             started.append((server.process, ProcessInfo(
                 role="nats-server", name=name, pid=server.pid, create_time=create_time(server.pid),
                 log=str(logs / f"{name}.log"), argv=server.argv)))
         py = [sys.executable, "-m", "revenant.cli"]
         # Every process serves its HTTP endpoints on a free port; cluster.json records which.
-        started.append(spawn("coordinator", "coordinator", py + ["coordinator", "--nats", url, "--name", "coordinator",
-                                                                  "--http-port", "0", *creds(security.COORDINATOR)],
-                              logs / "coordinator.log"))
+        for name in shape.coordinator_names():
+            started.append(spawn("coordinator", name, placed(name, py + [
+                "coordinator", "--nats", url, "--name", name, "--http-port", "0", *creds(security.COORDINATOR)]),
+                logs / f"{name}.log"))
         for name in names:
-            started.append(spawn("agent", name, py + ["agent", "--node", name, "--nats", url, "--http-port", "0",
-                                                       "--storage", str(storage),
-                                                       *creds(security.agent_identity(name))], logs / f"{name}.log"))
+            started.append(spawn("agent", name, placed(name, py + [
+                "agent", "--node", name, "--nats", url, "--http-port", "0", "--storage", str(storage),
+                *creds(security.agent_identity(name))]), logs / f"{name}.log"))
         infos = [info for _, info in started]
         admin = "" if keys is None else str(keys.seed_path(security.ADMIN))
         cluster = ClusterFile(nats_url=url, dir=str(root), storage=str(storage), created_at=time.time(),
-                              processes=infos, supervisor=supervisor_info(logs), creds=admin, insecure=insecure)
+                              processes=infos, supervisor=supervisor_info(logs), creds=admin,
+                              insecure=shape.insecure, netns=layout)
         write_cluster(root, cluster)
         reply = wait_alive(url, names, started, timeout_s, admin)
-        urls = {n.name: n.capabilities.metrics_url for n in reply.nodes}
-        for info in infos:
-            if info.role == "agent":
-                info.metrics_url = urls.get(info.name, "")
-            elif info.role == "coordinator":
-                info.metrics_url = reply.coordinator_metrics_url
-            port = urlsplit(info.metrics_url).port if info.metrics_url else None
-            if port:
-                info.argv = pin_option(info.argv, "--http-port", str(port))
+        _pin_http_ports(infos, reply)
         write_cluster(root, cluster)
     except BaseException:
         # Interrupted or failed while starting: stop what started, and let no
@@ -219,8 +266,24 @@ def start_cluster(root: Path, n_nodes: int, *, external_nats: str | None, timeou
             signal.signal(sig, signal.SIG_IGN)
         stop_processes([info for _, info in started], timeout_s=5.0)
         cluster_file(root).unlink(missing_ok=True)
+        if layout is not None:
+            netns.remove(layout)
         raise
     return cluster, {info.name: proc for proc, info in started}
+
+
+def _pin_http_ports(infos: list[ProcessInfo], reply: NodesReply) -> None:
+    """Record where each process serves HTTP, and pin that port into its argv (the leading
+    coordinator's is in the reply; a standby's is not known here and stays any free port)."""
+    urls = {n.name: n.capabilities.metrics_url for n in reply.nodes}
+    for info in infos:
+        if info.role == "agent":
+            info.metrics_url = urls.get(info.name, "")
+        elif info.role == "coordinator" and info.name == reply.coordinator:
+            info.metrics_url = reply.coordinator_metrics_url
+        port = urlsplit(info.metrics_url).port if info.metrics_url else None
+        if port:
+            info.argv = pin_option(info.argv, "--http-port", str(port))
 
 
 def describe_exit(returncode: int) -> str:

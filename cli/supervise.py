@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from revenant.cli import netns
 from revenant.cli.processes import (INSECURE_WARNING, STOP_ORDER, check_nats_servers, describe_exit, nodes,
-                                    refuse_running, spawn, start_cluster, stop_processes)
+                                    refuse_running, spawn, start_cluster, stop_processes, Shape)
 from revenant.common.errors import RevenantError
 from revenant.common.settings.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
 from revenant.messages import MessageError
@@ -274,13 +275,14 @@ def supervise_until_stopped(root: Path, cluster: ClusterFile, procs: dict[str, s
         signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
     log.info("stopping the cluster (%s)", " -> ".join(STOP_ORDER))
     killed = stop_processes(cluster.processes, timeout_s=30.0)
+    if cluster.netns is not None:
+        netns.remove(cluster.netns)
     cluster_file(root).unlink(missing_ok=True)
     log.info("cluster stopped%s", f" (killed after 30 s: {', '.join(killed)})" if killed else "")
     return 0
 
 
-def supervise(directory: str, n_nodes: int, *, external_nats: str | None, timeout_s: float,
-              ready_fd: int | None, insecure: bool = False, nats_servers: int = 1) -> int:
+def supervise(directory: str, shape: Shape, *, timeout_s: float, ready_fd: int | None) -> int:
     """``revenant supervise DIR`` (what ``up --detach`` leaves running): start the cluster,
     tell ``up`` through ``ready_fd`` how that went, then supervise it."""
     root = Path(directory).resolve()
@@ -289,11 +291,10 @@ def supervise(directory: str, n_nodes: int, *, external_nats: str | None, timeou
     report: dict[str, str] = {}
     try:
         refuse_running(root)
-        check_nats_servers(root, nats_servers, external_nats)
-        if insecure:
+        check_nats_servers(root, shape.nats_servers, shape.external_nats)
+        if shape.insecure:
             log.warning("%s", INSECURE_WARNING)
-        cluster, procs = start_cluster(root, n_nodes, external_nats=external_nats, timeout_s=timeout_s,
-                                       insecure=insecure, nats_servers=nats_servers)
+        cluster, procs = start_cluster(root, shape, timeout_s=timeout_s)
         report = {"nats_url": cluster.nats_url}
     except RevenantError as exc:
         report = {"error": str(exc)}

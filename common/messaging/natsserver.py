@@ -78,11 +78,13 @@ def start_nats_server(
     new_session: bool = False,
     ready_timeout_s: float = 10.0,
     config_file: str | os.PathLike[str] | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> NatsServer:
     """Start nats-server with JetStream, state under ``store_dir``; port -1 picks a free one
     (``NatsServer.argv`` then names the port it picked, so a restart comes back on it).
     ``config_file`` (written by :func:`write_server_config`) adds its ``authorization`` block:
-    then only the identities it lists may connect, each with its own permissions."""
+    then only the identities it lists may connect, each with its own permissions.  ``prefix``
+    runs it through a command that ``exec``s it (``nsenter`` into a network namespace)."""
     cmd = [
         find_nats_server(),
         "--addr", host,
@@ -96,14 +98,15 @@ def start_nats_server(
         cmd += ["--config", str(config_file)]
     else:
         cmd += ["--server_name", f"revenant-{os.getpid()}-{int(time.time())}"]
-    server = _launch(cmd, Path(store_dir), log_file, new_session, ready_timeout_s)
+    server = _launch(cmd, Path(store_dir), log_file, new_session, ready_timeout_s, prefix)
     server.argv = pin_option(server.argv, "--port", str(server.port))
     return server
 
 
 def _launch(cmd: list[str], store: Path, log_file: str | os.PathLike[str] | None, new_session: bool,
-            ready_timeout_s: float) -> NatsServer:
-    """Run ``cmd`` (a nats-server) and wait until it reports the port it listens on."""
+            ready_timeout_s: float, prefix: tuple[str, ...] = ()) -> NatsServer:
+    """Run ``cmd`` (a nats-server; through ``prefix``, which ``exec``s it) and wait until it
+    reports the port it listens on."""
     ports_dir = store / "ports"
     ports_dir.mkdir(parents=True, exist_ok=True)
     for stale in ports_dir.glob("*.ports"):
@@ -113,9 +116,11 @@ def _launch(cmd: list[str], store: Path, log_file: str | os.PathLike[str] | None
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--log", str(log_file)]
     out = subprocess.DEVNULL if log_file is not None else None
+    ports_file_name = f"{Path(cmd[0]).name}_{{pid}}.ports"
+    cmd = [*prefix, *cmd]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=new_session)
     deadline = time.monotonic() + ready_timeout_s
-    ports_file = ports_dir / f"{Path(cmd[0]).name}_{proc.pid}.ports"
+    ports_file = ports_dir / ports_file_name.format(pid=proc.pid)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise NatsServerError(f"nats-server exited with status {proc.returncode} at start"
@@ -153,13 +158,15 @@ def write_server_config(path: str | os.PathLike[str], authorization: str) -> Pat
 # ------------------------------------------------------------------ a cluster of servers
 
 CLUSTER_NAME = "revenant"
+CLIENT_PORT, ROUTE_PORT = 4222, 6222  # NATS's own: a server alone in its network namespace has them free
 ROUTE_USER = "revenant-route"
 PORT_ATTEMPTS = 3
 
 
 def start_nats_cluster(root: str | os.PathLike[str], count: int, *, log_dir: str | os.PathLike[str],
                        authorization: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
-                       new_session: bool = False, ready_timeout_s: float = 10.0) -> list[NatsServer]:
+                       new_session: bool = False, ready_timeout_s: float = 10.0,
+                       placed: list[tuple[str, tuple[str, ...]]] | None = None) -> list[NatsServer]:
     """Start ``count`` nats-servers on ``host`` as one JetStream cluster.  Server ``i`` (from 1),
     named ``revenant-nats-<i>``, keeps its store and its configuration (``server.conf``, mode
     0600, which names its ports: its argv, ``--config`` alone, starts it again as it was) in
@@ -167,20 +174,27 @@ def start_nats_cluster(root: str | os.PathLike[str], count: int, *, log_dir: str
     password of their own (new at each start): whoever reaches a cluster port without it is
     refused, as a route and as a client.  ``authorization`` (the file :func:`write_server_config`
     wrote) is included by each, so all three admit the same identities.  A port another process
-    took between its choice and its use costs a new choice of ports, up to three times."""
+    took between its choice and its use costs a new choice of ports, up to three times.
+    ``placed``: each server's own address and the prefix that runs it there (``nsenter`` into its
+    network namespace, where the standard ports are free), instead of ``host`` for all."""
     password = secrets.token_urlsafe(24)
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        clients, routes = free_ports(host, count), free_ports(host, count)
+        if placed is None:
+            hosts, prefixes = [host] * count, [()] * count
+            clients, routes = free_ports(host, count), free_ports(host, count)
+        else:
+            hosts, prefixes = [h for h, _ in placed], [p for _, p in placed]
+            clients, routes = [CLIENT_PORT] * count, [ROUTE_PORT] * count
         started: list[NatsServer] = []
         try:
             for i in range(count):
                 member = Path(root) / str(i + 1)
-                conf = write_member_config(member / "server.conf", i + 1, host=host, port=clients[i],
+                conf = write_member_config(member / "server.conf", i + 1, host=hosts[i], port=clients[i],
                                            route_port=routes[i], password=password, authorization=authorization,
-                                           peers=[p for j, p in enumerate(routes) if j != i])
+                                           peers=[(hosts[j], p) for j, p in enumerate(routes) if j != i])
                 log_file = Path(log_dir) / f"nats-server-{i + 1}.log"
                 started.append(_launch([find_nats_server(), "--config", str(conf)], member, log_file, new_session,
-                                       ready_timeout_s))
+                                       ready_timeout_s, prefixes[i]))
             return started
         except NatsServerError:
             for server in started:
@@ -214,10 +228,10 @@ def _port_was_taken(log_dir: Path, count: int) -> bool:
 
 
 def write_member_config(path: Path, index: int, *, host: str, port: int, route_port: int, password: str,
-                        peers: list[int], authorization: str | os.PathLike[str] | None) -> Path:
+                        peers: list[tuple[str, int]], authorization: str | os.PathLike[str] | None) -> Path:
     """The configuration of cluster member ``index`` (mode 0600: it holds the route password)."""
     q = json.dumps
-    routes = "\n".join(f"        {q(f'nats-route://{ROUTE_USER}:{password}@{host}:{p}')}" for p in peers)
+    routes = "\n".join(f"        {q(f'nats-route://{ROUTE_USER}:{password}@{h}:{p}')}" for h, p in peers)
     text = f"""# Written by revenant up: server {index} of this directory's NATS cluster.
 server_name: {q(f"revenant-nats-{index}")}
 listen: {q(f"{host}:{port}")}
@@ -246,14 +260,19 @@ cluster {{
 
 
 def start_local_nats(store: Path, count: int, *, log_dir: Path, config_file: Path | None,
-                     credentials: dict[str, str | None], timeout_s: float) -> list[NatsServer]:
+                     credentials: dict[str, str | None], timeout_s: float,
+                     placed: list[tuple[str, tuple[str, ...]]] | None = None) -> list[NatsServer]:
     """``revenant up``'s nats-server (store ``store``, log ``log_dir/nats-server.log``), or its
     ``count`` servers (:func:`start_nats_cluster`) once their JetStream cluster is ready, as
-    ``credentials`` (an identity that may use the JetStream API) sees it."""
+    ``credentials`` (an identity that may use the JetStream API) sees it.  ``placed``: each
+    server's address and the prefix that runs it in its network namespace (``up --netns``)."""
     if count == 1:
+        host, prefix = placed[0] if placed else ("127.0.0.1", ())
         return [start_nats_server(store, log_file=log_dir / "nats-server.log", new_session=True,
-                                  config_file=config_file)]
-    servers = start_nats_cluster(store, count, log_dir=log_dir, authorization=config_file, new_session=True)
+                                  config_file=config_file, host=host, port=CLIENT_PORT if placed else -1,
+                                  prefix=prefix)]
+    servers = start_nats_cluster(store, count, log_dir=log_dir, authorization=config_file, new_session=True,
+                                 placed=placed)
     try:
         asyncio.run(wait_jetstream(",".join(s.url for s in servers), count, timeout_s, **credentials))
     except BaseException:

@@ -37,6 +37,22 @@ class ProcessInfo(msgspec.Struct, kw_only=True):
     given_up: bool = False
 
 
+class NetMember(msgspec.Struct, kw_only=True):
+    netns: str  # its network namespace, /run/netns/<netns>
+    address: str  # its address on the cluster's subnet
+
+
+class NetLayout(msgspec.Struct, kw_only=True):
+    """``revenant up --netns``: every process in a network namespace of its own, joined by a
+    bridge in the host's namespace, which holds ``host_address`` (the CLI reaches the cluster
+    through it).  The storage stays a shared directory, as NFS would be."""
+
+    bridge: str
+    prefix: str  # the subnet's first three octets: <prefix>.0/24
+    host_address: str
+    members: dict[str, NetMember] = {}  # by process name: nats-server-1, coordinator, node-1, ...
+
+
 class ClusterFile(msgspec.Struct, kw_only=True):
     version: int = 1
     nats_url: str  # one URL, or several comma-separated (one per server of a NATS cluster)
@@ -51,6 +67,7 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     # with ``insecure``: the bus asks no one for a credential and lets everyone do anything.
     creds: str = ""
     insecure: bool = False
+    netns: NetLayout | None = None
 
 
 def cluster_file(directory: str | os.PathLike[str]) -> Path:
