@@ -78,8 +78,9 @@ async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float
         last = info.state.last_seq
         if not follow and info.state.messages == 0:
             return
-        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True,
-                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        with bus.map_exceptions("cannot read the event stream"):
+            sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True,
+                                     config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         while True:
             try:
                 msg = await sub.next_msg(timeout=None if follow else timeout_s)
