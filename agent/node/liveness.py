@@ -177,8 +177,8 @@ class Liveness:
         self._stop = asyncio.Event()
         cfg = self.config
         self._nc = nc = await bus.connect(cfg.nats_url, f"revenant-agent-{self.node}-liveness",
-                                          ping_interval_s=cfg.ping_interval_s,
-                                          max_outstanding_pings=cfg.max_outstanding_pings,
+                                          ping_interval_s=cfg.liveness_ping_interval_s,
+                                          max_outstanding_pings=cfg.liveness_max_outstanding_pings,
                                           reconnect_wait_s=cfg.reconnect_wait_s,
                                           on_reconnect=self._reconnected,
                                           **security.credentials(security.agent_identity(self.node),
@@ -246,7 +246,10 @@ class Liveness:
             self._full.force = True
 
     async def _reconnected(self) -> None:
-        self._full.force = True  # the coordinator may be a new one: tell it everything at once
+        # On another server, or the same one back: say so at once (the silence so far counts
+        # toward a dead verdict), and in full (the coordinator may be a new one).
+        self._full.force = True
+        await self._publish()
 
     async def _on_heartbeat_request(self, msg: Msg) -> None:
         """A coordinator (re)started or got its heartbeats back: the next heartbeat is full."""

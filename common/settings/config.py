@@ -85,6 +85,11 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ping_interval_s: float = 2.0
     max_outstanding_pings: int = 2
     reconnect_wait_s: float = 0.5
+    # The liveness connection (heartbeats, probes, the lease) pings faster: a server cut off
+    # without a reset (a partition) is left for another within 1 to 1.5 s, before the
+    # coordinator's node_timeout_s (2.5 s) can call the node dead.
+    liveness_ping_interval_s: float = 0.5
+    liveness_max_outstanding_pings: int = 1
     # The event loop counts a stall when a wake-up is this late.
     loop_stall_threshold_s: float = 0.25
     # Health thresholds (docs/observability.md gives the reasoning).
@@ -157,6 +162,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.max_frozen_s > self.fence_timeout_s:
             raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
+                  "liveness_ping_interval_s", "liveness_max_outstanding_pings",
                   "criu_timeout_s", "workdir_scan_max_entries", "file_snapshot_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s", "gpu_lock_timeout_s")
         if self.drain_timeout_s < 0:
