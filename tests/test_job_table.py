@@ -296,6 +296,31 @@ async def test_an_operators_failover_hold_outlives_the_leader(table):
     assert not again.storm.held
 
 
+async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table):
+    """Failover paused by a storm (many nodes silent at once: a partition) resumes because the
+    nodes came back: a recovery that was waiting for the pause leaves the job where it is."""
+    from revenant.coordinator.recovery.failover import Failover
+
+    await put(table, "running", 1, "node-1")
+    states = {"node-1": "dead"}
+    fo = Failover(table.config, table.js, table, table.events,
+                  lambda: [NodeStatus(name=n, state=s) for n, s in states.items()], lambda node: None)
+    fo.storm.paused = True
+    fo.recover_job("1", "node-1")  # no lease in the store: nothing to wait for but the pause
+    await asyncio.sleep(0.5)
+    assert "1" in fo.recovering
+    states["node-1"] = "alive"
+    fo.storm.paused = False
+    for _ in range(50):
+        if "1" not in fo.recovering:
+            break
+        await asyncio.sleep(0.1)
+    assert "1" not in fo.recovering  # dropped, not restoring (nor retrying) anywhere
+    fo.cancel()
+    rec = table.get("1")
+    assert (rec.state, rec.node, rec.generation) == ("running", "node-1", 1)
+
+
 async def test_a_table_read_empty_while_its_stream_holds_records_is_read_again(table):
     """A server just restarted may show a new reader nothing pending for a moment: the read is
     done again rather than leading on an empty table; a table whose records were all removed is

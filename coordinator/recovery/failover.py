@@ -281,6 +281,9 @@ class Failover:
 
     # ------------------------------------------------------------------ one job
 
+    def _alive(self, node: str) -> bool:
+        return any(n.name == node and n.state == "alive" for n in self.nodes())
+
     def _since_last_heartbeat(self, node: str) -> float | None:
         at = self.last_heartbeat(node)
         return None if at is None else round(self.clock() - at, 3)
@@ -328,8 +331,14 @@ class Failover:
                 return None
             # It came back, but had stopped the job meanwhile (a fence): the job goes on elsewhere.
             evicted = self._evicted[job]
+        waited = self.storm.paused
         while self.storm.paused:
             await asyncio.sleep(0.2)
+        if waited and dead and not evicted and self._alive(dead):
+            # The storm ended because its nodes came back (a partition healed): the node's agent
+            # reconciles once its lease is back, and the leader lets its frozen copy thaw.
+            log.warning("job %s: node %s came back while failover was paused; it keeps the job", job, dead)
+            return None
         deadline = self.clock() + self.config.requeue_timeout_s
         last_error = ""
         async with self.slots:
