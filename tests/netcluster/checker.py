@@ -1,0 +1,168 @@
+"""The history checker: reads a partition test's whole history (tests/netcluster/history.py) and
+names every violation of what revenant promises under a split.  Pure: tests/test_checker.py
+feeds it histories made by hand, one per kind of violation.
+
+The violations:
+- ``two copies``: two copies of one job running (not frozen) in one sample;
+- ``output``: a job's output that is not a byte-exact prefix of the uninterrupted run (the
+  stepper's lines without their address), or whose lines name an address no node has;
+- ``superseded``: a step that reached the collector from a node the table had already moved the
+  job away from (``slack_s`` after the record that moved it: the record is seen at once, the
+  step travels), or from a node the table never gave it;
+- ``lost epoch``: an epoch the table once listed (acknowledged) that is not on the storage at
+  the end, unless ``max_epochs`` newer ones are (retention);
+- ``unexplained``: a job at the end neither running with exactly one copy where the table says,
+  nor ended with a reason;
+- ``heal``: a copy frozen when a partition healed that was neither thawed (same pid) nor gone,
+  with the job running elsewhere, within ``heal_bound_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from netcluster.history import History, Placement
+
+ENDED = ("completed", "failed", "cancelled")
+RUNNING = ("running", "checkpointing")  # a periodic checkpoint holds the job a moment (criu's freeze)
+SETTLED_S = 1.0  # the last second of samples: one of them must show the job running once
+
+
+@dataclass
+class Job:
+    """What the checker knows of one job beyond the history."""
+
+    id: str
+    reference: bytes  # the uninterrupted run's output, addresses removed
+    output: bytes  # its output.log at the end
+    on_disk: set[int]  # epoch numbers on the storage at the end
+    max_epochs: int
+
+
+def check(history: History, jobs: list[Job], addresses: set[str], *, slack_s: float = 0.5,
+          heal_bound_s: float = 5.0) -> list[str]:
+    found: list[str] = []
+    found += two_copies(history)
+    for job in jobs:
+        found += output(job, addresses)
+        found += superseded(history, job.id, slack_s)
+        found += lost_epochs(history, job)
+        found += unexplained(history, job.id)
+    found += heals(history, heal_bound_s)
+    return found
+
+
+def two_copies(history: History) -> list[str]:
+    found = []
+    for t, seen in history.samples:
+        running: dict[str, list[str]] = {}
+        for c in seen:
+            if not c.frozen:
+                running.setdefault(c.job, []).append(f"{c.node} pid {c.pid}")
+        found += [f"two copies: job {job} ran on {', '.join(where)} at {t:.2f}"
+                  for job, where in running.items() if len(where) > 1]
+    return found
+
+
+def strip_addresses(data: bytes) -> tuple[bytes, set[str]]:
+    """The stepper's output without the address that ends each line, and those addresses."""
+    lines, seen = [], set()
+    for line in data.splitlines(keepends=True):
+        body, _, addr = line.rstrip(b"\n").rpartition(b" ")
+        lines.append(body + (b"\n" if line.endswith(b"\n") else b""))
+        seen.add(addr.decode(errors="replace"))
+    return b"".join(lines), seen
+
+
+def output(job: Job, addresses: set[str]) -> list[str]:
+    body, seen = strip_addresses(job.output)
+    found = []
+    if not job.reference.startswith(body):
+        at = next((i for i, (a, b) in enumerate(zip(body, job.reference)) if a != b), min(len(body),
+                                                                                       len(job.reference)))
+        line = body[:at].count(b"\n")
+        found.append(f"output: job {job.id} is not a prefix of the uninterrupted run from line {line}")
+    strangers = seen - addresses
+    if strangers:
+        found.append(f"output: job {job.id} has lines from {', '.join(sorted(strangers))}, no node's address")
+    return found
+
+
+def _placements(history: History, job: str) -> list[Placement]:
+    return sorted((p for p in history.table if p.job == job), key=lambda p: p.t)
+
+
+def superseded(history: History, job: str, slack_s: float) -> list[str]:
+    """A step from a node must come from the table's current placement there: the newest
+    generation the table gave that node before the step (``slack_s`` after, for a new copy
+    whose first steps outrun the watch) must still be the table's newest ``slack_s`` before it."""
+    table = _placements(history, job)
+    found = []
+    for step in (s for s in history.steps if s.job == job):
+        placed = [p for p in table if p.t <= step.t + slack_s and p.node == step.node]
+        if not placed:
+            found.append(f"superseded: job {job} step {step.step} came from {step.node}, where the table "
+                         f"never placed it")
+            continue
+        mine = max(p.generation for p in placed)
+        before = [p for p in table if p.t <= step.t - slack_s]
+        newest = max((p.generation for p in before), default=mine)
+        if newest > mine:
+            found.append(f"superseded: job {job} step {step.step} came from {step.node} (generation {mine}) at "
+                         f"{step.t:.2f}, after the table moved it to generation {newest}")
+    return found
+
+
+def lost_epochs(history: History, job: Job) -> list[str]:
+    acked = sorted({n for p in _placements(history, job.id) for n in p.epochs})
+    found = []
+    for n in acked:
+        newer = sum(1 for m in job.on_disk if m > n)
+        if n not in job.on_disk and newer < job.max_epochs:
+            found.append(f"lost epoch: job {job.id} epoch {n} was acknowledged and is gone "
+                         f"({newer} newer on the storage, {job.max_epochs} kept)")
+    return found
+
+
+def unexplained(history: History, job: str) -> list[str]:
+    table = _placements(history, job)
+    if not table:
+        return [f"unexplained: job {job} never appeared in the table"]
+    last = table[-1]
+    if last.state in ENDED:
+        return [] if last.reason or last.state == "completed" else [f"unexplained: job {job} {last.state} "
+                                                                    f"without a reason"]
+    if last.state not in RUNNING:
+        return [f"unexplained: job {job} left {last.state} on {last.node}"]
+    end = history.samples[-1][0] if history.samples else 0.0
+    final: list = []
+    for t, seen in (s for s in history.samples if s[0] >= end - SETTLED_S):
+        final = [c for c in seen if c.job == job]
+        if len(final) == 1 and not final[0].frozen and final[0].node == last.node:
+            return []
+    where = ", ".join(f"{c.node} pid {c.pid}{' frozen' if c.frozen else ''}" for c in final) or "nowhere"
+    return [f"unexplained: job {job} is running on {last.node} in the table, its copies: {where}"]
+
+
+def heals(history: History, bound_s: float) -> list[str]:
+    """After each heal, every copy frozen then must be thawed (same pid) or gone, with its job
+    running elsewhere, within ``bound_s``."""
+    found = []
+    for healed in history.heals:
+        before = [s for s in history.samples if s[0] <= healed]
+        if not before:
+            continue
+        frozen = [c for c in before[-1][1] if c.frozen]
+        after = [s for s in history.samples if healed < s[0] <= healed + bound_s]
+        for c in frozen:
+            settled = False
+            for _, seen in after:
+                same = [x for x in seen if x.pid == c.pid]
+                if (same and not same[0].frozen) or (not same and any(
+                        x.job == c.job and x.node != c.node and not x.frozen for x in seen)):
+                    settled = True
+                    break
+            if not settled:
+                found.append(f"heal: job {c.job}'s copy on {c.node} (pid {c.pid}) was neither thawed nor killed "
+                             f"with its job running elsewhere within {bound_s:g} s of the heal at {healed:.2f}")
+    return found

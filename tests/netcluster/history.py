@@ -1,0 +1,183 @@
+"""Recording a partition test's history, as Jepsen does: what the jobs did, what ran where,
+and what the job table said, each with the time it was seen (tests/netcluster/checker.py reads it).
+
+- ``Collector``: a UDP socket on the bridge's host address; every step of every stepper job
+  (tests/jobs/stepper.py) arrives here as ``"<job> <step> <address> <pid>"``.
+- ``Sampler``: every 0.1 s, every copy of every stepper job on this host (its pid, its node by
+  its network namespace, frozen or not).
+- ``TableWatch``: every revision of every job's record in the job table (a KV watch, on a
+  thread of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import psutil
+
+from revenant.common.messaging import bus
+from revenant.common.settings import security
+from revenant.messages import JobRecord, subjects
+
+STEPPER = str(Path(__file__).resolve().parent.parent / "jobs" / "stepper.py")
+FROZEN = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
+@dataclass
+class Step:
+    t: float
+    job: str
+    step: int
+    node: str  # by its address ("?" for an address no node has)
+
+
+@dataclass
+class Copy:
+    job: str
+    pid: int
+    node: str
+    frozen: bool
+
+
+@dataclass
+class Placement:
+    t: float
+    job: str
+    node: str
+    generation: int
+    state: str
+    epochs: list[int]
+    reason: str = ""
+
+
+@dataclass
+class History:
+    steps: list[Step] = field(default_factory=list)
+    samples: list[tuple[float, list[Copy]]] = field(default_factory=list)
+    table: list[Placement] = field(default_factory=list)
+    heals: list[float] = field(default_factory=list)
+
+
+class Collector:
+    """Receives the steppers' step records (``history.steps``) on ``address``:<port>."""
+
+    def __init__(self, address: str, nodes_by_address: dict[str, str], history: History) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((address, 0))
+        self.sock.settimeout(0.2)
+        self.where = f"{address}:{self.sock.getsockname()[1]}"
+        self.nodes = nodes_by_address
+        self.history = history
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="collector", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                data = self.sock.recv(512)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            parts = data.decode(errors="replace").split()
+            if len(parts) >= 3 and parts[1].isdigit():
+                self.history.steps.append(Step(time.time(), parts[0], int(parts[1]), self.nodes.get(parts[2], "?")))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+def copies(namespaces: dict[int, str]) -> list[Copy]:
+    """Every stepper process on this host: its job (from its environment), its node (from its
+    network namespace's inode) and whether it is frozen (stopped, or held by criu)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmd = proc.info["cmdline"] or []
+        if len(cmd) < 2 or cmd[1] != STEPPER or proc.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            continue
+        try:
+            job = proc.environ().get("REVENANT_JOB_ID", "?")
+            node = namespaces.get(os.stat(f"/proc/{proc.pid}/ns/net").st_ino, "host")
+        except (psutil.Error, OSError):
+            continue
+        found.append(Copy(job, proc.pid, node, proc.info["status"] in FROZEN))
+    return found
+
+
+class Sampler:
+    def __init__(self, namespaces: dict[int, str], history: History, interval_s: float = 0.1) -> None:
+        self.namespaces, self.history, self.interval_s = namespaces, history, interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self.history.samples.append((time.time(), copies(self.namespaces)))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+
+class TableWatch:
+    """Every revision of the job table, as the coordinator's identity reads it (``history.table``)."""
+
+    def __init__(self, url: str, seed: str, history: History) -> None:
+        self.url, self.seed, self.history = url, seed, history
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self.error = ""
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._run(),),
+                                        name="table-watch", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError(f"the job table watch did not start: {self.error or 'no answer'}")
+
+    async def _run(self) -> None:
+        self._stop = asyncio.Event()
+        try:
+            nc = await bus.connect(self.url, "history", **security.credentials(security.COORDINATOR, self.seed))
+            kv = await nc.jetstream(timeout=5).key_value(subjects.JOBS_BUCKET)
+            watcher = await kv.watch(">")
+        except Exception as exc:  # noqa: BLE001 - reported by the constructor
+            self.error = str(exc)
+            self._ready.set()
+            if "nc" in locals():
+                await nc.close()
+            return
+        self._ready.set()
+        decoder = msgspec.msgpack.Decoder(JobRecord)
+        while not self._stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=0.5)
+            except Exception:  # noqa: BLE001 - a timeout, or the connection moving to another server
+                continue
+            if entry is None or not entry.value or not entry.key.isdigit():
+                continue
+            try:
+                rec = decoder.decode(entry.value)
+            except msgspec.DecodeError:
+                continue
+            self.history.table.append(Placement(time.time(), entry.key, rec.node, rec.generation, rec.state,
+                                                [e.n for e in rec.epochs], rec.reason))
+        await watcher.stop()
+        await nc.close()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,112 @@
+"""The partition history checker (tests/netcluster/checker.py) on histories made by hand: a clean
+one passes, and each kind of violation is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from netcluster.checker import Job, check, strip_addresses
+from netcluster.history import Copy, History, Placement, Step
+from netcluster.run import reference
+
+pytestmark = pytest.mark.unit
+
+A, B = "10.0.0.101", "10.0.0.102"
+NODES = {A, B}
+
+
+def out(steps: range, address: str = A) -> bytes:
+    ref = reference(steps.stop).splitlines(keepends=True)
+    return b"".join(ref[n].rstrip(b"\n") + f" {address}\n".encode() for n in steps)
+
+
+def clean() -> tuple[History, Job]:
+    """Job 1 on node-1, moved to node-2 (generation 2) at t=10 from epoch 1; healed at 12."""
+    h = History()
+    h.table = [Placement(0.0, "1", "node-1", 1, "running", []), Placement(4.0, "1", "node-1", 1, "running", [1]),
+               Placement(10.0, "1", "node-2", 2, "restoring", [1]), Placement(11.0, "1", "node-2", 2, "running", [1])]
+    h.steps = [Step(float(t), "1", t, "node-1") for t in range(8)] + [Step(11.2, "1", 4, "node-2")]
+    h.samples = [(float(t), [Copy("1", 50, "node-1", t >= 8)] + ([Copy("1", 60, "node-2", False)] if t >= 11 else []))
+                 for t in range(12)] + [(13.0, [Copy("1", 60, "node-2", False)])]
+    h.heals = [12.0]
+    return h, Job("1", reference(100), out(range(4)) + out(range(4, 6), B), {1}, 3)
+
+
+def test_a_clean_history_passes():
+    h, job = clean()
+    assert check(h, [job], NODES) == []
+
+
+def test_two_running_copies_are_named():
+    h, job = clean()
+    h.samples[9] = (9.0, [Copy("1", 50, "node-1", False), Copy("1", 60, "node-2", False)])
+    found = check(h, [job], NODES)
+    assert len(found) == 1 and found[0].startswith("two copies: job 1 ran on node-1 pid 50, node-2 pid 60")
+
+
+def test_output_that_is_not_a_prefix_is_named():
+    h, job = clean()
+    job.output = out(range(4)) + out(range(3, 6), B)  # step 3 written twice: no rollback
+    assert check(h, [job], NODES) == ["output: job 1 is not a prefix of the uninterrupted run from line 4"]
+
+
+def test_output_from_no_nodes_address_is_named():
+    h, job = clean()
+    job.output = out(range(4), "127.0.0.1")
+    assert check(h, [job], NODES) == ["output: job 1 has lines from 127.0.0.1, no node's address"]
+
+
+def test_a_step_from_a_superseded_generation_is_named():
+    h, job = clean()
+    h.steps.append(Step(10.8, "1", 8, "node-1"))  # the old copy took a step after the move
+    found = check(h, [job], NODES)
+    assert found == ["superseded: job 1 step 8 came from node-1 (generation 1) at 10.80, after the table moved "
+                     "it to generation 2"]
+
+
+def test_a_step_from_a_node_the_job_never_had_is_named():
+    h, job = clean()
+    h.steps.append(Step(5.0, "1", 5, "?"))
+    assert check(h, [job], NODES) == ["superseded: job 1 step 5 came from ?, where the table never placed it"]
+
+
+def test_an_acknowledged_epoch_that_is_gone_is_named():
+    h, job = clean()
+    job.on_disk = set()
+    assert check(h, [job], NODES) == ["lost epoch: job 1 epoch 1 was acknowledged and is gone (0 newer on the "
+                                      "storage, 3 kept)"]
+
+
+def test_an_epoch_pruned_by_retention_is_not_lost():
+    h, job = clean()
+    h.table.append(Placement(20.0, "1", "node-2", 2, "running", [2, 3, 4]))
+    job.on_disk = {2, 3, 4}
+    assert check(h, [job], NODES) == []
+
+
+def test_a_job_left_frozen_is_named():
+    h, job = clean()
+    h.samples += [(t, [Copy("1", 60, "node-2", True)]) for t in (14.0, 14.5, 15.0)]  # frozen its last second
+    found = check(h, [job], NODES)
+    assert found == ["unexplained: job 1 is running on node-2 in the table, its copies: node-2 pid 60 frozen"]
+
+
+def test_a_job_left_restoring_is_named():
+    h, job = clean()
+    h.table.append(Placement(15.0, "1", "node-1", 3, "restoring", [1]))
+    assert "unexplained: job 1 left restoring on node-1" in check(h, [job], NODES)
+
+
+def test_a_copy_still_frozen_long_after_the_heal_is_named():
+    h, job = clean()
+    h.samples = [s for s in h.samples if s[0] <= 12.0] + [
+        (12.0 + t, [Copy("1", 50, "node-1", True), Copy("1", 60, "node-2", False)]) for t in (1, 3, 5)]
+    h.samples.append((20.0, [Copy("1", 60, "node-2", False)]))
+    found = check(h, [job], NODES)
+    assert found == ["heal: job 1's copy on node-1 (pid 50) was neither thawed nor killed with its job running "
+                     "elsewhere within 5 s of the heal at 12.00"]
+
+
+def test_addresses_are_taken_off_each_line():
+    body, seen = strip_addresses(b"0 abc 10.0.0.1\n1 def 10.0.0.2\n")
+    assert body == b"0 abc\n1 def\n" and seen == {"10.0.0.1", "10.0.0.2"}
