@@ -94,3 +94,27 @@ async def test_without_a_leader_reconcile_leaves_the_jobs_alone(nats_url, tmp_pa
 
 async def _alive(agent, job) -> bool:
     return job in agent.supervisor.jobs and not agent.supervisor.jobs[job].exited.is_set()
+
+
+async def test_a_thaw_waits_until_the_nodes_lease_is_back(nats_url, tmp_path, monkeypatch):
+    """A reconcile after the connection came back can come before the lease does: the leader's
+    thaw then waits (a job thawed without its lease would be frozen again by its dead man's
+    switch, unknown to the agent) for the reconcile the lease's return brings."""
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+
+    async def leader(msg):
+        req = decode_as(msg.data, ReconcileRequest)
+        await msg.respond(encode(ReconcileReply(thaw=[LocalJob(job=j.job, generation=j.generation)
+                                                      for j in req.jobs if j.frozen])))
+
+    await nc.subscribe(subjects.coordinator("reconcile"), cb=leader)
+    async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
+        await _start(nc, "1", 1)
+        agent.supervisor.freeze_all("a test's fence")
+        monkeypatch.setattr(agent.liveness, "holds_lease", lambda: False)
+        await agent.reconcile(reconnected=True)
+        assert agent.supervisor.jobs["1"].frozen_at is not None
+        monkeypatch.setattr(agent.liveness, "holds_lease", lambda: True)
+        await agent.reconcile()
+        assert agent.supervisor.jobs["1"].frozen_at is None
+    await nc.close()

@@ -416,5 +416,5 @@ class Agent(Service):
         reply = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, lambda: self.stopping,
                                            started, reconnected)
         if reply is not None:
-            await reconcile.apply(sup, reply)
+            await reconcile.apply(sup, reply, may_thaw=self.liveness.holds_lease())
 

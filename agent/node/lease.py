@@ -100,7 +100,9 @@ class LeaseKeeper:
                     log.error("lease renewed only after %.1f s (fence %.1f s): treated as a self-fence",
                               late, self.fence.fence_timeout_s)
                     await self._on_fence(late)
-                if self._on_renewed is not None and not self.fenced:
+                if self._on_renewed is not None:
+                    # Every renewal resets the switches, the first after a fence too: a job the
+                    # leader lets thaw before the next renewal must not find its switch stale.
                     self._on_renewed()
                 if self.fenced:
                     self.fenced = False

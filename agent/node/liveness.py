@@ -142,6 +142,12 @@ class Liveness:
     def fenced(self) -> bool:
         return self.lease is not None and self.lease.fenced
 
+    def holds_lease(self) -> bool:
+        """Whether the lease is held now: renewed within the fence's timeout, and not fenced.
+        Only then may a frozen job thaw (its dead man's switch is reset only by renewals)."""
+        lease = self.lease
+        return lease is not None and not lease.fenced and not lease.fence.must_fence(self.clock())
+
     # ------------------------------------------------------------------ lifecycle (called from the main loop)
 
     async def start(self) -> None:

@@ -66,9 +66,15 @@ async def ask_leader(nc: Client, sup: Supervisor, node: str, incarnation: str, c
         delay = min(5.0, delay * 2)
 
 
-async def apply(sup: Supervisor, reply: ReconcileReply) -> None:
-    """Kill what moved on, thaw what the leader let go on (each only at the generation named)."""
+async def apply(sup: Supervisor, reply: ReconcileReply, may_thaw: bool = True) -> None:
+    """Kill what moved on, thaw what the leader let go on (each only at the generation named).
+    Not ``may_thaw`` (this node's lease is not back: a reconcile after the connection came back
+    may come before the lease does), thaws wait for the reconcile that the lease's return brings:
+    a job thawed now would be frozen again by its dead man's switch, and nothing would know."""
     for lj in reply.thaw:
+        if not may_thaw:
+            log.warning("job %s generation %d stays frozen until this node's lease is back", lj.job, lj.generation)
+            continue
         if sup.thaw(lj.job, lj.generation):
             log.warning("job %s generation %d thawed: the leader kept it here", lj.job, lj.generation)
     for stale in reply.stale:
