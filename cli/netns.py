@@ -45,13 +45,14 @@ def _first(name: str) -> tuple[int, int]:
     return FIRST[name], 0  # "nats-server" or "coordinator" alone: the first of its role
 
 
-def plan(root: Path, names: list[str]) -> NetLayout:
-    """The namespaces, addresses and bridge for ``names``, on a /24 no route of the host's
-    covers (tried from the directory's own, so two clusters at once get two)."""
+def plan(root: Path, names: list[str], taken: list[ipaddress.IPv4Network] | None = None) -> NetLayout:
+    """The namespaces, addresses and bridge for ``names``, on a /24 that no route of the host's
+    (``taken``: read from ``ip route`` if not given) covers, tried from one the directory picks,
+    so two clusters at once get two."""
     if sum(1 for n in names if n.startswith("node-")) > MAX_NODES:
         raise RevenantError(f"--netns takes at most {MAX_NODES} nodes")
     tag = tag_of(root)
-    taken = _host_networks()
+    taken = _host_networks() if taken is None else taken
     seed = int(tag, 16)
     for k in range(256):
         prefix = f"10.{200 + (seed + k) % 50}.{(seed >> 8) % 256}"
