@@ -83,6 +83,12 @@ if ! command -v nft >/dev/null 2>&1 && ! [ -x /usr/sbin/nft ]; then
     apt_install nftables
 fi
 command -v make >/dev/null 2>&1 || apt_install make
+# `revenant up --netns` and the partition tests (tests/test_partitions.py) make network namespaces,
+# veth pairs and a bridge with ip, and enter them with nsenter; the nemesis cuts links with nft.
+if ! command -v ip >/dev/null 2>&1 && ! [ -x /usr/sbin/ip ] && ! [ -x /sbin/ip ]; then
+    apt_install iproute2
+fi
+command -v nsenter >/dev/null 2>&1 || apt_install util-linux
 # The TLS test makes a certificate for its nats-server with openssl.
 if ! command -v openssl >/dev/null 2>&1; then
     apt_install openssl
