@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import Cluster, revenant_cli
+from revenant.cli import netns
 from netcluster.checker import RUNNING
 from netcluster.run import Run
 
@@ -37,6 +38,11 @@ def netrun(make_cluster, tmp_path):
     yield make
     for run in runs:
         run.stop()
+        # Down here, so that the namespaces go too even if a process would not stop (the
+        # cluster's own teardown then finds nothing left); a crashed run's are swept by the
+        # next `up --netns`.
+        revenant_cli("down", "--dir", str(run.cluster.dir), timeout=120)
+        netns.remove(run.layout)
 
 
 def moved_off(run: Run, jobs: list[str], nodes: set[str]):
