@@ -22,9 +22,15 @@ from revenant.messages import LocalJob, ReconcileReply, ReconcileRequest, subjec
 
 log = logging.getLogger(__name__)
 
-RECONCILE_TIMEOUT_S = 5.0
+# A leader answers in milliseconds; a request lost while NATS re-forms its routes (a partition
+# healing) should cost little, since a frozen job waits for the answer.
+RECONCILE_TIMEOUT_S = 2.0
 # Without frozen jobs, how long the agent keeps asking: NATS often heals as leaders change.
 RECONCILE_RETRY_FOR_S = 60.0
+# Between attempts: backing off to this while a job is frozen (it thaws as soon as a leader
+# answers: one is elected within seconds), to MAX_RETRY_S otherwise.
+FROZEN_RETRY_S = 1.0
+MAX_RETRY_S = 5.0
 
 
 def local_jobs(sup: Supervisor) -> list[LocalJob]:
@@ -63,7 +69,7 @@ async def ask_leader(nc: Client, sup: Supervisor, node: str, incarnation: str, c
                 return None
             log.info("reconcile: no answer yet (%s); asking again in %.1f s", exc, delay)
         await asyncio.sleep(delay)
-        delay = min(5.0, delay * 2)
+        delay = min(FROZEN_RETRY_S if frozen else MAX_RETRY_S, delay * 2)
 
 
 async def apply(sup: Supervisor, reply: ReconcileReply, may_thaw: bool = True) -> None:

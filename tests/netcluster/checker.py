@@ -89,7 +89,7 @@ def output(job: Job, addresses: set[str]) -> list[str]:
 
 
 def _placements(history: History, job: str) -> list[Placement]:
-    return sorted((p for p in history.table if p.job == job), key=lambda p: p.t)
+    return sorted((p for p in history.table if p.job == job), key=lambda p: (p.t, p.generation))
 
 
 def superseded(history: History, job: str, slack_s: float) -> list[str]:

@@ -6,7 +6,7 @@ and what the job table said, each with the time it was seen (tests/netcluster/ch
 - ``Sampler``: every 0.1 s, every copy of every stepper job on this host (its pid, its node by
   its network namespace, frozen or not).
 - ``TableWatch``: every revision of every job's record in the job table (a KV watch, on a
-  thread of its own).
+  thread of its own), timed by the leader's save (``updated_at``).
 """
 
 from __future__ import annotations
@@ -170,8 +170,10 @@ class TableWatch:
                 rec = decoder.decode(entry.value)
             except msgspec.DecodeError:
                 continue
-            self.history.table.append(Placement(time.time(), entry.key, rec.node, rec.generation, rec.state,
-                                                [e.n for e in rec.epochs], rec.reason))
+            # Timed by the leader's save (this machine's clock): a watch whose server is cut off
+            # sees the record late, and a late time would make an honest step look superseded.
+            self.history.table.append(Placement(rec.updated_at or time.time(), entry.key, rec.node, rec.generation,
+                                                rec.state, [e.n for e in rec.epochs], rec.reason))
         await watcher.stop()
         await nc.close()
 
