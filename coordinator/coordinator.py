@@ -132,7 +132,8 @@ class Coordinator(Service):
             await ask_full_heartbeats(self._nc, self.name, self._wall())
 
         self._nc = await bus.connect(self.config.nats_url, f"revenant-coordinator-{self.name}",
-                                     on_reconnect=on_reconnect,
+                                     on_reconnect=on_reconnect, ping_interval_s=self.config.ping_interval_s,
+                                     max_outstanding_pings=self.config.max_outstanding_pings,
                                      **security.credentials(security.COORDINATOR, self.config.nats_creds))
         self._js = self._nc.jetstream()
         here = self._nc.connected_url.netloc if self._nc.connected_url else ""  # one server's loss: one reconnect

@@ -231,6 +231,10 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # Replicas of the streams and buckets: 0 picks 3 on a NATS cluster of three servers or more, else 1.
     nats_replicas: int = 0
     name: str = ""
+    # NATS client pings: a coordinator whose server is cut off without a reset (a partition)
+    # leaves it for another in 2 to 3 s; while it is gone there is no leader.
+    ping_interval_s: float = 1.0
+    max_outstanding_pings: int = 2
     # Failure detection (Slurm's SlurmdTimeout -> node_timeout_s).  A node is suspect after suspect_timeout_s
     # of silence (or sooner, when phi-accrual says its heartbeats are overdue) and dead once
     # node_timeout_s has passed and a direct probe has failed.
@@ -304,6 +308,7 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                   "max_concurrent_restores", "leader_lease_s", "job_retention_s")
         if not 0 < self.failover_pause_fraction <= 1:
             raise ValueError("failover_pause_fraction must be in (0, 1]")
+        _positive(self, "ping_interval_s", "max_outstanding_pings")
         _positive(self, "start_timeout_s", "checkpoint_timeout_s", "suspect_timeout_s", "node_timeout_s", "phi_suspect", "probe_timeout_s",
                   "probe_interval_s", "tick_interval_s", "self_stall_grace_s", "forget_after_s",
                   "event_publish_timeout_s")
