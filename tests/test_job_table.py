@@ -305,12 +305,12 @@ async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table)
     states = {"node-1": "dead"}
     fo = Failover(table.config, table.js, table, table.events,
                   lambda: [NodeStatus(name=n, state=s) for n, s in states.items()], lambda node: None)
-    fo.storm.paused = True
+    fo.storm.hold()  # as an operator's pause; a storm's is the same wait
     fo.recover_job("1", "node-1")  # no lease in the store: nothing to wait for but the pause
     await asyncio.sleep(0.5)
     assert "1" in fo.recovering
     states["node-1"] = "alive"
-    fo.storm.paused = False
+    fo.storm.release()
     for _ in range(50):
         if "1" not in fo.recovering:
             break
@@ -319,6 +319,25 @@ async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table)
     fo.cancel()
     rec = table.get("1")
     assert (rec.state, rec.node, rec.generation) == ("running", "node-1", 1)
+
+
+async def test_a_new_leader_taking_over_many_silent_nodes_at_once_pauses_first(table):
+    """A leader elected during a split takes over two of four nodes' jobs at once: the storm
+    guard counts them before either restore starts (not at its next tick), and pauses."""
+    from revenant.coordinator.recovery.failover import Failover
+
+    for job, node in (("1", "node-1"), ("2", "node-2")):
+        await table.save(JobRecord(spec=JobSpec(id=job, argv=["true"]), state="running", generation=1, node=node,
+                                   pid=4242))
+    states = {"node-1": "dead", "node-2": "dead", "node-3": "alive", "node-4": "alive"}
+    fo = Failover(table.config, table.js, table, table.events,
+                  lambda: [NodeStatus(name=n, state=s) for n, s in states.items()], lambda node: None)
+    fo.recover_job("1", "node-1")
+    fo.recover_job("2", "node-2")
+    await asyncio.sleep(1.0)
+    assert fo.storm.paused and fo.recovering == {"1", "2"}
+    assert [(table.get(j).state, table.get(j).generation) for j in ("1", "2")] == [("running", 1)] * 2
+    fo.cancel()
 
 
 async def test_a_table_read_empty_while_its_stream_holds_records_is_read_again(table):

@@ -142,6 +142,7 @@ class Failover:
         self.bucket = TokenBucket(config.restore_rate_per_s, config.max_concurrent_restores, clock())
         self.slots = asyncio.Semaphore(config.max_concurrent_restores)
         self.pending_nodes: dict[str, int] = {}
+        self._storm_stale = False
         # Jobs being recovered: one recovery per job, however many triggers.
         self.recovering: set[str] = set()
         # Jobs whose node reported them evicted while their recovery waited for its lease.
@@ -266,6 +267,8 @@ class Failover:
                 self._evicted[job] = evicted  # the recovery under way need not wait for a lease
             return
         self.recovering.add(job)
+        if node not in self.pending_nodes:
+            self._storm_stale = True  # one more silent node: judged before any recovery goes ahead
         self.pending_nodes[node] = self.pending_nodes.get(node, 0) + 1
         task = asyncio.create_task(self._recover(job, node, incarnation, evicted), name=f"failover-{job}")
         self._tasks.add(task)
@@ -331,6 +334,11 @@ class Failover:
                 return None
             # It came back, but had stopped the job meanwhile (a fence): the job goes on elsewhere.
             evicted = self._evicted[job]
+        if self._storm_stale:
+            # Nodes whose failover just began (a new leader taking over several at once) count
+            # as silent now, not at the next tick: the guard sees them before any restore starts.
+            self._storm_stale = False
+            self.check_storm()
         waited = self.storm.paused
         while self.storm.paused:
             await asyncio.sleep(0.2)
