@@ -20,7 +20,8 @@ what a node sends to a server); one-way drop (nothing from a server reaches a no
 (a node cut and mended every 1.5 s).  Delay is left out where the kernel has no netem.
 
 Prints a table and writes bench/results/nemesis.json: faults applied, failovers, copies seen,
-steps and bytes checked, violations (each named), and part 1's medians.
+steps and bytes checked, violations (each named: safety), how long each copy frozen at a heal
+took to be thawed or killed (the target: 5 s), and part 1's medians.
 
     .venv/bin/python bench/nemesis.py                   # 5 minutes, 3 trials of each fault kind
     .venv/bin/python bench/nemesis.py --duration 60 --trials 1   # a quick look
@@ -46,10 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from harness import REVENANT, ROOT_JOBS, machine, text_table, write_json  # noqa: E402
-from netcluster.checker import RUNNING  # noqa: E402
+from netcluster.checker import RUNNING, heal_times  # noqa: E402
 from netcluster.nemesis import delay_supported  # noqa: E402
 from netcluster.run import Run  # noqa: E402
 
+HEAL_BOUND_S = 5.0  # the target: every copy frozen at a heal thawed, or killed with its job elsewhere
 TRIAL_STEPS = 250  # 25 s: each trial's job ends on its own
 RESULTS = Path(__file__).resolve().parent / "results" / "nemesis.json"
 
@@ -166,6 +168,8 @@ def randomized(root: Path, duration_s: float, seed: int) -> dict:
         violations = run.violations()
     finally:
         down(run)
+    took = [t for _, _, t in heal_times(run.history)]
+    settled = sorted(t for t in took if t is not None)
     generations = {}
     for p in run.history.table:
         generations.setdefault(p.job, set()).add(p.generation)
@@ -175,6 +179,10 @@ def randomized(root: Path, duration_s: float, seed: int) -> dict:
     return {"seed": seed, "duration_s": duration_s, "faults": applied, "faults_applied": len(applied),
             "failovers": sum(len(g) - 1 for g in generations.values()), "copies_seen": len(pids),
             "steps_seen": len(run.history.steps), "bytes_checked": checked, "violations": violations,
+            "heals": len(run.history.heals), "copies_frozen_at_heals": len(took),
+            "heal_median_s": round(statistics.median(settled), 2) if settled else None,
+            "heal_max_s": round(settled[-1], 2) if settled else None,
+            "slow_heals": run.slow_heals(HEAL_BOUND_S),
             "delay": "tc netem" if delay_supported() else "left out: this kernel has no netem qdisc"}
 
 
@@ -189,7 +197,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="rv-nemesis-", dir="/var/tmp"))
     times = failover_times(root, args.trials) if args.trials else {}
     result = randomized(root, args.duration, seed) if args.duration > 0 else {}
-    if result.get("violations") or times.get("violations"):
+    if result.get("violations") or times.get("violations") or result.get("slow_heals"):
         print(f"kept for a look: {root} (each cluster's logs/, nemesis.jsonl)")
     else:
         shutil.rmtree(root, ignore_errors=True)
@@ -208,6 +216,11 @@ def main() -> int:
                            str(result["steps_seen"]), str(result["bytes_checked"]), str(len(result["violations"]))]]))
         for v in result["violations"]:
             print(f"  violation: {v}")
+        print(text_table(["heals", "copies frozen at them", "settled median s", "max s", f"over {HEAL_BOUND_S:g} s"],
+                         [[str(result["heals"]), str(result["copies_frozen_at_heals"]), str(result["heal_median_s"]),
+                           str(result["heal_max_s"]), str(len(result["slow_heals"]))]]))
+        for v in result["slow_heals"]:
+            print(f"  slow: {v}")
     write_json(args.out, {"machine": machine(), "failover": times, "randomized": result})
     print(f"wrote {args.out}")
     return 1 if result.get("violations") or times.get("violations") else 0

@@ -3,7 +3,7 @@ its own), links cut by the nemesis, and the whole history checked (tests/netclus
 scenario runs stepper jobs, checkpointed every 2 s, and ends with the checker: no job ran
 twice, no output is anything but a byte-exact prefix of the uninterrupted run, no step came
 from a superseded copy, no acknowledged epoch is gone, every job is running once (reached at
-its node's address) or ended with a reason, and every copy frozen at a heal was thawed or
+its node's address) or ended with a reason; and every copy frozen at a heal was thawed or
 killed within 5 s."""
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def settle_and_check(run: Run, jobs: list[str], settle_s: float = 8.0) -> None:
             assert line.endswith(run.members[p.node]["address"]), (job, p.node, line)
     violations = run.violations()
     assert violations == [], "\n".join(violations)
+    slow = run.slow_heals(5.0)
+    assert slow == [], "\n".join(slow)
 
 
 def dead_verdicts(run: Run, since: float) -> set[str]:

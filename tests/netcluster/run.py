@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from netcluster.checker import Job, check
+from netcluster.checker import Job, check, slow_heals
 from netcluster.history import STEPPER, Collector, History, Sampler, TableWatch
 from netcluster.nemesis import Nemesis
 from revenant.cli import netns
@@ -120,3 +120,7 @@ class Run:
             on_disk = {int(p.name) for p in (root / "epochs").glob("[0-9]*") if p.name.isdigit()}
             jobs.append(Job(job, reference(steps), out, on_disk, max_epochs))
         return check(self.history, jobs, set(self.addresses))
+
+    def slow_heals(self, bound_s: float = 5.0) -> list[str]:
+        """Copies frozen at a heal that took longer than ``bound_s`` to thaw or go."""
+        return slow_heals(self.history, bound_s)
