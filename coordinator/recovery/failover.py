@@ -342,11 +342,16 @@ class Failover:
         waited = self.storm.paused
         while self.storm.paused:
             await asyncio.sleep(0.2)
-        if waited and dead and not evicted and self._alive(dead):
-            # The storm ended because its nodes came back (a partition healed): the node's agent
-            # reconciles once its lease is back, and the leader lets its frozen copy thaw.
-            log.warning("job %s: node %s came back while failover was paused; it keeps the job", job, dead)
-            return None
+        if waited and dead and not evicted:
+            if not self.storm.acknowledged:
+                # The nodes of one split come back within moments of each other, and the pause
+                # ends with the first of them: one detection period for the others.
+                await asyncio.sleep(self.config.node_timeout_s)
+            if self._alive(dead):
+                # The storm ended because its nodes came back (a partition healed): the node's
+                # agent reconciles once its lease is back, and the leader lets its copy thaw.
+                log.warning("job %s: node %s came back while failover was paused; it keeps the job", job, dead)
+                return None
         deadline = self.clock() + self.config.requeue_timeout_s
         last_error = ""
         async with self.slots:
