@@ -185,6 +185,7 @@ class Liveness:
         self._nc = nc = await bus.connect(cfg.nats_url, f"revenant-agent-{self.node}-liveness",
                                           ping_interval_s=cfg.liveness_ping_interval_s,
                                           max_outstanding_pings=cfg.liveness_max_outstanding_pings,
+                                          connect_timeout_s=cfg.liveness_connect_timeout_s,
                                           reconnect_wait_s=cfg.reconnect_wait_s,
                                           on_reconnect=self._reconnected,
                                           **security.credentials(security.agent_identity(self.node),

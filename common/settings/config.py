@@ -90,6 +90,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # coordinator's node_timeout_s (2.5 s) can call the node dead.
     liveness_ping_interval_s: float = 0.5
     liveness_max_outstanding_pings: int = 1
+    # ... and gives up on a server that does not answer a connect within this (one cut off):
+    # the next is tried at once.
+    liveness_connect_timeout_s: float = 1.0
     # The event loop counts a stall when a wake-up is this late.
     loop_stall_threshold_s: float = 0.25
     # Health thresholds (docs/observability.md gives the reasoning).
@@ -162,7 +165,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.max_frozen_s > self.fence_timeout_s:
             raise ValueError("max_frozen_s must be longer than fence_timeout_s")
         _positive(self, "heartbeat_interval_s", "criu_check_timeout_s", "ping_interval_s", "checkpoint_concurrency",
-                  "liveness_ping_interval_s", "liveness_max_outstanding_pings",
+                  "liveness_ping_interval_s", "liveness_max_outstanding_pings", "liveness_connect_timeout_s",
                   "criu_timeout_s", "workdir_scan_max_entries", "file_snapshot_timeout_s",
                   "reconnect_wait_s", "loop_stall_threshold_s", "shutdown_grace_s", "gpu_lock_timeout_s")
         if self.drain_timeout_s < 0:

@@ -5,8 +5,8 @@ and what the job table said, each with the time it was seen (tests/netcluster/ch
   (tests/jobs/stepper.py) arrives here as ``"<job> <step> <address> <pid>"``.
 - ``Sampler``: every 0.1 s, every copy of every stepper job on this host (its pid, its node by
   its network namespace, frozen or not).
-- ``TableWatch``: every revision of every job's record in the job table (a KV watch, on a
-  thread of its own), timed by the leader's save (``updated_at``).
+- ``TableWatch``: every revision of every job's record in the job table (a KV watch through
+  each NATS server, on a thread of its own), timed by the leader's save (``updated_at``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Placement:
     state: str
     epochs: list[int]
     reason: str = ""
+    revision: int = 0  # the record's revision in the job table
 
 
 @dataclass
@@ -131,13 +132,17 @@ class Sampler:
 
 
 class TableWatch:
-    """Every revision of the job table, as the coordinator's identity reads it (``history.table``)."""
+    """Every revision of the job table, as the coordinator's identity reads it (``history.table``),
+    through one watch per NATS server: a watch whose server is cut off from the others stalls
+    (its client is not cut off, so it never moves), and the others see what it misses.  Each
+    revision is recorded once."""
 
     def __init__(self, url: str, seed: str, history: History) -> None:
-        self.url, self.seed, self.history = url, seed, history
+        self.urls, self.seed, self.history = url.split(","), seed, history
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
+        self._seen: set[tuple[str, int]] = set()
         self.error = ""
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._run(),),
                                         name="table-watch", daemon=True)
@@ -147,18 +152,27 @@ class TableWatch:
 
     async def _run(self) -> None:
         self._stop = asyncio.Event()
+        watches = []
         try:
-            nc = await bus.connect(self.url, "history", **security.credentials(security.COORDINATOR, self.seed))
-            kv = await nc.jetstream(timeout=5).key_value(subjects.JOBS_BUCKET)
-            watcher = await kv.watch(">")
+            for url in self.urls:
+                nc = await bus.connect(url, "history", **security.credentials(security.COORDINATOR, self.seed))
+                kv = await nc.jetstream(timeout=5).key_value(subjects.JOBS_BUCKET)
+                watches.append((nc, await kv.watch(">")))
         except Exception as exc:  # noqa: BLE001 - reported by the constructor
             self.error = str(exc)
             self._ready.set()
-            if "nc" in locals():
+            for nc, _ in watches:
                 await nc.close()
             return
         self._ready.set()
+        await asyncio.gather(*(self._follow(w) for _, w in watches))
+        for nc, watcher in watches:
+            await watcher.stop()
+            await nc.close()
+
+    async def _follow(self, watcher) -> None:
         decoder = msgspec.msgpack.Decoder(JobRecord)
+        assert self._stop is not None
         while not self._stop.is_set():
             try:
                 entry = await watcher.updates(timeout=0.5)
@@ -166,6 +180,9 @@ class TableWatch:
                 continue
             if entry is None or not entry.value or not entry.key.isdigit():
                 continue
+            if (entry.key, entry.revision) in self._seen:
+                continue
+            self._seen.add((entry.key, entry.revision))
             try:
                 rec = decoder.decode(entry.value)
             except msgspec.DecodeError:
@@ -173,9 +190,7 @@ class TableWatch:
             # Timed by the leader's save (this machine's clock): a watch whose server is cut off
             # sees the record late, and a late time would make an honest step look superseded.
             self.history.table.append(Placement(rec.updated_at or time.time(), entry.key, rec.node, rec.generation,
-                                                rec.state, [e.n for e in rec.epochs], rec.reason))
-        await watcher.stop()
-        await nc.close()
+                                                rec.state, [e.n for e in rec.epochs], rec.reason, entry.revision))
 
     def stop(self) -> None:
         if self._stop is not None:

@@ -61,7 +61,7 @@ class Run:
 
     def placement(self, job: str):
         rows = [p for p in self.history.table if p.job == job]
-        return rows[-1] if rows else None
+        return max(rows, key=lambda p: p.revision) if rows else None
 
     def wait(self, predicate, timeout: float, what: str, interval: float = 0.1):
         deadline = time.monotonic() + timeout
