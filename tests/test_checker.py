@@ -108,6 +108,16 @@ def test_a_copy_still_frozen_long_after_the_heal_is_named():
                              "running elsewhere within 5 s of the heal at 12.00 (it took 8.0 s)"]
 
 
+def test_a_heal_can_be_counted_from_when_the_nodes_lease_was_back():
+    h, job = clean()
+    h.samples = [s for s in h.samples if s[0] <= 12.0] + [
+        (12.0 + t, [Copy("1", 50, "node-1", True), Copy("1", 60, "node-2", False)]) for t in (1, 3, 5)]
+    h.samples.append((20.0, [Copy("1", 60, "node-2", False)]))
+    h.leases = {"node-1": [3.0, 16.0, 16.4]}  # the bus took its lease again 4 s after the heal
+    assert [took for _, _, took in heal_times(h, from_lease=True)] == [4.0]
+    assert slow_heals(h, 5.0, from_lease=True) == []
+
+
 def test_addresses_are_taken_off_each_line():
     body, seen = strip_addresses(b"0 abc 10.0.0.1\n1 def 10.0.0.2\n")
     assert body == b"0 abc\n1 def\n" and seen == {"10.0.0.1", "10.0.0.2"}

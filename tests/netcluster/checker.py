@@ -144,28 +144,36 @@ def unexplained(history: History, job: str) -> list[str]:
     return [f"unexplained: job {job} is running on {last.node} in the table, its copies: {where}"]
 
 
-def heal_times(history: History) -> list[tuple[float, Copy, float | None]]:
+def heal_times(history: History, from_lease: bool = False) -> list[tuple[float, Copy, float | None]]:
     """For each heal and each copy frozen at it: (the heal's time, the copy, seconds until it
-    was thawed with the same pid or gone with its job running elsewhere; None: never seen)."""
+    was thawed with the same pid or gone with its job running elsewhere; None: never seen).
+    ``from_lease``: counted from when the copy's node renewed its lease again, if that is later
+    than the heal (the bus itself taking writes again: a NATS cluster whose servers were split
+    elects its streams' leaders anew when they meet again)."""
     out = []
     for healed in history.heals:
         before = [s for s in history.samples if s[0] <= healed]
         if not before:
             continue
         for c in (c for c in before[-1][1] if c.frozen):
+            start = healed
+            if from_lease:
+                back = min((t for t in history.leases.get(c.node, ()) if t >= healed), default=healed)
+                start = max(healed, back)
             settled = None
             for t, seen in (s for s in history.samples if s[0] > healed):
                 same = [x for x in seen if x.pid == c.pid]
                 if (same and not same[0].frozen) or (not same and any(
                         x.job == c.job and x.node != c.node and not x.frozen for x in seen)):
-                    settled = t - healed
+                    settled = max(0.0, t - start)
                     break
             out.append((healed, c, settled))
     return out
 
 
-def slow_heals(history: History, bound_s: float = 5.0) -> list[str]:
+def slow_heals(history: History, bound_s: float = 5.0, from_lease: bool = False) -> list[str]:
+    since = "its node's lease was back after the heal" if from_lease else "the heal"
     return [f"heal: job {c.job}'s copy on {c.node} (pid {c.pid}) was neither thawed nor killed with its job "
-            f"running elsewhere within {bound_s:g} s of the heal at {healed:.2f}"
+            f"running elsewhere within {bound_s:g} s of {since} at {healed:.2f}"
             + (f" (it took {took:.1f} s)" if took is not None else "")
-            for healed, c, took in heal_times(history) if took is None or took > bound_s]
+            for healed, c, took in heal_times(history, from_lease) if took is None or took > bound_s]

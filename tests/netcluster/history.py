@@ -6,7 +6,8 @@ and what the job table said, each with the time it was seen (tests/netcluster/ch
 - ``Sampler``: every 0.1 s, every copy of every stepper job on this host (its pid, its node by
   its network namespace, frozen or not).
 - ``TableWatch``: every revision of every job's record in the job table (a KV watch through
-  each NATS server, on a thread of its own), timed by the leader's save (``updated_at``).
+  each NATS server, on a thread of its own), timed by the leader's save (``updated_at``), and
+  every node's lease renewals (when the bus took writes again after a heal).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import psutil
 
 from revenant.common.messaging import bus
 from revenant.common.settings import security
-from revenant.messages import JobRecord, subjects
+from revenant.messages import JobRecord, LeaseValue, subjects
 
 STEPPER = str(Path(__file__).resolve().parent.parent / "jobs" / "stepper.py")
 FROZEN = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
@@ -64,6 +65,9 @@ class History:
     samples: list[tuple[float, list[Copy]]] = field(default_factory=list)
     table: list[Placement] = field(default_factory=list)
     heals: list[float] = field(default_factory=list)
+    # Each node's lease renewals as the leases bucket took them (the agent's clock, this machine's):
+    # when the bus took writes again after a split, node by node.
+    leases: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Collector:
@@ -142,7 +146,7 @@ class TableWatch:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
-        self._seen: set[tuple[str, int]] = set()
+        self._seen: set[tuple[str, str, int]] = set()
         self.error = ""
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._run(),),
                                         name="table-watch", daemon=True)
@@ -156,8 +160,9 @@ class TableWatch:
         try:
             for url in self.urls:
                 nc = await bus.connect(url, "history", **security.credentials(security.COORDINATOR, self.seed))
-                kv = await nc.jetstream(timeout=5).key_value(subjects.JOBS_BUCKET)
-                watches.append((nc, await kv.watch(">")))
+                js = nc.jetstream(timeout=5)
+                watches.append((nc, await (await js.key_value(subjects.JOBS_BUCKET)).watch(">")))
+                watches.append((nc, await (await js.key_value(subjects.LEASES_BUCKET)).watch(">")))
         except Exception as exc:  # noqa: BLE001 - reported by the constructor
             self.error = str(exc)
             self._ready.set()
@@ -165,12 +170,13 @@ class TableWatch:
                 await nc.close()
             return
         self._ready.set()
-        await asyncio.gather(*(self._follow(w) for _, w in watches))
+        await asyncio.gather(*(self._follow(w, leases=i % 2 == 1) for i, (_, w) in enumerate(watches)))
         for nc, watcher in watches:
             await watcher.stop()
+        for nc in {id(nc): nc for nc, _ in watches}.values():
             await nc.close()
 
-    async def _follow(self, watcher) -> None:
+    async def _follow(self, watcher, leases: bool) -> None:
         decoder = msgspec.msgpack.Decoder(JobRecord)
         assert self._stop is not None
         while not self._stop.is_set():
@@ -178,11 +184,18 @@ class TableWatch:
                 entry = await watcher.updates(timeout=0.5)
             except Exception:  # noqa: BLE001 - a timeout, or the connection moving to another server
                 continue
-            if entry is None or not entry.value or not entry.key.isdigit():
+            if entry is None or not entry.value or (entry.bucket, entry.key, entry.revision) in self._seen:
                 continue
-            if (entry.key, entry.revision) in self._seen:
+            self._seen.add((entry.bucket, entry.key, entry.revision))
+            if leases:
+                try:
+                    lease = msgspec.msgpack.decode(entry.value, type=LeaseValue)
+                except msgspec.DecodeError:
+                    continue
+                self.history.leases.setdefault(lease.node, []).append(lease.at)
                 continue
-            self._seen.add((entry.key, entry.revision))
+            if not entry.key.isdigit():
+                continue
             try:
                 rec = decoder.decode(entry.value)
             except msgspec.DecodeError:

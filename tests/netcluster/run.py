@@ -121,6 +121,7 @@ class Run:
             jobs.append(Job(job, reference(steps), out, on_disk, max_epochs))
         return check(self.history, jobs, set(self.addresses))
 
-    def slow_heals(self, bound_s: float = 5.0) -> list[str]:
-        """Copies frozen at a heal that took longer than ``bound_s`` to thaw or go."""
-        return slow_heals(self.history, bound_s)
+    def slow_heals(self, bound_s: float = 5.0, from_lease: bool = False) -> list[str]:
+        """Copies frozen at a heal that took longer than ``bound_s`` to thaw or go (``from_lease``:
+        counted from when their node's lease was back, checker.heal_times)."""
+        return slow_heals(self.history, bound_s, from_lease)
