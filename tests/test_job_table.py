@@ -305,9 +305,10 @@ async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table)
     await put(table, "running", 1, "node-1")
     states = {"node-1": "dead"}
     fo = Failover(table.config, table.js, table, table.events,
-                  lambda: [NodeStatus(name=n, state=s) for n, s in states.items()], lambda node: None)
+                  lambda: [NodeStatus(name=n, state=s, incarnation="a1") for n, s in states.items()],
+                  lambda node: None)
     fo.storm.hold()  # as an operator's pause; a storm's is the same wait
-    fo.recover_job("1", "node-1")  # no lease in the store: nothing to wait for but the pause
+    fo.recover_job("1", "node-1", "a1")  # no lease in the store: nothing to wait for but the pause
     await asyncio.sleep(0.5)
     assert "1" in fo.recovering
     fo.storm.release()
@@ -321,6 +322,23 @@ async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table)
     fo.cancel()
     rec = table.get("1")
     assert (rec.state, rec.node, rec.generation) == ("running", "node-1", 1)
+
+
+async def test_a_node_back_with_a_restarted_agent_does_not_keep_the_job(table):
+    """A node whose agent restarted during the pause lost its jobs with the old agent: the
+    recovery goes on when the pause ends."""
+    from revenant.coordinator.recovery.failover import Failover
+
+    await put(table, "running", 1, "node-1")
+    fo = Failover(table.config, table.js, table, table.events,
+                  lambda: [NodeStatus(name="node-1", state="alive", incarnation="a2")], lambda node: None)
+    fo.storm.hold()
+    fo.recover_job("1", "node-1", "a1")
+    await asyncio.sleep(0.3)
+    fo.storm.release()
+    await asyncio.sleep(table.config.node_timeout_s + 1.0)
+    assert "1" in fo.recovering  # still recovering (no node can take it here), not dropped
+    fo.cancel()
 
 
 async def test_a_new_leader_taking_over_many_silent_nodes_at_once_pauses_first(table):

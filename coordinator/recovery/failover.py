@@ -284,8 +284,10 @@ class Failover:
 
     # ------------------------------------------------------------------ one job
 
-    def _alive(self, node: str) -> bool:
-        return any(n.name == node and n.state == "alive" for n in self.nodes())
+    def _alive(self, node: str, incarnation: str) -> bool:
+        """``node`` is alive with the agent that ran the job (``incarnation``; unknown: no)."""
+        return bool(incarnation) and any(n.name == node and n.state == "alive" and n.incarnation == incarnation
+                                         for n in self.nodes())
 
     def _since_last_heartbeat(self, node: str) -> float | None:
         at = self.last_heartbeat(node)
@@ -347,9 +349,10 @@ class Failover:
                 # The nodes of one split come back within moments of each other, and the pause
                 # ends with the first of them: one detection period for the others.
                 await asyncio.sleep(self.config.node_timeout_s)
-            if self._alive(dead):
-                # The storm ended because its nodes came back (a partition healed): the node's
-                # agent reconciles once its lease is back, and the leader lets its copy thaw.
+            if self._alive(dead, incarnation):
+                # The storm ended because its nodes came back (a partition healed), with the agents
+                # that ran their jobs (one restarted meanwhile lost them): the node's agent
+                # reconciles once its lease is back, and the leader lets its copy thaw.
                 log.warning("job %s: node %s came back while failover was paused; it keeps the job", job, dead)
                 return None
         deadline = self.clock() + self.config.requeue_timeout_s

@@ -108,4 +108,5 @@ async def take_over(inherited: dict[str, tuple[str, int, str]], delay_s: float, 
             log.warning("taking over the recovery of job %s (node %s is gone)", job, dead)
         else:
             log.warning("taking over the recovery of job %s (it was %s)", job, inherited[job][0])
-        failover.recover_job(job, dead)
+        rec = detector.nodes.get(dead) if dead else None
+        failover.recover_job(job, dead, rec.incarnation if rec is not None else "")
