@@ -3,6 +3,7 @@ its jobs moved on and kills exactly those; with no leader answering it leaves th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -97,13 +98,15 @@ async def _alive(agent, job) -> bool:
 
 
 async def test_a_thaw_waits_until_the_nodes_lease_is_back(nats_url, tmp_path, monkeypatch):
-    """A reconcile after the connection came back can come before the lease does: the leader's
-    thaw then waits (a job thawed without its lease would be frozen again by its dead man's
-    switch, unknown to the agent) for the reconcile the lease's return brings."""
+    """A reconcile after the connection came back can come before the lease does: the agent then
+    does not ask to thaw (the leader's thaw would void a failover begun before it, and nothing
+    would stop one begun after it), and asks again once the lease is held."""
     nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    asked: list[ReconcileRequest] = []
 
     async def leader(msg):
         req = decode_as(msg.data, ReconcileRequest)
+        asked.append(req)
         await msg.respond(encode(ReconcileReply(thaw=[LocalJob(job=j.job, generation=j.generation)
                                                       for j in req.jobs if j.frozen])))
 
@@ -111,10 +114,50 @@ async def test_a_thaw_waits_until_the_nodes_lease_is_back(nats_url, tmp_path, mo
     async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
         await _start(nc, "1", 1)
         agent.supervisor.freeze_all("a test's fence")
-        monkeypatch.setattr(agent.liveness, "holds_lease", lambda: False)
-        await agent.reconcile(reconnected=True)
-        assert agent.supervisor.jobs["1"].frozen_at is not None
+        held = False
+        monkeypatch.setattr(agent.liveness, "holds_lease", lambda: held)
+        asked.clear()
+        task = asyncio.create_task(agent.reconcile(reconnected=True))
+        while not asked:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        assert agent.supervisor.jobs["1"].frozen_at is not None and len(asked) == 1
+        held = True  # the lease is back: the declined thaw is asked for again, and applied
+        await asyncio.wait_for(task, 10)
+        assert len(asked) == 2 and agent.supervisor.jobs["1"].frozen_at is None
+        # Without its lease the node did not ask to thaw (the leader's thaw would void a failover).
+        assert [r.jobs[0].frozen for r in asked] == [False, True]
+    await nc.close()
+
+
+async def test_a_thaw_answered_after_a_new_fence_is_not_applied(nats_url, tmp_path, monkeypatch):
+    """The leader's thaw answers the fence in force when the agent asked.  An answer that arrives
+    after the node fenced again (held up by the very cut that brought the new fence) is void: a
+    failover that began after the leader answered may have restored the job elsewhere.  The job
+    stays frozen and the agent asks again, whose answer decides."""
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    asked: list[ReconcileRequest] = []
+    agent_ref: list[Agent] = []
+
+    async def leader(msg):
+        req = decode_as(msg.data, ReconcileRequest)
+        asked.append(req)
+        if len(asked) == 1:
+            agent_ref[0].supervisor.freeze_all("a test's second fence")  # while the answer is on its way
+        await msg.respond(encode(ReconcileReply(thaw=[LocalJob(job=j.job, generation=j.generation)
+                                                      for j in req.jobs if j.frozen])))
+
+    await nc.subscribe(subjects.coordinator("reconcile"), cb=leader)
+    async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
+        agent_ref.append(agent)
+        await _start(nc, "1", 1)
+        agent.supervisor.freeze_all("a test's fence")
         monkeypatch.setattr(agent.liveness, "holds_lease", lambda: True)
-        await agent.reconcile()
-        assert agent.supervisor.jobs["1"].frozen_at is None
+        asked.clear()
+        fences = agent.supervisor.fences
+        await asyncio.wait_for(agent.reconcile(), 10)
+        assert agent.supervisor.fences == fences + 1
+        # Asked twice: the first answer came after the second fence and thawed nothing.
+        assert len(asked) == 2 and all(r.jobs[0].frozen for r in asked)
+        assert agent.supervisor.jobs["1"].frozen_at is None  # the second answer, after the fence, did
     await nc.close()

@@ -76,6 +76,22 @@ async def test_a_frozen_job_does_nothing_and_thaws_with_its_pid_and_nothing_lost
         await sup.shutdown()
 
 
+async def test_a_thaw_asked_for_before_a_later_fence_does_nothing(tmp_path):
+    sup, _ = await started(tmp_path)
+    try:
+        sup.freeze_all("self-fenced: test")
+        asked = sup.fences
+        sup.freeze_all("self-fenced again")  # while the leader's answer was on its way
+        assert not sup.thaw("1", 1, asked)
+        await asyncio.sleep(0.3)
+        assert job_states(sup, "1") == {psutil.STATUS_STOPPED} and sup.jobs["1"].frozen_at is not None
+        assert sup.thaw("1", 1, sup.fences)  # an answer to the fence in force
+        await asyncio.sleep(0.3)
+        assert psutil.STATUS_STOPPED not in job_states(sup, "1")
+    finally:
+        await sup.shutdown()
+
+
 async def test_a_job_frozen_past_max_frozen_is_killed_and_reported_evicted(tmp_path):
     clock = Clock()
     sup, events = await started(tmp_path, clock)

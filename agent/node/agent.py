@@ -94,8 +94,7 @@ class Agent(Service):
             stuck_for=self.loop_monitor.stuck_for, on_heartbeat=self.metrics.heartbeats.inc,
             on_renewed=self._reset_switches, on_fence=self._fence, on_lease_back=self._lease_back,
             clock=clock, wall_clock=wall_clock)
-        # What the last self-fence did, for the "fenced" event once the lease is back.
-        self.fence_report: str = ""
+        self.fence_report: str = ""  # what the last self-fence did, for the "fenced" event once the lease is back
         self._fenced_since_reset = False  # (the liveness thread's) a fence since the switches were last reset
         self.supervisor: Supervisor | None = None
         self.main_loop: asyncio.AbstractEventLoop | None = None
@@ -407,14 +406,15 @@ class Agent(Service):
         self._in_task(lambda: self.reconcile(reconnected=True))
 
     async def reconcile(self, started: bool = False, reconnected: bool = False) -> None:
-        """Ask the leader which local jobs moved on (killed) and which frozen ones may thaw.
-        ``started``: this agent has just started; ``reconnected``: its connection to NATS came
-        back (the leader fails what it asked meanwhile); either says so even with no jobs."""
-        sup, nc = self.supervisor, self._nc
+        """Ask the leader which local jobs moved on (killed) and which frozen ones may thaw, again
+        once the lease is held if a thaw was declined.  ``started``: this agent has just started;
+        ``reconnected``: its connection came back; either says so even with no jobs."""
+        sup, nc, stopping = self.supervisor, self._nc, lambda: self.stopping
         if sup is None or nc is None or not (sup.jobs or started or reconnected):
             return
-        reply = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, lambda: self.stopping,
-                                           started, reconnected)
-        if reply is not None:
-            await reconcile.apply(sup, reply, may_thaw=self.liveness.holds_lease())
+        answer = await reconcile.ask_leader(nc, sup, self.node, self.incarnation, self.clock, stopping,
+                                            self.liveness.holds_lease, started, reconnected)
+        if (answer is not None and await reconcile.apply(sup, answer, may_thaw=self.liveness.holds_lease())
+                and await reconcile.when_held(self.liveness.holds_lease, stopping, self.clock)):
+            await self.reconcile()
 

@@ -254,8 +254,11 @@ class Liveness:
 
     async def _reconnected(self) -> None:
         # On another server, or the same one back: say so at once (the silence so far counts
-        # toward a dead verdict), and in full (the coordinator may be a new one).
+        # toward a dead verdict), and in full (the coordinator may be a new one); fenced first if the
+        # lease is stale (a heartbeat says the node is alive: its jobs must be frozen by then).
         self._full.force = True
+        assert self.lease is not None
+        await self.lease.check()
         await self._publish()
 
     async def _on_heartbeat_request(self, msg: Msg) -> None:

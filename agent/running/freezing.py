@@ -4,6 +4,10 @@ Three things stop or resume a job's processes: the self-fence (from the liveness
 thread: SIGSTOP every job), the leader's word after it (SIGCONT one), and a vacate
 whose dump did not commit (criu left the job stopped: SIGCONT it).  One lock orders
 them, so resuming after a failed vacate never thaws a job that a fence froze meanwhile.
+Each fence is counted (``fences``): the leader's word to thaw answers the fence that was in
+force when the agent asked, so a thaw asked for before a later fence is not applied (the
+answer may have been held up by the very cut that brought that fence, and a failover that
+began after the leader's answer may have restored the job elsewhere meanwhile).
 
 A job frozen while criu dumps it, by the fence or by its dead man's switch, is stored
 stopped in the image, and criu restores it stopped, wherever and whenever: nothing
@@ -32,11 +36,13 @@ class Freezer:
         self.exits = exits
         self.clock = clock
         self._lock = threading.Lock()
+        self.fences = 0  # freeze_all calls so far: a thaw asked for before the latest is void
 
     def freeze_all(self, reason: str) -> list[str]:
         """SIGSTOP every job's processes but its init's (safe from another thread); the ids."""
         frozen = []
         with self._lock:
+            self.fences += 1
             for rt in list(self.jobs.values()):
                 if rt.frozen_at is None:
                     rt.frozen_at = self.clock()
@@ -46,14 +52,15 @@ class Freezer:
             log.error("%s: froze job(s) %s", reason, ", ".join(frozen))
         return frozen
 
-    def thaw(self, job: str, generation: int) -> bool:
-        """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen."""
+    def thaw(self, job: str, generation: int, fences: int | None = None) -> bool:
+        """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen, or if
+        its node fenced again since the leader was asked (``fences``: :attr:`fences` then)."""
         rt = self.jobs.get(job)
         if rt is None or rt.generation != generation or rt.frozen_at is None:
             return False
         reset_stamp(rt.files.stamp)  # not under the lock: storage may be slow, and the fence must not wait
         with self._lock:
-            if rt.frozen_at is None or self.jobs.get(job) is not rt:
+            if rt.frozen_at is None or self.jobs.get(job) is not rt or fences not in (None, self.fences):
                 return False
             signal_tree(rt.pid, signal.SIGCONT)
             rt.frozen_at = None

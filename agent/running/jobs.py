@@ -307,9 +307,15 @@ class Supervisor:
         self._supersede_launches(reason)
         return self.freezer.freeze_all(reason)
 
-    def thaw(self, job: str, generation: int) -> bool:
-        """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen."""
-        return self.freezer.thaw(job, generation)
+    def thaw(self, job: str, generation: int, fences: int | None = None) -> bool:
+        """SIGCONT a frozen job (the leader kept it here); False if it is not that one, frozen, or
+        if this node fenced again since the leader was asked (``fences``: :attr:`fences` then)."""
+        return self.freezer.thaw(job, generation, fences)
+
+    @property
+    def fences(self) -> int:
+        """How many times this node has fenced (:meth:`freeze_all`) so far."""
+        return self.freezer.fences
 
     async def expire_frozen(self, max_frozen_s: float) -> None:
         """Kill each job frozen for longer than ``max_frozen_s`` (reported evicted: the leader
