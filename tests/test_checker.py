@@ -64,6 +64,32 @@ def test_a_step_from_a_superseded_generation_is_named():
                      "it to generation 2"]
 
 
+def test_a_step_moments_after_the_move_is_named_and_one_just_before_is_not():
+    """Both clocks are this host's: only the moment between reading the clock and acting is let go."""
+    h, job = clean()
+    h.steps.append(Step(9.95, "1", 8, "node-1"))  # within moved_slack_s of the move at 10.0
+    assert check(h, [job], NODES) == []
+    h.steps.append(Step(10.2, "1", 9, "node-1"))
+    assert check(h, [job], NODES) == ["superseded: job 1 step 9 came from node-1 (generation 1) at 10.20, after "
+                                      "the table moved it to generation 2"]
+
+
+def test_a_completed_job_must_have_written_its_whole_run():
+    h, job = clean()
+    h.table.append(Placement(30.0, "1", "node-2", 2, "completed", [1]))
+    h.samples.append((31.0, []))
+    assert check(h, [job], NODES) == ["output: job 1 completed with 6 of the uninterrupted run's 100 lines"]
+    job.output = out(range(4)) + out(range(4, 100), B)
+    assert check(h, [job], NODES) == []
+
+
+def test_a_failed_job_is_lost_unless_failure_is_allowed():
+    h, job = clean()
+    h.table.append(Placement(30.0, "1", "", 2, "failed", [1], reason="node node-2 died and the restore failed"))
+    assert check(h, [job], NODES) == ["unexplained: job 1 failed: node node-2 died and the restore failed"]
+    assert check(h, [job], NODES, failed_ok=True) == []
+
+
 def test_a_step_from_a_node_the_job_never_had_is_named():
     h, job = clean()
     h.steps.append(Step(5.0, "1", 5, "?"))
@@ -108,6 +134,16 @@ def test_a_copy_still_frozen_long_after_the_heal_is_named():
                              "running elsewhere within 5 s of the heal at 12.00 (it took 8.0 s)"]
 
 
+def test_a_heal_settles_with_a_new_copy_on_the_same_node_or_the_job_ended():
+    h, job = clean()
+    h.samples = [s for s in h.samples if s[0] <= 12.0] + [(13.5, [Copy("1", 70, "node-1", False)])]
+    assert [took for _, _, took in heal_times(h)] == [1.5]  # restored back onto node-1: a new pid
+    h.samples = [s for s in h.samples if s[0] <= 12.0] + [(14.0, [])]
+    assert [took for _, _, took in heal_times(h)] == [None]  # gone, and the job nowhere
+    h.table.append(Placement(13.0, "1", "node-2", 2, "completed", [1]))
+    assert [took for _, _, took in heal_times(h)] == [2.0]  # gone, the job ended
+
+
 def test_a_heal_can_be_counted_from_when_the_nodes_lease_was_back():
     h, job = clean()
     h.samples = [s for s in h.samples if s[0] <= 12.0] + [
@@ -121,3 +157,24 @@ def test_a_heal_can_be_counted_from_when_the_nodes_lease_was_back():
 def test_addresses_are_taken_off_each_line():
     body, seen = strip_addresses(b"0 abc 10.0.0.1\n1 def 10.0.0.2\n")
     assert body == b"0 abc\n1 def\n" and seen == {"10.0.0.1", "10.0.0.2"}
+
+
+def test_a_copy_dying_of_sigkill_is_not_running_and_a_live_one_is():
+    """A stopped copy its agent kills shows as running for a moment on its way out (the kernel's
+    exit path); the sampler must not count it.  A running or gone process reads as such."""
+    import os
+    import signal
+    import subprocess
+
+    from netcluster.history import dying
+
+    assert not dying(os.getpid())
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not dying(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert not dying(proc.pid)  # stopped is frozen by its state, not dying
+    finally:
+        proc.kill()
+        proc.wait()
+    assert dying(proc.pid)  # reaped: gone

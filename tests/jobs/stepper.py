@@ -6,7 +6,7 @@ usage: stepper.py STEPS INTERVAL COLLECTOR_HOST:PORT LISTEN_PORT
 Each step ``n`` writes ``"<n> <digest> <address>"`` to its output, where the digest chains every
 earlier step (a restore from the wrong memory shows) and the address is its node's (the source
 address of a datagram to the collector): what a copy writes is deterministic but for the
-address.  It also sends ``"<job> <n> <address> <pid>"`` to the collector over UDP (an
+address.  It also sends ``"<job> <n> <address> <pid> <time>"`` to the collector over UDP (an
 unconnected socket bound to no address: it moves with the job), so a copy that runs where it
 should not is seen even when its output is fenced off.  It answers on LISTEN_PORT (TCP, every
 address) with its latest line, so a client reaches it at whichever node it runs on.
@@ -73,7 +73,8 @@ for n in range(steps):
     line = f"{n} {h.hexdigest()[:16]} {where}"
     print(line, flush=True)
     try:
-        udp.sendto(f"{job} {n} {where} {os.getpid()}".encode(), collector)
+        at = time.time()  # next to the send: a dump between the two is restored with both
+        udp.sendto(f"{job} {n} {where} {os.getpid()} {at:.3f}".encode(), collector)
     except OSError:
         pass  # cut off from the collector: the output still has it
     answer(line, time.monotonic() + interval)

@@ -5,18 +5,21 @@ feeds it histories made by hand, one per kind of violation.
 The violations:
 - ``two copies``: two copies of one job running (not frozen) in one sample;
 - ``output``: a job's output that is not a byte-exact prefix of the uninterrupted run (the
-  stepper's lines without their address), or whose lines name an address no node has;
-- ``superseded``: a step that reached the collector from a node the table had already moved the
-  job away from (``slack_s`` after the record that moved it: the record is seen at once, the
-  step travels), or from a node the table never gave it;
+  stepper's lines without their address), or all of it for a completed job, or whose lines
+  name an address no node has;
+- ``superseded``: a step taken on a node after the table had moved the job away from it
+  (``moved_slack_s``: the step's and the record's clocks are this host's, so only the moment
+  between reading the clock and acting), or on a node the table never gave it (``slack_s``
+  after the step: a new copy's first steps may outrun the table's watch);
 - ``lost epoch``: an epoch the table once listed (acknowledged) that is not on the storage at
   the end, unless ``max_epochs`` newer ones are (retention);
 - ``unexplained``: a job at the end neither running with exactly one copy where the table says,
-  nor ended with a reason;
+  nor completed (nor failed with a reason, where ``failed_ok``: a failed job is a lost job);
 
 Apart from those (safety), how fast a heal settles (liveness): :func:`heal_times` gives, for each
 copy frozen when a partition healed, the seconds until it was thawed (same pid) or gone with its
-job running elsewhere, and :func:`slow_heals` names those past a bound (the target: 5 s).
+job running elsewhere (or on the same node as a new copy, or ended), and :func:`slow_heals` names
+those past a bound (the target: 5 s).
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ class Job:
     max_epochs: int
 
 
-def check(history: History, jobs: list[Job], addresses: set[str], *, slack_s: float = 0.5) -> list[str]:
+def check(history: History, jobs: list[Job], addresses: set[str], *, slack_s: float = 0.5,
+          moved_slack_s: float = 0.1, failed_ok: bool = False) -> list[str]:
     found: list[str] = []
     found += two_copies(history)
     for job in jobs:
-        found += output(job, addresses)
-        found += superseded(history, job.id, slack_s)
+        table = _placements(history, job.id)
+        found += output(job, addresses, completed=bool(table) and table[-1].state == "completed")
+        found += superseded(history, job.id, slack_s, moved_slack_s)
         found += lost_epochs(history, job)
-        found += unexplained(history, job.id)
+        found += unexplained(history, job.id, failed_ok)
     return found
 
 
@@ -74,10 +79,13 @@ def strip_addresses(data: bytes) -> tuple[bytes, set[str]]:
     return b"".join(lines), seen
 
 
-def output(job: Job, addresses: set[str]) -> list[str]:
+def output(job: Job, addresses: set[str], completed: bool = False) -> list[str]:
     body, seen = strip_addresses(job.output)
     found = []
-    if not job.reference.startswith(body):
+    if completed and body != job.reference and job.reference.startswith(body):
+        have, want = body.count(b"\n"), job.reference.count(b"\n")
+        found.append(f"output: job {job.id} completed with {have} of the uninterrupted run's {want} lines")
+    elif not job.reference.startswith(body):
         at = next((i for i, (a, b) in enumerate(zip(body, job.reference)) if a != b), min(len(body),
                                                                                        len(job.reference)))
         line = body[:at].count(b"\n")
@@ -92,10 +100,11 @@ def _placements(history: History, job: str) -> list[Placement]:
     return sorted((p for p in history.table if p.job == job), key=lambda p: (p.t, p.generation))
 
 
-def superseded(history: History, job: str, slack_s: float) -> list[str]:
+def superseded(history: History, job: str, slack_s: float, moved_slack_s: float = 0.1) -> list[str]:
     """A step from a node must come from the table's current placement there: the newest
     generation the table gave that node before the step (``slack_s`` after, for a new copy
-    whose first steps outrun the watch) must still be the table's newest ``slack_s`` before it."""
+    whose first steps outrun the watch) must still be the table's newest ``moved_slack_s``
+    before it."""
     table = _placements(history, job)
     found = []
     for step in (s for s in history.steps if s.job == job):
@@ -105,7 +114,7 @@ def superseded(history: History, job: str, slack_s: float) -> list[str]:
                          f"never placed it")
             continue
         mine = max(p.generation for p in placed)
-        before = [p for p in table if p.t <= step.t - slack_s]
+        before = [p for p in table if p.t <= step.t - moved_slack_s]
         newest = max((p.generation for p in before), default=mine)
         if newest > mine:
             found.append(f"superseded: job {job} step {step.step} came from {step.node} (generation {mine}) at "
@@ -124,14 +133,15 @@ def lost_epochs(history: History, job: Job) -> list[str]:
     return found
 
 
-def unexplained(history: History, job: str) -> list[str]:
+def unexplained(history: History, job: str, failed_ok: bool = False) -> list[str]:
     table = _placements(history, job)
     if not table:
         return [f"unexplained: job {job} never appeared in the table"]
     last = table[-1]
     if last.state in ENDED:
-        return [] if last.reason or last.state == "completed" else [f"unexplained: job {job} {last.state} "
-                                                                    f"without a reason"]
+        if last.state == "completed" or (failed_ok and last.reason):
+            return []
+        return [f"unexplained: job {job} {last.state}: {last.reason or 'without a reason'}"]
     if last.state not in RUNNING:
         return [f"unexplained: job {job} left {last.state} on {last.node}"]
     end = history.samples[-1][0] if history.samples else 0.0
@@ -161,11 +171,12 @@ def heal_times(history: History, from_lease: bool = False) -> list[tuple[float, 
                 back = min((t for t in history.leases.get(c.node, ()) if t >= healed), default=healed)
                 start = max(healed, back)
             settled = None
+            ended = min((p.t for p in history.table if p.job == c.job and p.state in ENDED), default=None)
             for t, seen in (s for s in history.samples if s[0] > healed):
                 same = [x for x in seen if x.pid == c.pid]
-                if (same and not same[0].frozen) or (not same and any(
-                        x.job == c.job and x.node != c.node and not x.frozen for x in seen)):
-                    settled = max(0.0, t - start)
+                if (same and not same[0].frozen) or (not same and (
+                        any(x.job == c.job and not x.frozen for x in seen) or (ended is not None and ended <= t))):
+                    settled = max(0.0, t - start)  # thawed; or gone, the job running (anywhere) or ended
                     break
             out.append((healed, c, settled))
     return out

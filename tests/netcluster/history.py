@@ -2,9 +2,10 @@
 and what the job table said, each with the time it was seen (tests/netcluster/checker.py reads it).
 
 - ``Collector``: a UDP socket on the bridge's host address; every step of every stepper job
-  (tests/jobs/stepper.py) arrives here as ``"<job> <step> <address> <pid>"``.
+  (tests/jobs/stepper.py) arrives here as ``"<job> <step> <address> <pid> <time>"`` (the
+  stepper's clock is this host's).
 - ``Sampler``: every 0.1 s, every copy of every stepper job on this host (its pid, its node by
-  its network namespace, frozen or not).
+  its network namespace, frozen or not: stopped, held by criu, or dying).
 - ``TableWatch``: every revision of every job's record in the job table (a KV watch through
   each NATS server, on a thread of its own), timed by the leader's save (``updated_at``), and
   every node's lease renewals (when the bus took writes again after a heal).
@@ -29,6 +30,22 @@ from revenant.messages import JobRecord, LeaseValue, subjects
 
 STEPPER = str(Path(__file__).resolve().parent.parent / "jobs" / "stepper.py")
 FROZEN = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+SIGKILL_BIT = 1 << (9 - 1)  # SIGKILL in /proc/<pid>/status's signal masks
+
+
+def dying(pid: int) -> bool:
+    """Whether ``pid`` can no longer run a line of its own: SIGKILL is pending or it is exiting.
+    A stopped copy that its agent kills leaves the stopped state for the kernel's exit path,
+    where /proc shows it running for a moment (never back in user space)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            flags = int(f.read().rsplit(b")", 1)[1].split()[6])
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return True  # gone meanwhile
+    return bool(flags & PF_EXITING) or any(m & SIGKILL_BIT for m in masks)
 
 
 @dataclass
@@ -94,7 +111,9 @@ class Collector:
                 return
             parts = data.decode(errors="replace").split()
             if len(parts) >= 3 and parts[1].isdigit():
-                self.history.steps.append(Step(time.time(), parts[0], int(parts[1]), self.nodes.get(parts[2], "?")))
+                # The stepper's own time of the step (this host's clock), else the arrival's.
+                at = float(parts[4]) if len(parts) > 4 else time.time()
+                self.history.steps.append(Step(at, parts[0], int(parts[1]), self.nodes.get(parts[2], "?")))
 
     def stop(self) -> None:
         self._done.set()
@@ -104,7 +123,7 @@ class Collector:
 
 def copies(namespaces: dict[int, str]) -> list[Copy]:
     """Every stepper process on this host: its job (from its environment), its node (from its
-    network namespace's inode) and whether it is frozen (stopped, or held by criu)."""
+    network namespace's inode) and whether it is frozen (stopped, held by criu, or dying)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         cmd = proc.info["cmdline"] or []
@@ -115,7 +134,7 @@ def copies(namespaces: dict[int, str]) -> list[Copy]:
             node = namespaces.get(os.stat(f"/proc/{proc.pid}/ns/net").st_ino, "host")
         except (psutil.Error, OSError):
             continue
-        found.append(Copy(job, proc.pid, node, proc.info["status"] in FROZEN))
+        found.append(Copy(job, proc.pid, node, proc.info["status"] in FROZEN or dying(proc.pid)))
     return found
 
 
