@@ -15,7 +15,7 @@ its own (tests/netcluster/ holds the nemesis, the recorder and the checker):
    throughout, checkpointed every 3 s.  At the end the checker reads the whole history.
 
 Faults: a node isolated; the leading coordinator isolated; a nats-server isolated with one node
-(its side of a split); a 2-3 split (a server and a node against the rest); one-way loss (40% of
+(its side of a split); a minority split (a server and two nodes against the rest); one-way loss (40% of
 what a node sends to a server); one-way drop (nothing from a server reaches a node); flapping
 (a node cut and mended every 1.5 s).  Delay is left out where the kernel has no netem.
 
@@ -52,6 +52,7 @@ from harness import REVENANT, ROOT_JOBS, machine, text_table, write_json  # noqa
 from netcluster.checker import RUNNING, heal_times  # noqa: E402
 from netcluster.nemesis import delay_supported  # noqa: E402
 from netcluster.run import Run  # noqa: E402
+from revenant.cli import netns  # noqa: E402
 
 HEAL_BOUND_S = 5.0  # the target: every copy frozen at a heal thawed, or killed with its job elsewhere
 TRIAL_STEPS = 250  # 25 s: each trial's job ends on its own
@@ -82,12 +83,20 @@ def up(directory: Path, nodes: int, servers: int, coordinators: int, env: dict |
     subprocess.run([REVENANT, "up", "--netns", "--nodes", str(nodes), "--nats-servers", str(servers),
                     "--coordinators", str(coordinators), "--dir", str(directory), "--detach"], check=True,
                    capture_output=True, timeout=180, env={**os.environ, **ROOT_JOBS, **(env or {})})
-    return Run(Cluster(directory))
+    try:
+        return Run(Cluster(directory))
+    except BaseException:
+        subprocess.run([REVENANT, "down", "--dir", str(directory)], capture_output=True, timeout=180)
+        raise
 
 
 def down(run: Run) -> None:
-    run.stop()
-    subprocess.run([REVENANT, "down", "--dir", str(run.cluster.dir)], capture_output=True, timeout=180)
+    """The cluster and its namespaces, even where a process would not stop."""
+    try:
+        run.stop()
+    finally:
+        subprocess.run([REVENANT, "down", "--dir", str(run.cluster.dir)], capture_output=True, timeout=180)
+        netns.remove(run.layout)
 
 
 def moved(run: Run, job: str, off: str):
@@ -137,8 +146,8 @@ def faults(run: Run, rng: random.Random) -> list:
         ("leader isolated", lambda: n.isolate(run.leader() or "coordinator")),
         ("server isolated with a node", lambda: (lambda side: n.partition(side, others(*side)))(
             [rng.choice(servers), node()])),
-        ("2-3 split", lambda: (lambda side: n.partition(side, others(*side)))(
-            [rng.choice(servers), node(), node()])),
+        ("minority split", lambda: (lambda side: n.partition(side, others(*side)))(
+            [rng.choice(servers), *rng.sample(run.nodes, 2)])),
         ("one-way loss 40%", lambda: n.drop(node(), rng.choice(servers), 40)),
         ("one-way drop", lambda: n.drop(rng.choice(servers), node(), 100)),
         ("flapping", lambda: (lambda x: n.flap([x], others(x), 1.5, 8))(node())),
