@@ -31,6 +31,8 @@ NETNS_DIR = Path("/run/netns")
 PREFIX = "rv-"
 FIRST = {"nats-server": 11, "coordinator": 21, "node": 101}
 MAX_NODES = 150
+MAX_OF = {"nats-server": FIRST["coordinator"] - FIRST["nats-server"],  # 10, 80: each role's addresses
+          "coordinator": FIRST["node"] - FIRST["coordinator"], "node": MAX_NODES}
 
 
 def tag_of(root: Path) -> str:
@@ -49,8 +51,9 @@ def plan(root: Path, names: list[str], taken: list[ipaddress.IPv4Network] | None
     """The namespaces, addresses and bridge for ``names``, on a /24 that no route of the host's
     (``taken``: read from ``ip route`` if not given) covers, tried from one the directory picks,
     so two clusters at once get two."""
-    if sum(1 for n in names if n.startswith("node-")) > MAX_NODES:
-        raise RevenantError(f"--netns takes at most {MAX_NODES} nodes")
+    for role, most in MAX_OF.items():
+        if sum(1 for n in names if n == role or n.startswith(role + "-")) > most:
+            raise RevenantError(f"--netns takes at most {most} {role}s")
     tag = tag_of(root)
     taken = _host_networks() if taken is None else taken
     seed = int(tag, 16)
@@ -60,7 +63,7 @@ def plan(root: Path, names: list[str], taken: list[ipaddress.IPv4Network] | None
         if not any(net.overlaps(t) for t in taken):
             break
     else:
-        raise RevenantError("--netns: no free /24 under 10.200.0.0/13 on this host")
+        raise RevenantError("--netns: no free /24 in 10.200.0.0 to 10.249.255.255 on this host")
     members = {}
     for name in names:
         first, index = _first(name)
@@ -71,7 +74,11 @@ def plan(root: Path, names: list[str], taken: list[ipaddress.IPv4Network] | None
 def _host_networks() -> list[ipaddress.IPv4Network]:
     out = _ip(["-j", "-4", "route", "show", "table", "all"], check=False)
     nets = []
-    for route in json.loads(out or "[]"):
+    try:
+        routes = json.loads(out or "[]")
+    except ValueError:
+        raise RevenantError("--netns: ip -j route printed no JSON (iproute2 too old?)") from None
+    for route in routes:
         dst = route.get("dst", "")
         if dst and dst != "default" and ":" not in dst:
             try:
@@ -87,8 +94,12 @@ def _ip(args: list[str], *, check: bool = True, stdin: str | None = None) -> str
         proc = subprocess.run([ip, *args], input=stdin, capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
         raise RevenantError("--netns needs the ip command (Debian package iproute2)") from None
+    except subprocess.TimeoutExpired:
+        raise RevenantError(f"--netns: ip {' '.join(args[:3])}: no answer within 30 s") from None
     if check and proc.returncode != 0:
-        line = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        # ip -batch ends with "Command failed -:N": the line before says why.
+        lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("Command failed")]
+        line = (lines or proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise RevenantError(f"--netns: ip {' '.join(args[:3])}: {line}")
     return proc.stdout
 

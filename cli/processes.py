@@ -167,8 +167,10 @@ class Shape:
         return [f"node-{i}" for i in range(1, self.nodes + 1)]
 
     def server_names(self) -> list[str]:
-        return [] if self.external_nats else (
-            ["nats-server"] if self.nats_servers == 1 else [f"nats-server-{i}" for i in range(1, self.nats_servers + 1)])
+        if self.external_nats:
+            return []
+        return ["nats-server"] if self.nats_servers == 1 else [f"nats-server-{i}"
+                                                               for i in range(1, self.nats_servers + 1)]
 
     def coordinator_names(self) -> list[str]:
         return ["coordinator"] + [f"coordinator-{i}" for i in range(2, self.coordinators + 1)]
@@ -190,7 +192,8 @@ class Shape:
         return out + (["--netns"] if self.netns else [])
 
 
-def start_cluster(root: Path, shape: Shape, *, timeout_s: float) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
+def start_cluster(root: Path, shape: Shape, *,
+                  timeout_s: float) -> tuple[ClusterFile, dict[str, subprocess.Popen[bytes]]]:
     """Start nats-server (unless ``shape.external_nats``; ``shape.nats_servers`` of them, one
     JetStream cluster, if more than one), the coordinators and the agents, as this
     process's children (with ``shape.netns``, each in a network namespace of its own:

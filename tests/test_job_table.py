@@ -324,6 +324,25 @@ async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table)
     assert (rec.state, rec.node, rec.generation) == ("running", "node-1", 1)
 
 
+async def test_a_node_back_that_stopped_the_job_meanwhile_does_not_keep_it(table):
+    """The node came back with the same agent, but that agent reported the job stopped (evicted:
+    a fence past max_frozen_s, a drain) while failover was paused: nothing is left to keep, and
+    the recovery goes on when the pause ends."""
+    from revenant.coordinator.recovery.failover import Failover
+
+    await put(table, "running", 1, "node-1")
+    fo = Failover(table.config, table.js, table, table.events,
+                  lambda: [NodeStatus(name="node-1", state="alive", incarnation="a1")], lambda node: None)
+    fo.storm.hold()
+    fo.recover_job("1", "node-1", "a1")
+    await asyncio.sleep(0.3)
+    fo.recover_job("1", "node-1", "a1", evicted="frozen past max_frozen_s")  # the agent's report
+    fo.storm.release()
+    await asyncio.sleep(table.config.node_timeout_s + 1.0)
+    assert "1" in fo.recovering  # still recovering (no node can take it here), not dropped
+    fo.cancel()
+
+
 async def test_a_node_back_with_a_restarted_agent_does_not_keep_the_job(table):
     """A node whose agent restarted during the pause lost its jobs with the old agent: the
     recovery goes on when the pause ends."""

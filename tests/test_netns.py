@@ -48,6 +48,21 @@ def test_two_directories_get_two_subnets():
 def test_too_many_nodes_are_refused():
     with pytest.raises(RevenantError, match="at most 150 nodes"):
         netns.plan(Path("/tmp/c"), [f"node-{i}" for i in range(1, 152)], taken=[])
+    with pytest.raises(RevenantError, match="at most 10 nats-servers"):
+        netns.plan(Path("/tmp/c"), [f"nats-server-{i}" for i in range(1, 12)], taken=[])
+    with pytest.raises(RevenantError, match="at most 80 coordinators"):
+        netns.plan(Path("/tmp/c"), [f"coordinator-{i}" for i in range(1, 82)], taken=[])
+    assert netns.plan(Path("/tmp/c"), [f"nats-server-{i}" for i in range(1, 11)], taken=[]).members[
+        "nats-server-10"].address.endswith(".20")
+
+
+def test_ips_own_error_line_is_given_not_its_closing_one(monkeypatch):
+    import subprocess
+
+    failed = subprocess.CompletedProcess([], 1, "", "RTNETLINK answers: File exists\nCommand failed -:5\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(RevenantError, match="ip -batch -: RTNETLINK answers: File exists$"):
+        netns._ip(["-batch", "-"], stdin="")
 
 
 def test_namespaces_need_root(monkeypatch):

@@ -341,10 +341,13 @@ class Failover:
             # as silent now, not at the next tick: the guard sees them before any restore starts.
             self._storm_stale = False
             self.check_storm()
-        waited = self.storm.paused
         while self.storm.paused:
-            await asyncio.sleep(0.2)
-        if waited and dead and not evicted:
+            while self.storm.paused:
+                await asyncio.sleep(0.2)
+            # A node that reported the job stopped meanwhile (evicted) has nothing to keep.
+            evicted = evicted or self._evicted.get(job, "")
+            if not dead or evicted:
+                break
             if not self.storm.acknowledged:
                 # The nodes of one split come back within moments of each other, and the pause
                 # ends with the first of them: one detection period for the others.
@@ -355,6 +358,7 @@ class Failover:
                 # reconciles once its lease is back, and the leader lets its copy thaw.
                 log.warning("job %s: node %s came back while failover was paused; it keeps the job", job, dead)
                 return None
+            # Still paused (the guard judged again meanwhile): wait again, then look again.
         deadline = self.clock() + self.config.requeue_timeout_s
         last_error = ""
         async with self.slots:
