@@ -258,7 +258,8 @@ class Coordinator(Service):
         """Each term its own: a hold, a storm or a recovery of an earlier term is not this one's."""
         assert self._js is not None and self.jobs is not None and self._events is not None
         return Failover(self.config, self._js, self.jobs, self._events, self._nodes, self._last_heartbeat,
-                        clock=self._clock, wall=self._wall, on_result=self.metrics.count_failover)
+                        clock=self._clock, wall=self._wall, on_result=self.metrics.count_failover,
+                        node=self.detector.nodes.get)
 
     def stop(self) -> None:
         super().stop()
@@ -290,8 +291,7 @@ class Coordinator(Service):
                               ClusterEvent(kind=kind, at=self._wall(), reason=reason, coordinator=self.name))
 
     def _last_heartbeat(self, node: str) -> float | None:
-        rec = self.detector.nodes.get(node)
-        return rec.last_heartbeat_at if rec is not None and rec.last_heartbeat_at else None
+        return getattr(self.detector.nodes.get(node), "last_heartbeat_at", None) or None
 
     # ------------------------------------------------------------------ inputs
 

@@ -306,7 +306,7 @@ async def test_a_node_back_before_a_paused_failover_resumes_keeps_its_job(table)
     states = {"node-1": "dead"}
     fo = Failover(table.config, table.js, table, table.events,
                   lambda: [NodeStatus(name=n, state=s, incarnation="a1") for n, s in states.items()],
-                  lambda node: None)
+                  lambda node: None, node=lambda n: NodeStatus(name=n, state=states[n], incarnation="a1"))
     fo.storm.hold()  # as an operator's pause; a storm's is the same wait
     fo.recover_job("1", "node-1", "a1")  # no lease in the store: nothing to wait for but the pause
     await asyncio.sleep(0.5)
@@ -331,8 +331,9 @@ async def test_a_node_back_that_stopped_the_job_meanwhile_does_not_keep_it(table
     from revenant.coordinator.recovery.failover import Failover
 
     await put(table, "running", 1, "node-1")
-    fo = Failover(table.config, table.js, table, table.events,
-                  lambda: [NodeStatus(name="node-1", state="alive", incarnation="a1")], lambda node: None)
+    alive = NodeStatus(name="node-1", state="alive", incarnation="a1")
+    fo = Failover(table.config, table.js, table, table.events, lambda: [alive], lambda node: None,
+                  node={"node-1": alive}.get)  # the coordinator's lookup, not a walk
     fo.storm.hold()
     fo.recover_job("1", "node-1", "a1")
     await asyncio.sleep(0.3)

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import nats.errors
 import nats.js.errors
@@ -128,8 +128,10 @@ class Failover:
     def __init__(self, config: CoordinatorConfig, js: JetStreamContext, jobs: JobService, events: EventPublisher,
                  nodes: Callable[[], list[NodeStatus]], last_heartbeat: Callable[[str], float | None], *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 on_result: Callable[[bool, str], None] | None = None) -> None:
+                 on_result: Callable[[bool, str], None] | None = None,
+                 node: Callable[[str], Any] | None = None) -> None:
         self.config = config
+        self.node = node  # one node's record by name (cheaper than a walk of ``nodes()``), or None
         self.js = js
         self.jobs = jobs
         self.events = events
@@ -286,8 +288,9 @@ class Failover:
 
     def _alive(self, node: str, incarnation: str) -> bool:
         """``node`` is alive with the agent that ran the job (``incarnation``; unknown: no)."""
-        return bool(incarnation) and any(n.name == node and n.state == "alive" and n.incarnation == incarnation
-                                         for n in self.nodes())
+        found = [self.node(node)] if self.node is not None else [n for n in self.nodes() if n.name == node]
+        return bool(incarnation) and any(n is not None and n.state == "alive" and n.incarnation == incarnation
+                                         for n in found)
 
     def _since_last_heartbeat(self, node: str) -> float | None:
         at = self.last_heartbeat(node)
