@@ -13,13 +13,12 @@ import secrets
 import sys
 import time
 from datetime import datetime
-from typing import TypeVar
+from typing import Mapping, TypeVar
 
 import msgspec
 import nats.errors
 
 from revenant.cli import asking
-from revenant.cli.exports import exported_env
 from revenant.cli.jobview import _fmt_bytes, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common.errors import RemoteError, RevenantError
@@ -27,7 +26,7 @@ from revenant.common.messaging import bus
 from revenant.common.settings import security
 from revenant.common.settings.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.settings.intervals import parse_interval
-from revenant.common.settings.limits import ROOT_USERS, BadRequest, check_submit
+from revenant.common.settings.limits import ROOT_USERS, BadRequest, check_submit, env_problem
 from revenant.messages import (
     FailoverReply,
     FailoverRequest,
@@ -185,6 +184,45 @@ async def coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_
         await nc.close()
 
 
+# What a job's environment is made of at ``revenant submit``: ``--export`` and ``--env``, as sbatch
+# has them (docs/cli.md).  Pure: the coordinator checks the result again (common/settings/limits.py).
+def exported_env(export: str | None, pairs: list[str], environ: Mapping[str, str],
+                 root: bool) -> tuple[dict[str, str], list[str]]:
+    """The job's environment from ``--export`` (``ALL`` by default, as sbatch; ``NONE``; ``NAME``s
+    and ``NAME=VALUE``s, after ``ALL`` if it is listed) and ``--env NAME=VALUE``s, over
+    ``environ``; and the names ``ALL`` left out because no job may get them (:func:`env_problem`).
+    REVENANT_* (this client's own settings, its credential) are never exported by ``ALL``."""
+    items = [item for item in (export if export is not None else "ALL").split(",") if item]
+    words = [item.upper() for item in items if "=" not in item]
+    if "NONE" in words and len(items) > 1:
+        raise BadRequest("--export NONE stands alone; to pass a few variables, list them: --export NAME,NAME=VALUE")
+    env: dict[str, str] = {}
+    dropped: list[str] = []
+    if "ALL" in words:
+        for name, value in environ.items():
+            if name.startswith("REVENANT_"):
+                continue
+            if env_problem(name, value, root) is not None:
+                dropped.append(name)
+            else:
+                env[name] = value
+    for item in items:
+        if item.upper() in ("ALL", "NONE"):
+            continue
+        name, eq, value = item.partition("=")
+        if not eq:
+            if name not in environ:
+                raise BadRequest(f"--export {name}: it is not set in this environment (give {name}=VALUE)")
+            value = environ[name]
+        env[name] = value
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise BadRequest(f"--env takes NAME=VALUE, got {pair[:80]!r}")
+        env[name] = value
+    return env, dropped
+
+
 def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequest:
     """The request ``revenant submit`` sends, checked against every limit the coordinator checks
     (:func:`revenant.common.settings.limits.check_submit`), before anything is sent."""
@@ -298,7 +336,8 @@ def list_jobs(args: argparse.Namespace) -> int:
         print("no jobs")
         return 0
     header = ["ID", "NAME", "STATE", "USER", "NODE", "PID", "GEN", "EPOCHS", "EXIT"]
-    rows = [[r.spec.id, r.spec.name, r.state, r.spec.user or "-", r.node or "-", str(r.pid or "-"), str(r.generation),
+    rows = [[r.spec.id, r.spec.name, r.state, r.spec.user or "-", r.node or "-", str(r.program_pid or r.pid or "-"),
+             str(r.generation),
              str(len(r.epochs)), "-" if r.exit_code is None else str(r.exit_code)] for r in jobs]
     print(render_table(header, rows))
     return 0
@@ -319,7 +358,10 @@ def failover(args: argparse.Namespace) -> int:
 
 def job_action(args: argparse.Namespace, verb: str) -> int:
     """checkpoint create (verb 'checkpoint'), vacate, restart, purge."""
-    req = JobRequest(job=args.job, node=getattr(args, "node", None) or "", epoch=getattr(args, "epoch", None) or 0)
+    # A checkpoint or vacate waits for one in progress, within the same --timeout.
+    wait_s = args.timeout if verb in ("checkpoint", "vacate") else 0.0
+    req = JobRequest(job=args.job, node=getattr(args, "node", None) or "", epoch=getattr(args, "epoch", None) or 0,
+                     wait_s=wait_s)
     criu_op = verb in ("checkpoint", "vacate", "restart")
     as_json = getattr(args, "json", False)
     # A person watching (a terminal, no --json) sees how far the dump or restore is.
@@ -335,7 +377,8 @@ def job_action(args: argparse.Namespace, verb: str) -> int:
         print(f"job {rec.spec.id}: epoch {e.n} committed ({_fmt_bytes(e.bytes)}, frozen {e.freeze_s * 1000:.0f} ms, "
               f"{e.duration_s:.2f} s in all){'; job vacated' if verb == 'vacate' else ''}")
     elif verb == "restart":
-        print(f"job {rec.spec.id}: restored on {rec.node} as generation {rec.generation}, pid {rec.pid}")
+        print(f"job {rec.spec.id}: restored on {rec.node} as generation {rec.generation}, pid "
+              f"{rec.program_pid or '-'} (init {rec.pid})")
     else:
         print(f"job {rec.spec.id}: {rec.state}")
     if criu_op and getattr(args, "stats", False) and not as_json:

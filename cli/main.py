@@ -9,8 +9,9 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from revenant.cli import jobcontrol
 from revenant.common.errors import RevenantError
-from revenant.common.settings.limits import MAX_EPOCHS, check_range
+from revenant.common.settings.limits import MAX_EPOCHS, MAX_GRACE_S, check_range
 from revenant.common.version import version
 from revenant.messages import MessageError
 
@@ -22,6 +23,7 @@ NUMBER_RANGES = {
     "max_epochs": ("--max-epochs", 1, MAX_EPOCHS),
     "epoch": ("--epoch", 1, 2**63 - 1),
     "ready_fd": ("--ready-fd", 0, 1 << 20),
+    "grace": ("--grace", 0.0, MAX_GRACE_S),
 }
 # A service's flags go into its config, which checks their ranges; here, only that they are finite.
 FINITE_NUMBERS = {"heartbeat_interval_s": "--heartbeat-interval", "node_timeout_s": "--node-timeout",
@@ -205,6 +207,8 @@ def _job_commands(sub: Any) -> None:
                            help="restore exactly this kept epoch (default: the newest that can be restored)")
         q.set_defaults(func=_cmd_job_action, verb=verb)
 
+    jobcontrol.add_commands(sub, _add_cluster_args)
+
     p = sub.add_parser("show", help="show an object")
     shs = p.add_subparsers(dest="what", required=True, metavar="WHAT")
     q = shs.add_parser("job", help="show a job")
@@ -371,6 +375,10 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if isinstance(value, float) and not math.isfinite(value):
             raise RevenantError(f"{flag} must be a finite number, got {value}")
+    if getattr(args, "func", None) in (jobcontrol.cancel, jobcontrol.signal_job):
+        from revenant.common.settings.limits import parse_signal
+
+        parse_signal(args.signal)
     if getattr(args, "func", None) is _cmd_submit:
         from revenant.cli.client import submit_request
 

@@ -55,7 +55,7 @@ NODES_PAGE_MAX = 300
 # Requests the leader answers on revenant.coord.<verb> (admin's), and on revenant.user.*.<verb>
 # (users', coordinator/table/requests.py) all of them but reconcile, which is the agents'.
 REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile",
-                 "check")
+                 "check", "cancel", "signal")
 
 
 class Coordinator(Service):

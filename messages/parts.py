@@ -8,11 +8,12 @@ from typing import Literal
 import msgspec
 
 HealthState = Literal["GREEN", "YELLOW", "RED"]
-JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed"]
+JobState = Literal["pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed",
+                   "cancelled"]
 # restore_completed: every page of a lazily restored job is in (agent/lazyrestore/lazy.py).
 JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", "purged", "killed", "restoring",
                        "requeued", "failed", "evicted", "restore_completed", "migrated", "migration_failed",
-                       "migration_skipped", "not_checkpointable"]
+                       "migration_skipped", "not_checkpointable", "cancelled", "signalled"]
 # What a job's sick node does to it (JobSpec.on_sick; "" in a record from before: the cluster's default).
 OnSick = Literal["checkpoint", "migrate", "none", ""]
 ON_SICK = ("checkpoint", "migrate", "none")
@@ -288,7 +289,10 @@ class JobRecord(_Body):
     # What in the job blocks its checkpoints (the latest refusal's line, agent/pipeline/blockers.py and the
     # like); "" once one commits.  Its first refusal is published as a not_checkpointable event.
     blocking: str = ""
+    # The host pid of the namespace's init (revenant-init, what criu dumps), and of the job's own
+    # program, the init's child (0: not known: not running, or a record from before).
     pid: int = 0
+    program_pid: int = 0
     generation: int = 0
     epochs: list[EpochInfo] = []
     output: str = ""

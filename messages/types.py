@@ -186,12 +186,20 @@ class SubmitRequest(Message, tag="submit.v1"):
 
 
 class JobRequest(Message, tag="job_request.v1"):
-    """Names a job for show / checkpoint / vacate / restart / purge."""
+    """Names a job for show / checkpoint / vacate / restart / purge / cancel / signal."""
 
     job: str
     node: str = ""
     # restart only: restore exactly this kept epoch (0: the newest that can be restored).
     epoch: int = 0
+    # cancel: the signal sent first ("": none, SIGKILL at once) and the seconds it has to end before
+    # SIGKILL; signal: the signal, to the job's program, or to every process of the job with ``all``.
+    # Names as kill(1) takes them: TERM, SIGTERM or a number.
+    signal: str = ""
+    grace_s: float = 0.0
+    all: bool = False
+    # checkpoint / vacate: how long to wait for a checkpoint already in progress (0: not at all).
+    wait_s: float = 0.0
 
 
 class JobsRequest(Message, tag="jobs_request.v1"):
@@ -278,6 +286,19 @@ class KillJob(Message, tag="kill_job.v1"):
     job: str
     generation: int
     reason: str = ""
+    # A cancel's: this signal (a number) to every process of the job first, then SIGKILL after
+    # ``grace_s`` if it has not ended (0: SIGKILL at once).
+    signal: int = 0
+    grace_s: float = 0.0
+
+
+class SignalJob(Message, tag="signal_job.v1"):
+    """Deliver ``signal`` (a number) to the job's own program, or (``all``) every process of it."""
+
+    job: str
+    generation: int
+    signal: int
+    all: bool = False
 
 
 class PurgeJob(Message, tag="purge_job.v1"):
@@ -296,6 +317,9 @@ class AgentJobReply(Message, tag="agent_job_reply.v1"):
     generation: int
     node: str
     pid: int = 0
+    # The job's own program (the init's child; 0: not known); signal: the processes signalled.
+    program_pid: int = 0
+    signalled: list[int] = []
     output: str = ""
     epoch: EpochInfo | None = None
     freed_bytes: int = 0
@@ -441,7 +465,7 @@ class ErrorReply(Message, tag="error.v1"):
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat, HeartbeatV1, HeartbeatRequest, Probe, ProbeReply, NodeEvent, NodesRequest, NodesReply, SubmitRequest, JobRequest,
     JobsRequest, JobReply, JobsReply, FailoverRequest, FailoverReply, StartJob, CheckpointJob, RestoreJob,
-    KillJob, PurgeJob, CheckJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
+    KillJob, SignalJob, PurgeJob, CheckJob, AgentJobReply, Progress, JobEvent, EpochEvent, AnomalyEvent, ClusterEvent,
     ReconcileRequest, ReconcileReply, ErrorReply,
 )
 
@@ -453,6 +477,6 @@ __all__ = [
     "Heartbeat", "HeartbeatRequest", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobResource", "JobSpec",
     "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
     "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
-    "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "StaleJob", "StartJob",
+    "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "SignalJob", "StaleJob", "StartJob",
     "ResourceVerdict", "SubmitRequest",
 ]

@@ -193,6 +193,42 @@ def test_a_submit_chooses_what_a_move_does_to_its_connections():
         check_submit(SubmitRequest(argv=["x"], connections="sometimes"))
 
 
+@pytest.mark.parametrize("state", ["pending", "running", "checkpointing", "restoring", "vacated"])
+def test_a_cancel_ends_the_job_first_then_kills_its_copy(state):
+    rec = record(state, 3, node="" if state == "vacated" else "node-2", epochs=(1, 2))
+    d = lc.transition(rec, lc.CancelAsked("cancelled by user alice", 15, 10.0), 5.0)
+    assert (d.record.state, d.record.reason, d.record.pid, d.record.generation) == (
+        "cancelled", "cancelled by user alice", 0, 3)
+    assert [e.n for e in d.record.epochs] == [1, 2]  # kept for a restart, until purged
+    assert d.commands == ([] if state == "vacated" else [lc.Kill("node-2", "7", 3, "cancelled by user alice", 15, 10.0)])
+    assert [(e.kind, e.fields["reason"]) for e in d.events] == [("cancelled", "cancelled by user alice")]
+    # Whatever comes late changes nothing: a restore's or a start's reply, the copy's exit, a failover.
+    for late in (lc.Restored(3, 42), lc.Launched(3, 42), report("exited", 3, "node-2", exit_code=0),
+                 report("killed", 3, "node-2"), report("evicted", 3, "node-2"), lc.Recover("node-2", "node-1"),
+                 lc.RecoveryAttemptFailed(3, "no"), lc.CheckpointFailed(3)):
+        after = lc.transition(d.record, late, 6.0).record or d.record
+        assert (after.state, after.generation) == ("cancelled", 3), late
+    # A frozen copy asking to thaw is told to die, as is any copy its node still runs.
+    assert lc.transition(d.record, lc.ThawAsked("node-2", 3), 6.0).outcome == "kill"
+    assert [s.reason for s in lc.stale_local_jobs("node-2", [LocalJob(job="7", generation=3)], {"7": d.record})] == [
+        "the job was cancelled"]
+    # Its epochs take it back, as a failed job's do.
+    again = lc.transition(d.record, lc.RestartAsked("node-1"), 7.0)
+    assert (again.record.state, again.record.generation, again.commands) == (
+        "restoring", 4, [lc.Restore("node-1", d.record.spec, 4)])
+    back = lc.transition(again.record, lc.RestartFailed(4, "no", "cancelled", ""), 8.0).record
+    assert back.state == "cancelled"
+
+
+def test_cancelling_an_ended_job_says_so_and_changes_nothing():
+    for state, said in (("completed", "job 7 has already ended (completed); nothing to cancel"),
+                        ("failed", "job 7 has already ended (failed); nothing to cancel"),
+                        ("cancelled", "job 7 is already cancelled; nothing to cancel")):
+        with pytest.raises(lc.BadState) as refused:
+            lc.transition(record(state), lc.CancelAsked(), 1.0)
+        assert str(refused.value) == said
+
+
 def test_moved_on_and_stale_local_jobs():
     assert lc.moved_on(record("running", 3), record("running", 2))
     assert lc.moved_on(record("completed", 2), record("running", 2))
@@ -223,7 +259,8 @@ inputs = st.one_of(
     st.builds(lc.RestartAsked, nodes),
     st.builds(lc.RestartAsked, nodes, st.integers(0, 9)),
     st.builds(lc.Restored, generations, st.integers(1, 100), maybe_epoch),
-    st.builds(lc.RestartFailed, generations, st.just("no"), st.sampled_from(["vacated", "failed"]),
+    st.builds(lc.CancelAsked, st.just("cancelled by admin"), st.sampled_from([0, 15]), st.sampled_from([0.0, 5.0])),
+    st.builds(lc.RestartFailed, generations, st.just("no"), st.sampled_from(["vacated", "failed", "cancelled"]),
               st.sampled_from(["", *NODES])),
     st.builds(lambda kind, g, n, code, epoch: report(kind, g, n, exit_code=code, epoch=epoch),
               st.sampled_from(["exited", "killed", "vacated", "evicted", "started"]), generations, nodes,
@@ -256,7 +293,7 @@ def test_any_sequence_of_inputs_keeps_the_job_on_one_node_at_one_generation(sequ
         # An ended job stays ended; only an operator's restart takes a failed one back.
         if rec.state == "completed":
             assert new.state == "completed"
-        if rec.state == "failed" and new.state != "failed":
+        if rec.state in ("failed", "cancelled") and new.state != rec.state:
             assert isinstance(inp, lc.RestartAsked) and rec.epochs
         # Every state change is one the documented table lists.
         if new.state != rec.state:
@@ -268,12 +305,12 @@ def test_any_sequence_of_inputs_keeps_the_job_on_one_node_at_one_generation(sequ
                 assert (cmd.node, cmd.generation) == (new.node, new.generation)
                 assert all(cmd.generation > g for _, g in launched)
                 launched.append((cmd.node, cmd.generation))
-            if isinstance(cmd, lc.Kill):
-                assert cmd.generation < new.generation
+            if isinstance(cmd, lc.Kill):  # a stale copy's, or (a cancel) the record's own
+                assert cmd.generation < new.generation or (new.state == "cancelled" and cmd.node == rec.node)
         # Never live on two nodes: every copy ever launched but the record's own is stale, and its
         # agent is told to kill it when it asks.
         for node, generation in launched:
-            if (node, generation) != (new.node, new.generation):
+            if (node, generation) != (new.node, new.generation) or new.state == "cancelled":
                 assert lc.stale_local_jobs(node, [LocalJob(job="7", generation=generation)], {"7": new})
         if new.state in ("running", "checkpointing"):
             assert new.node

@@ -214,12 +214,27 @@ async def test_alice_cannot_see_or_act_on_bobs_job_and_admin_sees_all(nats_url):
             assert await _listing(nc, ADMIN) == [("1", "alice"), ("2", "bob"), ("3", ""), ("4", "alice")]
             assert (await _ask(nc, ALICE, "job", JobRequest(job="1"), JobReply)).job.spec.user == "alice"
             # Bob's (live or archived) and the record from before users: as if they did not exist.
-            for verb in ("job", "checkpoint", "vacate", "restart", "purge"):
+            for verb in ("job", "checkpoint", "vacate", "restart", "purge", "cancel", "signal"):
                 for job in ("2", "3", "5", "99"):
-                    assert await _refusal(nc, ALICE, verb, JobRequest(job=job)) == ("unknown_job", f"unknown job {job}")
+                    asked = JobRequest(job=job, signal="USR1")
+                    assert await _refusal(nc, ALICE, verb, asked) == ("unknown_job", f"unknown job {job}")
             # Her own pass that check: what stops them now is the job's state or the nodes.
             for verb, job in (("checkpoint", "1"), ("vacate", "1"), ("restart", "1"), ("purge", "4")):
                 assert (await _refusal(nc, ALICE, verb, JobRequest(job=job)))[0] != "unknown_job", verb
+            # Cancelling an ended job says so and changes nothing; a bad signal is named.
+            assert await _refusal(nc, ALICE, "cancel", JobRequest(job="1")) == (
+                "bad_state", "job 1 has already ended (completed); nothing to cancel")
+            assert await _refusal(nc, BOB, "cancel", JobRequest(job="5")) == (
+                "bad_state", "job 5 has already ended and been archived; nothing to cancel")
+            assert await _refusal(nc, ALICE, "signal", JobRequest(job="1", signal="TERM")) == (
+                "bad_state", "job 1 is completed; only a running job can be signalled")
+            code, message = await _refusal(nc, ALICE, "cancel", JobRequest(job="4", signal="NOPE", grace_s=1))
+            assert code == "bad_request" and message.startswith("unknown signal 'NOPE'")
+            # Her vacated job: cancelled (no copy anywhere to kill), its epochs kept for a restart.
+            cancelled = (await _ask(nc, ALICE, "cancel", JobRequest(job="4"), JobReply)).job
+            assert (cancelled.state, cancelled.reason) == ("cancelled", "cancelled by user alice")
+            assert await _refusal(nc, ALICE, "cancel", JobRequest(job="4")) == (
+                "bad_state", "job 4 is already cancelled; nothing to cancel")
             shown = await _ask(nc, BOB, "job", JobRequest(job="5"), JobReply)
             assert shown.job.spec.user == "bob" and shown.notes[0].startswith("archived")
             for job in ("2", "3", "5"):

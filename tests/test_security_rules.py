@@ -16,7 +16,7 @@ from revenant.agent.files.jobfiles_restore import plan
 from revenant.agent.running.jobuser import env_script, workdir_problem
 from revenant.agent.running.launcher import CD_NAME, CD_SHIM, ROOT_ENV, init_argv
 from revenant.agent.storage.epochs import FilesChanged, JobFile, Manifest
-from revenant.cli.exports import exported_env
+from revenant.cli.client import exported_env
 from revenant.common.settings.limits import BadRequest, check_env, check_submit, env_problem
 from revenant.messages import SubmitRequest
 

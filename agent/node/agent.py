@@ -49,7 +49,7 @@ from revenant.common.settings import security
 from revenant.common.settings.config import AgentConfig
 from revenant.common.version import version
 from revenant.messages import (AgentJobReply, Capabilities, CheckpointJob, CriuInfo, HealthSummary, KillJob, NodeEvent,
-                               CheckJob, PurgeJob, RestoreJob, StartJob, decode_as, subjects)
+                               CheckJob, PurgeJob, RestoreJob, SignalJob, StartJob, decode_as, subjects)
 
 log = logging.getLogger(__name__)
 
@@ -285,16 +285,7 @@ class Agent(Service):
         sup = self.supervisor
         if sup is None:
             return None
-        roots = {rt.pid: job for job, rt in sup.jobs.items()}
-        try:
-            proc: psutil.Process | None = psutil.Process(pid)
-            while proc is not None:
-                if proc.pid in roots:
-                    return roots[proc.pid]
-                proc = proc.parent()
-        except psutil.Error:
-            pass
-        return None
+        return procs.below(pid, {rt.pid: job for job, rt in sup.jobs.items()})
 
     async def _sample_health(self) -> HealthSummary:
         sup = self.supervisor
@@ -357,7 +348,10 @@ class Agent(Service):
             return await sup.restore(rs.spec, rs.generation, rs.leave_workdir, rs.epoch)
         if verb == "kill":
             kj = decode_as(data, KillJob)
-            return await sup.kill(kj.job, kj.generation, kj.reason)
+            return await sup.kill(kj.job, kj.generation, kj.reason, kj.signal, kj.grace_s)
+        if verb == "signal":
+            sj = decode_as(data, SignalJob)
+            return sup.signal(sj.job, sj.generation, sj.signal, sj.all)
         if verb == "purge":
             return await sup.purge(decode_as(data, PurgeJob).job)
         if verb == "check":

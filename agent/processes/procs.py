@@ -58,6 +58,58 @@ def tree_pids(root: int) -> list[int]:
         return []
 
 
+# The name a job's init runs under (its shell's $0), and what it runs besides the program, each
+# for a moment (its loop, agent/running/launcher.py).
+INIT_NAME = "revenant-init"
+INIT_HELPERS = (("sleep", "0.2"), ("date", "+%s%3N"), ("stat", "-L", "-c", "%.3Y", "/dev/fd/3"))
+
+
+def _nspid(pid: int) -> int:
+    """``pid`` as its own PID namespace numbers it."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
+
+
+def program_pid(init: int) -> int:
+    """The job's own program: the child of its ``init`` that is not one of the init's helpers
+    (:data:`INIT_HELPERS`), the one its namespace numbered first (a process the init adopted was
+    forked after it); 0 if there is none (the init not running yet, the program not forked yet, or
+    ended)."""
+    found: list[tuple[int, int]] = []
+    try:
+        parent = psutil.Process(init)
+        if INIT_NAME not in parent.cmdline()[:4]:
+            return 0  # still the namespace's setup (its mounts), which execs the init
+        children = parent.children()
+    except psutil.Error:
+        return 0
+    for child in children:
+        try:
+            if tuple(child.cmdline()) in INIT_HELPERS or child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.append((_nspid(child.pid), child.pid))
+        except (psutil.Error, OSError, ValueError):
+            continue
+    return min(found)[1] if found else 0
+
+
+def below(pid: int, roots: dict[int, str]) -> str | None:
+    """What ``roots`` maps the nearest of ``pid`` and its ancestors to that it holds (a job's
+    init: the job a process belongs to); None if none."""
+    try:
+        proc: psutil.Process | None = psutil.Process(pid)
+        while proc is not None:
+            if proc.pid in roots:
+                return roots[proc.pid]
+            proc = proc.parent()
+    except psutil.Error:
+        pass
+    return None
+
+
 def signal_tree(root: int, sig: int) -> None:
     for pid in tree_pids(root):
         try:

@@ -31,6 +31,7 @@ from revenant.agent.processes import procs
 from revenant.agent.processes.exits import ExitClassifier, JobEnd
 from revenant.agent.processes.procs import signal_tree
 from revenant.agent.running.freezing import Freezer
+from revenant.agent.running import signals
 from revenant.agent.running.launcher import Launcher, new_stamp, reset_stamp
 from revenant.agent.running.runtime import JobRuntime, Launch
 from revenant.agent.storage.epochs import JobFiles
@@ -66,6 +67,8 @@ class Supervisor:
         # Starts and restores in flight, one per job: a newer generation or a kill arriving
         # meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}
+        # The newest generation of each job killed here: a start or restore of it arriving late never runs.
+        self.killed: dict[str, int] = {}
         self.fetches = PageFetches(self)  # lazily restored jobs whose pages are still arriving
         # The jobs' pid watchers: a drain needs them after the agent's loops stopped (shutdown ends them).
         self._watchers: set[asyncio.Task[None]] = set()
@@ -90,7 +93,7 @@ class Supervisor:
 
     def _reply(self, rt: JobRuntime, **kw) -> AgentJobReply:
         return AgentJobReply(job=rt.spec.id, generation=rt.generation, node=self.node, pid=rt.pid,
-                             output=str(rt.files.output), **kw)
+                             program_pid=procs.program_pid(rt.pid), output=str(rt.files.output), **kw)
 
     def _event(self, rt: JobRuntime, kind: str, **kw) -> None:
         self.emit(subjects.job_event(rt.spec.id, kind),
@@ -119,6 +122,7 @@ class Supervisor:
             asyncio.get_running_loop().call_soon(self._exited, rt, started.exit_code)
         else:
             self._watch(rt, started.wrapper.pid, started.wrapper)
+            await signals.program_started(rt)
         await self._check_superseded(rt, launch)
         return self._reply(rt)
 
@@ -126,6 +130,8 @@ class Supervisor:
     async def _launch(self, job: str, generation: int):
         """Claim ``job`` for starting ``generation``: never two starts or restores of one job at once,
         never an older generation over a newer one (an older copy, running or starting, is killed first)."""
+        if self.killed.get(job, 0) >= generation:  # a kill (a cancel) got here before its launch
+            raise StaleGeneration(f"job {job} generation {generation} was killed on {self.node} before it started")
         while (current := self.launching.get(job)) is not None:
             if current.generation >= generation:
                 raise RevenantError(f"job {job} generation {current.generation} is already starting on {self.node}",
@@ -281,8 +287,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ kill, purge, shutdown
 
-    async def kill(self, job: str, generation: int, reason: str = "") -> AgentJobReply:
-        """Kill ``job`` if it runs ``generation`` or an older one (a stale copy), or is starting it."""
+    async def kill(self, job: str, generation: int, reason: str = "", signum: int = 0,
+                   grace_s: float = 0.0) -> AgentJobReply:
+        """Kill ``job`` if it runs ``generation`` or an older one (a stale copy), or is starting it;
+        a start or restore of that generation that comes later is refused.  ``signum`` (a
+        cancel's): sent first, with ``grace_s`` to end before SIGKILL."""
+        self.killed[job] = max(generation, self.killed.get(job, 0))
         launch = self.launching.get(job)
         if launch is not None and launch.generation <= generation:
             launch.superseded = reason or f"killed as generation {launch.generation}"
@@ -293,8 +303,17 @@ class Supervisor:
             raise JobNotRunning(f"job {job} is not running on {self.node}")
         if rt.generation > generation:
             raise StaleGeneration(f"job {job} runs generation {rt.generation} on {self.node}, newer than {generation}")
+        if signum:
+            rt.killing, rt.kill_reason = True, rt.kill_reason or reason  # however it ends: killed, on purpose
+            if await signals.ask_to_end(rt, signum, grace_s):
+                return self._reply(rt)
         await self._kill(rt, reason or f"killed as generation {rt.generation}")
         return self._reply(rt)
+
+    def signal(self, job: str, generation: int, signum: int, every: bool = False) -> AgentJobReply:
+        """Deliver ``signum`` to the job's program (``every``: every process of the job)."""
+        rt = self._get(job, generation)
+        return self._reply(rt, signalled=signals.signal_job(rt, signum, every, self.node))
 
     # ------------------------------------------------------------------ fencing by freezing
 

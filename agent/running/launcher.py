@@ -133,7 +133,7 @@ while kill -0 $child 2>/dev/null; do
 done
 wait $child
 """
-INIT_NAME = "revenant-init"
+INIT_NAME = procs.INIT_NAME
 
 
 # Runs the job in its workdir while the init stays in the job's own directory (see above), with

@@ -166,3 +166,38 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
             f"({MAX_SPEC_BYTES // 1024} KiB, so that its record fits one {MAX_MESSAGE_BYTES // 1024} KiB message): "
             "pass large inputs in a file")
 
+
+# The longest a cancel's signal may take to end a job before SIGKILL.
+MAX_GRACE_S = 3600.0
+
+
+def parse_signal(text: str) -> int:
+    """A signal as kill(1) takes it: a name with or without SIG, any case (TERM, SIGUSR1, rtmin+2),
+    or a number; anything else is a :class:`BadRequest` that names it."""
+    import signal
+
+    given = text.strip()
+    if given.isdigit():
+        if 1 <= int(given) <= signal.SIGRTMAX:
+            return int(given)
+    else:
+        name = given.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        rt = re.fullmatch(r"SIGRT(MIN|MAX)([+-]\d+)?", name)
+        if rt:
+            n = (signal.SIGRTMIN if rt[1] == "MIN" else signal.SIGRTMAX) + int(rt[2] or 0)
+            if signal.SIGRTMIN <= n <= signal.SIGRTMAX:
+                return n
+        elif name in signal.Signals.__members__:
+            return int(signal.Signals[name])
+    raise BadRequest(f"unknown signal {text!r}: give a name as kill -l lists them (TERM, USR1, SIGINT) or a "
+                     f"number from 1 to {int(signal.SIGRTMAX)}")
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}" if signum > signal.SIGRTMIN else f"signal {signum}"

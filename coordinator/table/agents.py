@@ -78,8 +78,8 @@ class AgentClient:
                                                                          force=cmd.force, evict=cmd.evict,
                                                                          cause=cmd.cause, reasons=list(cmd.reasons)),
                                    timeout_s)
-        return await self.send(cmd.node, "kill", KillJob(job=cmd.job, generation=cmd.generation,
-                                                         reason=cmd.reason), timeout_s)
+        return await self.send(cmd.node, "kill", KillJob(job=cmd.job, generation=cmd.generation, reason=cmd.reason,
+                                                         signal=cmd.signal, grace_s=cmd.grace_s), timeout_s)
 
     async def abandon(self, node: str, job: str, generation: int, why: str) -> None:
         """Make sure an attempt whose reply never came (a timeout, a lost node) does not live on:

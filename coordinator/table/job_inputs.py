@@ -10,6 +10,7 @@ from revenant.messages import EpochEvent, EpochInfo, JobEvent, JobRecord, JobSpe
 
 __all__ = [
     "AgentReport",
+    "CancelAsked",
     "EpochConverted",
     "Checkpoint",
     "CheckpointAsked",
@@ -33,6 +34,7 @@ __all__ = [
     "Start",
     "Submit",
     "ThawAsked",
+    "TRANSITIONS",
 ]
 
 
@@ -80,6 +82,9 @@ class Kill:
     job: str
     generation: int
     reason: str = ""
+    # A cancel's: this signal to the job's processes first, SIGKILL after grace_s (0: SIGKILL at once).
+    signal: int = 0
+    grace_s: float = 0.0
 
 
 Command = Start | Restore | Checkpoint | Kill
@@ -96,10 +101,11 @@ class Submit:
 
 @dataclass(frozen=True)
 class Launched:
-    """A start's reply: the job runs with ``pid``."""
+    """A start's reply: the job runs with ``pid`` (its init), its program with ``program_pid``."""
     generation: int
     pid: int
     output: str = ""
+    program_pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,15 @@ class CheckpointFailed:
 
 
 @dataclass(frozen=True)
+class CancelAsked:
+    """An operator (or the job's user) ends the job without a checkpoint; ``signal`` first, then
+    SIGKILL after ``grace_s`` (0 and 0: SIGKILL at once)."""
+    reason: str = "cancelled"
+    signal: int = 0
+    grace_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class RestartAsked:
     target: str
     # 0: the newest restorable epoch; N: exactly this kept epoch.
@@ -165,6 +180,7 @@ class Restored:
     announce: bool | str = False
     # The epoch's connections the restore brought back intact (the others came back closed).
     kept: tuple[str, ...] = ()
+    program_pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -223,7 +239,7 @@ class Purged:
 
 Input = (Submit | Launched | LaunchFailed | CheckpointAsked | Checkpointed | CheckpointFailed | RestartAsked
          | Restored | RestartFailed | AgentReport | EpochConverted | Recover | ThawAsked | RecoveryAttemptFailed
-         | RecoveryFailed | Purged)
+         | RecoveryFailed | Purged | CancelAsked)
 
 
 @dataclass(frozen=True)
@@ -245,3 +261,62 @@ class Decision:
     @property
     def changed(self) -> bool:
         return self.record is not None
+
+
+# (from, input, to) for every transition the core can make; docs/architecture.md shows this
+# table, and tests/test_lifecycle.py checks both against what transition() does.
+TRANSITIONS: tuple[tuple[str, str, str], ...] = (
+    ("(new)", "submit", "pending"),
+    ("pending", "start reply", "running"),
+    ("pending", "start failed, another node", "pending"),
+    ("pending", "start failed", "failed"),
+    ("running", "checkpoint / vacate", "checkpointing"),
+    ("checkpointing", "checkpoint reply", "running"),
+    ("checkpointing", "checkpoint failed", "running"),
+    ("checkpointing", "vacate reply", "vacated"),
+    ("checkpointing", "move reply", "restoring"),
+    ("running", "agent: vacated", "vacated"),
+    ("checkpointing", "agent: vacated", "vacated"),
+    ("vacated", "restart", "restoring"),
+    ("failed", "restart (with an epoch)", "restoring"),
+    ("restoring", "restore reply", "running"),
+    ("restoring", "restart failed", "vacated"),
+    ("restoring", "restart failed", "failed"),
+    ("running", "agent: exited 0", "completed"),
+    ("running", "agent: exited non-zero / killed", "failed"),
+    ("checkpointing", "agent: exited 0", "completed"),
+    ("checkpointing", "agent: exited non-zero / killed", "failed"),
+    ("pending", "agent: exited 0", "completed"),
+    ("pending", "agent: exited non-zero", "failed"),
+    ("restoring", "agent: exited 0", "completed"),
+    ("restoring", "agent: exited non-zero", "failed"),
+    ("pending", "agent: evicted", "restoring"),
+    ("running", "agent: evicted", "restoring"),
+    ("checkpointing", "agent: evicted", "restoring"),
+    ("restoring", "agent: evicted", "restoring"),
+    ("pending", "node lost, an epoch", "restoring"),
+    ("running", "node lost, an epoch", "restoring"),
+    ("checkpointing", "node lost, an epoch", "restoring"),
+    ("restoring", "node lost, an epoch", "restoring"),
+    ("pending", "node lost, no epoch, --requeue", "pending"),
+    ("running", "node lost, no epoch, --requeue", "pending"),
+    ("checkpointing", "node lost, no epoch, --requeue", "pending"),
+    ("restoring", "node lost, no epoch, --requeue", "pending"),
+    ("running", "node lost, no epoch", "failed"),
+    ("checkpointing", "node lost, no epoch", "failed"),
+    ("pending", "node lost, no epoch", "failed"),
+    ("restoring", "node lost, no epoch", "failed"),
+    ("pending", "recovery attempt failed", "restoring"),
+    ("restoring", "recovery attempt failed", "restoring"),
+    ("pending", "recovery gave up", "failed"),
+    ("running", "recovery gave up", "failed"),
+    ("checkpointing", "recovery gave up", "failed"),
+    ("restoring", "recovery gave up", "failed"),
+    ("pending", "cancel", "cancelled"),
+    ("running", "cancel", "cancelled"),
+    ("checkpointing", "cancel", "cancelled"),
+    ("restoring", "cancel", "cancelled"),
+    ("vacated", "cancel", "cancelled"),
+    ("cancelled", "restart (with an epoch)", "restoring"),
+    ("restoring", "restart failed", "cancelled"),
+)

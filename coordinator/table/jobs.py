@@ -22,7 +22,8 @@ from revenant.common.settings.config import CoordinatorConfig
 from revenant.common.settings.limits import check_submit
 from revenant.coordinator.table import lifecycle as lc, userlimits
 from revenant.coordinator.table.agents import AgentClient, NotLeader, check_may_act
-from revenant.coordinator.table.placement import NoNodeAvailable, node_address, place, restore_note, workdir_shared
+from revenant.coordinator.table.placement import (NoNodeAvailable, node_address, own_node, place, restore_note,
+                                                  workdir_shared)
 from revenant.coordinator.table.store import JobStore, Unsettled, WriteConflict, patiently
 from revenant.messages import (EpochEvent, JobEvent, JobRecord, JobSpec, LocalJob, NodeStatus, PurgeJob, ReconcileReply,
                                StaleJob, SubmitRequest, subjects)
@@ -159,10 +160,10 @@ class JobService:
         if decision.record is not None:
             await self.save(decision.record)
         for emit in decision.events:
-            self._event(decision.record or rec, emit.kind, **emit.fields)
+            self.event(decision.record or rec, emit.kind, **emit.fields)
         return decision
 
-    def _event(self, rec: JobRecord, kind: str, **kw) -> None:
+    def event(self, rec: JobRecord, kind: str, **kw) -> None:
         kw.setdefault("address", node_address(self.nodes(), rec.node))  # where clients find the job
         self.events.emit(subjects.job_event(rec.spec.id, kind), JobEvent(
             job=rec.spec.id, kind=kind, at=self.wall(), node=rec.node, generation=rec.generation, **kw))
@@ -198,7 +199,7 @@ class JobService:
                     raise RevenantError(f"job {job_id} could not start on {cmd.node}: {exc}", code=exc.code) from None
                 log.info("job %s: %s refused it (%s); starting it on %s", job_id, cmd.node, exc.code, retry)
                 cmd = decision.commands[0]
-        await self.record(job_id, lc.Launched(cmd.generation, reply.pid, reply.output))
+        await self.record(job_id, lc.Launched(cmd.generation, reply.pid, reply.output, reply.program_pid))
         return self.get(job_id)
 
     def _next_node(self, req: SubmitRequest, exc: RevenantError, tried: set[str]) -> str | None:
@@ -267,7 +268,8 @@ class JobService:
             raise
         notes = waived + reply.notes
         await self.record(job, lc.Restored(cmd.generation, reply.pid, reply.epoch, reply.output,
-                                            announce="; ".join(notes) or True, kept=tuple(reply.kept)))
+                                            announce="; ".join(notes) or True, kept=tuple(reply.kept),
+                                            program_pid=reply.program_pid))
         if stats is not None:
             stats.update(reply.stats)
         return self.get(job), notes
@@ -295,7 +297,7 @@ class JobService:
                 await self.store.remove(job)
             self.jobs.pop(job, None)
             for emit in decision.events:
-                self._event(decision.record or rec, emit.kind, **emit.fields)
+                self.event(decision.record or rec, emit.kind, **emit.fields)
         return decision.record or rec, [f"freed {reply.freed_bytes} bytes; the job's record is removed"]
 
     # ------------------------------------------------------------------ failover
@@ -322,7 +324,7 @@ class JobService:
                     raise
                 # Its own node, if that is all there is: even sick (a proactive move whose target
                 # went away meanwhile), as long as it is alive, rather than failing a job that ran.
-                target = _own_node(nodes, dead) or place(nodes, self.jobs_per_node(), restore=restore, gpus=gpus,
+                target = own_node(nodes, dead) or place(nodes, self.jobs_per_node(), restore=restore, gpus=gpus,
                                                          gpu_driver=driver)
             waived[:] = _waived(job, nodes, target) if restore else []
             return lc.Recover(dead, target, evicted, fence_token)
@@ -347,7 +349,8 @@ class JobService:
             await self.agents.abandon(launch.node, job, launch.generation, why)
             await self.step(job, lc.RecoveryAttemptFailed(launch.generation, why))
             raise
-        await self.record(job, lc.Restored(launch.generation, reply.pid, reply.epoch, reply.output))
+        await self.record(job, lc.Restored(launch.generation, reply.pid, reply.epoch, reply.output,
+                                              program_pid=reply.program_pid))
         return ("restored" if reply.epoch else "requeued"), self.get(job), reply.epoch.n if reply.epoch else None, \
             waived + reply.notes
 
@@ -404,12 +407,6 @@ class JobService:
                                       reason=f"frozen copy superseded: the job is {rec.state}, generation "
                                              f"{rec.generation} on {rec.node or 'no node'}"))
         return ReconcileReply(stale=stale, thaw=thaw)
-
-
-def _own_node(nodes: list[NodeStatus], name: str) -> str | None:
-    """``name`` if it is alive with a working criu (whatever its health), else None."""
-    node = next((n for n in nodes if n.name == name), None)
-    return name if node is not None and node.state == "alive" and node.capabilities.criu.ok else None
 
 
 def _waived(job: str, nodes: list[NodeStatus], target: str) -> list[str]:

@@ -28,9 +28,9 @@ from revenant.common import retention
 from revenant.common.errors import JobNotRunning, RevenantError
 from revenant.coordinator.table.epoch_rules import epoch_converted, with_reported_epoch
 from revenant.coordinator.table.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
-    AgentReport, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted, Kill,
+    AgentReport, CancelAsked, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted, Kill,
     Launched, LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed,
-    Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input,
+    Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input, TRANSITIONS,
 )
 from revenant.messages import EpochInfo, JobGpu, JobRecord, LocalJob, StaleJob
 
@@ -43,11 +43,14 @@ class State(enum.StrEnum):
     RESTORING = "restoring"
     COMPLETED = "completed"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 # A job in one of these states may have a copy on its node (or one on the way).
 ACTIVE = frozenset({State.PENDING, State.RUNNING, State.CHECKPOINTING, State.RESTORING})
-ENDED = frozenset({State.COMPLETED, State.FAILED})
+ENDED = frozenset({State.COMPLETED, State.FAILED, State.CANCELLED})
+# An ended job an operator may restart from one of its epochs.
+RESTARTABLE = frozenset({State.VACATED, State.FAILED, State.CANCELLED})
 
 
 class JobBusy(RevenantError):
@@ -91,7 +94,8 @@ def _launched(rec: JobRecord, inp: Launched, now: float) -> Decision:
     if rec.generation != inp.generation:
         return Decision()
     if rec.state == State.PENDING:
-        return Decision(_copy(rec, state=State.RUNNING, pid=inp.pid, last_checkpoint_at=now, output=inp.output))
+        return Decision(_copy(rec, state=State.RUNNING, pid=inp.pid, program_pid=inp.program_pid, last_checkpoint_at=now,
+                              output=inp.output))
     return Decision(_copy(rec, output=inp.output))  # it already exited (the event came first)
 
 
@@ -150,11 +154,24 @@ def _checkpoint_failed(rec: JobRecord, inp: CheckpointFailed, now: float) -> Dec
     return Decision(new if mine or new != rec else None, events=events)
 
 
+def _cancel_asked(rec: JobRecord, inp: CancelAsked, now: float) -> Decision:
+    """Ended at once, whatever it was doing: the record says cancelled before any copy is told,
+    so no failover restores it, and a copy that outlives the kill is stale wherever it runs."""
+    if rec.state in ENDED:
+        ended = "is already cancelled" if rec.state == State.CANCELLED else f"has already ended ({rec.state})"
+        raise BadState(f"job {rec.spec.id} {ended}; nothing to cancel")
+    new = _copy(rec, state=State.CANCELLED, pid=0, program_pid=0, reason=inp.reason)
+    kill = [Kill(rec.node, rec.spec.id, rec.generation, inp.reason, inp.signal, inp.grace_s)] if rec.node else []
+    if rec.state == State.VACATED:
+        kill = []  # no copy anywhere: its epochs stay for a restart
+    return Decision(new, kill, [Emit("cancelled", {"reason": inp.reason})])
+
+
 def check_restart(rec: JobRecord, epoch: int = 0) -> None:
     """Refuse a restart the job's state does not allow (before a node is chosen for it), or one
     from an ``epoch`` (0: the newest restorable) the job does not keep."""
-    if rec.state not in (State.VACATED, State.FAILED):
-        raise BadState(f"job {rec.spec.id} is {rec.state}; only a vacated or failed job can be restarted")
+    if rec.state not in RESTARTABLE:
+        raise BadState(f"job {rec.spec.id} is {rec.state}; only a vacated, failed or cancelled job can be restarted")
     if not rec.epochs:
         raise NoEpoch(f"job {rec.spec.id} has no checkpoint to restart from")
     if epoch and all(e.n != epoch for e in rec.epochs):
@@ -171,7 +188,7 @@ def gpus_of(rec: JobRecord, epoch: int = 0) -> tuple[list[JobGpu], str]:
 def _restart_asked(rec: JobRecord, inp: RestartAsked, now: float) -> Decision:
     check_restart(rec, inp.epoch)
     generation = rec.generation + 1
-    new = _copy(rec, generation=generation, state=State.RESTORING, node=inp.target, pid=0, reason="",
+    new = _copy(rec, generation=generation, state=State.RESTORING, node=inp.target, pid=0, program_pid=0, reason="",
                 exit_code=None)
     return Decision(new, [Restore(inp.target, rec.spec, generation, epoch=inp.epoch)])
 
@@ -179,7 +196,8 @@ def _restart_asked(rec: JobRecord, inp: RestartAsked, now: float) -> Decision:
 def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
     if rec.generation != inp.generation or rec.state not in (State.RESTORING, State.PENDING) or not rec.node:
         return Decision()  # not the attempt the record names (one given up on has no node)
-    new = _copy(rec, state=State.RUNNING, pid=inp.pid, last_checkpoint_at=now, output=inp.output or rec.output)
+    new = _copy(rec, state=State.RUNNING, pid=inp.pid, program_pid=inp.program_pid, last_checkpoint_at=now,
+                output=inp.output or rec.output)
     if inp.epoch is not None:  # a restore's reply describes its epoch in full (an event only numbers it)
         new.epochs = [inp.epoch if e.n == inp.epoch.n else e for e in rec.epochs]
     if not inp.announce:
@@ -290,6 +308,7 @@ _HANDLERS: dict[type, Any] = {
     Launched: _launched, LaunchFailed: _launch_failed, CheckpointAsked: _checkpoint_asked,
     Checkpointed: _checkpointed, CheckpointFailed: _checkpoint_failed, RestartAsked: _restart_asked,
     Restored: _restored, RestartFailed: _restart_failed, AgentReport: _agent_report, Recover: _recover,
+    CancelAsked: _cancel_asked,
     ThawAsked: _thaw_asked, EpochConverted: epoch_converted,
     RecoveryAttemptFailed: _recovery_attempt_failed, RecoveryFailed: _recovery_failed, Purged: _purged,
 }
@@ -354,7 +373,9 @@ def stale_local_jobs(node: str, local: Iterable[LocalJob], jobs: Mapping[str, Jo
             continue
         # Only an older generation, or this one moved to another node: a newer generation than
         # the table knows is a copy this leader has not heard of yet, never to be killed on its word.
-        if lj.generation < rec.generation or (lj.generation == rec.generation and rec.node != node):
+        if rec.state == State.CANCELLED and lj.generation <= rec.generation:
+            out.append(StaleJob(job=lj.job, generation=lj.generation, reason="the job was cancelled"))
+        elif lj.generation < rec.generation or (lj.generation == rec.generation and rec.node != node):
             out.append(StaleJob(job=lj.job, generation=lj.generation,
                                 reason=f"superseded by generation {rec.generation} on {rec.node or 'no node'}"))
     return out
@@ -366,55 +387,3 @@ def jobs_per_node(jobs: Iterable[JobRecord]) -> dict[str, int]:
         if rec.node and rec.state in ACTIVE:
             out[rec.node] = out.get(rec.node, 0) + 1
     return out
-
-
-# (from, input, to) for every transition the core can make; docs/architecture.md shows this
-# table, and tests/test_lifecycle.py checks both against what transition() does.
-TRANSITIONS: tuple[tuple[str, str, str], ...] = (
-    ("(new)", "submit", "pending"),
-    ("pending", "start reply", "running"),
-    ("pending", "start failed, another node", "pending"),
-    ("pending", "start failed", "failed"),
-    ("running", "checkpoint / vacate", "checkpointing"),
-    ("checkpointing", "checkpoint reply", "running"),
-    ("checkpointing", "checkpoint failed", "running"),
-    ("checkpointing", "vacate reply", "vacated"),
-    ("checkpointing", "move reply", "restoring"),
-    ("running", "agent: vacated", "vacated"),
-    ("checkpointing", "agent: vacated", "vacated"),
-    ("vacated", "restart", "restoring"),
-    ("failed", "restart (with an epoch)", "restoring"),
-    ("restoring", "restore reply", "running"),
-    ("restoring", "restart failed", "vacated"),
-    ("restoring", "restart failed", "failed"),
-    ("running", "agent: exited 0", "completed"),
-    ("running", "agent: exited non-zero / killed", "failed"),
-    ("checkpointing", "agent: exited 0", "completed"),
-    ("checkpointing", "agent: exited non-zero / killed", "failed"),
-    ("pending", "agent: exited 0", "completed"),
-    ("pending", "agent: exited non-zero", "failed"),
-    ("restoring", "agent: exited 0", "completed"),
-    ("restoring", "agent: exited non-zero", "failed"),
-    ("pending", "agent: evicted", "restoring"),
-    ("running", "agent: evicted", "restoring"),
-    ("checkpointing", "agent: evicted", "restoring"),
-    ("restoring", "agent: evicted", "restoring"),
-    ("pending", "node lost, an epoch", "restoring"),
-    ("running", "node lost, an epoch", "restoring"),
-    ("checkpointing", "node lost, an epoch", "restoring"),
-    ("restoring", "node lost, an epoch", "restoring"),
-    ("pending", "node lost, no epoch, --requeue", "pending"),
-    ("running", "node lost, no epoch, --requeue", "pending"),
-    ("checkpointing", "node lost, no epoch, --requeue", "pending"),
-    ("restoring", "node lost, no epoch, --requeue", "pending"),
-    ("running", "node lost, no epoch", "failed"),
-    ("checkpointing", "node lost, no epoch", "failed"),
-    ("pending", "node lost, no epoch", "failed"),
-    ("restoring", "node lost, no epoch", "failed"),
-    ("pending", "recovery attempt failed", "restoring"),
-    ("restoring", "recovery attempt failed", "restoring"),
-    ("pending", "recovery gave up", "failed"),
-    ("running", "recovery gave up", "failed"),
-    ("checkpointing", "recovery gave up", "failed"),
-    ("restoring", "recovery gave up", "failed"),
-)

@@ -115,3 +115,9 @@ def restore_note(nodes: list[NodeStatus], placed: str) -> str:
         return ""
     return (f"placed on {placed} although it is RED ({'; '.join(waived)}): a restore needs no new "
             f"space on the shared storage, so that reason was ignored")
+
+
+def own_node(nodes: list[NodeStatus], name: str) -> str | None:
+    """``name`` if it is alive with a working criu (whatever its health), else None."""
+    node = next((n for n in nodes if n.name == name), None)
+    return name if node is not None and node.state == "alive" and node.capabilities.criu.ok else None

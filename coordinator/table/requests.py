@@ -18,7 +18,8 @@ jobs are admin's.
 
 :func:`requester_of`, :func:`may_see`, :func:`visible` and :func:`submit_user` are the rules,
 pure; :class:`ClientRequests` answers the job verbs with them, and holds a submit to its user's
-limits (coordinator/table/userlimits.py) once it is not a repeat.
+limits (coordinator/table/userlimits.py) once it is not a repeat.  :class:`JobControl` does what
+a cancel, a signal and a checkpoint that waits for another do.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 import msgspec
 
 from revenant.common.errors import RevenantError, UnknownJob
+from revenant.common.settings.limits import MAX_GRACE_S, BadRequest, check_range, parse_signal, signal_name
+from revenant.coordinator.table import lifecycle as lc
 from revenant.coordinator.table.jobs import JobService
 from revenant.coordinator.table.paging import JobPages, shown
 from revenant.coordinator.table.placement import node_address
@@ -41,6 +45,7 @@ from revenant.messages import (
     JobRequest,
     JobsRequest,
     Message,
+    SignalJob,
     SubmitRequest,
     decode_as,
     subjects,
@@ -48,10 +53,13 @@ from revenant.messages import (
 
 log = logging.getLogger(__name__)
 
+# The longest a checkpoint or vacate waits for one already in progress (JobRequest.wait_s).
+MAX_WAIT_S = 7 * 86400.0
 # The user an admin's job runs as when the submit names none.
 ROOT_USER = "root"
 # The verbs served to users on revenant.user.<user>.<verb> (``reconcile`` is the agents').
-USER_VERBS = ("nodes", "submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "check")
+USER_VERBS = ("nodes", "submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "check",
+              "cancel", "signal")
 
 
 class Forbidden(RevenantError):
@@ -122,10 +130,11 @@ class ClientRequests:
     whoever asks, with the rules above.  The coordinator acting on its own (failover,
     periodic checkpoints, archiving, drains) goes to the :class:`JobService` directly."""
 
-    VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "check")
+    VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "check", "cancel", "signal")
 
     def __init__(self, jobs: JobService) -> None:
         self.jobs = jobs
+        self.control = JobControl(jobs)
         self._pages = JobPages()
         # Submits with a request id under way, by (user, request id): a repeat waits for the first.
         self._submitting: dict[tuple[str, str], asyncio.Event] = {}
@@ -156,13 +165,22 @@ class ClientRequests:
             found = await jobs.agents.send(rec.node, "check", CheckJob(job=req.job, generation=rec.generation),
                                            jobs.config.start_timeout_s)
             return JobReply(job=self._placed(rec), resources=found.resources)
-        if verb not in ("checkpoint", "vacate", "restart", "purge"):
+        if verb not in ("checkpoint", "vacate", "restart", "purge", "cancel", "signal"):
             raise RevenantError(f"unknown request {verb!r}", code="unknown_command")
         if not asker.admin:  # the user never changes: checked once, before acting
             visible(asker, req.job, jobs.jobs.get(req.job) or await jobs.store.load_archived(req.job))
         stats: dict[str, float] = {}  # criu's, of the dump or restore
         if verb in ("checkpoint", "vacate"):
-            rec, notes = await jobs.checkpoint(req.job, stop=verb == "vacate", cause="operator", stats=stats)
+            check_range("--wait", req.wait_s, 0.0, MAX_WAIT_S)
+            rec, notes = await self.control.checkpoint(req.job, req.wait_s, stop=verb == "vacate", cause="operator",
+                                                       stats=stats)
+        elif verb == "cancel":
+            ask = cancel_input(req, str(asker))  # a bad signal is refused before the job is looked up
+            if req.job not in jobs.jobs and await jobs.store.load_archived(req.job) is not None:
+                raise lc.BadState(f"job {req.job} has already ended and been archived; nothing to cancel")
+            rec, notes = await self.control.cancel(req.job, ask)
+        elif verb == "signal":
+            rec, notes = await self.control.signal(req.job, req)
         elif verb == "restart":
             rec, notes = await jobs.restart(req.job, req.node, req.epoch, stats=stats)
         else:
@@ -200,3 +218,85 @@ class ClientRequests:
         finally:
             del self._submitting[key]
             done.set()
+
+
+# ---------------------------------------------------------------------- cancel, signal, a checkpoint that waits
+
+
+# Between two looks at a job whose checkpoint is in progress (the table's own state: no request).
+BUSY_POLL_S = 0.05
+# Once the table says the job runs, but its node is still busy with it (a drain, a conversion).
+NODE_BUSY_POLL_S = 0.25
+# Beyond a cancel's grace, how long its node has to kill the job and answer.
+KILL_TIMEOUT_S = 15.0
+
+
+def cancel_input(req: JobRequest, who: str) -> lc.CancelAsked:
+    """The lifecycle's input for a cancel request: its signal parsed, its grace in range."""
+    check_range("--grace", req.grace_s, 0.0, MAX_GRACE_S)
+    signum = parse_signal(req.signal) if req.signal else 0
+    if req.grace_s and not signum:
+        raise BadRequest("--grace needs a --signal to send first (without one the job is killed at once)")
+    return lc.CancelAsked(reason=f"cancelled by {who}", signal=signum, grace_s=req.grace_s)
+
+
+class JobControl:
+    """What an operator (or a job's user) does to a job beside the checkpoint verbs: cancel it, signal
+    it, and checkpoints that wait for one already in progress.  A shell over the
+    :class:`~revenant.coordinator.table.jobs.JobService`, as that one is over the lifecycle.
+
+    A cancel is recorded before any copy is told: the record says *cancelled* (an ended state that
+    failover never restores) and only then is the node's copy killed, with the cancel's signal and
+    grace first.  Whatever happens to that kill, no copy survives the record: a start or restore of
+    the job still in flight is superseded on its node (a late one is refused there), a frozen copy
+    asking to thaw is told to die (``lifecycle._thaw_asked``), and a node that reconciles finds it
+    stale (``lifecycle.stale_local_jobs``).  A checkpoint the cancel cuts short fails whole; its
+    epoch is never listed (epochs commit by a rename, agent/storage/epochs.py), and the epochs before
+    stay for ``checkpoint restart`` until the job is purged."""
+
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+
+    async def cancel(self, job: str, ask: lc.CancelAsked) -> tuple[JobRecord, list[str]]:
+        """End ``job`` without a checkpoint (see the module's docstring); the notes say what its
+        node did."""
+        decision = await self.jobs.step(job, ask)
+        notes: list[str] = []
+        for kill in decision.commands:
+            try:
+                await self.jobs.agents.carry_out(kill, kill.grace_s + KILL_TIMEOUT_S)
+            except RevenantError as exc:
+                if exc.code in ("not_running", "stale_generation"):
+                    continue  # it ended, or never came up: nothing of it runs there
+                log.warning("job %s: cancelled, but node %s did not confirm the kill: %s", job, kill.node, exc)
+                notes.append(f"node {kill.node} did not confirm the kill ({exc}); its copy is killed as soon as "
+                             f"the node answers the leader again")
+        return self.jobs.get(job), notes
+
+    async def signal(self, job: str, req: JobRequest) -> tuple[JobRecord, list[str]]:
+        """Deliver ``req.signal`` to the job's program (``req.all``: every process of the job)."""
+        signum = parse_signal(req.signal)
+        rec = self.jobs.get(job)
+        if rec.state not in (lc.State.RUNNING, lc.State.CHECKPOINTING) or not rec.node:
+            raise lc.BadState(f"job {job} is {rec.state}; only a running job can be signalled")
+        reply = await self.jobs.agents.send(rec.node, "signal", SignalJob(job=job, generation=rec.generation,
+                                                                          signal=signum, all=req.all),
+                                            self.jobs.config.start_timeout_s)
+        name = signal_name(signum)
+        whom = f"{len(reply.signalled)} process(es) of the job" if req.all else f"its program, pid {reply.signalled[0]}"
+        self.jobs.event(rec, "signalled", reason=f"{name} to {whom}")
+        return self.jobs.get(job), [f"{name} sent to {whom} on {rec.node}"]
+
+    async def checkpoint(self, job: str, wait_s: float, **kw) -> tuple[JobRecord, list[str]]:
+        """:meth:`JobService.checkpoint`, after one already in progress (the table's, or its node's)
+        for up to ``wait_s``; then this one is taken."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self.jobs.checkpoint(job, **kw)
+            except RevenantError as exc:
+                if exc.code != lc.JobBusy.code or time.monotonic() >= deadline:
+                    raise
+                table_busy = isinstance(exc, lc.JobBusy)
+                await asyncio.sleep(min(BUSY_POLL_S if table_busy else NODE_BUSY_POLL_S,
+                                        max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,60 @@
+"""Signals to a running job on an operator's word: ``revenant signal`` (to the job's own program,
+or every process of it) and the first, gentle part of ``revenant cancel`` (a signal to every
+process, then SIGKILL after a grace period, which the supervisor sends).
+
+The namespace's init (revenant-init) is never signalled: it is a shell whose default answer to
+most signals is to die, which would take the whole namespace with it at once, grace or not.  It
+ends by itself when the program does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from revenant.agent.processes.procs import program_pid, tree_pids
+from revenant.agent.running.runtime import JobRuntime
+from revenant.common.errors import JobNotRunning
+
+
+def _send(pids: list[int], signum: int) -> list[int]:
+    sent = []
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+        sent.append(pid)
+    return sent
+
+
+def signal_job(rt: JobRuntime, signum: int, every: bool, node: str) -> list[int]:
+    """Deliver ``signum`` to ``rt``'s program, or (``every``) to every process below its init;
+    the pids it reached.  A job whose program has ended (its init about to) is not running."""
+    pids = tree_pids(rt.pid)[1:] if every else [p for p in [program_pid(rt.pid)] if p]
+    sent = _send(pids, signum)
+    if not sent:
+        raise JobNotRunning(f"job {rt.spec.id} has no program running on {node} to signal")
+    return sent
+
+
+async def ask_to_end(rt: JobRuntime, signum: int, grace_s: float) -> bool:
+    """Send ``signum`` to every process of ``rt`` below its init and give it ``grace_s`` to end;
+    whether it did.  A job frozen by its node's fence gets no grace: it would have to be let go
+    on first, without the leader's word, so it is killed as it is."""
+    if rt.frozen_at is not None or not grace_s:
+        return False
+    _send(tree_pids(rt.pid)[1:], signum)
+    try:
+        await asyncio.wait_for(rt.exited.wait(), grace_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def program_started(rt: JobRuntime, within_s: float = 2.0) -> None:
+    """Wait (up to ``within_s``) for the init to have forked the job's program, so that the start's
+    reply names its pid (the scratch's mounts come first)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not program_pid(rt.pid) and not rt.exited.is_set() and loop.time() < deadline:
+        await asyncio.sleep(0.005)
