@@ -96,6 +96,20 @@ def program_pid(init: int) -> int:
     return min(found)[1] if found else 0
 
 
+def job_processes(init: int) -> list[int]:
+    """Every process below a job's ``init``, but the init's own passing helpers (:data:`INIT_HELPERS`)."""
+    out = []
+    for pid in tree_pids(init)[1:]:
+        try:
+            proc = psutil.Process(pid)
+            if proc.ppid() == init and tuple(proc.cmdline()) in INIT_HELPERS:
+                continue
+        except psutil.Error:
+            continue
+        out.append(pid)
+    return out
+
+
 def below(pid: int, roots: dict[int, str]) -> str | None:
     """What ``roots`` maps the nearest of ``pid`` and its ancestors to that it holds (a job's
     init: the job a process belongs to); None if none."""

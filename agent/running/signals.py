@@ -4,14 +4,15 @@ process, then SIGKILL after a grace period, which the supervisor sends).
 
 The namespace's init (revenant-init) is never signalled: it is a shell whose default answer to
 most signals is to die, which would take the whole namespace with it at once, grace or not.  It
-ends by itself when the program does."""
+ends by itself when the program does.  Nor are its passing helpers (its ``sleep`` between two
+looks at the dead man's switch): the job's processes are the program and what it started."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
-from revenant.agent.processes.procs import program_pid, tree_pids
+from revenant.agent.processes.procs import job_processes, program_pid
 from revenant.agent.running.runtime import JobRuntime
 from revenant.common.errors import JobNotRunning
 
@@ -30,7 +31,7 @@ def _send(pids: list[int], signum: int) -> list[int]:
 def signal_job(rt: JobRuntime, signum: int, every: bool, node: str) -> list[int]:
     """Deliver ``signum`` to ``rt``'s program, or (``every``) to every process below its init;
     the pids it reached.  A job whose program has ended (its init about to) is not running."""
-    pids = tree_pids(rt.pid)[1:] if every else [p for p in [program_pid(rt.pid)] if p]
+    pids = job_processes(rt.pid) if every else [p for p in [program_pid(rt.pid)] if p]
     sent = _send(pids, signum)
     if not sent:
         raise JobNotRunning(f"job {rt.spec.id} has no program running on {node} to signal")
@@ -43,7 +44,7 @@ async def ask_to_end(rt: JobRuntime, signum: int, grace_s: float) -> bool:
     on first, without the leader's word, so it is killed as it is."""
     if rt.frozen_at is not None or not grace_s:
         return False
-    _send(tree_pids(rt.pid)[1:], signum)
+    _send(job_processes(rt.pid), signum)
     try:
         await asyncio.wait_for(rt.exited.wait(), grace_s)
     except asyncio.TimeoutError:
