@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -58,3 +59,187 @@ def signal_job(args: argparse.Namespace) -> int:
     req = JobRequest(job=args.job, signal=args.signal, all=args.all)
     reply = asyncio.run(coord(bus_url(args), "signal", req, JobReply, args.timeout))
     return _answer(reply, args.json, f"job {reply.job.spec.id}: {'; '.join(reply.notes)}")
+
+
+# ---------------------------------------------------------------------- logs
+
+
+def add_logs_command(sub: Any, cluster_args: Callable[..., None]) -> None:
+    p = sub.add_parser("logs", help="print a job's output (-f: keep following it, across restores and moves)")
+    cluster_args(p)
+    p.add_argument("job")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="keep printing what the job writes until it ends, wherever it runs")
+    p.add_argument("--tail", type=int, metavar="N", help="start with its last N lines (default: all of it)")
+    p.set_defaults(func=logs)
+
+
+def logs(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from revenant.cli.client import bus_url
+
+    return asyncio.run(_logs(bus_url(args), args))
+
+
+async def _logs(url: str, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from revenant.cli.client import auth, request_subject
+    from revenant.common.errors import RevenantError
+    from revenant.common.messaging import bus
+    from revenant.messages import JobReply, JobRequest
+
+    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False,
+                           connect_timeout_s=min(args.timeout, 5.0))
+    out = sys.stdout.buffer
+
+    async def record():
+        return (await bus.request(nc, request_subject("job"), JobRequest(job=args.job), JobReply, args.timeout)).job
+
+    try:
+        rec = await record()
+        follower = Follower(open_output(rec), rec, args.tail)
+        while True:
+            for piece in follower.step(rec):
+                out.write(piece)
+            out.flush()
+            if not args.follow or (ended(rec) and follower.caught_up()):
+                return 0
+            await asyncio.sleep(follower.poll_s)
+            try:
+                rec = await record()
+            except RevenantError as exc:
+                if exc.code not in ("timeout", "no_responders", "not_leader", "bus"):
+                    raise
+                # No leader answers for a moment (a coordinator failing over): the file goes on.
+    finally:
+        await nc.close()
+
+
+ENDED = ("completed", "failed", "cancelled")
+
+
+def ended(rec) -> bool:
+    return rec.state in ENDED
+
+
+def open_output(rec):
+    """The job's output, read where the nodes write it (the shared storage)."""
+    from revenant.common.errors import RevenantError
+
+    if not rec.output:
+        raise RevenantError(f"job {rec.spec.id} has no output yet (it has not started)")
+    try:
+        return open(rec.output, "rb")
+    except OSError as exc:
+        raise RevenantError(f"cannot read job {rec.spec.id}'s output {rec.output}: {exc.strerror} (revenant logs "
+                            f"reads it from the storage the nodes share: run it where that is mounted)") from None
+
+
+def tail_start(f, lines: int) -> int:
+    """Where the last ``lines`` lines of ``f`` begin (a final newline ends the last line)."""
+    end = pos = os.fstat(f.fileno()).st_size
+    if lines <= 0:
+        return end
+    count = 0
+    while pos > 0:
+        step = min(pos, 65536)
+        pos -= step
+        f.seek(pos)
+        block = f.read(step)
+        for i in range(len(block) - 1, -1, -1):
+            if block[i] == 10 and pos + i != end - 1:
+                count += 1
+                if count == lines:
+                    return pos + i + 1
+    return 0
+
+
+class Follower:
+    """What of a job's output to print next, given its record as it is now (``revenant logs``).
+
+    The output only grows while a copy of the job runs; a restore cuts it back to its epoch's
+    ``output_bytes`` and the job writes on from there.  So before each read the follower checks
+    that the last bytes it printed (its *fence*) are still in the file where it left them: they
+    are unless the output was cut back.  A new generation restored from an epoch (the record's
+    ``restored_from``) whose output ends before what was printed gets a marker line, and the
+    follower goes on from where the epoch's output ended; so does a requeue's fresh start (from
+    0).  A change the record does not explain (yet) is waited for, and after
+    :attr:`patience_s` marked at the first byte that differs."""
+
+    poll_s = 0.25
+    fence_bytes = 4096
+    chunk_bytes = 1 << 20
+    patience_s = 3.0
+
+    def __init__(self, f, rec, tail: int | None = None, clock=None) -> None:
+        import time
+
+        self.f, self.job, self.clock = f, rec.spec.id, clock or time.monotonic
+        self.generation = rec.generation
+        self.printed = tail_start(f, tail) if tail is not None else 0
+        self.fence = self._read(max(0, self.printed - self.fence_bytes), self.printed - max(0, self.printed -
+                                                                                              self.fence_bytes))
+        self.diverged_at: float | None = None
+        self.size = 0
+
+    def _read(self, at: int, n: int) -> bytes:
+        self.f.seek(at)
+        return self.f.read(n)
+
+    def caught_up(self) -> bool:
+        return self.diverged_at is None and self.size <= self.printed
+
+    def _cut(self, to: int, why: str) -> bytes:
+        undone = self.printed - to
+        self.printed = to
+        self.fence = self._read(max(0, to - self.fence_bytes), to - max(0, to - self.fence_bytes))
+        self.diverged_at = None
+        return (f"--- revenant: job {self.job}'s output {why}, at byte {to} (the last {undone} bytes above are "
+                f"undone) ---\n").encode()
+
+    def _relaunched(self, rec) -> list[bytes]:
+        self.generation = rec.generation
+        if not rec.restored_from:
+            if rec.state != "pending" and os.fstat(self.f.fileno()).st_size < self.printed:
+                return [self._cut(0, "started afresh (a requeue)")]
+            return []
+        epoch = next((e for e in rec.epochs if e.n == rec.restored_from), None)
+        if epoch is None or not epoch.output_bytes or epoch.output_bytes >= self.printed:
+            return []  # nothing printed was undone (or the epoch says nothing: the fence will tell)
+        return [self._cut(epoch.output_bytes, f"rolled back to epoch {epoch.n}")]
+
+    def _reopened(self) -> None:
+        """A restore may put the output back as a new file at its path: read that one from now on."""
+        try:
+            now = os.stat(self.f.name)
+        except OSError:
+            return
+        if (now.st_dev, now.st_ino) != (lambda st: (st.st_dev, st.st_ino))(os.fstat(self.f.fileno())):
+            self.f.close()
+            self.f = open(self.f.name, "rb")
+
+    def step(self, rec) -> list[bytes]:
+        self._reopened()
+        if rec.generation != self.generation and rec.state in ("pending", "restoring"):
+            return []  # a restore or start under way: what it does to the output is not known yet
+        out = self._relaunched(rec) if rec.generation != self.generation else []
+        start = self.printed - len(self.fence)
+        data = self._read(start, len(self.fence) + self.chunk_bytes)
+        self.size = start + len(data)
+        if data[:len(self.fence)] != self.fence:
+            now = self.clock()
+            self.diverged_at = self.diverged_at if self.diverged_at is not None else now
+            if now - self.diverged_at < self.patience_s:
+                return out  # the record has not caught up with a restore yet
+            same = next((i for i, (a, b) in enumerate(zip(data, self.fence)) if a != b), min(len(data), len(self.fence)))
+            out.append(self._cut(start + same, "was rewritten"))
+            return out + self.step(rec)
+        self.diverged_at = None
+        new = data[len(self.fence):]
+        if new:
+            self.printed += len(new)
+            self.fence = (self.fence + new)[-self.fence_bytes:]
+            out.append(new)
+        return out

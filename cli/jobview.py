@@ -37,7 +37,9 @@ def job_view(rec: JobRecord) -> dict:
         "pid": rec.pid,
         "program_pid": rec.program_pid,
         "generation": rec.generation,
-        "epochs": [{"n": e.n, "bytes": e.bytes, "created_at": e.created_at, "node": e.node,
+        "restored_from": rec.restored_from,
+        "epochs": [{"n": e.n, "bytes": e.bytes, "output_bytes": e.output_bytes, "created_at": e.created_at,
+                    "node": e.node,
                     "freeze_s": e.freeze_s, "duration_s": e.duration_s,
                     "files": [{"path": f.path, "size": f.size, "copied": f.copied, "not_copied": f.not_copied}
                               for f in e.files],

@@ -24,6 +24,7 @@ NUMBER_RANGES = {
     "epoch": ("--epoch", 1, 2**63 - 1),
     "ready_fd": ("--ready-fd", 0, 1 << 20),
     "grace": ("--grace", 0.0, MAX_GRACE_S),
+    "tail": ("--tail", 0, 1 << 40),
 }
 # A service's flags go into its config, which checks their ranges; here, only that they are finite.
 FINITE_NUMBERS = {"heartbeat_interval_s": "--heartbeat-interval", "node_timeout_s": "--node-timeout",
@@ -208,6 +209,7 @@ def _job_commands(sub: Any) -> None:
         q.set_defaults(func=_cmd_job_action, verb=verb)
 
     jobcontrol.add_commands(sub, _add_cluster_args)
+    jobcontrol.add_logs_command(sub, _add_cluster_args)
 
     p = sub.add_parser("show", help="show an object")
     shs = p.add_subparsers(dest="what", required=True, metavar="WHAT")

@@ -248,6 +248,9 @@ class JobGpu(_Body):
 class EpochInfo(_Body):
     n: int
     bytes: int = 0
+    # The job's output at the dump, in bytes: a restore from this epoch cuts the output back to
+    # it (0: not reported, an epoch from before the field, or an empty output).
+    output_bytes: int = 0
     created_at: float = 0.0
     freeze_s: float = 0.0
     duration_s: float = 0.0
@@ -294,6 +297,9 @@ class JobRecord(_Body):
     pid: int = 0
     program_pid: int = 0
     generation: int = 0
+    # The epoch this generation was restored from (0: started, not restored): its output_bytes is
+    # where the job's output was cut back to (revenant logs -f marks it).
+    restored_from: int = 0
     epochs: list[EpochInfo] = []
     output: str = ""
     exit_code: int | None = None

@@ -1,7 +1,9 @@
 """Cancel, signal and a vacate that waits, through the CLI on a real cluster with real criu: a
 training-like job saves its state on USR1 and ends cleanly on a cancel's TERM; a cancelled job
 keeps its epochs and restarts from them; a cancel that cuts a checkpoint short leaves no copy and
-no half-written epoch; a vacate asked during a periodic checkpoint waits for it and then vacates."""
+no half-written epoch; a vacate asked during a periodic checkpoint waits for it and then vacates;
+``logs -f`` follows the output across a vacate and a restart from an older epoch, marking what
+the restore undid."""
 
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ def submit(cluster, *argv: str, extra: tuple[str, ...] = ()) -> str:
     return job
 
 
-def in_background(cluster, *args: str) -> subprocess.Popen:
+def in_background(cluster, *args: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     doc = json.loads((cluster.dir / "cluster.json").read_text())
     env = {**os.environ, "REVENANT_NATS": doc["nats_url"], "REVENANT_CREDS": doc.get("creds", "")}
     return subprocess.Popen([str(VENV_BIN / "revenant"), *args], env=env, cwd=cluster.dir, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=stdout, stderr=subprocess.DEVNULL)
 
 
 def state_is(cluster, job: str, state: str, timeout: float = 60) -> dict:
@@ -121,3 +123,28 @@ def test_a_vacate_asked_during_a_periodic_checkpoint_waits_for_it_then_vacates(m
     assert "job vacated" in vacated.stdout, vacated.stdout
     assert cluster.job(job)["state"] == "vacated"
     assert time.monotonic() - began < 120
+
+
+def test_logs_follow_the_output_across_restores_and_mark_a_rollback(make_cluster):
+    cluster = make_cluster(2)
+    job = submit(cluster, sys.executable, str(COUNTER), "300", "0.03", extra=("--max-epochs", "3"))
+    assert wait_until(lambda: output(cluster, job).count("\n") >= 10, timeout=60)
+    tail = cluster.cli("logs", job, "--tail", "3").stdout
+    assert len(tail.splitlines()) == 3 and tail in output(cluster, job)
+    following = in_background(cluster, "logs", job, "-f", stdout=subprocess.PIPE)
+    cluster.cli("checkpoint", "create", job)
+    first = cluster.job(job)["epochs"][-1]
+    assert first["output_bytes"] > 0
+    assert wait_until(lambda: len(output(cluster, job)) > first["output_bytes"] + 200, timeout=60)
+    cluster.cli("checkpoint", "vacate", job)
+    cluster.cli("checkpoint", "restart", job, "--epoch", str(first["n"]), "--node", "node-2")
+    assert cluster.job(job)["restored_from"] == first["n"]
+    state_is(cluster, job, "completed", timeout=120)
+    text, _ = following.communicate(timeout=60)
+    assert following.returncode == 0
+    before, marker, after = text.partition(b"--- revenant: job %s's output rolled back to epoch %d, at byte %d "
+                                           % (job.encode(), first["n"], first["output_bytes"]))
+    assert marker, text[-2000:]
+    after = after.split(b" ---\n", 1)[1]
+    # What it printed, less what the marker says was undone, is the job's output exactly.
+    assert before[:first["output_bytes"]] + after == (cluster.storage / "jobs" / job / "output.log").read_bytes()

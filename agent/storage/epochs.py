@@ -158,7 +158,12 @@ class JobFiles:
                          files_total=len(m.job_files), files_copied=sum(1 for f in m.job_files.values() if f.copy),
                          workdir_note=m.workdir_note, workdir_files=m.workdir_files, workdir_copied=m.workdir_copied,
                          workdir_linked=m.workdir_linked, gpus=m.gpus, gpu_driver=m.gpu_driver,
-                         listening=m.listening, connections=m.connections)
+                         listening=m.listening, connections=m.connections, output_bytes=self._output_at(m))
+
+    def _output_at(self, m: Manifest) -> int:
+        """The job's output size at ``m``'s dump (its path as this node names the storage)."""
+        out = m.job_files.get(str(self.output))
+        return out.size if out is not None else m.outputs.get(str(self.output), 0)
 
     # ------------------------------------------------------------------ commit
 

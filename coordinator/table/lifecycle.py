@@ -95,7 +95,7 @@ def _launched(rec: JobRecord, inp: Launched, now: float) -> Decision:
         return Decision()
     if rec.state == State.PENDING:
         return Decision(_copy(rec, state=State.RUNNING, pid=inp.pid, program_pid=inp.program_pid, last_checkpoint_at=now,
-                              output=inp.output))
+                              output=inp.output, restored_from=0))
     return Decision(_copy(rec, output=inp.output))  # it already exited (the event came first)
 
 
@@ -198,6 +198,7 @@ def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
         return Decision()  # not the attempt the record names (one given up on has no node)
     new = _copy(rec, state=State.RUNNING, pid=inp.pid, program_pid=inp.program_pid, last_checkpoint_at=now,
                 output=inp.output or rec.output)
+    new.restored_from = inp.epoch.n if inp.epoch is not None else 0  # none: a requeue's fresh start
     if inp.epoch is not None:  # a restore's reply describes its epoch in full (an event only numbers it)
         new.epochs = [inp.epoch if e.n == inp.epoch.n else e for e in rec.epochs]
     if not inp.announce:
