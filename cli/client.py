@@ -11,17 +11,16 @@ import json
 import os
 import secrets
 import sys
-import time
 from datetime import datetime
 from typing import Mapping, TypeVar
 
 import msgspec
-import nats.errors
 
-from revenant.cli import asking
+from revenant.client import Client, asking
+from revenant.client.client import SUBMIT_RETRY_S
 from revenant.cli.jobview import _fmt_bytes, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
-from revenant.common.errors import RemoteError, RevenantError
+from revenant.common.errors import RevenantError
 from revenant.common.messaging import bus
 from revenant.common.settings import security
 from revenant.common.settings.cluster import read_cluster, resolve_creds, resolve_nats_url
@@ -33,11 +32,8 @@ from revenant.messages import (
     JobRecord,
     JobReply,
     JobRequest,
-    JobsReply,
-    JobsRequest,
     Message,
     NodesReply,
-    NodesRequest,
     NodeStatus,
     SubmitRequest,
     subjects,
@@ -56,6 +52,11 @@ def bus_url(args: argparse.Namespace) -> str:
     return resolve_nats_url(args.dir, args.nats)
 
 
+def cli_creds() -> str:
+    """The credential this command resolved (--creds, --dir's, $REVENANT_CREDS; "": none)."""
+    return _creds
+
+
 def auth() -> dict[str, str | None]:
     """bus.connect's credential and inbox for this command (none on an open bus)."""
     return security.client_credentials(_creds)
@@ -66,7 +67,7 @@ def _creds_in_use(creds: str | None) -> str:
 
 
 def asking_user(creds: str | None = None) -> str | None:
-    """:func:`revenant.cli.asking.asking_user` with the credential this command resolved from
+    """:func:`revenant.client.asking.asking_user` with the credential this command resolved from
     --creds, --dir or ``$REVENANT_CREDS`` (or ``creds``)."""
     return asking.asking_user(_creds_in_use(creds))
 
@@ -100,23 +101,19 @@ def render_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-async def request_nodes(nc, timeout_s: float, subject: str = subjects.coordinator("nodes")) -> NodesReply:
-    """The whole node table, page by page."""
-    reply = await bus.request(nc, subject, NodesRequest(), NodesReply, timeout_s)
-    nodes = list(reply.nodes)
-    while reply.nodes and len(nodes) < reply.total:
-        reply = await bus.request(nc, subject, NodesRequest(offset=len(nodes)), NodesReply, timeout_s)
-        nodes += reply.nodes
-    reply.nodes = nodes
-    return reply
+def connecting(url: str, timeout_s: float):
+    """``Client.connect`` with this command's bus and credential (``async with``)."""
+    return Client.connect(nats=url, creds=_creds, timeout=timeout_s, name="revenant-cli")
 
 
-async def fetch_nodes(url: str, timeout_s: float, subject: str = subjects.coordinator("nodes")) -> NodesReply:
-    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False, connect_timeout_s=timeout_s)
-    try:
-        return await request_nodes(nc, timeout_s, subject)
-    finally:
-        await nc.close()
+async def request_nodes(nc, timeout_s: float, creds: str = "") -> NodesReply:
+    """The whole node table, page by page, on a connection of the caller's (as ``creds`` asks)."""
+    return await Client(nc, creds, timeout_s).nodes_reply()
+
+
+async def fetch_nodes(url: str, timeout_s: float) -> NodesReply:
+    async with connecting(url, timeout_s) as rv:
+        return await rv.nodes_reply()
 
 
 def nodes_table(reply: NodesReply) -> str:
@@ -133,7 +130,7 @@ def nodes(args: argparse.Namespace) -> int:
               "credential, so anyone who reaches it can command every node", file=sys.stderr)
     if args.watch:
         return asyncio.run(_watch_nodes(url, args))
-    reply = asyncio.run(fetch_nodes(url, args.timeout, request_subject("nodes")))
+    reply = asyncio.run(fetch_nodes(url, args.timeout))
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply.nodes), indent=2))
     else:
@@ -147,7 +144,7 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                reply = await request_nodes(nc, args.timeout, request_subject("nodes"))
+                reply = await request_nodes(nc, args.timeout, _creds)
                 body = (json.dumps(msgspec.to_builtins(reply.nodes)) if args.json else nodes_table(reply))
             except RevenantError as exc:
                 body = f"revenant: {exc}"
@@ -162,26 +159,15 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- jobs
 
 async def coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float,
-                 watch: ProgressLine | None = None) -> M:
+                watch: ProgressLine | None = None) -> M:
     """Ask the coordinator; with ``watch``, draw the job's progress until the reply comes."""
-    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False,
-                           connect_timeout_s=min(timeout_s, 5.0))
     try:
-        if watch is not None:  # before the request: the server hears the subscription first
-            heard = watch.heard
-
-            async def on_progress(report) -> None:
-                heard(report.data)
-
-            try:
-                await nc.subscribe(subjects.job_progress(watch.job, asking_user()), cb=on_progress)
-            except nats.errors.Error:
-                pass  # best effort: the reply alone is the answer
-        return await bus.request(nc, request_subject(verb), msg, reply_type, timeout_s)
+        async with connecting(url, min(timeout_s, 5.0)) as rv:
+            return await rv.ask(verb, msg, reply_type, timeout_s, watch.show if watch else None,
+                                watch.job if watch else "")
     finally:
         if watch is not None:
             watch.close()
-        await nc.close()
 
 
 # What a job's environment is made of at ``revenant submit``: ``--export`` and ``--env``, as sbatch
@@ -267,34 +253,16 @@ def submit(args: argparse.Namespace) -> int:
     return 0
 
 
-# How long a submit is asked again while no leader answers it (a coordinator failing over, the
-# job table electing a leader): with its request id, a repeat never makes a second job.  Asked
-# again: what this client met on the bus (nothing listening, no reply in time, NATS out of
-# reach), and a coordinator's answer that it does not lead; never another answer (a node that
-# would not start the job answers "timeout" or "no_responders" too).
-SUBMIT_RETRY_S = 30.0
-SUBMIT_RETRY_LOCAL = ("no_responders", "timeout", "bus")
-SUBMIT_RETRY_REMOTE = ("not_leader",)
-
-
 async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: float = SUBMIT_RETRY_S,
                     pause_s: float = 1.0) -> JobReply:
     """Submit ``req`` (with a request id), asking again while no leader could answer, for up to
     ``retry_s``: the coordinator answers a repeat with the job the first made."""
-    deadline = time.monotonic() + retry_s
-    said = False
-    while True:
-        try:
-            return await coord(url, "submit", req, JobReply, timeout_s)
-        except RevenantError as exc:
-            again = SUBMIT_RETRY_REMOTE if isinstance(exc, RemoteError) else SUBMIT_RETRY_LOCAL
-            if exc.code not in again or time.monotonic() + pause_s >= deadline:
-                raise
-            if not said:
-                print(f"revenant: {exc}; asking again for up to {retry_s:g} s (the same request: it makes "
-                      f"one job at most)", file=sys.stderr)
-                said = True
-            await asyncio.sleep(pause_s)
+    def said(exc: RevenantError) -> None:
+        print(f"revenant: {exc}; asking again for up to {retry_s:g} s (the same request: it makes one job at "
+              f"most)", file=sys.stderr)
+
+    async with connecting(url, timeout_s) as rv:
+        return await rv.submit_request(req, retry_s, pause_s, retrying=said)
 
 
 def show_job(args: argparse.Namespace) -> int:
@@ -305,26 +273,10 @@ def show_job(args: argparse.Namespace) -> int:
     return 0
 
 
-async def request_jobs(nc, timeout_s: float, subject: str = subjects.coordinator("jobs")) -> list[JobRecord]:
-    """The whole live job table (a user's: their jobs), page by page (each page after the last
-    id of the one before)."""
-    jobs: list[JobRecord] = []
-    after = ""
-    while True:
-        reply = await bus.request(nc, subject, JobsRequest(after=after), JobsReply, timeout_s)
-        jobs += reply.jobs
-        if not reply.more or not reply.jobs:
-            return jobs
-        after = reply.jobs[-1].spec.id
-
-
 async def fetch_jobs(url: str, timeout_s: float) -> list[JobRecord]:
-    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False,
-                           connect_timeout_s=min(timeout_s, 5.0))
-    try:
-        return await request_jobs(nc, timeout_s, request_subject("jobs"))
-    finally:
-        await nc.close()
+    """The whole live job table (a user's: their jobs), page by page."""
+    async with connecting(url, timeout_s) as rv:
+        return [rec async for rec in rv.jobs()]
 
 
 def list_jobs(args: argparse.Namespace) -> int:

@@ -7,23 +7,18 @@ import asyncio
 import json
 
 import msgspec
-import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from revenant.cli.client import auth, bus_url
+from revenant.cli.client import bus_url, cli_creds
 from revenant.cli.jobview import _fmt_bytes, _fmt_time
-from revenant.common.errors import BusError, described
-from revenant.common.messaging import bus
-from revenant.messages import AnomalyEvent, EpochEvent, JobEvent, MessageError, NodeEvent, decode, subjects
+from revenant.client import Client
+from revenant.messages import AnomalyEvent, EpochEvent, JobEvent, Message, NodeEvent
 
 
-def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
-    """(human line, JSON object) for one event from the stream."""
-    try:
-        event = decode(data)
-    except MessageError as exc:
-        obj = {"seq": seq, "subject": subject, "error": str(exc)}
-        return f"#{seq} {subject}: undecodable event ({exc})", obj
+def format_event(subject: str, seq: int, event: Message | None, error: str = "") -> tuple[str, dict]:
+    """(human line, JSON object) for one event from the stream (``event`` None: undecodable)."""
+    if event is None:
+        obj = {"seq": seq, "subject": subject, "error": error}
+        return f"#{seq} {subject}: undecodable event ({error})", obj
     obj = {"seq": seq, "subject": subject, **msgspec.to_builtins(event)}
     if isinstance(event, NodeEvent):
         extra = f" after {event.silence_s:.2f}s silence" if event.kind in ("suspect", "dead") else ""
@@ -63,36 +58,11 @@ def format_event(subject: str, seq: int, data: bytes) -> tuple[str, dict]:
 
 
 async def _stream_events(url: str, follow: bool, as_json: bool, timeout_s: float) -> None:
-    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=follow, connect_timeout_s=timeout_s)
-    js = nc.jetstream(timeout=timeout_s)
-    try:
-        try:
-            info = await js.stream_info(subjects.EVENTS_STREAM)
-        except nats.js.errors.NotFoundError:
-            if not follow:
-                return
-            await bus.ensure_event_stream(js)
-            info = await js.stream_info(subjects.EVENTS_STREAM)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            raise BusError(f"cannot read the event stream: {described(exc)}") from None
-        last = info.state.last_seq
-        if not follow and info.state.messages == 0:
-            return
-        with bus.map_exceptions("cannot read the event stream"):
-            sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True,
-                                     config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=None if follow else timeout_s)
-            except nats.errors.TimeoutError:
-                raise BusError(f"event stream stalled: no message within {timeout_s:g} s") from None
-            seq = msg.metadata.sequence.stream
-            line, obj = format_event(msg.subject, seq, msg.data)
+    async with Client.connect(nats=url, creds=cli_creds(), timeout=timeout_s, name="revenant-cli",
+                              reconnect=follow) as rv:
+        async for ev in rv.events(follow=follow):
+            line, obj = format_event(ev.subject, ev.seq, ev.message, ev.error)
             print(json.dumps(obj) if as_json else line, flush=True)
-            if not follow and seq >= last:
-                return
-    finally:
-        await nc.close()
 
 
 def events(args: argparse.Namespace) -> int:

@@ -85,36 +85,29 @@ def logs(args: argparse.Namespace) -> int:
 async def _logs(url: str, args: argparse.Namespace) -> int:
     import asyncio
 
-    from revenant.cli.client import auth, request_subject
-    from revenant.common.errors import RevenantError
-    from revenant.common.messaging import bus
-    from revenant.messages import JobReply, JobRequest
+    from revenant.cli.client import connecting
+    from revenant.client import ClientError
 
-    nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=False,
-                           connect_timeout_s=min(args.timeout, 5.0))
     out = sys.stdout.buffer
-
-    async def record():
-        return (await bus.request(nc, request_subject("job"), JobRequest(job=args.job), JobReply, args.timeout)).job
-
-    try:
-        rec = await record()
+    async with connecting(url, args.timeout) as rv:
+        rec = await rv.job(args.job)
         follower = Follower(open_output(rec), rec, args.tail)
-        while True:
-            for piece in follower.step(rec):
-                out.write(piece)
-            out.flush()
-            if not args.follow or (ended(rec) and follower.caught_up()):
-                return 0
-            await asyncio.sleep(follower.poll_s)
-            try:
-                rec = await record()
-            except RevenantError as exc:
-                if exc.code not in ("timeout", "no_responders", "not_leader", "bus"):
-                    raise
-                # No leader answers for a moment (a coordinator failing over): the file goes on.
-    finally:
-        await nc.close()
+        try:
+            while True:
+                for piece in follower.step(rec):
+                    out.write(piece)
+                out.flush()
+                if not args.follow or (ended(rec) and follower.caught_up()):
+                    return 0
+                await asyncio.sleep(follower.poll_s)
+                try:
+                    rec = await rv.job(args.job)
+                except ClientError as exc:
+                    if not exc.retriable and exc.code != "not_leader":
+                        raise
+                    # No leader answers for a moment (a coordinator failing over): the file goes on.
+        finally:
+            follower.f.close()
 
 
 ENDED = ("completed", "failed", "cancelled")

@@ -69,7 +69,7 @@ def tail(path: str, lines: int = 5) -> str:
 async def nodes(url: str, creds: str, timeout_s: float) -> NodesReply:
     nc = await bus.connect(url, "revenant-cli", endless_reconnect=False, **security.client_credentials(creds))
     try:
-        return await request_nodes(nc, timeout_s)
+        return await request_nodes(nc, timeout_s, creds)
     finally:
         await nc.close()
 

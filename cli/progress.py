@@ -68,11 +68,15 @@ class ProgressLine:
 
     def heard(self, data: bytes) -> None:
         """One report off the bus; anything else (another job's, undecodable) is ignored."""
-        if self.closed:
-            return
         try:
             msg = decode_as(data, Progress)
         except MessageError:
+            return
+        self.show(msg)
+
+    def show(self, msg: Progress) -> None:
+        """One report, decoded."""
+        if self.closed or msg.job != self.job:
             return
         if msg.job != self.job:
             return

@@ -236,13 +236,13 @@ def test_show_job_text_of_a_record_from_before_policies(capsys):
 
 def test_the_new_epoch_events_print_on_one_line_with_their_reason():
     from revenant.cli.events import format_event
-    from revenant.messages import EpochEvent, encode
+    from revenant.messages import EpochEvent
 
     skipped = EpochEvent(job="7", kind="skipped", at=0.0, node="node-1", reason="cpu 0.97 > 0.95")
-    line, obj = format_event("revenant.evt.epoch.7.skipped", 3, encode(skipped))
+    line, obj = format_event("revenant.evt.epoch.7.skipped", 3, skipped)
     assert line.endswith("job 7 checkpoint skipped on node-1: cpu 0.97 > 0.95") and obj["reason"] == "cpu 0.97 > 0.95"
     converted = EpochEvent(job="7", kind="converted", at=0.0, node="node-1", n=4, bytes=2048)
-    line, _ = format_event("revenant.evt.epoch.7.converted", 4, encode(converted))
+    line, _ = format_event("revenant.evt.epoch.7.converted", 4, converted)
     assert line.endswith("job 7 checkpoint converted epoch 4 on node-1: now a delta of 2.0 KiB")
 
 

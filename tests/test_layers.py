@@ -1,6 +1,6 @@
 """The package layers point one way, inside each package too, and modules stay small enough to read.
 
-    messages  <-  common  <-  agent, coordinator (side by side)  <-  cli
+    messages  <-  common  <-  agent, coordinator (side by side), client  <-  cli
 
 Inside agent/, coordinator/ and common/, each subpackage may import only the ones SUBLAYERS
 names (its ``__init__`` docstring says the same in words), and docs/architecture.md's map lists
@@ -20,14 +20,16 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("messages", "common", "agent", "coordinator", "cli")
+PACKAGES = ("messages", "common", "agent", "coordinator", "client", "cli")
 # What each layer may import from revenant (itself always).
 ALLOWED = {
     "messages": set(),
     "common": {"messages"},
     "agent": {"messages", "common"},
     "coordinator": {"messages", "common"},
-    "cli": {"messages", "common", "agent", "coordinator"},
+    # What programs build on: the bus and the messages, never a service's insides.
+    "client": {"messages", "common"},
+    "cli": {"messages", "common", "agent", "coordinator", "client"},
 }
 # Inside a package, what each subpackage may import of its package's other subpackages ("": the
 # modules at the package's top, which may import every subpackage unless named here).
@@ -49,7 +51,7 @@ SUBLAYERS = {
 }
 # Benchmarks aside, no module in these packages grows past about a few screens, and no folder
 # holds more modules than a reader can name.
-SMALL = ("agent", "common", "coordinator", "cli")
+SMALL = ("agent", "common", "coordinator", "client", "cli")
 MAX_MODULE_LINES = 420
 MAX_FUNCTION_LINES = 85
 MAX_FOLDER_MODULES = 13

@@ -1,0 +1,272 @@
+"""The asynchronous client: one NATS connection, the coordinator's verbs as methods, the event
+stream as an async iterator.  See the package's docstring and docs/client.md."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from datetime import datetime
+from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+
+from revenant.client.asking import asking_user
+from revenant.client.errors import ClientError
+from revenant.client.events import EventStream
+from revenant.common.errors import RevenantError
+from revenant.common.messaging import bus
+from revenant.common.settings import security
+from revenant.common.settings.cluster import resolve_creds, resolve_nats_url
+from revenant.common.settings.intervals import parse_interval
+from revenant.common.settings.limits import check_submit
+from revenant.messages import (
+    FailoverReply, FailoverRequest, JobRecord, JobReply, JobRequest, JobsReply, JobsRequest, Message,
+    NodesReply, NodesRequest, NodeStatus, Progress, SubmitRequest, decode_as, subjects,
+)
+
+M = TypeVar("M", bound=Message)
+
+# How long a submit is asked again while no leader answers (a coordinator failing over): with its
+# request id, a repeat never makes a second job.  What is asked again: nothing listening, no reply
+# in time, the bus out of reach, and a coordinator's word that it does not lead.
+SUBMIT_RETRY_S = 30.0
+RETRY_LOCAL = ("no_responders", "timeout", "bus")
+RETRY_REMOTE = ("not_leader",)
+
+
+class Failover:
+    """Automatic failover: its state, and an operator's hold (admin only)."""
+
+    def __init__(self, client: "Client") -> None:
+        self._client = client
+
+    async def status(self) -> FailoverReply:
+        return await self._client.ask("failover", FailoverRequest(action="status"), FailoverReply)
+
+    async def pause(self) -> FailoverReply:
+        return await self._client.ask("failover", FailoverRequest(action="pause"), FailoverReply)
+
+    async def resume(self) -> FailoverReply:
+        return await self._client.ask("failover", FailoverRequest(action="resume"), FailoverReply)
+
+
+class Client:
+    """A connection to a revenant cluster, asking as the credential's identity (admin, or a user
+    who sees and acts on their own jobs only).  Make one with :meth:`connect`."""
+
+    def __init__(self, nc: Any, creds: str, timeout_s: float) -> None:
+        self.nc = nc
+        self.creds = creds
+        self.timeout_s = timeout_s
+        self.failover = Failover(self)
+        # Who asks, and so where: admin's revenant.coord.<verb> or revenant.user.<user>.<verb>.
+        self.user = asking_user(creds)
+
+    # ------------------------------------------------------------------ connecting
+
+    @classmethod
+    def connect(cls, cluster_dir: str | None = None, nats: str | None = None, creds: str | None = None, *,
+                timeout: float = 5.0, name: str = "revenant-client", reconnect: bool = False) -> "_Connecting":
+        """``async with Client.connect(...) as rv:`` (or ``rv = await Client.connect(...)``, then
+        :meth:`close`).  The cluster as the CLI finds it: ``nats`` (a URL), else ``cluster_dir``'s
+        cluster.json (``revenant up --dir``), else ``$REVENANT_NATS``; the credential likewise:
+        ``creds``, the directory's, ``$REVENANT_CREDS``, or none on an open bus.  ``timeout``:
+        each request's, in seconds (the long operations take their own).  ``reconnect``: keep
+        reconnecting to NATS if it goes away (for a long-running event consumer)."""
+        return _Connecting(cls, cluster_dir, nats, creds, timeout, name, reconnect)
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ asking
+
+    def subject(self, verb: str) -> str:
+        return subjects.coordinator(verb) if self.user is None else subjects.user_request(self.user, verb)
+
+    async def ask(self, verb: str, msg: Message, reply_type: type[M], timeout_s: float | None = None,
+                  progress: Callable[[Progress], Any] | None = None, job: str = "") -> M:
+        """One request to the leader; its error as a :class:`ClientError`.  ``progress``: called
+        with each ``progress.v1`` report of ``job`` until the reply comes (best effort)."""
+        sub = None
+        try:
+            if progress is not None:
+                async def heard(report) -> None:
+                    try:
+                        progress(decode_as(report.data, Progress))
+                    except Exception:  # a watcher's mistake never fails the request
+                        pass
+                try:  # before the request: the server hears the subscription first
+                    sub = await self.nc.subscribe(subjects.job_progress(job, self.user), cb=heard)
+                except Exception:
+                    sub = None
+            return await bus.request(self.nc, self.subject(verb), msg, reply_type,
+                                     self.timeout_s if timeout_s is None else timeout_s)
+        except RevenantError as exc:
+            raise ClientError.of(exc) from None
+        finally:
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+
+    # ------------------------------------------------------------------ jobs
+
+    async def submit(self, argv: list[str], *, name: str = "", node: str = "", workdir: str | None = None,
+                     env: dict[str, str] | None = None, checkpoint: str | float | None = None,
+                     max_epochs: int | None = None, requeue: bool = False, user: str = "",
+                     request_id: str | None = None, retry_s: float = SUBMIT_RETRY_S, **policy: Any) -> JobRecord:
+        """Run ``argv`` as a job; its record.  ``checkpoint``: a periodic interval (``"30:00"``, as
+        ``--checkpoint`` takes it, or seconds); ``workdir``: where it runs (default: this process's
+        directory); ``env``: its whole environment (default: none); ``policy``: the job's
+        overrides of the cluster's [checkpoint] defaults (``incremental``, ``full_every``,
+        ``pre_dump``, ``pre_dump_delay_s``, ``load_aware``, ``connections``, ``on_sick``).
+        Idempotent: asked again with the same ``request_id`` (one is made if not given) while no
+        leader answers, for up to ``retry_s``; a repeat is answered with the job the first made."""
+        interval = parse_interval(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        req = SubmitRequest(argv=list(argv), name=name, node=node, workdir=os.path.realpath(workdir or os.getcwd()),
+                            env=dict(env or {}), checkpoint_interval_s=interval, max_epochs=max_epochs,
+                            requeue=requeue, user=user, request_id=request_id or secrets.token_hex(16),
+                            **{k: v for k, v in policy.items() if v is not None})
+        try:
+            check_submit(req, user or self.user or "root")
+        except RevenantError as exc:
+            raise ClientError.of(exc) from None
+        return (await self.submit_request(req, retry_s)).job
+
+    async def submit_request(self, req: SubmitRequest, retry_s: float = SUBMIT_RETRY_S, pause_s: float = 1.0,
+                             retrying: Callable[[ClientError], None] | None = None) -> JobReply:
+        """Send a built ``submit.v1`` (with its request id), asking again while no leader answers."""
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return await self.ask("submit", req, JobReply)
+            except ClientError as exc:
+                again = RETRY_REMOTE if exc.code in RETRY_REMOTE else RETRY_LOCAL
+                if exc.code not in again or time.monotonic() + pause_s >= deadline:
+                    raise
+                if retrying is not None:
+                    retrying(exc)
+                    retrying = None
+                await asyncio.sleep(pause_s)
+
+    async def job(self, job: str) -> JobRecord:
+        return (await self.ask("job", JobRequest(job=job), JobReply)).job
+
+    async def job_reply(self, job: str) -> JobReply:
+        """:meth:`job` with the reply's notes (an archived job's, say)."""
+        return await self.ask("job", JobRequest(job=job), JobReply)
+
+    async def jobs(self, page: int = 1000) -> AsyncIterator[JobRecord]:
+        """Every job in the live table (a user's: their own), fetched a page at a time."""
+        after = ""
+        while True:
+            reply = await self.ask("jobs", JobsRequest(after=after, limit=page), JobsReply)
+            for rec in reply.jobs:
+                yield rec
+            if not reply.more or not reply.jobs:
+                return
+            after = reply.jobs[-1].spec.id
+
+    async def nodes(self) -> list[NodeStatus]:
+        return (await self.nodes_reply()).nodes
+
+    async def nodes_reply(self) -> NodesReply:
+        """The whole node table, page by page."""
+        reply = await self.ask("nodes", NodesRequest(), NodesReply)
+        nodes = list(reply.nodes)
+        while reply.nodes and len(nodes) < reply.total:
+            reply = await self.ask("nodes", NodesRequest(offset=len(nodes)), NodesReply)
+            nodes += reply.nodes
+        reply.nodes = nodes
+        return reply
+
+    async def checkpoint(self, job: str, *, wait: float | None = None, timeout: float = 3600.0,
+                         progress: Callable[[Progress], Any] | None = None) -> JobReply:
+        """A new epoch; the job keeps running.  One already in progress is waited for (up to
+        ``wait`` seconds; default: ``timeout``).  The reply: the record, notes, criu's statistics."""
+        req = JobRequest(job=job, wait_s=timeout if wait is None else wait)
+        return await self.ask("checkpoint", req, JobReply, timeout, progress, job)
+
+    async def vacate(self, job: str, *, wait: float | None = None, timeout: float = 3600.0,
+                     progress: Callable[[Progress], Any] | None = None) -> JobReply:
+        """A checkpoint, then the job stops (vacated: ``restart`` brings it back)."""
+        req = JobRequest(job=job, wait_s=timeout if wait is None else wait)
+        return await self.ask("vacate", req, JobReply, timeout, progress, job)
+
+    async def restart(self, job: str, *, node: str = "", epoch: int = 0, timeout: float = 3600.0,
+                      progress: Callable[[Progress], Any] | None = None) -> JobReply:
+        """Restore a vacated, failed or cancelled job from its newest good epoch (or ``epoch``)."""
+        return await self.ask("restart", JobRequest(job=job, node=node, epoch=epoch), JobReply, timeout, progress,
+                              job)
+
+    async def cancel(self, job: str, *, signal: str = "TERM", grace: float = 10.0,
+                     timeout: float | None = None) -> JobReply:
+        """End ``job`` without a checkpoint: ``signal`` to its processes, SIGKILL after ``grace``."""
+        wait = (self.timeout_s if timeout is None else timeout) + grace
+        return await self.ask("cancel", JobRequest(job=job, signal=signal, grace_s=grace), JobReply, wait)
+
+    async def signal(self, job: str, signal: str, *, all: bool = False) -> JobReply:
+        """Deliver ``signal`` (``"USR1"``, ``"SIGTERM"``, ``15``) to the job's program (``all``:
+        every process of the job)."""
+        return await self.ask("signal", JobRequest(job=job, signal=str(signal), all=all), JobReply)
+
+    async def purge(self, job: str, *, timeout: float = 600.0) -> JobReply:
+        return await self.ask("purge", JobRequest(job=job), JobReply, timeout)
+
+    async def check(self, job: str) -> JobReply:
+        """What in the running job a checkpoint or a move carries, closes or cannot carry."""
+        return await self.ask("check", JobRequest(job=job), JobReply)
+
+    # ------------------------------------------------------------------ events
+
+    def events(self, since: int | float | datetime | None = None, *, jobs: Iterable[str] | None = None,
+               kinds: Iterable[str] | None = None, follow: bool = True) -> EventStream:
+        """The event stream (node, job, epoch, cluster and anomaly events), as typed messages.
+        ``since``: a stream sequence (int: from that event on), a time (a datetime, or a float of
+        seconds since the epoch), or None: from the first kept.  ``jobs``, ``kinds``: only those.
+        ``follow``: wait for new events (else stop at the last one now).  Iterate with
+        ``async for ev in rv.events(...)``; each has ``.seq``, ``.subject`` and ``.message``;
+        ``.resume_seq`` is where to start again after a restart of your program."""
+        return EventStream(self, since, jobs, kinds, follow)
+
+
+class _Connecting:
+    """``Client.connect(...)``: awaitable, and an async context manager that closes the client."""
+
+    def __init__(self, cls: type[Client], cluster_dir, nats, creds, timeout, name, reconnect) -> None:
+        self._args = (cls, cluster_dir, nats, creds, timeout, name, reconnect)
+        self._client: Client | None = None
+
+    async def _open(self) -> Client:
+        cls, cluster_dir, nats, creds, timeout, name, reconnect = self._args
+        try:
+            url = resolve_nats_url(cluster_dir, nats)
+            # An explicit credential, "" included (none: an open bus), is taken as it is.
+            creds_file = resolve_creds(cluster_dir, None) if creds is None else creds
+            nc = await bus.connect(url, name, **security.client_credentials(creds_file), endless_reconnect=reconnect,
+                                   connect_timeout_s=min(timeout, 5.0))
+        except RevenantError as exc:
+            raise ClientError.of(exc) from None
+        try:
+            return cls(nc, creds_file, timeout)
+        except RevenantError as exc:
+            await nc.close()
+            raise ClientError.of(exc) from None
+
+    def __await__(self):
+        return self._open().__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self._open()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
