@@ -160,7 +160,7 @@ def quantile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-PACKAGES = ("agent", "common", "coordinator", "messages", "cli")
+PACKAGES = ("agent", "common", "coordinator", "messages", "client", "cli")
 
 
 def git(*argv: str) -> str:
@@ -172,7 +172,7 @@ def code_fingerprint(root: Path) -> str:
     h = hashlib.sha256()
     base = root / "revenant" if (root / "revenant").is_dir() else root
     for pkg in PACKAGES:
-        for f in sorted((base / pkg).rglob("*.py")):
+        for f in sorted((base / pkg).rglob("*.py")) if (base / pkg).is_dir() else []:
             h.update(str(f.relative_to(base)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -182,7 +182,9 @@ def export_ref(ref: str, dest: Path) -> Path:
     pkg = dest / "revenant"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, *PACKAGES], check=True, capture_output=True)
+    present = set(git("ls-tree", "--name-only", ref).split())
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, *(p for p in PACKAGES if p in present)],
+                             check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(pkg)], input=archive.stdout, check=True)
     return dest
 

@@ -6,22 +6,21 @@ one message at a time from the stream, so no single reply grows with the cluster
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import secrets
 import sys
 from datetime import datetime
 from typing import Mapping, TypeVar
 
 import msgspec
 
-from revenant.client import Client, asking
-from revenant.client.client import SUBMIT_RETRY_S
+# Neither the NATS client library nor asyncio at start: a one-shot command asks through
+# revenant.client.ask_once, over a plain socket (the commands that follow or list import them).
+from revenant.client import asking as who
+from revenant.client.asking import SUBMIT_RETRY_S
 from revenant.cli.jobview import _fmt_bytes, _print_job, job_view
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common.errors import RevenantError
-from revenant.common.messaging import bus
 from revenant.common.settings import security
 from revenant.common.settings.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.settings.intervals import parse_interval
@@ -29,7 +28,6 @@ from revenant.common.settings.limits import ROOT_USERS, BadRequest, check_submit
 from revenant.messages import (
     FailoverReply,
     FailoverRequest,
-    JobRecord,
     JobReply,
     JobRequest,
     Message,
@@ -69,11 +67,11 @@ def _creds_in_use(creds: str | None) -> str:
 def asking_user(creds: str | None = None) -> str | None:
     """:func:`revenant.client.asking.asking_user` with the credential this command resolved from
     --creds, --dir or ``$REVENANT_CREDS`` (or ``creds``)."""
-    return asking.asking_user(_creds_in_use(creds))
+    return who.asking_user(_creds_in_use(creds))
 
 
 def request_subject(verb: str, creds: str | None = None) -> str:
-    return asking.request_subject(verb, _creds_in_use(creds))
+    return who.request_subject(verb, _creds_in_use(creds))
 
 
 def _node_row(n: NodeStatus) -> list[str]:
@@ -103,17 +101,23 @@ def render_table(header: list[str], rows: list[list[str]]) -> str:
 
 def connecting(url: str, timeout_s: float):
     """``Client.connect`` with this command's bus and credential (``async with``)."""
+    from revenant.client import Client
+
     return Client.connect(nats=url, creds=_creds, timeout=timeout_s, name="revenant-cli")
 
 
 async def request_nodes(nc, timeout_s: float, creds: str = "") -> NodesReply:
     """The whole node table, page by page, on a connection of the caller's (as ``creds`` asks)."""
+    from revenant.client import Client
+
     return await Client(nc, creds, timeout_s).nodes_reply()
 
 
-async def fetch_nodes(url: str, timeout_s: float) -> NodesReply:
-    async with connecting(url, timeout_s) as rv:
-        return await rv.nodes_reply()
+def asking(url: str, timeout_s: float):
+    """The synchronous client (one plain request per call) with this command's bus and credential."""
+    from revenant.client.sync import SyncClient
+
+    return SyncClient(url, _creds, timeout_s)
 
 
 def nodes_table(reply: NodesReply) -> str:
@@ -129,8 +133,8 @@ def nodes(args: argparse.Namespace) -> int:
         print("revenant: WARNING: INSECURE cluster (revenant up --insecure): its NATS asks no one for a "
               "credential, so anyone who reaches it can command every node", file=sys.stderr)
     if args.watch:
-        return asyncio.run(_watch_nodes(url, args))
-    reply = asyncio.run(fetch_nodes(url, args.timeout))
+        return run(_watch_nodes(url, args))
+    reply = asking(url, args.timeout).nodes_reply()
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply.nodes), indent=2))
     else:
@@ -140,6 +144,10 @@ def nodes(args: argparse.Namespace) -> int:
 
 async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
     """Redraw the table in place (one connection for the whole watch)."""
+    import asyncio
+
+    from revenant.common.messaging import bus
+
     nc = await bus.connect(url, "revenant-cli", **auth(), endless_reconnect=True, connect_timeout_s=args.timeout)
     try:
         while True:
@@ -157,6 +165,32 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- jobs
+
+def quiet_logging() -> None:
+    """A client command's logging: errors only, one line each, as its own errors are."""
+    import logging
+
+    logging.basicConfig(level=logging.ERROR, format="revenant: %(message)s")
+
+
+def run(coro):
+    """Run a command's coroutine (the NATS client library's path), its libraries' logs quiet."""
+    import asyncio
+
+    quiet_logging()
+    return asyncio.run(coro)
+
+
+def ask(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float,
+        watch: ProgressLine | None = None) -> M:
+    """Ask the coordinator once (without the NATS client library where the bus allows); with
+    ``watch``, draw the job's progress until the reply comes (that needs the library)."""
+    from revenant.common.messaging.handshake import plain_urls
+
+    if watch is None and plain_urls(url):
+        return asking(url, timeout_s).ask(verb, msg, reply_type)
+    return run(coord(url, verb, msg, reply_type, timeout_s, watch))
+
 
 async def coord(url: str, verb: str, msg: Message, reply_type: type[M], timeout_s: float,
                 watch: ProgressLine | None = None) -> M:
@@ -247,40 +281,35 @@ def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequ
 
 
 def submit(args: argparse.Namespace) -> int:
+    import secrets
+
     req = submit_request(args, request_id=secrets.token_hex(16))
-    reply = asyncio.run(submitted(bus_url(args), req, args.timeout))
+    reply = submitted(bus_url(args), req, args.timeout)
     print(reply.job.spec.id)
     return 0
 
 
-async def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: float = SUBMIT_RETRY_S,
-                    pause_s: float = 1.0) -> JobReply:
+def submitted(url: str, req: SubmitRequest, timeout_s: float, retry_s: float = SUBMIT_RETRY_S,
+              pause_s: float = 1.0) -> JobReply:
     """Submit ``req`` (with a request id), asking again while no leader could answer, for up to
     ``retry_s``: the coordinator answers a repeat with the job the first made."""
     def said(exc: RevenantError) -> None:
         print(f"revenant: {exc}; asking again for up to {retry_s:g} s (the same request: it makes one job at "
               f"most)", file=sys.stderr)
 
-    async with connecting(url, timeout_s) as rv:
-        return await rv.submit_request(req, retry_s, pause_s, retrying=said)
+    return asking(url, timeout_s).submit_request(req, retry_s, pause_s, retrying=said)
 
 
 def show_job(args: argparse.Namespace) -> int:
-    reply = asyncio.run(coord(bus_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout))
+    reply = ask(bus_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout)
     for note in reply.notes:
         print(f"revenant: {note}", file=sys.stderr)
     _print_job(reply.job, args.json)
     return 0
 
 
-async def fetch_jobs(url: str, timeout_s: float) -> list[JobRecord]:
-    """The whole live job table (a user's: their jobs), page by page."""
-    async with connecting(url, timeout_s) as rv:
-        return [rec async for rec in rv.jobs()]
-
-
 def list_jobs(args: argparse.Namespace) -> int:
-    jobs = asyncio.run(fetch_jobs(bus_url(args), args.timeout))
+    jobs = asking(bus_url(args), args.timeout).jobs()
     if args.json:
         print(json.dumps([job_view(r) for r in jobs], indent=2))
         return 0
@@ -296,8 +325,7 @@ def list_jobs(args: argparse.Namespace) -> int:
 
 
 def failover(args: argparse.Namespace) -> int:
-    reply = asyncio.run(coord(bus_url(args), "failover", FailoverRequest(action=args.action), FailoverReply,
-                               args.timeout))
+    reply = ask(bus_url(args), "failover", FailoverRequest(action=args.action), FailoverReply, args.timeout)
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply), indent=2))
         return 0
@@ -318,7 +346,7 @@ def job_action(args: argparse.Namespace, verb: str) -> int:
     as_json = getattr(args, "json", False)
     # A person watching (a terminal, no --json) sees how far the dump or restore is.
     watch = ProgressLine(args.job, sys.stderr) if criu_op and not as_json and sys.stderr.isatty() else None
-    reply = asyncio.run(coord(bus_url(args), verb, req, JobReply, args.timeout, watch))
+    reply = ask(bus_url(args), verb, req, JobReply, args.timeout, watch)
     rec = reply.job
     for note in reply.notes:
         print(f"revenant: {note}", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""``revenant cancel`` and ``revenant signal``: a job ended without a checkpoint, or sent a signal."""
+"""What is done to a running job beside its checkpoints: ``revenant cancel`` (ended without a
+checkpoint), ``revenant signal``, ``revenant check`` (what a move would do to it) and ``revenant
+logs`` (its output, followed across restores)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def add_commands(sub: Any, cluster_args: Callable[..., None]) -> None:
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds the job has to end after --signal before SIGKILL (default 10; 0: SIGKILL at once)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cancel)
+    p.set_defaults(func=cancel, one_shot=True)
 
     p = sub.add_parser("signal", help="send a signal to a running job's program")
     cluster_args(p)
@@ -26,7 +28,17 @@ def add_commands(sub: Any, cluster_args: Callable[..., None]) -> None:
     p.add_argument("signal", metavar="SIG", help="a name as kill -l lists them (USR1, SIGTERM) or a number")
     p.add_argument("--all", action="store_true", help="to every process of the job, not only its program")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=signal_job)
+    p.set_defaults(func=signal_job, one_shot=True)
+
+
+def check(args: argparse.Namespace) -> int:
+    """``revenant check``: what in the running job a checkpoint or a move carries, closes or cannot carry."""
+    from revenant.cli.client import ask, bus_url
+    from revenant.cli.jobview import print_resources
+    from revenant.messages import JobReply, JobRequest
+
+    reply = ask(bus_url(args), "check", JobRequest(job=args.job), JobReply, args.timeout)
+    return print_resources(reply.job, reply.resources, args.json)
 
 
 def _answer(reply, as_json: bool, line: str) -> int:
@@ -39,25 +51,21 @@ def _answer(reply, as_json: bool, line: str) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from revenant.cli.client import bus_url, coord
+    from revenant.cli.client import ask, bus_url
     from revenant.messages import JobReply, JobRequest
 
     req = JobRequest(job=args.job, signal=args.signal, grace_s=args.grace)
     # Its node gives the job --grace seconds to end before SIGKILL: the reply waits for that too.
-    reply = asyncio.run(coord(bus_url(args), "cancel", req, JobReply, args.timeout + args.grace))
+    reply = ask(bus_url(args), "cancel", req, JobReply, args.timeout + args.grace)
     return _answer(reply, args.json, f"job {reply.job.spec.id}: cancelled")
 
 
 def signal_job(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from revenant.cli.client import bus_url, coord
+    from revenant.cli.client import ask, bus_url
     from revenant.messages import JobReply, JobRequest
 
     req = JobRequest(job=args.job, signal=args.signal, all=args.all)
-    reply = asyncio.run(coord(bus_url(args), "signal", req, JobReply, args.timeout))
+    reply = ask(bus_url(args), "signal", req, JobReply, args.timeout)
     return _answer(reply, args.json, f"job {reply.job.spec.id}: {'; '.join(reply.notes)}")
 
 
@@ -71,43 +79,35 @@ def add_logs_command(sub: Any, cluster_args: Callable[..., None]) -> None:
     p.add_argument("--follow", "-f", action="store_true",
                    help="keep printing what the job writes until it ends, wherever it runs")
     p.add_argument("--tail", type=int, metavar="N", help="start with its last N lines (default: all of it)")
-    p.set_defaults(func=logs)
+    p.set_defaults(func=logs, one_shot=True)
 
 
 def logs(args: argparse.Namespace) -> int:
-    import asyncio
+    import time
 
-    from revenant.cli.client import bus_url
-
-    return asyncio.run(_logs(bus_url(args), args))
-
-
-async def _logs(url: str, args: argparse.Namespace) -> int:
-    import asyncio
-
-    from revenant.cli.client import connecting
+    from revenant.cli.client import asking, bus_url
     from revenant.client import ClientError
 
+    rv = asking(bus_url(args), args.timeout)
     out = sys.stdout.buffer
-    async with connecting(url, args.timeout) as rv:
-        rec = await rv.job(args.job)
-        follower = Follower(open_output(rec), rec, args.tail)
-        try:
-            while True:
-                for piece in follower.step(rec):
-                    out.write(piece)
-                out.flush()
-                if not args.follow or (ended(rec) and follower.caught_up()):
-                    return 0
-                await asyncio.sleep(follower.poll_s)
-                try:
-                    rec = await rv.job(args.job)
-                except ClientError as exc:
-                    if not exc.retriable and exc.code != "not_leader":
-                        raise
-                    # No leader answers for a moment (a coordinator failing over): the file goes on.
-        finally:
-            follower.f.close()
+    rec = rv.job(args.job)
+    follower = Follower(open_output(rec), rec, args.tail)
+    try:
+        while True:
+            for piece in follower.step(rec):
+                out.write(piece)
+            out.flush()
+            if not args.follow or (ended(rec) and follower.caught_up()):
+                return 0
+            time.sleep(follower.poll_s)
+            try:
+                rec = rv.job(args.job)
+            except ClientError as exc:
+                if not exc.retriable and exc.code != "not_leader":
+                    raise
+                # No leader answers for a moment (a coordinator failing over): the file goes on.
+    finally:
+        follower.f.close()
 
 
 ENDED = ("completed", "failed", "cancelled")

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
-import re
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from revenant.cli import jobcontrol
+from revenant.cli.parsing import _add_cluster_args, _fail, _one_line, _OnlyCommand, _Parser, _Version
 from revenant.common.errors import RevenantError
 from revenant.common.settings.limits import MAX_EPOCHS, MAX_GRACE_S, check_range
-from revenant.common.version import version
 from revenant.messages import MessageError
 
 # Numeric flags, checked after parsing and before anything runs: flag, lowest, highest.
@@ -29,42 +27,20 @@ NUMBER_RANGES = {
 # A service's flags go into its config, which checks their ranges; here, only that they are finite.
 FINITE_NUMBERS = {"heartbeat_interval_s": "--heartbeat-interval", "node_timeout_s": "--node-timeout",
                   "suspect_timeout_s": "--suspect-timeout"}
-# Characters that would break a one-line error in two (str.splitlines' line boundaries).
-_LINE_BREAKS = re.compile("[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]")
-
-
-def _one_line(message: str) -> str:
-    return _LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], message)
-
-
-def _fail(message: str) -> NoReturn:
-    """An argument error: one line on stderr, exit status 2."""
-    print(f"revenant: {_one_line(message)}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line like every other error (no usage block)."""
-
-    def error(self, message: str) -> NoReturn:
-        _fail(f"{message} (see {self.prog} --help)")
-
-
-def _add_cluster_args(p: argparse.ArgumentParser, timeout: float = 5.0) -> None:
-    p.add_argument("--dir", help="cluster directory written by 'revenant up' (reads its cluster.json)")
-    p.add_argument("--nats", help="NATS URL of the cluster (default: $REVENANT_NATS)")
-    p.add_argument("--creds", help="NATS credential file, named <identity>.nk (default: --dir's, then "
-                   "$REVENANT_CREDS)")
-    p.add_argument("--timeout", type=float, default=timeout, help=f"seconds to wait for a reply (default {timeout:g})")
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``only`` (the command given), that command's parser alone, or
+    the whole one if ``only`` is no command."""
     parser = _Parser(prog="revenant", description="Checkpoint/restore and failover for cluster jobs.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _cluster_commands(sub)
-    _submit_command(sub)
-    _job_commands(sub)
+    adding = _OnlyCommand(sub, only) if only and not only.startswith("-") else sub
+    _cluster_commands(adding)
+    _submit_command(adding)
+    _job_commands(adding)
+    jobcontrol.add_commands(adding, _add_cluster_args)
+    jobcontrol.add_logs_command(adding, _add_cluster_args)
+    if isinstance(adding, _OnlyCommand) and not adding.found:
+        return build_parser()
     return parser
 
 
@@ -144,7 +120,7 @@ def _cluster_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--watch", "-w", action="store_true", help="refresh in place until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
-    p.set_defaults(func=_cmd_nodes)
+    p.set_defaults(func=_cmd_nodes, one_shot=True)
 
 
 def _submit_command(sub: Any) -> None:
@@ -186,7 +162,7 @@ def _submit_command(sub: Any) -> None:
     p.add_argument("--user", help="admin (root) only: submit for this user, who owns the job and whom it runs as "
                    "(default: the caller; root for admin)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
-    p.set_defaults(func=_cmd_submit)
+    p.set_defaults(func=_cmd_submit, one_shot=True)
 
 
 def _job_commands(sub: Any) -> None:
@@ -206,10 +182,8 @@ def _job_commands(sub: Any) -> None:
             q.add_argument("--node", help="restore on this node (default: the coordinator chooses)")
             q.add_argument("--epoch", type=int, metavar="N",
                            help="restore exactly this kept epoch (default: the newest that can be restored)")
-        q.set_defaults(func=_cmd_job_action, verb=verb)
+        q.set_defaults(func=_cmd_job_action, verb=verb, one_shot=True)
 
-    jobcontrol.add_commands(sub, _add_cluster_args)
-    jobcontrol.add_logs_command(sub, _add_cluster_args)
 
     p = sub.add_parser("show", help="show an object")
     shs = p.add_subparsers(dest="what", required=True, metavar="WHAT")
@@ -217,25 +191,25 @@ def _job_commands(sub: Any) -> None:
     _add_cluster_args(q)
     q.add_argument("job")
     q.add_argument("--json", action="store_true")
-    q.set_defaults(func=_cmd_show_job)
+    q.set_defaults(func=_cmd_show_job, one_shot=True)
 
     p = sub.add_parser("check", help="what in a running job a checkpoint or a move carries, closes or cannot carry")
     _add_cluster_args(p)
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_check)
+    p.set_defaults(func=jobcontrol.check, one_shot=True)
 
     p = sub.add_parser("jobs", help="list every job")
     _add_cluster_args(p)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_jobs)
+    p.set_defaults(func=_cmd_jobs, one_shot=True)
 
     p = sub.add_parser("job", help="job maintenance")
     jbs = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     q = jbs.add_parser("purge", help="remove a finished job's checkpoints")
     _add_cluster_args(q, timeout=600.0)
     q.add_argument("job")
-    q.set_defaults(func=_cmd_job_action, verb="purge")
+    q.set_defaults(func=_cmd_job_action, verb="purge", one_shot=True)
 
     p = sub.add_parser("failover", help="automatic failover: status, or pause/resume it")
     _add_cluster_args(p)
@@ -243,7 +217,7 @@ def _job_commands(sub: Any) -> None:
                    help="status (default); pause: hold it (say, for maintenance); resume: lift a hold, "
                         "and let a storm the guard paused for through")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_failover)
+    p.set_defaults(func=_cmd_failover, one_shot=True)
 
     p = sub.add_parser("events", help="print the event stream")
     _add_cluster_args(p)
@@ -337,17 +311,6 @@ def _cmd_show_job(args: argparse.Namespace) -> int:
     return show_job(args)
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from revenant.cli.client import bus_url, coord
-    from revenant.cli.jobview import print_resources
-    from revenant.messages import JobReply, JobRequest
-
-    reply = asyncio.run(coord(bus_url(args), "check", JobRequest(job=args.job), JobReply, args.timeout))
-    return print_resources(reply.job, reply.resources, args.json)
-
-
 def _cmd_jobs(args: argparse.Namespace) -> int:
     from revenant.cli.client import list_jobs
 
@@ -389,7 +352,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed and checked command line; any mistake exits 2 with one line on stderr."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         check_args(args)
     except (RevenantError, MessageError) as exc:
@@ -399,8 +363,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Client commands speak through their one-line errors; services reconfigure logging.
-    logging.basicConfig(level=logging.ERROR, format="revenant: %(message)s")
+    # Client commands speak through their one-line errors; services reconfigure logging.  A
+    # one-shot request imports nothing that logs (and not logging itself: a twentieth of its
+    # start); where it goes through the NATS client library after all, cli/client.py's run() sets this.
+    if not getattr(args, "one_shot", False):
+        from revenant.cli.client import quiet_logging
+
+        quiet_logging()
     try:
         return args.func(args)
     except (RevenantError, MessageError) as exc:

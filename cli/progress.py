@@ -6,7 +6,6 @@ Nothing here decides anything: a lost report, or none at all, only leaves the li
 
 from __future__ import annotations
 
-import shutil
 from collections import deque
 from typing import TextIO
 
@@ -83,6 +82,8 @@ class ProgressLine:
         if msg.op != self._op:
             self._op, self._rate = msg.op, Rate()
         text = progress_text(msg, self._rate.add(msg.elapsed_s, msg.bytes))
+        import shutil  # drawn on a terminal only
+
         width = self.width or shutil.get_terminal_size((80, 24)).columns
         self.out.write("\r" + text[:max(width - 1, 1)] + "\x1b[K")  # never wraps, so \r always returns
         self.out.flush()

@@ -1,13 +1,28 @@
-"""Who a client asks the coordinator as, and so on which subject (docs/security.md)."""
+"""Who a client asks the coordinator as, and so on which subject (docs/security.md); what a
+submit sends and when it is asked again; where the next page of a listing starts.  Shared by the
+asynchronous client and the synchronous one; no I/O, and nothing here imports the NATS client
+library (see once.py)."""
 
 from __future__ import annotations
 
 import os
 import pwd
+import time
+from typing import Any
 
+from revenant.client.errors import ClientError
 from revenant.common.errors import RevenantError
 from revenant.common.settings import security
-from revenant.messages import subjects
+from revenant.common.settings.intervals import parse_interval
+from revenant.common.settings.limits import check_submit
+from revenant.messages import JobsReply, NodesReply, SubmitRequest, subjects
+
+# How long a submit is asked again while no leader answers (a coordinator failing over): with its
+# request id, a repeat never makes a second job.  What is asked again: nothing listening, no reply
+# in time, the bus out of reach, and a coordinator's word that it does not lead.
+SUBMIT_RETRY_S = 30.0
+RETRY_LOCAL = ("no_responders", "timeout", "bus")
+RETRY_REMOTE = ("not_leader",)
 
 
 def asking_user(creds: str) -> str | None:
@@ -37,3 +52,38 @@ def request_subject(verb: str, creds: str) -> str:
     """Where a client holding ``creds`` asks for ``verb``: admin's subject or its user's."""
     user = asking_user(creds)
     return subjects.coordinator(verb) if user is None else subjects.user_request(user, verb)
+
+
+def submit_request(argv: list[str], asker: str | None, *, name: str = "", node: str = "", workdir: str | None = None,
+                   env: dict[str, str] | None = None, checkpoint: str | float | None = None,
+                   max_epochs: int | None = None, requeue: bool = False, user: str = "",
+                   request_id: str | None = None, **policy: Any) -> SubmitRequest:
+    """A ``submit.v1`` checked as the coordinator will check it (``asker``: the asking user, None
+    for admin); a mistake is a :class:`ClientError` before anything is sent."""
+    try:
+        interval = parse_interval(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        req = SubmitRequest(argv=list(argv), name=name, node=node, workdir=os.path.realpath(workdir or os.getcwd()),
+                            env=dict(env or {}), checkpoint_interval_s=interval, max_epochs=max_epochs,
+                            requeue=requeue, user=user, request_id=request_id or os.urandom(16).hex(),
+                            **{k: v for k, v in policy.items() if v is not None})
+        check_submit(req, user or asker or "root")
+    except RevenantError as exc:
+        raise ClientError.of(exc) from None
+    return req
+
+
+def ask_again(exc: ClientError, deadline: float, pause_s: float) -> bool:
+    """Whether a submit that met ``exc`` is asked again (the same request id: one job at most):
+    only while no leader could answer, and only until ``deadline`` (monotonic)."""
+    again = RETRY_REMOTE if exc.remote else RETRY_LOCAL  # a coordinator's own timeout is its answer
+    return exc.code in again and time.monotonic() + pause_s < deadline
+
+
+def next_jobs(reply: JobsReply) -> str | None:
+    """The ``after`` of the listing's next page, or None: it was the last."""
+    return reply.jobs[-1].spec.id if reply.more and reply.jobs else None
+
+
+def next_nodes(reply: NodesReply, have: int) -> int | None:
+    """The ``offset`` of the node table's next page, or None: ``have`` is all of it."""
+    return have if reply.nodes and have < reply.total else None

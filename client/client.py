@@ -4,35 +4,22 @@ stream as an async iterator.  See the package's docstring and docs/client.md."""
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import time
 from datetime import datetime
 from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 
-from revenant.client.asking import asking_user
+from revenant.client.asking import SUBMIT_RETRY_S, ask_again, asking_user, next_jobs, next_nodes, submit_request
 from revenant.client.errors import ClientError
-from revenant.client.events import EventStream
 from revenant.common.errors import RevenantError
 from revenant.common.messaging import bus
 from revenant.common.settings import security
 from revenant.common.settings.cluster import resolve_creds, resolve_nats_url
-from revenant.common.settings.intervals import parse_interval
-from revenant.common.settings.limits import check_submit
 from revenant.messages import (
     FailoverReply, FailoverRequest, JobRecord, JobReply, JobRequest, JobsReply, JobsRequest, Message,
     NodesReply, NodesRequest, NodeStatus, Progress, SubmitRequest, decode_as, subjects,
 )
 
 M = TypeVar("M", bound=Message)
-
-# How long a submit is asked again while no leader answers (a coordinator failing over): with its
-# request id, a repeat never makes a second job.  What is asked again: nothing listening, no reply
-# in time, the bus out of reach, and a coordinator's word that it does not lead.
-SUBMIT_RETRY_S = 30.0
-RETRY_LOCAL = ("no_responders", "timeout", "bus")
-RETRY_REMOTE = ("not_leader",)
-
 
 class Failover:
     """Automatic failover: its state, and an operator's hold (admin only)."""
@@ -118,27 +105,16 @@ class Client:
 
     # ------------------------------------------------------------------ jobs
 
-    async def submit(self, argv: list[str], *, name: str = "", node: str = "", workdir: str | None = None,
-                     env: dict[str, str] | None = None, checkpoint: str | float | None = None,
-                     max_epochs: int | None = None, requeue: bool = False, user: str = "",
-                     request_id: str | None = None, retry_s: float = SUBMIT_RETRY_S, **policy: Any) -> JobRecord:
-        """Run ``argv`` as a job; its record.  ``checkpoint``: a periodic interval (``"30:00"``, as
-        ``--checkpoint`` takes it, or seconds); ``workdir``: where it runs (default: this process's
-        directory); ``env``: its whole environment (default: none); ``policy``: the job's
-        overrides of the cluster's [checkpoint] defaults (``incremental``, ``full_every``,
-        ``pre_dump``, ``pre_dump_delay_s``, ``load_aware``, ``connections``, ``on_sick``).
-        Idempotent: asked again with the same ``request_id`` (one is made if not given) while no
-        leader answers, for up to ``retry_s``; a repeat is answered with the job the first made."""
-        interval = parse_interval(checkpoint) if isinstance(checkpoint, str) else checkpoint
-        req = SubmitRequest(argv=list(argv), name=name, node=node, workdir=os.path.realpath(workdir or os.getcwd()),
-                            env=dict(env or {}), checkpoint_interval_s=interval, max_epochs=max_epochs,
-                            requeue=requeue, user=user, request_id=request_id or secrets.token_hex(16),
-                            **{k: v for k, v in policy.items() if v is not None})
-        try:
-            check_submit(req, user or self.user or "root")
-        except RevenantError as exc:
-            raise ClientError.of(exc) from None
-        return (await self.submit_request(req, retry_s)).job
+    async def submit(self, argv: list[str], *, retry_s: float = SUBMIT_RETRY_S, **kw: Any) -> JobRecord:
+        """Run ``argv`` as a job; its record.  ``name``, ``node``; ``checkpoint``: a periodic
+        interval (``"30:00"``, as ``--checkpoint`` takes it, or seconds); ``max_epochs``,
+        ``requeue``; ``workdir``: where it runs (default: this process's directory); ``env``: its
+        whole environment (default: none); ``user`` (admin only); the job's overrides of the
+        cluster's [checkpoint] defaults (``incremental``, ``full_every``, ``pre_dump``,
+        ``pre_dump_delay_s``, ``load_aware``, ``connections``, ``on_sick``).  Idempotent: asked
+        again with the same ``request_id`` (one is made if not given) while no leader answers,
+        for up to ``retry_s``; a repeat is answered with the job the first made."""
+        return (await self.submit_request(submit_request(argv, self.user, **kw), retry_s)).job
 
     async def submit_request(self, req: SubmitRequest, retry_s: float = SUBMIT_RETRY_S, pause_s: float = 1.0,
                              retrying: Callable[[ClientError], None] | None = None) -> JobReply:
@@ -148,8 +124,7 @@ class Client:
             try:
                 return await self.ask("submit", req, JobReply)
             except ClientError as exc:
-                again = RETRY_REMOTE if exc.code in RETRY_REMOTE else RETRY_LOCAL
-                if exc.code not in again or time.monotonic() + pause_s >= deadline:
+                if not ask_again(exc, deadline, pause_s):
                     raise
                 if retrying is not None:
                     retrying(exc)
@@ -165,14 +140,12 @@ class Client:
 
     async def jobs(self, page: int = 1000) -> AsyncIterator[JobRecord]:
         """Every job in the live table (a user's: their own), fetched a page at a time."""
-        after = ""
-        while True:
+        after: str | None = ""
+        while after is not None:
             reply = await self.ask("jobs", JobsRequest(after=after, limit=page), JobsReply)
             for rec in reply.jobs:
                 yield rec
-            if not reply.more or not reply.jobs:
-                return
-            after = reply.jobs[-1].spec.id
+            after = next_jobs(reply)
 
     async def nodes(self) -> list[NodeStatus]:
         return (await self.nodes_reply()).nodes
@@ -181,8 +154,8 @@ class Client:
         """The whole node table, page by page."""
         reply = await self.ask("nodes", NodesRequest(), NodesReply)
         nodes = list(reply.nodes)
-        while reply.nodes and len(nodes) < reply.total:
-            reply = await self.ask("nodes", NodesRequest(offset=len(nodes)), NodesReply)
+        while (offset := next_nodes(reply, len(nodes))) is not None:
+            reply = await self.ask("nodes", NodesRequest(offset=offset), NodesReply)
             nodes += reply.nodes
         reply.nodes = nodes
         return reply
@@ -227,13 +200,15 @@ class Client:
     # ------------------------------------------------------------------ events
 
     def events(self, since: int | float | datetime | None = None, *, jobs: Iterable[str] | None = None,
-               kinds: Iterable[str] | None = None, follow: bool = True) -> EventStream:
+               kinds: Iterable[str] | None = None, follow: bool = True):
         """The event stream (node, job, epoch, cluster and anomaly events), as typed messages.
         ``since``: a stream sequence (int: from that event on), a time (a datetime, or a float of
         seconds since the epoch), or None: from the first kept.  ``jobs``, ``kinds``: only those.
         ``follow``: wait for new events (else stop at the last one now).  Iterate with
         ``async for ev in rv.events(...)``; each has ``.seq``, ``.subject`` and ``.message``;
         ``.resume_seq`` is where to start again after a restart of your program."""
+        from revenant.client.events import EventStream  # JetStream's API: only for a program that reads events
+
         return EventStream(self, since, jobs, kinds, follow)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 
 
 def version() -> str:
+    from importlib import metadata  # only when asked: it costs a one-shot command a tenth of its start
+
     try:
         return metadata.version("revenant")
     except metadata.PackageNotFoundError:

@@ -19,10 +19,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from revenant.common.errors import BusError, RevenantError, described
-from revenant.common.messaging import bus
+from revenant.common.messaging import bus, handshake
 from revenant.common.messaging.events import EventPublisher
 from revenant.common.messaging.kv import raise_replicas
-from revenant.common.messaging.rawsub import RawSubscriber, plain_urls, starting_with
+from revenant.common.messaging.rawsub import RawSubscriber, starting_with
 from revenant.common.serving import gcpause
 from revenant.common.serving.httpserver import HttpServer
 from revenant.common.serving.loopmonitor import LoopMonitor
@@ -147,7 +147,7 @@ class Coordinator(Service):
         # The agents create the lease bucket and may not update it: one with too few replicas is raised here.
         await raise_replicas(self._js, subjects.LEASES_BUCKET, replicas, owner=True)
         # A standby tracks every node too, so that it takes over with a warm view.
-        if plain_urls(self.config.nats_url):
+        if handshake.plain_urls(self.config.nats_url):
             # On the main connection's server first: one server's loss is one reconnect for both.
             urls = starting_with(self.config.nats_url, here)
             self._hb_sub = RawSubscriber(urls, f"revenant-coordinator-{self.name}-heartbeats", subjects.HEARTBEATS_ALL,

@@ -223,7 +223,7 @@ def test_not_running_and_finished_job_errors(make_cluster):
         out = cluster.cli(*args, check=False)
         assert out.returncode != 0 and f"job {job} is completed, not running" in out.stderr
     out = cluster.cli("checkpoint", "restart", job, check=False)
-    assert out.returncode != 0 and "only a vacated or failed job can be restarted" in out.stderr
+    assert out.returncode != 0 and "only a vacated, failed or cancelled job can be restarted" in out.stderr
     failing = cluster.cli("submit", "--", "sh", "-c", "exit 3").stdout.strip()
     info = wait_state(cluster, failing, "failed")
     assert info["exit_code"] == 3

@@ -15,7 +15,8 @@ import pytest
 from helpers import running
 from revenant.common.errors import BusError
 from revenant.common.messaging.natsserver import start_nats_cluster, start_nats_server, write_server_config
-from revenant.common.messaging.rawsub import RawSubscriber, _Connection, plain_urls, starting_with
+from revenant.common.messaging.handshake import plain_urls
+from revenant.common.messaging.rawsub import RawSubscriber, _Connection, starting_with
 from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator

@@ -22,8 +22,10 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from nats.aio.msg import Msg
 
-from revenant.common.errors import BusError, NoResponders, RemoteError, RequestTimeout, RevenantError, described
-from revenant.messages import ErrorReply, Message, MessageError, decode, decode_as, encode
+from revenant.common.errors import BusError, NoResponders, RequestTimeout, RevenantError, described
+from revenant.common.messaging import handshake
+from revenant.common.messaging.oneshot import reply_of
+from revenant.messages import ErrorReply, Message, MessageError, encode
 from revenant.messages import subjects
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,7 @@ async def connect(
         )
     except _Refused as exc:
         await nc.close()
-        why = f"the key {nkey_seed} is not one it knows" if nkey_seed else "it wants a credential"
-        raise BusError(f"NATS at {url} refused the connection ({exc}): {why}", code="refused",
-                       retriable=False) from None
+        raise handshake.refused(url, nkey_seed, str(exc)) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error, nkeys.NkeysError) as exc:
         await nc.close()
         raise BusError(f"cannot connect to NATS at {url}: {described(exc)}") from None
@@ -173,13 +173,7 @@ async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], t
         raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from None
     except nats.errors.Error as exc:
         raise BusError(f"request on {subject} failed: {described(exc)}") from None
-    try:
-        reply = decode(resp.data)
-    except MessageError as exc:
-        raise RemoteError(f"bad reply on {subject}: {exc}", code=exc.code) from None
-    if isinstance(reply, ErrorReply):
-        raise RemoteError(reply.message, code=reply.code, retriable=reply.retriable)
-    return decode_as(resp.data, reply_type)
+    return reply_of(subject, resp.data, reply_type)
 
 
 async def answer(msg: Msg, produce: Callable[[], Awaitable[Message]], what: str) -> None:

@@ -20,7 +20,6 @@ outages are retried forever, as the main connection's are.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import re
@@ -29,9 +28,9 @@ import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-import nkeys
 
 from revenant.common.errors import BusError, described
+from revenant.common.messaging.handshake import signed_connect
 
 log = logging.getLogger(__name__)
 
@@ -57,50 +56,6 @@ def starting_with(url: str, netloc: str) -> str:
 
 def _netloc(url: str) -> str:
     return urllib.parse.urlsplit(url if "://" in url else f"nats://{url}").netloc
-
-
-def plain_urls(url: str) -> bool:
-    """Whether every server of ``url`` is reached without TLS (what :class:`RawSubscriber` speaks)."""
-    return all(urllib.parse.urlsplit(u.strip() if "://" in u else f"nats://{u.strip()}").scheme == "nats"
-               for u in url.split(",") if u.strip())
-
-
-def _credential(path: str) -> tuple[str | None, bytes]:
-    """(a JWT or None, the seed) from a seed file or a JWT ``.creds`` file."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except OSError as exc:
-        raise BusError(f"cannot read the NATS credential {path}: {exc.strerror or exc}") from None
-    jwt, seed = None, b""
-    lines = [line.strip() for line in text.splitlines()]
-    for i, line in enumerate(lines):
-        if b"BEGIN NATS USER JWT" in line and i + 1 < len(lines):
-            jwt = lines[i + 1].decode()
-        elif line.startswith(b"SU") and not seed:
-            seed = line
-    if not seed:
-        raise BusError(f"the NATS credential {path} holds no user seed")
-    return jwt, seed
-
-
-def _signed_connect(info: dict, name: str, creds: str | None) -> dict:
-    connect = {"verbose": False, "pedantic": False, "protocol": 1, "lang": "python", "version": "revenant",
-               "name": name, "headers": False, "no_responders": False, "echo": False}
-    if creds:
-        jwt, seed = _credential(creds)
-        try:
-            kp = nkeys.from_seed(bytearray(seed))
-            sig = kp.sign(info.get("nonce", "").encode())
-            public = kp.public_key.decode()
-        except (nkeys.NkeysError, ValueError) as exc:
-            raise BusError(f"the NATS credential {creds} is not a valid seed: {exc}") from None
-        connect["sig"] = base64.urlsafe_b64encode(sig).rstrip(b"=").decode()
-        if jwt:
-            connect["jwt"] = jwt
-        else:
-            connect["nkey"] = public
-    return connect
 
 
 class _Broken(Exception):
@@ -209,7 +164,7 @@ class _Connection(asyncio.Protocol):
             return self._fail("the server requires TLS: give tls:// URLs (the heartbeat connection then "
                               "uses the NATS client library)")
         try:
-            connect = _signed_connect(info, owner.name, owner.creds)
+            connect = signed_connect(info, owner.name, owner.creds)
         except BusError as exc:
             return self._fail(str(exc))
         self.transport.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\n"

@@ -21,12 +21,9 @@ what nats-py's ``nkeys_seed`` reads.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import nkeys
 
 from revenant.common.errors import ConfigError
 from revenant.messages import subjects
@@ -183,11 +180,15 @@ def permissions_for(identity: str) -> Permissions:
 
 def new_seed() -> str:
     """A fresh user NKey seed (``SU...``)."""
-    return nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER).decode()
+    import nkeys  # a key is made or read rarely: not at every client command's start
+
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
 
 
 def public_key(seed: str) -> str:
     """The public key (``U...``) of a user seed."""
+    import nkeys
+
     kp = nkeys.from_seed(bytearray(seed.strip().encode()))
     try:
         return kp.public_key.decode()
