@@ -177,7 +177,8 @@ def test_a_restore_leaves_a_working_directory_other_live_jobs_share():
     mine = JobSpec(id="1", argv=["x"], workdir="/proj/run1")
     jobs = [rec("1", "/proj/run1"), rec("2", "/proj/run2"), rec("3", "/elsewhere")]
     assert workdir_shared(mine, jobs) == ""  # siblings do not share it
-    jobs += [rec("4", "/proj/run1/sub"), rec("5", "/proj", "completed"), rec("12", "/proj")]
+    jobs += [rec("4", "/proj/run1/sub"), rec("5", "/proj", "completed"), rec("6", "/proj", "cancelled"),
+             rec("12", "/proj")]
     assert workdir_shared(mine, jobs) == "jobs 4, 12 also work in it"  # nested either way; ended jobs do not count
     assert workdir_shared(mine, [rec("7", "/proj/run1/", "vacated")]) == "job 7 also works in it"
 

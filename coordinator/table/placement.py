@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 
 from revenant.common.errors import RevenantError
 from revenant.common.gpufit import describe, gpu_fit
+from revenant.coordinator.table.lifecycle import ENDED
 from revenant.messages import JobGpu, JobRecord, JobSpec, NodeStatus
 
 _HEALTH_RANK = {"GREEN": 0, "YELLOW": 1}
@@ -33,7 +34,7 @@ def workdir_shared(spec: JobSpec, jobs: Iterable[JobRecord]) -> str:
         other = other.rstrip("/") or "/"
         return other == mine or other.startswith(mine + "/") or mine.startswith(other + "/") or "/" in (mine, other)
 
-    others = sorted((r.spec.id for r in jobs if r.spec.id != spec.id and r.state not in ("completed", "failed")
+    others = sorted((r.spec.id for r in jobs if r.spec.id != spec.id and r.state not in ENDED
                      and nested(r.spec.workdir)), key=lambda j: (len(j), j))
     if not others:
         return ""
