@@ -170,7 +170,8 @@ class Follower:
         import time
 
         self.f, self.job, self.clock = f, rec.spec.id, clock or time.monotonic
-        self.generation = rec.generation
+        # Started while a launch is under way: its outcome is a relaunch, looked at once it runs.
+        self.generation = None if rec.state in ("pending", "restoring") else rec.generation
         self.printed = tail_start(f, tail) if tail is not None else 0
         self.fence = self._read(max(0, self.printed - self.fence_bytes), self.printed - max(0, self.printed -
                                                                                               self.fence_bytes))
@@ -178,8 +179,9 @@ class Follower:
         self.size = 0
 
     def _read(self, at: int, n: int) -> bytes:
-        self.f.seek(at)
-        return self.f.read(n)
+        # pread, never a buffered read: a restore rewrites the file under us, and a buffer would
+        # hand back what it held before.
+        return os.pread(self.f.fileno(), n, at) if n > 0 else b""
 
     def caught_up(self) -> bool:
         return self.diverged_at is None and self.size <= self.printed
@@ -194,10 +196,8 @@ class Follower:
 
     def _relaunched(self, rec) -> list[bytes]:
         self.generation = rec.generation
-        if not rec.restored_from:
-            if rec.state != "pending" and os.fstat(self.f.fileno()).st_size < self.printed:
-                return [self._cut(0, "started afresh (a requeue)")]
-            return []
+        if not rec.restored_from:  # started, not restored: a requeue's fresh start empties the output
+            return [self._cut(0, "started afresh (a requeue)")] if self.printed else []
         epoch = next((e for e in rec.epochs if e.n == rec.restored_from), None)
         if epoch is None or not epoch.output_bytes or epoch.output_bytes >= self.printed:
             return []  # nothing printed was undone (or the epoch says nothing: the fence will tell)
@@ -226,8 +226,12 @@ class Follower:
             self.diverged_at = self.diverged_at if self.diverged_at is not None else now
             if now - self.diverged_at < self.patience_s:
                 return out  # the record has not caught up with a restore yet
-            same = next((i for i, (a, b) in enumerate(zip(data, self.fence)) if a != b), min(len(data), len(self.fence)))
-            out.append(self._cut(start + same, "was rewritten"))
+            same = next((i for i, (a, b) in enumerate(zip(data, self.fence)) if a != b),
+                        min(len(data), len(self.fence)))
+            if same == 0 and start > 0:  # it differs before what the fence holds: where, nobody knows
+                out.append(self._cut(0, "was rewritten before the last bytes this kept; printed again from its start"))
+            else:
+                out.append(self._cut(min(start + same, self.size), "was rewritten"))
             return out + self.step(rec)
         self.diverged_at = None
         new = data[len(self.fence):]

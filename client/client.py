@@ -182,7 +182,8 @@ class Client:
     async def cancel(self, job: str, *, signal: str = "TERM", grace: float = 10.0,
                      timeout: float | None = None) -> JobReply:
         """End ``job`` without a checkpoint: ``signal`` to its processes, SIGKILL after ``grace``."""
-        wait = (self.timeout_s if timeout is None else timeout) + grace
+        # Its node has the grace, then up to 15 s to kill and answer (coordinator/table/requests.py).
+        wait = (self.timeout_s if timeout is None else timeout) + grace + 15.0
         return await self.ask("cancel", JobRequest(job=job, signal=signal, grace_s=grace), JobReply, wait)
 
     async def signal(self, job: str, signal: str, *, all: bool = False) -> JobReply:

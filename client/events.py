@@ -61,7 +61,8 @@ class EventStream:
         self.start = _start(since)
         self.jobs = frozenset(jobs) if jobs is not None else None
         self.kinds = frozenset(kinds) if kinds is not None else None
-        self.resume_seq = since if isinstance(since, int) else 1
+        # From the first kept (since None), or that sequence; from a time, not known before an event.
+        self.resume_seq: int | None = since if isinstance(since, int) else (1 if since is None else None)
 
     def _subject(self) -> str:
         if self.jobs is not None and len(self.jobs) == 1:
@@ -92,15 +93,25 @@ class EventStream:
             raise ClientError(f"cannot read the event stream: {described(exc)}", code=BusError.code,
                               retriable=True) from None
         last = info.state.last_seq
-        if not self.follow and (info.state.messages == 0 or self.resume_seq > last):
+        if not self.follow and (info.state.messages == 0 or (self.resume_seq or 0) > last):
             return
-        sub = await js.subscribe(self._subject(), ordered_consumer=True, config=ConsumerConfig(**self.start))
+        try:
+            sub = await js.subscribe(self._subject(), ordered_consumer=True, config=ConsumerConfig(**self.start))
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise ClientError(f"cannot read the event stream: {described(exc)}", code=BusError.code,
+                              retriable=True) from None
         try:
             while True:
                 try:
                     msg = await sub.next_msg(timeout=None if self.follow else timeout_s)
                 except nats.errors.TimeoutError:
-                    return  # nothing more now (not following)
+                    if self.kinds is not None or self.jobs is not None or self.start.get("opt_start_time"):
+                        return  # filtered or from a time: the last event may not be one of these
+                    raise ClientError(f"event stream stalled: no message within {timeout_s:g} s", code=BusError.code,
+                                      retriable=True) from None
+                except nats.errors.Error as exc:
+                    raise ClientError(f"the event stream broke off: {described(exc)}", code=BusError.code,
+                                      retriable=True) from None
                 seq = msg.metadata.sequence.stream
                 self.resume_seq = seq + 1
                 try:

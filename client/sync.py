@@ -121,7 +121,8 @@ class SyncClient:
         return self.ask("restart", JobRequest(job=job, node=node, epoch=epoch), JobReply, timeout)
 
     def cancel(self, job: str, *, signal: str = "TERM", grace: float = 10.0) -> JobReply:
-        return self.ask("cancel", JobRequest(job=job, signal=signal, grace_s=grace), JobReply, self.timeout_s + grace)
+        return self.ask("cancel", JobRequest(job=job, signal=signal, grace_s=grace), JobReply,
+                        self.timeout_s + grace + 15.0)
 
     def signal(self, job: str, signal: str, *, all: bool = False) -> JobReply:
         return self.ask("signal", JobRequest(job=job, signal=str(signal), all=all), JobReply)

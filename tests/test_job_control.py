@@ -17,7 +17,7 @@ import pytest
 from revenant.agent.processes import procs
 from revenant.agent.running.jobs import Supervisor
 from revenant.agent.storage.epochs import JobFiles
-from revenant.common.errors import JobNotRunning, StaleGeneration
+from revenant.common.errors import JobNotRunning, RevenantError, StaleGeneration
 from revenant.messages import JobEvent, JobSpec
 
 pytestmark = pytest.mark.criu  # real job processes in their own PID namespaces
@@ -98,3 +98,33 @@ async def test_a_start_that_arrives_after_its_kill_never_runs(sup):
             await sup.start(JobSpec(id="1", argv=["sleep", "100"], workdir="/"), generation)
     assert "1" not in sup.jobs
     await start(sup, "1", generation=3)  # a newer generation (a restart) runs
+
+
+async def test_a_job_being_checkpointed_is_not_signalled_and_a_cancel_kills_it_at_once(sup):
+    reply = await start(sup, "1")
+    rt = sup.jobs["1"]
+    async with rt.lock:  # as a checkpoint holds it: a signal now would be saved in the epoch
+        with pytest.raises(RevenantError, match="job 1 is being checkpointed on n1; signal it once that ends") as busy:
+            sup.signal("1", 1, signal.SIGUSR1)
+        assert busy.value.code == "busy" and busy.value.retriable
+        began = time.monotonic()
+        await sup.kill("1", 1, "cancelled by admin", signal.SIGTERM, 30.0)
+        assert time.monotonic() - began < 10  # no grace: killed at once
+    assert "program: bye" not in output(sup, "1") and not psutil.pid_exists(reply.program_pid)
+
+
+async def test_a_launch_waiting_behind_another_is_refused_once_its_generation_is_killed(sup):
+    from revenant.agent.running.runtime import Launch
+
+    earlier = Launch(1)
+    sup.launching["1"] = earlier  # a restore of generation 1 still in flight
+    later = asyncio.create_task(sup.start(JobSpec(id="1", argv=["sleep", "100"], workdir="/"), 2))
+    await asyncio.sleep(0.05)  # generation 2 waits for it
+    killing = asyncio.create_task(sup.kill("1", 2, "cancelled by admin"))
+    await asyncio.sleep(0.05)
+    del sup.launching["1"]
+    earlier.done.set()
+    await killing
+    with pytest.raises(StaleGeneration, match="generation 2 was killed on n1 before it started"):
+        await later
+    assert "1" not in sup.jobs

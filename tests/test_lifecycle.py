@@ -200,7 +200,8 @@ def test_a_cancel_ends_the_job_first_then_kills_its_copy(state):
     assert (d.record.state, d.record.reason, d.record.pid, d.record.generation) == (
         "cancelled", "cancelled by user alice", 0, 3)
     assert [e.n for e in d.record.epochs] == [1, 2]  # kept for a restart, until purged
-    assert d.commands == ([] if state == "vacated" else [lc.Kill("node-2", "7", 3, "cancelled by user alice", 15, 10.0)])
+    kill = lc.Kill("node-2", "7", 3, "cancelled by user alice", 15, 10.0)
+    assert d.commands == ([] if state == "vacated" else [kill])
     assert [(e.kind, e.fields["reason"]) for e in d.events] == [("cancelled", "cancelled by user alice")]
     # Whatever comes late changes nothing: a restore's or a start's reply, the copy's exit, a failover.
     for late in (lc.Restored(3, 42), lc.Launched(3, 42), report("exited", 3, "node-2", exit_code=0),
@@ -552,3 +553,26 @@ def test_a_drains_epoch_known_only_from_its_event_brings_its_gpus():
     assert (new.gpus, new.gpu_driver) == ([H200], "570.86.10") and new.epochs[-1].gpus == [H200]
     older = lc.transition(record("running", epochs=[3]), report("vacated", 1, "node-1", epoch=2, gpus=[H200]), 9.0)
     assert older.record is None or older.record.gpus == []  # not the newest: the job's GPUs stay
+
+
+async def test_a_cancel_through_the_shell_kills_once_and_sends_the_kill_again_when_asked_again():
+    from revenant.coordinator.table.requests import JobControl, cancel_input
+    from revenant.messages import JobRequest
+
+    jobs, store, agents, _ = shell()
+    await jobs.open()
+    rec = await jobs.submit(SubmitRequest(argv=["sleep", "100"]))
+    control = JobControl(jobs)
+    asked = cancel_input(JobRequest(job="1", signal="TERM", grace_s=5), "admin")
+    done, notes = await control.cancel(rec.spec.id, asked)
+    assert (done.state, done.reason, notes) == ("cancelled", "cancelled by admin", [])
+    assert agents.sent[-1] == (rec.node, "kill", 1) and jobs.jobs["1"].state == "cancelled"
+    # Its kill may never have arrived (a leader gone, a node that did not answer): asked again, it
+    # is sent again, and the answer still says the job had ended.
+    with pytest.raises(lc.BadState, match="job 1 is already cancelled; nothing to cancel"):
+        await control.cancel("1", cancel_input(JobRequest(job="1"), "admin"))
+    assert agents.sent[-1] == (rec.node, "abandon", 1)
+    with pytest.raises(lc.BadState, match="only a running job can be signalled"):
+        await control.signal("1", JobRequest(job="1", signal="USR1"))
+    with pytest.raises(RevenantError, match="--grace needs a --signal"):
+        cancel_input(JobRequest(job="1", grace_s=3), "admin")

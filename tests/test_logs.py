@@ -120,3 +120,39 @@ def test_a_requeue_starts_the_output_afresh(out, reader):
     text = printed(follower, rec(2))
     assert text.startswith(b"--- revenant: job 7's output started afresh (a requeue), at byte 0") and \
         text.endswith(lines(0, 2))
+
+
+def test_a_cut_further_back_than_the_fence_is_printed_again_from_the_start(out, reader):
+    out.write_bytes(lines(0, 2000))  # far more than the fence keeps
+    clock = Clock()
+    follower = Follower(reader(), rec(), tail=None, clock=clock)
+    assert printed(follower, rec()) == lines(0, 2000)
+    out.write_bytes(lines(0, 1000) + b"other\n" + lines(1000, 1500))  # an epoch that says nothing of its output
+    assert printed(follower, rec()) == b""
+    clock.now = 10.0
+    text = printed(follower, rec())
+    assert text.startswith(b"--- revenant: job 7's output was rewritten before the last bytes this kept; printed "
+                           b"again from its start, at byte 0 (the last %d bytes above are undone) ---\n"
+                           % len(lines(0, 2000)))
+    assert text.endswith(b" ---\n" + lines(0, 1000) + b"other\n" + lines(1000, 1500))
+
+
+def test_a_follower_started_during_a_restore_marks_what_it_undid(out, reader):
+    out.write_bytes(lines(0, 20))
+    follower = Follower(reader(), rec(3, state="restoring"), tail=5)
+    assert printed(follower, rec(3, state="restoring")) == b""  # nothing decided while it comes up
+    at_epoch = len(lines(0, 12))  # before where its tail began: those lines are gone
+    out.write_bytes(lines(0, 12) + b"restored on\n")
+    text = printed(follower, rec(3, restored_from=4, epochs=[EpochInfo(n=4, output_bytes=at_epoch)]))
+    assert text == (b"--- revenant: job 7's output rolled back to epoch 4, at byte %d (the last %d bytes above are "
+                    b"undone) ---\nrestored on\n" % (at_epoch, len(lines(12, 15))))
+
+
+def test_a_requeue_that_has_already_written_more_is_marked_too(out, reader):
+    out.write_bytes(lines(0, 3))
+    follower = Follower(reader(), rec(), tail=None)
+    printed(follower, rec())
+    out.write_bytes(lines(0, 8))  # the fresh run wrote the same lines and more before the follower looked
+    text = printed(follower, rec(2))
+    assert text.startswith(b"--- revenant: job 7's output started afresh (a requeue), at byte 0") and \
+        text.endswith(b" ---\n" + lines(0, 8))

@@ -130,9 +130,11 @@ class Supervisor:
     async def _launch(self, job: str, generation: int):
         """Claim ``job`` for starting ``generation``: never two starts or restores of one job at once,
         never an older generation over a newer one (an older copy, running or starting, is killed first)."""
-        if self.killed.get(job, 0) >= generation:  # a kill (a cancel) got here before its launch
-            raise StaleGeneration(f"job {job} generation {generation} was killed on {self.node} before it started")
-        while (current := self.launching.get(job)) is not None:
+        while True:
+            if self.killed.get(job, 0) >= generation:  # a kill (a cancel) came before this launch, or while it waited
+                raise StaleGeneration(f"job {job} generation {generation} was killed on {self.node} before it started")
+            if (current := self.launching.get(job)) is None:
+                break
             if current.generation >= generation:
                 raise RevenantError(f"job {job} generation {current.generation} is already starting on {self.node}",
                                     code="already_running")
@@ -303,10 +305,8 @@ class Supervisor:
             raise JobNotRunning(f"job {job} is not running on {self.node}")
         if rt.generation > generation:
             raise StaleGeneration(f"job {job} runs generation {rt.generation} on {self.node}, newer than {generation}")
-        if signum:
-            rt.killing, rt.kill_reason = True, rt.kill_reason or reason  # however it ends: killed, on purpose
-            if await signals.ask_to_end(rt, signum, grace_s):
-                return self._reply(rt)
+        if signum and await signals.ask_to_end(rt, signum, grace_s, reason):
+            return self._reply(rt)
         await self._kill(rt, reason or f"killed as generation {rt.generation}")
         return self._reply(rt)
 

@@ -14,7 +14,7 @@ import os
 
 from revenant.agent.processes.procs import job_processes, program_pid
 from revenant.agent.running.runtime import JobRuntime
-from revenant.common.errors import JobNotRunning
+from revenant.common.errors import JobNotRunning, RevenantError
 
 
 def _send(pids: list[int], signum: int) -> list[int]:
@@ -30,7 +30,12 @@ def _send(pids: list[int], signum: int) -> list[int]:
 
 def signal_job(rt: JobRuntime, signum: int, every: bool, node: str) -> list[int]:
     """Deliver ``signum`` to ``rt``'s program, or (``every``) to every process below its init;
-    the pids it reached.  A job whose program has ended (its init about to) is not running."""
+    the pids it reached.  A job whose program has ended (its init about to) is not running.  A
+    job being checkpointed is refused (``busy``): the dump would save the signal pending in the
+    epoch, and a restart from it would deliver it again."""
+    if rt.lock.locked():
+        raise RevenantError(f"job {rt.spec.id} is being checkpointed on {node}; signal it once that ends",
+                            code="busy", retriable=True)
     pids = job_processes(rt.pid) if every else [p for p in [program_pid(rt.pid)] if p]
     sent = _send(pids, signum)
     if not sent:
@@ -38,11 +43,14 @@ def signal_job(rt: JobRuntime, signum: int, every: bool, node: str) -> list[int]
     return sent
 
 
-async def ask_to_end(rt: JobRuntime, signum: int, grace_s: float) -> bool:
+async def ask_to_end(rt: JobRuntime, signum: int, grace_s: float, reason: str) -> bool:
     """Send ``signum`` to every process of ``rt`` below its init and give it ``grace_s`` to end;
-    whether it did.  A job frozen by its node's fence gets no grace: it would have to be let go
-    on first, without the leader's word, so it is killed as it is."""
-    if rt.frozen_at is not None or not grace_s:
+    whether it did (either way its end is reported killed, for ``reason``).  No grace for a job
+    frozen by its node's fence (it would have to be let go on first, without the leader's word),
+    nor for one being checkpointed (the dump would save the signal in the epoch, for a restart to
+    deliver again; killed at once, the dump fails whole instead): the caller kills it as it is."""
+    rt.killing, rt.kill_reason = True, rt.kill_reason or reason
+    if rt.frozen_at is not None or rt.lock.locked() or not grace_s:
         return False
     _send(job_processes(rt.pid), signum)
     try:

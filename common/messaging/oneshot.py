@@ -135,7 +135,8 @@ def _ask(conn: _Conn, url: str, subject: str, msg: Message, reply_type: type[M],
                 why = line[4:].strip(b" '").decode(errors="replace")
                 if "authorization violation" in why.lower():
                     raise refused(url, creds, why)
-                raise BusError(f"request on {subject} refused: {why}")
+                # The server's word on this request (a permission, a size): asking again changes nothing.
+                raise BusError(f"request on {subject} refused: {why}", code="nats_refused", retriable=False)
             if line == b"PING":
                 conn.sock.sendall(b"PONG\r\n")
     except TimeoutError:

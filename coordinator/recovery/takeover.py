@@ -85,6 +85,9 @@ async def announce_dead(js: JetStreamContext, events: EventPublisher, detector: 
     return out
 
 
+# How recent a cancel a new leader sends its kill again for (its grace is at most an hour).
+CANCEL_RESEND_S = 7200.0
+
 async def take_over(inherited: dict[str, tuple[str, int, str]], delay_s: float, *, js: JetStreamContext,
                     events: EventPublisher, detector: FailureDetector, jobs: JobService, failover: Failover,
                     clock: Callable[[], float], wall: Callable[[], float]) -> None:
@@ -110,3 +113,8 @@ async def take_over(inherited: dict[str, tuple[str, int, str]], delay_s: float, 
             log.warning("taking over the recovery of job %s (it was %s)", job, inherited[job][0])
         rec = detector.nodes.get(dead) if dead else None
         failover.recover_job(job, dead, rec.incarnation if rec is not None else "")
+    # A cancel the old leader recorded may never have reached the job's node: its kill is sent again.
+    now = wall()
+    await asyncio.gather(*(jobs.agents.abandon(r.node, job, r.generation, r.reason or "cancelled")
+                           for job, r in list(jobs.jobs.items())
+                           if r.state == lc.State.CANCELLED and r.node and now - r.updated_at < CANCEL_RESEND_S))

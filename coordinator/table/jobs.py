@@ -226,7 +226,8 @@ class JobService:
             reply = await self.agents.carry_out(cmd, self.config.checkpoint_timeout_s)
         except RevenantError as exc:
             skipped = exc.code == CheckpointSkipped.code
-            await self.record(job, lc.CheckpointFailed(cmd.generation, "" if skipped else str(exc),
+            quiet = skipped or exc.code == "busy"  # nothing failed: the job runs on, or is checkpointed already
+            await self.record(job, lc.CheckpointFailed(cmd.generation, "" if quiet else str(exc),
                                                        exc.code == "not_checkpointable"))
             if skipped and not isinstance(exc, CheckpointSkipped):
                 raise CheckpointSkipped(str(exc)) from None

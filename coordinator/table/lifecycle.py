@@ -28,7 +28,8 @@ from revenant.common import retention
 from revenant.common.errors import JobNotRunning, RevenantError
 from revenant.coordinator.table.epoch_rules import epoch_converted, with_reported_epoch
 from revenant.coordinator.table.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
-    AgentReport, CancelAsked, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted, Kill,
+    AgentReport, CancelAsked, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted,
+    Kill,
     Launched, LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed,
     Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input, TRANSITIONS,
 )
@@ -94,8 +95,8 @@ def _launched(rec: JobRecord, inp: Launched, now: float) -> Decision:
     if rec.generation != inp.generation:
         return Decision()
     if rec.state == State.PENDING:
-        return Decision(_copy(rec, state=State.RUNNING, pid=inp.pid, program_pid=inp.program_pid, last_checkpoint_at=now,
-                              output=inp.output, restored_from=0))
+        return Decision(_copy(rec, state=State.RUNNING, pid=inp.pid, program_pid=inp.program_pid,
+                              last_checkpoint_at=now, output=inp.output, restored_from=0))
     return Decision(_copy(rec, output=inp.output))  # it already exited (the event came first)
 
 

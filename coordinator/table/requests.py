@@ -260,7 +260,13 @@ class JobControl:
     async def cancel(self, job: str, ask: lc.CancelAsked) -> tuple[JobRecord, list[str]]:
         """End ``job`` without a checkpoint (see the module's docstring); the notes say what its
         node did."""
-        decision = await self.jobs.step(job, ask)
+        try:
+            decision = await self.jobs.step(job, ask)
+        except lc.BadState:
+            rec = self.jobs.get(job)
+            if rec.state == lc.State.CANCELLED and rec.node:  # its kill may never have arrived: again
+                await self.jobs.agents.abandon(rec.node, job, rec.generation, rec.reason or ask.reason)
+            raise
         notes: list[str] = []
         for kill in decision.commands:
             try:
@@ -269,21 +275,24 @@ class JobControl:
                 if exc.code in ("not_running", "stale_generation"):
                     continue  # it ended, or never came up: nothing of it runs there
                 log.warning("job %s: cancelled, but node %s did not confirm the kill: %s", job, kill.node, exc)
-                notes.append(f"node {kill.node} did not confirm the kill ({exc}); its copy is killed as soon as "
-                             f"the node answers the leader again")
+                notes.append(f"node {kill.node} did not confirm the kill ({exc}); cancel again to send it again "
+                             f"(a copy left frozen there is killed when it asks to go on)")
         return self.jobs.get(job), notes
 
     async def signal(self, job: str, req: JobRequest) -> tuple[JobRecord, list[str]]:
         """Deliver ``req.signal`` to the job's program (``req.all``: every process of the job)."""
         signum = parse_signal(req.signal)
         rec = self.jobs.get(job)
-        if rec.state not in (lc.State.RUNNING, lc.State.CHECKPOINTING) or not rec.node:
+        if rec.state == lc.State.CHECKPOINTING:  # the dump would save it, for a restart to deliver again
+            raise lc.JobBusy(f"job {job} is being checkpointed; signal it once that ends")
+        if rec.state != lc.State.RUNNING or not rec.node:
             raise lc.BadState(f"job {job} is {rec.state}; only a running job can be signalled")
         reply = await self.jobs.agents.send(rec.node, "signal", SignalJob(job=job, generation=rec.generation,
                                                                           signal=signum, all=req.all),
                                             self.jobs.config.start_timeout_s)
-        name = signal_name(signum)
-        whom = f"{len(reply.signalled)} process(es) of the job" if req.all else f"its program, pid {reply.signalled[0]}"
+        name, pids = signal_name(signum), ", ".join(str(p) for p in reply.signalled[:20])
+        whom = (f"{len(reply.signalled)} process(es) of the job (pid {pids}{', ...' * (len(reply.signalled) > 20)})"
+                if req.all else f"its program, pid {pids}")
         self.jobs.event(rec, "signalled", reason=f"{name} to {whom}")
         return self.jobs.get(job), [f"{name} sent to {whom} on {rec.node}"]
 
