@@ -60,7 +60,7 @@ async def test_a_job_that_closes_its_files_goes_on_exactly_from_each_epoch(tmp_p
     await until(lambda: "1" not in n1.jobs or n1.jobs["1"].exited.is_set())
 
     restored = await n2.restore(spec, 2)  # a failover: from the newest epoch
-    assert restored.epoch.n == second.epoch.n
+    assert restored.epoch.n == second.epoch.n, restored.notes
     n = steps_in(out)
     await until(lambda: steps_in(out) >= n + 10)
     await n2.checkpoint("1", 2, stop=True)  # a vacate, then a restart of the older epoch
