@@ -338,8 +338,8 @@ def failover(args: argparse.Namespace) -> int:
 
 def job_action(args: argparse.Namespace, verb: str) -> int:
     """checkpoint create (verb 'checkpoint'), vacate, restart, purge."""
-    # A checkpoint or vacate waits for one in progress, within the same --timeout.
-    wait_s = args.timeout if verb in ("checkpoint", "vacate") else 0.0
+    # A checkpoint or vacate waits for one in progress for half its --timeout, then takes its own.
+    wait_s = who.waiting(args.timeout, None) if verb in ("checkpoint", "vacate") else 0.0
     req = JobRequest(job=args.job, node=getattr(args, "node", None) or "", epoch=getattr(args, "epoch", None) or 0,
                      wait_s=wait_s)
     criu_op = verb in ("checkpoint", "vacate", "restart")

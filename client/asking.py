@@ -87,3 +87,10 @@ def next_jobs(reply: JobsReply) -> str | None:
 def next_nodes(reply: NodesReply, have: int) -> int | None:
     """The ``offset`` of the node table's next page, or None: ``have`` is all of it."""
     return have if reply.nodes and have < reply.total else None
+
+
+def waiting(timeout_s: float, wait_s: float | None) -> float:
+    """How long a checkpoint or vacate waits for one already in progress: ``wait_s`` if given, else
+    half of the request's ``timeout_s``, so that its own checkpoint has the other half before
+    the client stops listening."""
+    return timeout_s / 2 if wait_s is None else wait_s

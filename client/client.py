@@ -8,7 +8,8 @@ import time
 from datetime import datetime
 from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 
-from revenant.client.asking import SUBMIT_RETRY_S, ask_again, asking_user, next_jobs, next_nodes, submit_request
+from revenant.client.asking import (SUBMIT_RETRY_S, ask_again, asking_user, next_jobs, next_nodes, submit_request,
+                                    waiting)
 from revenant.client.errors import ClientError
 from revenant.common.errors import RevenantError
 from revenant.common.messaging import bus
@@ -163,14 +164,14 @@ class Client:
     async def checkpoint(self, job: str, *, wait: float | None = None, timeout: float = 3600.0,
                          progress: Callable[[Progress], Any] | None = None) -> JobReply:
         """A new epoch; the job keeps running.  One already in progress is waited for (up to
-        ``wait`` seconds; default: ``timeout``).  The reply: the record, notes, criu's statistics."""
-        req = JobRequest(job=job, wait_s=timeout if wait is None else wait)
+        ``wait`` seconds; default: half of ``timeout``).  The reply: the record, notes, criu's statistics."""
+        req = JobRequest(job=job, wait_s=waiting(timeout, wait))
         return await self.ask("checkpoint", req, JobReply, timeout, progress, job)
 
     async def vacate(self, job: str, *, wait: float | None = None, timeout: float = 3600.0,
                      progress: Callable[[Progress], Any] | None = None) -> JobReply:
         """A checkpoint, then the job stops (vacated: ``restart`` brings it back)."""
-        req = JobRequest(job=job, wait_s=timeout if wait is None else wait)
+        req = JobRequest(job=job, wait_s=waiting(timeout, wait))
         return await self.ask("vacate", req, JobReply, timeout, progress, job)
 
     async def restart(self, job: str, *, node: str = "", epoch: int = 0, timeout: float = 3600.0,

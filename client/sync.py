@@ -9,7 +9,8 @@ import socket
 import time
 from typing import Any, TypeVar
 
-from revenant.client.asking import SUBMIT_RETRY_S, ask_again, asking_user, next_jobs, next_nodes, submit_request
+from revenant.client.asking import (SUBMIT_RETRY_S, ask_again, asking_user, next_jobs, next_nodes, submit_request,
+                                    waiting)
 from revenant.client.errors import ClientError
 from revenant.client.once import ask_once
 from revenant.common.errors import BusError, RevenantError
@@ -112,10 +113,10 @@ class SyncClient:
         return self.nodes_reply().nodes
 
     def checkpoint(self, job: str, *, wait: float | None = None, timeout: float = 3600.0) -> JobReply:
-        return self.ask("checkpoint", JobRequest(job=job, wait_s=timeout if wait is None else wait), JobReply, timeout)
+        return self.ask("checkpoint", JobRequest(job=job, wait_s=waiting(timeout, wait)), JobReply, timeout)
 
     def vacate(self, job: str, *, wait: float | None = None, timeout: float = 3600.0) -> JobReply:
-        return self.ask("vacate", JobRequest(job=job, wait_s=timeout if wait is None else wait), JobReply, timeout)
+        return self.ask("vacate", JobRequest(job=job, wait_s=waiting(timeout, wait)), JobReply, timeout)
 
     def restart(self, job: str, *, node: str = "", epoch: int = 0, timeout: float = 3600.0) -> JobReply:
         return self.ask("restart", JobRequest(job=job, node=node, epoch=epoch), JobReply, timeout)
