@@ -135,10 +135,6 @@ class Client:
     async def job(self, job: str) -> JobRecord:
         return (await self.ask("job", JobRequest(job=job), JobReply)).job
 
-    async def job_reply(self, job: str) -> JobReply:
-        """:meth:`job` with the reply's notes (an archived job's, say)."""
-        return await self.ask("job", JobRequest(job=job), JobReply)
-
     async def jobs(self, page: int = 1000) -> AsyncIterator[JobRecord]:
         """Every job in the live table (a user's: their own), fetched a page at a time."""
         after: str | None = ""
