@@ -24,6 +24,7 @@ from revenant.common.errors import RevenantError
 from revenant.common.settings import security
 from revenant.common.settings.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.settings.intervals import parse_interval
+from revenant.common.settings.resources import parse_size
 from revenant.common.settings.limits import ROOT_USERS, BadRequest, check_submit, env_problem
 from revenant.messages import (
     FailoverReply,
@@ -275,7 +276,9 @@ def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequ
                         user=user, incremental=args.incremental, full_every=args.full_every,
                         pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware,
                         connections=getattr(args, "connections", None),
-                        on_sick=getattr(args, "on_sick", None) or "", request_id=request_id)
+                        on_sick=getattr(args, "on_sick", None) or "", request_id=request_id,
+                        cpus=getattr(args, "cpus", None), gpus=getattr(args, "gpus", None),
+                        memory_bytes=parse_size(args.mem) if getattr(args, "mem", None) is not None else None)
     check_submit(req, job_user)
     return req
 
@@ -286,6 +289,8 @@ def submit(args: argparse.Namespace) -> int:
     req = submit_request(args, request_id=secrets.token_hex(16))
     reply = submitted(bus_url(args), req, args.timeout)
     print(reply.job.spec.id)
+    if reply.job.state == "pending" and not reply.job.node:
+        print(f"revenant: job {reply.job.spec.id} is pending, {reply.job.reason}", file=sys.stderr)
     return 0
 
 

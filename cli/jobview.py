@@ -10,6 +10,7 @@ import msgspec
 
 from revenant.common.gpufit import describe
 from revenant.common.settings.intervals import format_interval
+from revenant.common.settings.resources import describe as describe_ask
 from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord, JobResource
 
 
@@ -65,6 +66,8 @@ def job_view(rec: JobRecord) -> dict:
         "policy": msgspec.to_builtins(rec.spec.policy),
         "on_sick": rec.spec.on_sick,
         "requeue": rec.spec.requeue,
+        "resources": msgspec.to_builtins(rec.spec.resources),
+        "assigned_gpus": rec.assigned_gpus,
         "created_at": rec.created_at,
         "updated_at": rec.updated_at,
     }
@@ -88,6 +91,8 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("checkpoints", f"{every}, keep {rec.spec.max_epochs}"),
         ("policy", policy_line(rec.spec.policy)),
         ("on sick", rec.spec.on_sick or "the cluster's default"),
+        ("asks", describe_ask(rec.spec.resources) + (f" (GPUs {', '.join(rec.assigned_gpus)})"
+                                                     if rec.assigned_gpus and rec.node else "")),
         *([("gpus", describe(rec.gpus, rec.gpu_driver) + ": a restore needs the same")] if rec.gpus else []),
         ("storage", _storage_cell(rec)),
         *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),

@@ -152,6 +152,12 @@ def _submit_command(sub: Any) -> None:
                    "brings them back intact; elsewhere closed) or close (always closed; a vacate resets them at "
                    "once) (default: the cluster's, keep)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
+    p.add_argument("--cpus", type=float, metavar="N", help="CPUs the job needs on its node: reserved, and its limit "
+                   "(its cgroup's cpu quota) (default: the cluster's [resources] cpus, 0: none)")
+    p.add_argument("--mem", metavar="SIZE", help="memory the job needs (64G, 512M): reserved, and its limit "
+                   "(default: the cluster's [resources] memory, none)")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs the job needs: its own, named by UUID in "
+                   "CUDA_VISIBLE_DEVICES (default: the cluster's [resources] gpus, 0)")
     p.add_argument("--workdir", help="working directory (default: the current one)")
     p.add_argument("--export", metavar="ALL|NONE|[ALL,]NAME[=VALUE],...",
                    help="which of this shell's environment variables the job gets, as sbatch --export: ALL "

@@ -14,6 +14,7 @@ from revenant.client.errors import ClientError
 from revenant.common.errors import RevenantError
 from revenant.common.settings import security
 from revenant.common.settings.intervals import parse_interval
+from revenant.common.settings.resources import parse_size
 from revenant.common.settings.limits import check_submit
 from revenant.messages import JobsReply, NodesReply, SubmitRequest, subjects
 
@@ -62,6 +63,10 @@ def submit_request(argv: list[str], asker: str | None, *, name: str = "", node: 
     for admin); a mistake is a :class:`ClientError` before anything is sent."""
     try:
         interval = parse_interval(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        if isinstance(policy.get("mem"), str):  # a size as --mem takes it: "64G"
+            policy["memory_bytes"] = parse_size(policy.pop("mem"))
+        elif "mem" in policy:
+            policy["memory_bytes"] = policy.pop("mem")
         req = SubmitRequest(argv=list(argv), name=name, node=node, workdir=os.path.realpath(workdir or os.getcwd()),
                             env=dict(env or {}), checkpoint_interval_s=interval, max_epochs=max_epochs,
                             requeue=requeue, user=user, request_id=request_id or os.urandom(16).hex(),

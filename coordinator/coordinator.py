@@ -44,6 +44,7 @@ from revenant.coordinator.table.paging import fitting
 from revenant.coordinator.table.periodic import PeriodicCheckpoints
 from revenant.coordinator.table.requests import USER_VERBS, ClientRequests, check_admin, requester_of
 from revenant.coordinator.table.store import KvJobStore
+from revenant.coordinator.waiting import WaitingJobs
 from revenant.messages import (ClusterEvent, FailoverRequest, HealthSummary, Message, MessageError, NodeEvent,
                                NodesReply, NodesRequest, Probe, ProbeReply, ReconcileRequest, decode_as, subjects)
 
@@ -169,8 +170,7 @@ class Coordinator(Service):
         self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
         self._conversions = JobEventConsumer(self._js, self.jobs, self._evicted, subjects.EPOCHS_CONVERTED,
                                              EPOCHS_CONSUMER)
-        # The detector's records, not a snapshot: the periodic loop only asks which nodes are alive.
-        self._periodic = PeriodicCheckpoints(self.jobs, self.detector.nodes.values,
+        self._periodic = PeriodicCheckpoints(self.jobs, self.detector.nodes.values,  # records, not a snapshot
                                              min(1.0, self.config.tick_interval_s * 10), self._wall)
         self._events.start()
         self.spawn(self._tick_loop(), "detector-tick")
@@ -229,15 +229,15 @@ class Coordinator(Service):
             term.add(self.spawn(_supervised(self._job_events.run), "job-events"))
             term.add(self.spawn(_supervised(self._conversions.run), "epoch-conversions"))
             term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
+            term.add(self.spawn(_supervised(WaitingJobs(self.jobs).run), "waiting-jobs"))
             self._proactive = proactive = ProactiveMoves(self.config, self.jobs, failover, self._events,
                                                          self.detector.nodes.values, self.metrics,
                                                          attention=self.detector.attention,
                                                          clock=self._clock, wall=self._wall)
-            term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL,
-                                                               cb=proactive.on_anomaly))
+            term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL, cb=proactive.on_anomaly))
             term.add(self.spawn(_supervised(proactive.run), "proactive-moves"))
-            term.add(self.spawn(_supervised(Archiver(self.jobs, self.config.job_retention_s, wall=self._wall).run),
-                                "job-archive"))
+            archiver = Archiver(self.jobs, self.config.job_retention_s, wall=self._wall)
+            term.add(self.spawn(_supervised(archiver.run), "job-archive"))
             term.add(self.spawn(take_over(
                 inherited, self.config.node_timeout_s + self.config.probe_timeout_s, js=self._js,
                 events=self._events, detector=self.detector, jobs=self.jobs, failover=failover,

@@ -185,6 +185,16 @@ class CheckpointPolicy(_Body):
     connections: Literal["keep", "close"] = "keep"
 
 
+class JobResources(_Body):
+    """What a job asked for: its submit's, else the cluster's ``[resources]`` defaults, fixed at
+    submit.  Placement reserves it on the job's node; the node's cgroup for the job limits it
+    (0: nothing reserved, no limit)."""
+
+    cpus: float = 0.0
+    memory_bytes: int = 0
+    gpus: int = 0
+
+
 class JobSpec(_Body):
     """What to run; fixed at submit time."""
 
@@ -206,6 +216,8 @@ class JobSpec(_Body):
     on_sick: OnSick = ""
     # The submit's request id ("": none given), by which a repeat of it finds this job.
     request_id: str = ""
+    # What it asked for (a record from before: nothing).
+    resources: JobResources = msgspec.field(default_factory=JobResources)
 
 
 class EpochFile(_Body):
@@ -320,6 +332,9 @@ class JobRecord(_Body):
     # ([] and "": it holds none); a restore goes only to a node that can take them (common/gpufit.py).
     gpus: list[JobGpu] = []
     gpu_driver: str = ""
+    # The UUIDs of the GPUs placement gave this generation on its node (its CUDA_VISIBLE_DEVICES),
+    # one per GPU the job asked for; no other job on the node is given them meanwhile.
+    assigned_gpus: list[str] = []
 
 
 class LeaseValue(_Body):

@@ -24,6 +24,7 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     EpochFile,
     EpochInfo,
     JobResource,
+    JobResources,
     ResourceVerdict,
     FINDING_CODES,
     GpuHealth,
@@ -183,6 +184,10 @@ class SubmitRequest(Message, tag="submit.v1"):
     # The client's key for this submit ("": none): a repeat with the same key from the same user
     # (a reply lost, a leader changed) is answered with the job the first made, not a second one.
     request_id: str = ""
+    # What the job needs on its node; None: the cluster's [resources] default.
+    cpus: float | None = None
+    memory_bytes: int | None = None
+    gpus: int | None = None
 
 
 class JobRequest(Message, tag="job_request.v1"):
@@ -253,6 +258,8 @@ class StartJob(Message, tag="start_job.v1"):
     generation: int
     # A requeue: discard the output of the earlier run and start clean.
     fresh: bool = False
+    # The UUIDs of the node's GPUs the job is given (its CUDA_VISIBLE_DEVICES); []: none asked.
+    gpus: list[str] = []
 
 
 class CheckpointJob(Message, tag="checkpoint_job.v1"):
@@ -280,6 +287,8 @@ class RestoreJob(Message, tag="restore_job.v1"):
     leave_workdir: str = ""
     # 0: the newest epoch that can be restored; N: exactly epoch N, with no fallback.
     epoch: int = 0
+    # The node's GPUs the job is given: the epoch's GPUs are restored onto these ([]: none asked).
+    gpus: list[str] = []
 
 
 class KillJob(Message, tag="kill_job.v1"):
@@ -474,7 +483,8 @@ __all__ = [
     "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckJob", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",
-    "Heartbeat", "HeartbeatRequest", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobResource", "JobSpec",
+    "Heartbeat", "HeartbeatRequest", "HeartbeatV1", "JobEvent", "JobEventKind", "JobGpu", "JobRecord", "JobReply", "JobRequest", "JobResource", "JobResources",
+    "JobSpec",
     "JobState", "JobsReply", "JobsRequest", "KillJob", "LeaseValue", "LocalJob", "Message", "NodeEvent",
     "NodeEventKind", "NodeState", "NodeStatus", "NodesReply", "NodesRequest", "Probe", "ProbeReply",
     "Progress", "PurgeJob", "ReconcileReply", "ReconcileRequest", "RestoreJob", "SignalJob", "StaleJob", "StartJob",

@@ -11,6 +11,7 @@ import pytest
 from revenant.common.errors import ConfigError
 from revenant.common.settings.config import GUIDE_NAMES, AgentConfig, CheckpointConfig, CoordinatorConfig, load_config
 from revenant.common.settings.limits import POLICY_RANGES
+from revenant.common.settings.resources import ResourcesConfig
 from revenant.messages import CheckpointPolicy, SubmitRequest
 
 pytestmark = pytest.mark.unit
@@ -56,7 +57,7 @@ def _doc_section(section: str) -> str:
 
 
 @pytest.mark.parametrize("cls, section", [(AgentConfig, "agent"), (CoordinatorConfig, "coordinator"),
-                                          (CheckpointConfig, "checkpoint")])
+                                          (CheckpointConfig, "checkpoint"), (ResourcesConfig, "resources")])
 def test_configuration_reference_lists_every_key_with_its_default(cls, section):
     table = _doc_section(section)
     # (The rows of the guide's mapping table, `CRIU_...` | `key`, are checked on their own below.)

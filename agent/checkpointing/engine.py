@@ -48,7 +48,7 @@ from revenant.agent.files.relink import RelinkStep
 from revenant.agent.lazyrestore import lazy
 from revenant.agent.pipeline import blockers, criu, criustats, progress
 from revenant.agent.pipeline.handshake import Handshake
-from revenant.agent.pipeline.steps import DumpContext, RestoreContext, Step, check_before_resume
+from revenant.agent.pipeline.steps import DumpContext, RestoreAsk, RestoreContext, Step, check_before_resume
 from revenant.agent.processes import procs
 from revenant.agent.storage import packs
 from revenant.agent.storage.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch
@@ -59,6 +59,8 @@ from revenant.common.errors import CriuError, RevenantError
 from revenant.messages import CheckpointPolicy
 
 log = logging.getLogger(__name__)
+
+Restored = tuple[int, Manifest, list[str], "lazy.LazyFetch | None", dict[str, float]]  # Engine.restore's
 
 
 class NoSpace(RevenantError):
@@ -306,10 +308,9 @@ class Engine:
 
     # ------------------------------------------------------------------ restore
 
-    async def restore(self, job: str, generation: int, leave_workdir: str = "",
-                      epoch: int = 0) -> tuple[int, Manifest, list[str], lazy.LazyFetch | None, dict[str, float]]:
-        """Restore ``job`` from its newest verified epoch (``epoch``: exactly that one) as our
-        child; returns (pid, manifest, notes, fetch, criu's statistics).  ``leave_workdir``: why
+    async def restore(self, job: str, generation: int, ask: RestoreAsk = RestoreAsk()) -> Restored:
+        """Restore ``job`` from its newest verified epoch (``ask.epoch``: exactly that one) as our
+        child; returns (pid, manifest, notes, fetch, criu's statistics).  ``ask.leave_workdir``: why
         the job's working directory must be left as it is (it is shared).  An epoch stored as a delta
         (agent/storage/packs.py) is rebuilt first, into a temporary directory next to the epochs.
 
@@ -323,27 +324,26 @@ class Engine:
                 checked: dict[str, object] = {}
 
                 def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first
-                    checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch))) for s in self.steps)
+                    checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch), ask.gpus))
+                                   for s in self.steps)
 
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
-                manifest, notes = await asyncio.to_thread(_chosen, files, epoch, check,
+                manifest, notes = await asyncio.to_thread(_chosen, files, ask.epoch, check,
                                                           lazy.lazy_serves if lazy_here else None)
                 lazy_here = lazy_here and lazy.served_lazily(manifest)
-                return await self._restore_chosen(files, manifest, notes, generation, leave_workdir, checked,
-                                                  lazy_here)
+                return await self._restore_chosen(files, manifest, notes, generation, ask, checked, lazy_here)
         finally:
             self.pending -= 1
 
     async def _restore_chosen(self, files: JobFiles, manifest: Manifest, notes: list[str], generation: int,
-                              leave_workdir: str, checked: dict[str, object],
-                              lazy_here: bool) -> tuple[int, Manifest, list[str], lazy.LazyFetch | None,
-                                                        dict[str, float]]:
+                              ask: RestoreAsk, checked: dict[str, object], lazy_here: bool) -> Restored:
         workdir: Path | None = self._new_dir(self.work_roots, f"restore-{files.job}")
         assert workdir is not None
         images = fetch = None
         ctx = RestoreContext(job=files.job, generation=generation, files=files,
                              epoch_dir=files.epoch_dir(manifest.epoch), workdir=workdir,
-                             manifest=manifest, notes=notes, leave_workdir=leave_workdir, checked=checked)
+                             manifest=manifest, notes=notes, leave_workdir=ask.leave_workdir, checked=checked,
+                             criu_args=ask.criu_args)
         try:
             if packs.converted(manifest):  # restored eagerly (its pages were checked through the packs)
                 images = files.new_tmp(self.node)
@@ -372,7 +372,7 @@ class Engine:
         script.chmod(0o755)
         argv = criu.restore_argv(self.criu, images=ctx.images or ctx.epoch_dir, workdir=ctx.workdir, pidfile=pidfile,
                                  action_script=script, keep_connections=ctx.keep_connections)
-        argv += ctx.lazy.restore_args if ctx.lazy is not None else []
+        argv += [*ctx.criu_args, *(ctx.lazy.restore_args if ctx.lazy is not None else [])]
         total = 0 if ctx.lazy is not None else ctx.manifest.total_bytes  # a lazy restore reads its pages later
         watch = self.reporter.watch(ctx.job, ctx.manifest.user, "restore", progress.RestoredBytes(ctx.workdir), total)
         verdict: list[BaseException | None] = []

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from revenant.agent.files import aside, jobfiles_restore, remade, workdir, workdir_packs, workdir_restore
 from revenant.agent.files.jobfiles import Snapshot, SnapshotResult
@@ -150,7 +151,8 @@ class JobFilesStep(BaseStep):
         if packer is not None:  # after the gate let go: nothing packs any more
             await asyncio.to_thread(packer.discard)
 
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> list[jobfiles_restore.PutBack]:
+    def check_restore(self, manifest: Manifest, epoch_dir: Path,
+                      gpus: Sequence[str] = ()) -> list[jobfiles_restore.PutBack]:
         return jobfiles_restore.plan(manifest, epoch_dir)
 
     async def before_restore(self, ctx: RestoreContext) -> None:

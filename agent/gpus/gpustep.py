@@ -24,7 +24,9 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import msgspec
 
 from revenant.agent.gpus.cuda import CHECKPOINTED, LOCKED, RUNNING, CudaError, Mechanism
 from revenant.agent.gpus.gpu import CudaProcess, GpuScan
@@ -255,10 +257,12 @@ class GpuStep(BaseStep):
 
     # ------------------------------------------------------------------ restore
 
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any:
+    def check_restore(self, manifest: Manifest, epoch_dir: Path, gpus: Sequence[str] = ()) -> Any:
         if not manifest.gpus:
             return {}
         caps = self.capabilities()
+        if gpus:  # placement gave the job these: its GPUs go onto them, no other of the node's
+            caps = msgspec.structs.replace(caps, gpus=[g for g in caps.gpus if g.uuid in gpus])
         why, moved = gpu_fit(manifest.gpus, manifest.gpu_driver, caps)
         if why:
             raise EpochError(f"epoch {manifest.epoch} of {manifest.job}: {why}")

@@ -36,7 +36,7 @@ from revenant.agent.node.liveness import Liveness
 from revenant.agent.node.probes import HealthProbes, anomaly_event
 from revenant.agent.pipeline import progress
 from revenant.agent.pipeline.criu import inspect_criu
-from revenant.agent.processes import procs
+from revenant.agent.processes import cgroups, procs
 from revenant.agent.running.jobs import Supervisor
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import ConfigError, RevenantError
@@ -142,7 +142,7 @@ class Agent(Service):
                                      switch_timeout_s=self.config.fence_timeout_s,
                                      max_frozen_s=self.config.max_frozen_s, clock=self.clock,
                                      wall_clock=self.wall_clock, scratch=self.config.job_scratch(),
-                                     allow_root_jobs=self.config.allow_root_jobs)
+                                     allow_root_jobs=self.config.allow_root_jobs, cgroups=self._cgroups())
         with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):
             await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
             await self._nc.flush(timeout=self.config.shutdown_grace_s)  # served once ready is set
@@ -299,6 +299,12 @@ class Agent(Service):
                                   anomaly_event(self.node, a, self.wall_clock()))
         return summary
 
+    def _cgroups(self) -> cgroups.NodeCgroups:
+        layout = cgroups.discover() if self.config.job_cgroups else cgroups.Layout(why_none="job_cgroups is off")
+        node = cgroups.NodeCgroups(self.node, layout, self.config.job_pids_max)
+        log.info("job cgroups: %s; %d left empty removed", layout.describe(), node.sweep())
+        return node
+
     async def _health_loop(self) -> None:
         """Sample the probes each heartbeat interval; the liveness thread publishes the result."""
         while True:
@@ -337,7 +343,7 @@ class Agent(Service):
                                 code="shutting_down", retriable=True)
         if verb == "start":
             cmd = decode_as(data, StartJob)
-            return await sup.start(cmd.spec, cmd.generation, fresh=cmd.fresh)
+            return await sup.start(cmd.spec, cmd.generation, fresh=cmd.fresh, gpus=cmd.gpus)
         if verb == "checkpoint":
             ck = decode_as(data, CheckpointJob)
             return await sup.checkpoint(ck.job, ck.generation, ck.stop, ck.evict if ck.stop else "",
@@ -345,7 +351,7 @@ class Agent(Service):
                                         why={"cause": ck.cause, "reasons": ck.reasons})
         if verb == "restore":
             rs = decode_as(data, RestoreJob)
-            return await sup.restore(rs.spec, rs.generation, rs.leave_workdir, rs.epoch)
+            return await sup.restore(rs.spec, rs.generation, rs.leave_workdir, rs.epoch, rs.gpus)
         if verb == "kill":
             kj = decode_as(data, KillJob)
             return await sup.kill(kj.job, kj.generation, kj.reason, kj.signal, kj.grace_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from revenant.agent.pipeline.handshake import Handshake
 from revenant.agent.storage.epochs import EpochError, JobFiles, Manifest
@@ -53,6 +53,19 @@ class DumpContext:
     keep_connections: bool = False
 
 
+@dataclass(frozen=True)
+class RestoreAsk:
+    """What a restore is asked for, beyond the job: the epoch (0: the newest restorable), why its
+    working directory must be left as it is ("": it need not), the node's GPUs it is given (the
+    epoch's are restored onto them), and criu arguments of the node's own (its cgroup's:
+    agent/processes/cgroups.py)."""
+
+    epoch: int = 0
+    leave_workdir: str = ""
+    gpus: tuple[str, ...] = ()
+    criu_args: tuple[str, ...] = ()
+
+
 @dataclass
 class RestoreContext:
     job: str
@@ -74,6 +87,8 @@ class RestoreContext:
     # Restore the epoch's TCP connections intact rather than closed (agent/network/netlock.py: this
     # node has held them since the vacate that took the epoch).
     keep_connections: bool = False
+    # More of criu restore's arguments (RestoreAsk.criu_args).
+    criu_args: tuple[str, ...] = ()
 
 
 class Step(Protocol):
@@ -83,8 +98,9 @@ class Step(Protocol):
     async def after_dump(self, ctx: DumpContext) -> None: ...
     async def on_dump_failed(self, ctx: DumpContext) -> None: ...
     # Blocking, in a worker thread: raise EpochError to refuse the epoch (an older one is tried);
-    # what it returns for the epoch chosen reaches before_restore as ctx.checked[name].
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any: ...
+    # what it returns for the epoch chosen reaches before_restore as ctx.checked[name].  ``gpus``:
+    # the UUIDs of the node's GPUs the restore is given (RestoreJob.gpus; empty: none named).
+    def check_restore(self, manifest: Manifest, epoch_dir: Path, gpus: Sequence[str] = ()) -> Any: ...
     async def before_restore(self, ctx: RestoreContext) -> None: ...
     # criu has restored the job, whose processes are still root's (criu's post-restore action,
     # agent/pipeline/handshake.py): raise to have criu kill them instead of letting them run.
@@ -107,7 +123,7 @@ class BaseStep:
     async def on_dump_failed(self, ctx: DumpContext) -> None:
         pass
 
-    def check_restore(self, manifest: Manifest, epoch_dir: Path) -> Any:
+    def check_restore(self, manifest: Manifest, epoch_dir: Path, gpus: Sequence[str] = ()) -> Any:
         return None
 
     async def before_restore(self, ctx: RestoreContext) -> None:

@@ -15,10 +15,9 @@ import contextlib
 import functools
 import logging
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 
@@ -28,11 +27,14 @@ from revenant.agent.checkpointing.policy import PolicyRunner
 from revenant.agent.lazyrestore.fetches import FETCH_WAIT_S, PageFetches
 from revenant.agent.network import netlock
 from revenant.agent.processes import procs
-from revenant.agent.processes.exits import ExitClassifier, JobEnd
+from revenant.agent.pipeline.steps import RestoreAsk
+from revenant.agent.processes.cgroups import Layout, NodeCgroups
+from revenant.agent.processes.exits import ExitClassifier
 from revenant.agent.processes.procs import signal_tree
 from revenant.agent.running.freezing import Freezer
 from revenant.agent.running import signals
 from revenant.agent.running.launcher import Launcher, new_stamp, reset_stamp
+from revenant.agent.running.exiting import JobExits
 from revenant.agent.running.runtime import JobRuntime, Launch
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
@@ -42,13 +44,13 @@ from revenant.messages import AgentJobReply, JobEvent, JobSpec, Message, subject
 log = logging.getLogger(__name__)
 
 
-class Supervisor:
+class Supervisor(JobExits):
     def __init__(self, node: str, storage: Path, engine: Engine | None, emit: Callable[[str, Message], None],
                  criu_error: str = "criu unusable", metrics: AgentMetrics | None = None,
                  switch_timeout_s: float = 1.2, *, max_frozen_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, scratch: dict[str, str] | None = None,
-                 allow_root_jobs: bool = True) -> None:
+                 allow_root_jobs: bool = True, cgroups: NodeCgroups | None = None) -> None:
         self.switch_timeout_s = switch_timeout_s
         self.clock = clock
         self.node = node
@@ -57,6 +59,7 @@ class Supervisor:
         self.emit = emit
         self.criu_error = criu_error
         self.wall_clock = wall_clock
+        self.cgroups = cgroups or NodeCgroups(node, Layout(why_none="job_cgroups is off"))
         self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock,
                                  scratch=scratch, allow_root_jobs=allow_root_jobs)
         self.exits = ExitClassifier(switch_timeout_s, clock)
@@ -102,19 +105,27 @@ class Supervisor:
 
     # ------------------------------------------------------------------ start
 
-    async def start(self, spec: JobSpec, generation: int, fresh: bool = False) -> AgentJobReply:
-        """Launch ``spec``.  ``fresh`` (a requeue): its earlier output is discarded, for a clean rerun."""
+    async def start(self, spec: JobSpec, generation: int, fresh: bool = False,
+                    gpus: Sequence[str] = ()) -> AgentJobReply:
+        """Launch ``spec`` (on ``gpus``: its CUDA_VISIBLE_DEVICES).  ``fresh`` (a requeue): its earlier
+        output is discarded, for a clean rerun."""
         subjects.check_name(spec.id, "job id")
         async with self._launch(spec.id, generation) as launch:
-            return await self._start(spec, generation, fresh, launch)
+            return await self._start(spec, generation, fresh, launch, gpus)
 
-    async def _start(self, spec: JobSpec, generation: int, fresh: bool, launch: Launch) -> AgentJobReply:
+    async def _start(self, spec: JobSpec, generation: int, fresh: bool, launch: Launch,
+                     gpus: Sequence[str]) -> AgentJobReply:
         user = self.launcher.user(spec)  # as its user: never root unless allowed
-        env = self.launcher.check(spec, user)
+        env = self.launcher.check(spec, user) | ({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {})
         files = await self.launcher.prepare(spec.id, fresh, user, env)
         launch.stamp = files.stamp
-        started = await self.launcher.spawn(spec, files, env, user)
-        rt = JobRuntime(spec=spec, generation=generation, pid=started.pid or 0, files=files)
+        cgroup, notes = self.cgroups.make(spec.id, generation, spec.resources)
+        try:
+            started = await self.launcher.spawn(spec, files, env, user, cgroup)
+        except BaseException:
+            self.cgroups.retire(cgroup)
+            raise
+        rt = JobRuntime(spec=spec, generation=generation, pid=started.pid or 0, files=files, cgroup=cgroup)
         self.jobs[spec.id] = rt
         log.info("job %s (generation %d) started, pid %d", spec.id, generation, rt.pid)
         self._event(rt, "started")
@@ -124,7 +135,7 @@ class Supervisor:
             self._watch(rt, started.wrapper.pid, started.wrapper)
             await signals.program_started(rt)
         await self._check_superseded(rt, launch)
-        return self._reply(rt)
+        return self._reply(rt, notes=notes)
 
     @contextlib.asynccontextmanager
     async def _launch(self, job: str, generation: int):
@@ -160,38 +171,6 @@ class Supervisor:
             await self._kill(rt, launch.superseded)
             raise StaleGeneration(f"job {rt.spec.id} generation {rt.generation} was {launch.superseded} "
                                   f"while it started on {self.node}")
-
-    def _watch(self, rt: JobRuntime, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
-        async def watch() -> None:
-            code = await procs.wait_pid(pid)
-            if popen is not None:
-                popen.returncode = code  # reaped here: Popen must not think it still runs
-            self._exited(rt, code)
-
-        task = asyncio.create_task(watch(), name=f"watch-{rt.spec.id}")
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
-
-    def _exited(self, rt: JobRuntime, code: int) -> None:
-        rt.exit_code = code
-        rt.exited.set()
-        if self.jobs.get(rt.spec.id) is rt:
-            del self.jobs[rt.spec.id]
-            self.policies.forget(rt.spec.id)
-        if not rt.vacating:
-            self._report_exit(rt)  # else the vacate reports it when it ends, however it ends
-
-    def _report_exit(self, rt: JobRuntime) -> None:
-        verdict = self.exits.classify(JobEnd(code=rt.exit_code, killing=rt.killing, evicted=rt.evicted,
-                                             reason=rt.kill_reason, stopped_at_epoch=rt.stopped_at_epoch))
-        if verdict.epoch is not None:
-            log.info("job %s %s at epoch %d", rt.spec.id, verdict.kind, verdict.epoch)
-        else:
-            log.info("job %s %s with status %d%s", rt.spec.id, verdict.kind, verdict.exit_code,
-                     f" ({verdict.reason})" if verdict.reason else "")
-        gpus, driver = rt.stopped_gpus if verdict.epoch is not None else ([], "")
-        self._event(rt, verdict.kind, exit_code=verdict.exit_code, epoch=verdict.epoch, reason=verdict.reason,
-                    gpus=gpus, gpu_driver=driver)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -255,14 +234,15 @@ class Supervisor:
 
     # ------------------------------------------------------------------ restore
 
-    async def restore(self, spec: JobSpec, generation: int, leave_workdir: str = "", epoch: int = 0) -> AgentJobReply:
-        """From the newest restorable epoch, or (``epoch``) exactly that one."""
+    async def restore(self, spec: JobSpec, generation: int, leave_workdir: str = "", epoch: int = 0,
+                      gpus: Sequence[str] = ()) -> AgentJobReply:
+        """From the newest restorable epoch, or (``epoch``) exactly that one; onto ``gpus``."""
         subjects.check_name(spec.id, "job id")
         async with self._launch(spec.id, generation) as launch:
-            return await self._restore(spec, generation, launch, leave_workdir, epoch)
+            return await self._restore(spec, generation, launch, leave_workdir, epoch, gpus)
 
     async def _restore(self, spec: JobSpec, generation: int, launch: Launch, leave_workdir: str,
-                       epoch: int) -> AgentJobReply:
+                       epoch: int, gpus: Sequence[str]) -> AgentJobReply:
         if self.engine is None:
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         user = self.launcher.user(spec)  # criu restores the credentials it dumped: root's only where allowed
@@ -272,12 +252,16 @@ class Supervisor:
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
         async with self.policies.lock(files):  # never while its older epochs are being converted
+            cgroup, limits = self.cgroups.make(spec.id, generation, spec.resources)
+            ask = RestoreAsk(epoch, leave_workdir, tuple(gpus), tuple(cgroup.criu_args() if cgroup else ()))
             try:
-                pid, manifest, notes, fetch, stats = await self.engine.restore(spec.id, generation, leave_workdir, epoch)
+                pid, manifest, notes, fetch, stats = await self.engine.restore(spec.id, generation, ask)
             except BaseException:
+                self.cgroups.retire(cgroup)
                 await asyncio.shield(netlock.restore_failed(self.engine.steps, spec.id))
                 raise
-        rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files)
+        notes = limits + notes
+        rt = JobRuntime(spec=spec, generation=generation, pid=pid, files=files, cgroup=cgroup)
         self.jobs[spec.id] = rt
         self._watch(rt, pid)
         self.fetches.start(rt, fetch)
@@ -332,8 +316,7 @@ class Supervisor:
         return self.freezer.thaw(job, generation, fences)
 
     @property
-    def fences(self) -> int:
-        """How many times this node has fenced (:meth:`freeze_all`) so far."""
+    def fences(self) -> int:  # how many times this node has fenced (freeze_all) so far
         return self.freezer.fences
 
     async def expire_frozen(self, max_frozen_s: float) -> None:
@@ -415,4 +398,5 @@ class Supervisor:
     def reap_orphans(self) -> None:
         for pid, code in procs.reap_orphans():
             log.info("reaped orphan %d (status %d)", pid, code)
+        self.cgroups.tidy()
 

@@ -81,6 +81,7 @@ from typing import Callable, Mapping
 import psutil
 
 from revenant.agent.processes import procs
+from revenant.agent.processes.cgroups import JobCgroup
 from revenant.agent.storage.epochs import JobFiles
 from revenant.agent.storage.fileio import replace_empty
 from revenant.agent.running.jobuser import (ENV_FILE, SYS_PATH, JobUser, LaunchError, can_checkpoint_other_users, job_env,
@@ -323,10 +324,12 @@ class Launcher:
             raise LaunchError(f"{name} (util-linux) is missing from {SYS_PATH} on {self.node}: jobs cannot start")
         return found
 
-    async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str], user: JobUser | None = None) -> Launched:
-        """Start ``spec`` (as ``user``: see the module's docstring; None, as this process).  Its root
-        part runs with :data:`ROOT_ENV` and tools named by absolute paths; ``env`` (the job's own,
-        written by :meth:`prepare`) is only looked at here for where the program is."""
+    async def spawn(self, spec: JobSpec, files: JobFiles, env: dict[str, str], user: JobUser | None = None,
+                    cgroup: JobCgroup | None = None) -> Launched:
+        """Start ``spec`` (as ``user``: see the module's docstring; None, as this process), in
+        ``cgroup`` from its first process on.  Its root part runs with :data:`ROOT_ENV` and tools
+        named by absolute paths; ``env`` (the job's own, written by :meth:`prepare`) is only looked
+        at here for where the program is."""
         workdir = os.path.abspath(spec.workdir)
         become = None
         tool = {name: self._tool(name) for name in ("unshare", "setsid")}
@@ -343,7 +346,7 @@ class Launcher:
                          become, tool)
         # The init's cwd is the job's own directory: criu's parasite mounts its proc there.
         wrapper = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=files.dir, env=dict(ROOT_ENV), preexec_fn=procs.die_with_parent,
+                              cwd=files.dir, env=dict(ROOT_ENV), preexec_fn=_before_exec(cgroup),
                               start_new_session=True)
         pid = await self._namespace_init(wrapper)
         if pid is None:
@@ -376,3 +379,15 @@ class Launcher:
             await asyncio.sleep(0.005)
         procs.signal_tree(wrapper.pid, signal.SIGKILL)
         raise LaunchError(f"the job's namespace did not start within {self.start_timeout_s:g} s")
+
+
+def _before_exec(cgroup: JobCgroup | None) -> Callable[[], None]:
+    """What the job's first process does before it execs: die with the agent, and enter its cgroup."""
+    if cgroup is None:
+        return procs.die_with_parent
+
+    def prepare() -> None:
+        procs.die_with_parent()
+        cgroup.join_self()
+
+    return prepare

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from revenant.agent.storage.epochs import JobFiles
+from revenant.common.settings.resources import size_text
 from revenant.messages import JobGpu, JobSpec
 
 
@@ -32,6 +34,10 @@ class JobRuntime:
     evicted: bool = False
     # When its node's self-fence froze it (SIGSTOP; clock time), or None: running.
     frozen_at: float | None = None
+    # Its cgroup (agent/processes/cgroups.py JobCgroup; None: it has none), and the processes the
+    # OOM killer killed in it, counted when the job ended.
+    cgroup: Any = None
+    oom_kills: int = 0
 
 
 @dataclass
@@ -43,3 +49,12 @@ class Launch:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # The new job's dead man's switch, reset with the running jobs' while it comes up.
     stamp: Path | None = None
+
+
+def oom_note(rt: JobRuntime) -> str:
+    """Why an ended job's processes died, if the OOM killer did it in its cgroup ("" if not)."""
+    if not rt.oom_kills:
+        return ""
+    limit = rt.spec.resources.memory_bytes
+    return (f"the kernel's OOM killer killed {rt.oom_kills} of its processes in its cgroup"
+            + (f" (its --mem is {size_text(limit)})" if limit else ""))

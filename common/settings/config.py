@@ -11,7 +11,6 @@ the same file, never from the holder's.
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -22,6 +21,7 @@ import msgspec
 from revenant.common.settings.checkpoint_config import (GUIDE_NAMES, CheckpointConfig, bare_guide_values,  # noqa: F401
                                                guide_spellings, yes_no)
 from revenant.common.errors import ConfigError
+from revenant.common.settings.resources import ResourcesConfig, tmpfs_size
 from revenant.common.settings.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
 from revenant.messages import FINDING_CODES, SubmitRequest
 
@@ -154,6 +154,10 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A job whose user is root (uid 0 on this node; or no user: a record from before jobs had
     # users) is refused unless this is true.
     allow_root_jobs: bool = False
+    # A cgroup per job (memory, cpu, pids: agent/processes/cgroups.py) with its --mem and --cpus as
+    # limits and this many processes at most (0: no limit); false: jobs share the agent's.
+    job_cgroups: bool = True
+    job_pids_max: int = 65536
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
@@ -226,7 +230,8 @@ ANOMALY_METRICS = ("memory_percent", "gpu*.temperature_c")  # fnmatch patterns o
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Sections of their own that this one holds: read from their own [table].
-    SECTIONS: ClassVar[dict[str, type[msgspec.Struct]]] = {"checkpoint": CheckpointConfig}
+    SECTIONS: ClassVar[dict[str, type[msgspec.Struct]]] = {"checkpoint": CheckpointConfig,
+                                                           "resources": ResourcesConfig}
 
     nats_url: str = "nats://127.0.0.1:4222"
     # The NKey seed (or JWT .creds) file of the coordinator identity (docs/security.md).
@@ -279,8 +284,9 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # A finished job's record leaves the live table (to the archive, where `show job` still
     # finds it) once it has not changed for this long.
     job_retention_s: float = 7 * 24 * 3600.0
-    # The [checkpoint] section: every job's defaults, filled in at submit.
+    # The [checkpoint] and [resources] sections: every job's defaults, filled in at submit.
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
     # Proactive moves (docs/configuration.md): what a sick node does to a scheduled job without --on-sick.
     on_sick: Literal["checkpoint", "migrate", "none"] = "checkpoint"
     proactive_checkpoint_reasons: list[str] = msgspec.field(default_factory=lambda: list(CHECKPOINT_REASONS))
@@ -328,19 +334,6 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         if self.submit_rate_per_user and self.submit_burst_per_user < 1:
             raise ValueError("submit_burst_per_user must be at least 1 while submit_rate_per_user is set "
                              f"(0 would refuse every submit), got {self.submit_burst_per_user}")
-
-
-_TMPFS_SIZE = re.compile(r"[1-9][0-9]*[kmgt]?|([1-9][0-9]?|100)%", re.I)
-
-
-def tmpfs_size(name: str, value: str | int) -> str:
-    """``value`` as tmpfs's ``size=`` option: bytes, a number with k, m, g or t (powers of 1024), or a
-    percentage of memory.  Never 0, which tmpfs reads as "no limit"."""
-    text = str(value).strip() if not isinstance(value, bool) else ""
-    if not _TMPFS_SIZE.fullmatch(text):
-        raise ValueError(f"{name} must be a tmpfs size: bytes, or a number with k, m, g or t "
-                         f"(512M, 1G), or a percentage of memory (1% to 100%); got {value!r}")
-    return text
 
 
 def _port(port: int) -> None:

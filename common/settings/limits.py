@@ -155,6 +155,7 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
         raise BadRequest(f"--on-sick must be one of {', '.join(ON_SICK)}, got {req.on_sick!r}")
     if req.connections is not None and req.connections not in CONNECTIONS:
         raise BadRequest(f"--connections must be one of {', '.join(CONNECTIONS)}, got {req.connections!r}")
+    check_asked(req.cpus, req.memory_bytes, req.gpus)
     every = req.checkpoint_interval_s
     if every is not None and not (math.isfinite(every) and MIN_INTERVAL_S <= every <= MAX_INTERVAL_S):
         raise BadRequest(f"the checkpoint interval must be from {MIN_INTERVAL_S:g} s to "
@@ -165,6 +166,22 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
             f"the job's command line and environment take {size:,} bytes; the limit is {MAX_SPEC_BYTES:,} bytes "
             f"({MAX_SPEC_BYTES // 1024} KiB, so that its record fits one {MAX_MESSAGE_BYTES // 1024} KiB message): "
             "pass large inputs in a file")
+
+
+# What a job may ask of its node: past these it is a typo, not a machine.
+MAX_CPUS = 1 << 16
+MAX_GPUS = 1024
+MAX_MEMORY = 1 << 60
+
+
+def check_asked(cpus: float | None, memory_bytes: int | None, gpus: int | None) -> None:
+    """Refuse (one line) an asked amount that is no amount (None: not asked)."""
+    if cpus is not None and (isinstance(cpus, bool) or not (math.isfinite(cpus) and 0 <= cpus <= MAX_CPUS)):
+        raise BadRequest(f"--cpus must be a number from 0 to {MAX_CPUS}, got {cpus!r}")
+    if memory_bytes is not None and (isinstance(memory_bytes, bool) or not 0 <= memory_bytes <= MAX_MEMORY):
+        raise BadRequest(f"--mem must be from 0 bytes to 1 EiB, got {memory_bytes!r}")
+    if gpus is not None and (isinstance(gpus, bool) or not 0 <= gpus <= MAX_GPUS):
+        raise BadRequest(f"--gpus must be a whole number from 0 to {MAX_GPUS}, got {gpus!r}")
 
 
 # The longest a cancel's signal may take to end a job before SIGKILL.

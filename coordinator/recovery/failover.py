@@ -1,6 +1,6 @@
 """Failover: restore a dead node's jobs elsewhere, never running a job twice.
 
-The rules are plain classes fed with the current time:
+The rules are plain classes fed with the current time (coordinator/recovery/guards.py):
 
 * :class:`LeaseState` - a dead node's lease, read from the KV store only once
   the node is declared dead (watching every renewal of every node would cost
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import nats.errors
@@ -35,93 +34,15 @@ from revenant.common.errors import RevenantError, described
 from revenant.common.messaging.events import EventPublisher
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.table.jobs import JobService
-from revenant.coordinator.table.placement import node_address
+from revenant.coordinator.table import lifecycle as lc
+from revenant.coordinator.table.placement import NoCapacity, node_address
+from revenant.coordinator.recovery.guards import LeaseState, StormGuard, TokenBucket  # noqa: F401 (named here too)
 from revenant.messages import ClusterEvent, FailoverReply, JobEvent, LeaseValue, NodeStatus, subjects
 
 log = logging.getLogger(__name__)
 
 # Failures of these kinds will not get better on another node.
 NOT_RETRIABLE = {"no_epoch", "corrupt_epoch"}
-
-
-@dataclass(frozen=True)
-class LeaseState:
-    """A node's lease as the KV store holds it: who renewed it, and when (the server's clock)."""
-
-    seq: int
-    incarnation: str
-    renewed_at: float
-
-    def expires_at(self, ttl_s: float, margin_s: float) -> float:
-        return self.renewed_at + ttl_s + margin_s
-
-
-@dataclass
-class StormGuard:
-    fraction: float
-    # A single node is never a storm, whatever the cluster's size.
-    min_silent: int = 2
-    paused: bool = False
-    # An operator paused failover: held until an operator resumes it.
-    held: bool = False
-    # An operator resumed during a storm (a rack really is gone): this storm is let
-    # through; the guard re-arms once the silence ends.
-    acknowledged: bool = False
-    storm: bool = False
-    # As of the last update: nodes silent, and nodes not left.
-    silent: int = 0
-    total: int = 0
-
-    def update(self, nodes, pending) -> str | None:
-        """Returns "paused" or "resumed" on a change.  Silent: suspect, or dead with failover pending."""
-        live = [n for n in nodes if n.state != "left"]
-        return self.count(sum(1 for n in live if n.state == "suspect" or (n.state == "dead" and n.name in pending)),
-                          len(live))
-
-    def count(self, silent: int, total: int) -> str | None:
-        """:meth:`update` from the counts: ``silent`` nodes of ``total`` (nodes not left)."""
-        self.silent, self.total = silent, total
-        self.storm = self.silent >= self.min_silent and self.total > 0 and self.silent / self.total > self.fraction
-        if not self.storm:
-            self.acknowledged = False
-        return self._settle()
-
-    def hold(self) -> str | None:
-        self.held = True
-        return self._settle()
-
-    def release(self) -> str | None:
-        """The operator's resume: lifts a hold, and lets the current storm (if any) through."""
-        self.held = False
-        self.acknowledged = self.storm
-        return self._settle()
-
-    def _settle(self) -> str | None:
-        want = self.held or (self.storm and not self.acknowledged)
-        if want and not self.paused:
-            self.paused = True
-            return "paused"
-        if not want and self.paused:
-            self.paused = False
-            return "resumed"
-        return None
-
-
-class TokenBucket:
-    def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
-        self.rate = rate_per_s
-        self.burst = burst
-        self.tokens = float(burst)
-        self.at = now
-
-    def take(self, now: float) -> float:
-        """0 if a token was taken, else seconds until one is available."""
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
 
 
 class Failover:
@@ -232,7 +153,7 @@ class Failover:
     async def restore_hold(self) -> None:
         """A new leader keeps an operator's hold."""
         try:
-            held = await self.jobs.load_hold()
+            held = await self.jobs.store.load_hold()
         except RevenantError as exc:
             log.error("%s; failover starts unheld", exc)
             return
@@ -372,6 +293,11 @@ class Failover:
                     continue
                 try:
                     outcome = await self.jobs.recover(job, dead, evicted, token)
+                except NoCapacity as exc:  # it waits for room, not against the deadline, and lets others by
+                    await self.jobs.step(job, lc.Waiting(f"{why}; waiting for room: {exc}"))
+                    await self._wait_for_room()
+                    deadline = self.clock() + self.config.requeue_timeout_s
+                    continue
                 except RevenantError as exc:
                     last_error = str(exc)
                     log.warning("job %s: recovery attempt failed: %s", job, exc)
@@ -401,6 +327,14 @@ class Failover:
                 log.warning("job %s %s on %s (generation %d) %s", job, kind, rec.node or "-", rec.generation,
                             self._since_words(dead))
                 return True
+
+    async def _wait_for_room(self) -> None:
+        """A second without this restore's slot: a job that fits nowhere holds up no other."""
+        self.slots.release()
+        try:
+            await asyncio.sleep(1.0)
+        finally:
+            await asyncio.shield(self.slots.acquire())  # cancelled or not, the slot comes back: it is released once
 
     def _since_words(self, dead: str) -> str:
         """When, for the log: never an empty node name (a take-over may not know the node)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Awaitable, Callable, Protocol
 
 from nats.aio.client import Client
 
@@ -30,6 +30,16 @@ class NodeLost(RevenantError):
 class NotLeader(RevenantError):
     code = "not_leader"
     retriable = True
+
+
+class LeaderGuard(Protocol):
+    def fresh(self) -> bool:
+        """May this coordinator act now (it leads, and its lease is fresh)?"""
+
+    def holds(self) -> Awaitable[bool | None]:
+        """Does the store say this coordinator leads (None: it could not be asked)?"""
+
+    def step_down(self, why: str) -> None: ...
 
 
 def check_may_act(may_act: Callable[[], bool]) -> None:
@@ -67,10 +77,11 @@ class AgentClient:
         """Send one of the lifecycle's commands to its node."""
         if isinstance(cmd, lc.Start):
             return await self.send(cmd.node, "start", StartJob(spec=cmd.spec, generation=cmd.generation,
-                                                               fresh=cmd.fresh), timeout_s)
+                                                               fresh=cmd.fresh, gpus=list(cmd.gpus)), timeout_s)
         if isinstance(cmd, lc.Restore):
             return await self.send(cmd.node, "restore", RestoreJob(spec=cmd.spec, generation=cmd.generation,
-                                                                   leave_workdir=cmd.leave_workdir, epoch=cmd.epoch),
+                                                                   leave_workdir=cmd.leave_workdir, epoch=cmd.epoch,
+                                                                   gpus=list(cmd.gpus)),
                                    timeout_s)
         if isinstance(cmd, lc.Checkpoint):
             return await self.send(cmd.node, "checkpoint", CheckpointJob(job=cmd.job, generation=cmd.generation,

@@ -6,10 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from revenant.common.errors import RevenantError
 from revenant.messages import EpochEvent, EpochInfo, JobEvent, JobRecord, JobSpec
 
 __all__ = [
     "AgentReport",
+    "BadState",
+    "JobBusy",
+    "NoEpoch",
     "CancelAsked",
     "EpochConverted",
     "Checkpoint",
@@ -23,6 +27,7 @@ __all__ = [
     "Kill",
     "LaunchFailed",
     "Launched",
+    "Placed",
     "Purged",
     "Recover",
     "RecoveryAttemptFailed",
@@ -34,8 +39,24 @@ __all__ = [
     "Start",
     "Submit",
     "ThawAsked",
+    "Waiting",
     "TRANSITIONS",
 ]
+
+
+# ---------------------------------------------------------------------- refusals
+
+class JobBusy(RevenantError):
+    code = "busy"
+    retriable = True
+
+
+class BadState(RevenantError):
+    code = "bad_state"
+
+
+class NoEpoch(RevenantError):
+    code = "no_epoch"
 
 
 # ---------------------------------------------------------------------- commands to agents
@@ -47,6 +68,8 @@ class Start:
     spec: JobSpec
     generation: int
     fresh: bool = False
+    # The UUIDs of the node's GPUs the job is given (JobRecord.assigned_gpus).
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,7 @@ class Restore:
     leave_workdir: str = ""
     # 0: the newest epoch that can be restored; N: exactly epoch N (an operator's restart --epoch).
     epoch: int = 0
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,8 +119,25 @@ Command = Start | Restore | Checkpoint | Kill
 
 @dataclass(frozen=True)
 class Submit:
+    """A new job, for ``node`` with ``gpus`` there; with no node, it waits (pending, generation 0:
+    :func:`lifecycle.queued`) for room, and ``waiting`` says why it has none."""
     spec: JobSpec
     node: str
+    gpus: tuple[str, ...] = ()
+    waiting: str = ""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A waiting job's node (and GPUs there) is found: it starts."""
+    node: str
+    gpus: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a waiting job (or a restore failover holds for room) has no node yet, when that changes."""
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -114,6 +155,7 @@ class LaunchFailed:
     generation: int
     reason: str
     retry_node: str | None = None
+    retry_gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,6 +209,7 @@ class RestartAsked:
     target: str
     # 0: the newest restorable epoch; N: exactly this kept epoch.
     epoch: int = 0
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -212,6 +255,7 @@ class Recover:
     target: str
     evicted: str = ""
     fence_token: int | None = None
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,7 +283,7 @@ class Purged:
 
 Input = (Submit | Launched | LaunchFailed | CheckpointAsked | Checkpointed | CheckpointFailed | RestartAsked
          | Restored | RestartFailed | AgentReport | EpochConverted | Recover | ThawAsked | RecoveryAttemptFailed
-         | RecoveryFailed | Purged | CancelAsked)
+         | RecoveryFailed | Purged | CancelAsked | Placed | Waiting)
 
 
 @dataclass(frozen=True)
@@ -267,6 +311,8 @@ class Decision:
 # table, and tests/test_lifecycle.py checks both against what transition() does.
 TRANSITIONS: tuple[tuple[str, str, str], ...] = (
     ("(new)", "submit", "pending"),
+    ("(new)", "submit, no room", "pending"),
+    ("pending", "room found", "pending"),
     ("pending", "start reply", "running"),
     ("pending", "start failed, another node", "pending"),
     ("pending", "start failed", "failed"),

@@ -14,16 +14,19 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable, Protocol
+from typing import Callable
+
+import msgspec
 
 from revenant.common.errors import CheckpointSkipped, RevenantError, UnknownJob
 from revenant.common.messaging.events import EventPublisher
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.common.settings.limits import check_submit
+from revenant.common.settings.resources import check_resources
 from revenant.coordinator.table import lifecycle as lc, userlimits
-from revenant.coordinator.table.agents import AgentClient, NotLeader, check_may_act
-from revenant.coordinator.table.placement import (NoNodeAvailable, node_address, own_node, place, restore_note,
-                                                  workdir_shared)
+from revenant.coordinator.table.agents import AgentClient, LeaderGuard, NotLeader, check_may_act
+from revenant.coordinator.table.placement import (NoCapacity, NoNodeAvailable, node_address, own_node, place_job,
+                                                  waived_notes, workdir_shared)
 from revenant.coordinator.table.store import JobStore, Unsettled, WriteConflict, patiently
 from revenant.messages import (EpochEvent, JobEvent, JobRecord, JobSpec, LocalJob, NodeStatus, PurgeJob, ReconcileReply,
                                StaleJob, SubmitRequest, subjects)
@@ -32,16 +35,6 @@ log = logging.getLogger(__name__)
 
 # A recovery's result: (kind, record, epoch, notes), kind "restored", "requeued" or "failed".
 Recovery = tuple[str, JobRecord, int | None, list[str]]
-
-
-class LeaderGuard(Protocol):
-    def fresh(self) -> bool:
-        """May this coordinator act now (it leads, and its lease is fresh)?"""
-
-    def holds(self) -> Awaitable[bool | None]:
-        """Does the store say this coordinator leads (None: it could not be asked)?"""
-
-    def step_down(self, why: str) -> None: ...
 
 
 class JobService:
@@ -170,20 +163,40 @@ class JobService:
 
     # ------------------------------------------------------------------ operations
 
+    def place(self, spec: JobSpec, requested: str = "", exclude: set[str] | frozenset[str] = frozenset(),
+              **kw) -> tuple[str, tuple[str, ...]]:
+        """Where ``spec`` goes now, and the GPUs it is given there (:func:`place_job`, with what
+        every node's other unfinished jobs have taken)."""
+        node, gpus = place_job(self.nodes(), self.jobs_per_node(), requested, exclude, ask=spec.resources,
+                               used=lc.usage(r for j, r in self.jobs.items() if j != spec.id), **kw)
+        return node, tuple(gpus)
+
     async def submit(self, req: SubmitRequest, user: str = "") -> JobRecord:
-        """Start ``req`` as a job of ``user`` (who asked decided which: coordinator/table/requests.py, which
-        also answers a repeat of a submit with the job it made)."""
+        """Start ``req`` as a job of ``user`` (who decided: coordinator/table/requests.py, which also answers
+        a repeat of a submit).  With no room now it waits, pending: coordinator/waiting.py starts it."""
         check_submit(req, user)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
-        node = place(self.nodes(), self.jobs_per_node(), req.node)
-        job_id = await self.store.next_id()
-        defaults = self.config.checkpoint  # the cluster's [checkpoint] section; the submit overrides it
-        spec = JobSpec(id=job_id, argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
+        defaults, ask = self.config.checkpoint, self.config.resources.ask(req)  # the cluster's, as the submit overrides
+        check_resources(ask, [(n.name, n.capabilities) for n in self.nodes() if n.state != "left"])
+        spec = JobSpec(id="(new)", argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,
                        max_epochs=defaults.max_epochs_for(req), requeue=req.requeue, user=user,
-                       policy=defaults.policy(req), on_sick=self.config.on_sick_for(req), request_id=req.request_id)
-        cmd = (await self.record(job_id, lc.Submit(spec, node))).commands[0]  # a write that timed out may have landed
+                       policy=defaults.policy(req), on_sick=self.config.on_sick_for(req), request_id=req.request_id,
+                       resources=ask)
+        try:
+            submit = lc.Submit(spec, *self.place(spec, req.node))
+        except NoCapacity as exc:
+            if req.node:
+                raise  # it asked for that node: no waiting for another
+            submit = lc.Submit(spec, "", waiting=f"waiting for room: {exc}")
+        job_id = await self.store.next_id()
+        submit = dataclasses.replace(submit, spec=msgspec.structs.replace(spec, id=job_id))
+        commands = (await self.record(job_id, submit)).commands  # a write that timed out may have landed
+        return await self.start(job_id, commands[0], req.node) if commands else self.get(job_id)
+
+    async def start(self, job_id: str, cmd: lc.Command, requested: str = "") -> JobRecord:
+        """Carry out a job's first start; a node going away hands it to the next one."""
         tried: set[str] = set()
         while True:
             try:
@@ -193,8 +206,8 @@ class JobService:
                 failed = f"start on {cmd.node} failed: {exc}"
                 await self.agents.abandon(cmd.node, job_id, cmd.generation, failed)
                 tried.add(cmd.node)
-                retry = self._next_node(req, exc, tried)
-                decision = await self.record(job_id, lc.LaunchFailed(cmd.generation, failed, retry))
+                retry, gpus = self._next_node(self.get(job_id).spec, requested, exc, tried)
+                decision = await self.record(job_id, lc.LaunchFailed(cmd.generation, failed, retry, gpus))
                 if not decision.commands:
                     raise RevenantError(f"job {job_id} could not start on {cmd.node}: {exc}", code=exc.code) from None
                 log.info("job %s: %s refused it (%s); starting it on %s", job_id, cmd.node, exc.code, retry)
@@ -202,15 +215,16 @@ class JobService:
         await self.record(job_id, lc.Launched(cmd.generation, reply.pid, reply.output, reply.program_pid))
         return self.get(job_id)
 
-    def _next_node(self, req: SubmitRequest, exc: RevenantError, tried: set[str]) -> str | None:
+    def _next_node(self, spec: JobSpec, requested: str, exc: RevenantError,
+                   tried: set[str]) -> tuple[str | None, tuple[str, ...]]:
         """A node that refuses because it is going away (or fenced) is no reason to fail the
         job: unless the user asked for that node, it goes to the next one."""
-        if req.node or exc.code not in ("shutting_down", "fenced") or len(tried) >= 3:
-            return None
+        if requested or exc.code not in ("shutting_down", "fenced") or len(tried) >= 3:
+            return None, ()
         try:
-            return place(self.nodes(), self.jobs_per_node(), exclude=tried)
+            return self.place(spec, exclude=tried)
         except NoNodeAvailable:
-            return None
+            return None, ()
 
     async def checkpoint(self, job: str, *, stop: bool, scheduled: bool = False, force: bool = False,
                          evict: str = "", cause: str = "", reasons: tuple[str, ...] = (),
@@ -253,11 +267,10 @@ class JobService:
         def ask(rec: JobRecord) -> lc.Input:
             lc.check_restart(rec, epoch)  # before placement: a refusal names the job's state, not a node
             before.append(rec)
-            nodes = self.nodes()
-            gpus, driver = lc.gpus_of(rec, epoch)
-            target = place(nodes, self.jobs_per_node(), node, restore=True, gpus=gpus, gpu_driver=driver)
-            waived[:] = _waived(job, nodes, target)
-            return lc.RestartAsked(target, epoch)
+            need, driver = lc.gpus_of(rec, epoch)
+            target, gpus = self.place(rec.spec, node, restore=True, gpus=need, gpu_driver=driver)
+            waived[:] = waived_notes(job, self.nodes(), target)
+            return lc.RestartAsked(target, epoch, gpus)
 
         cmd = self._workdir_rule((await self.step(job, ask)).commands[0])
         try:
@@ -316,19 +329,18 @@ class JobService:
                 return None
             nodes, restore = self.nodes(), bool(rec.epochs)  # a requeue is a new start: no waiver
             # A restore needs a node that can take the GPUs the job held at its newest epoch.
-            gpus, driver = (rec.gpus, rec.gpu_driver) if restore else ([], "")
+            kw = dict(restore=restore, gpus=rec.gpus, gpu_driver=rec.gpu_driver) if restore else {}
             try:
-                target = place(nodes, self.jobs_per_node(), exclude={dead} if dead else set(), restore=restore,
-                               gpus=gpus, gpu_driver=driver)
+                target, gpus = self.place(rec.spec, exclude={dead} if dead else set(), **kw)
             except NoNodeAvailable:
                 if not evicted:
                     raise
                 # Its own node, if that is all there is: even sick (a proactive move whose target
                 # went away meanwhile), as long as it is alive, rather than failing a job that ran.
-                target = own_node(nodes, dead) or place(nodes, self.jobs_per_node(), restore=restore, gpus=gpus,
-                                                         gpu_driver=driver)
-            waived[:] = _waived(job, nodes, target) if restore else []
-            return lc.Recover(dead, target, evicted, fence_token)
+                own = own_node(nodes, dead)
+                target, gpus = self.place(rec.spec, own or "", any_health=bool(own), **kw)
+            waived[:] = waived_notes(job, nodes, target) if restore else []
+            return lc.Recover(dead, target, evicted, fence_token, gpus)
 
         decision = await self.step(job, choose)
         if decision.record is None:
@@ -360,9 +372,6 @@ class JobService:
         check_may_act(self.leader.fresh)
         await self.store.save_hold(held)
 
-    async def load_hold(self) -> bool:
-        return await self.store.load_hold()
-
     async def fail_recovery(self, job: str, reason: str) -> None:
         await self.step(job, lc.RecoveryFailed(reason))
 
@@ -387,8 +396,7 @@ class JobService:
                 and self.jobs[j].state in (lc.State.RUNNING, lc.State.CHECKPOINTING)]
 
     def fence_token(self, job: str) -> int | None:
-        rec = self.jobs.get(job)
-        return None if rec is None else rec.fence_token
+        return getattr(self.jobs.get(job), "fence_token", None)
 
     async def reconcile(self, node: str, local: list[LocalJob]) -> ReconcileReply:
         """An agent's jobs: which moved on (kill), and which frozen ones may thaw.  A thaw is
@@ -408,11 +416,3 @@ class JobService:
                                       reason=f"frozen copy superseded: the job is {rec.state}, generation "
                                              f"{rec.generation} on {rec.node or 'no node'}"))
         return ReconcileReply(stale=stale, thaw=thaw)
-
-
-def _waived(job: str, nodes: list[NodeStatus], target: str) -> list[str]:
-    """The note for a restore placed on a node RED only for reasons a restore does not worsen."""
-    note = restore_note(nodes, target)
-    if note:
-        log.warning("job %s: restore %s", job, note)
-    return [note] if note else []

@@ -25,14 +25,15 @@ from typing import Any, Iterable, Mapping
 import msgspec
 
 from revenant.common import retention
-from revenant.common.errors import JobNotRunning, RevenantError
+from revenant.common.errors import JobNotRunning
 from revenant.coordinator.table.epoch_rules import epoch_converted, with_reported_epoch
 from revenant.coordinator.table.job_inputs import (  # the lifecycle's vocabulary, used as lifecycle.X
-    AgentReport, CancelAsked, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit, EpochConverted,
-    Kill,
-    Launched, LaunchFailed, Purged, Recover, RecoveryAttemptFailed, RecoveryFailed, RestartAsked, RestartFailed,
-    Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Input, TRANSITIONS,
+    AgentReport, BadState, CancelAsked, CheckpointAsked, CheckpointFailed, Checkpointed, Command, Decision, Emit,
+    EpochConverted, JobBusy, Kill, Launched, NoEpoch, LaunchFailed, Placed, Purged, Recover, RecoveryAttemptFailed,
+    RecoveryFailed, RestartAsked, RestartFailed, Restore, Restored, Start, Checkpoint, Submit, ThawAsked, Waiting,
+    Input, TRANSITIONS,
 )
+from revenant.common.settings.resources import Usage
 from revenant.messages import EpochInfo, JobGpu, JobRecord, LocalJob, StaleJob
 
 
@@ -52,19 +53,6 @@ ACTIVE = frozenset({State.PENDING, State.RUNNING, State.CHECKPOINTING, State.RES
 ENDED = frozenset({State.COMPLETED, State.FAILED, State.CANCELLED})
 # An ended job an operator may restart from one of its epochs.
 RESTARTABLE = frozenset({State.VACATED, State.FAILED, State.CANCELLED})
-
-
-class JobBusy(RevenantError):
-    code = "busy"
-    retriable = True
-
-
-class BadState(RevenantError):
-    code = "bad_state"
-
-
-class NoEpoch(RevenantError):
-    code = "no_epoch"
 
 
 # ---------------------------------------------------------------------- the transition function
@@ -87,8 +75,30 @@ def _copy(rec: JobRecord, **changes: Any) -> JobRecord:
 
 
 def _submit(inp: Submit, now: float) -> Decision:
-    rec = JobRecord(spec=inp.spec, state=State.PENDING, node=inp.node, generation=1, created_at=now)
-    return Decision(rec, [Start(inp.node, inp.spec, 1)], [Emit("submitted")])
+    if not inp.node:  # no room anywhere now: it waits, launched by no one (generation 0)
+        rec = JobRecord(spec=inp.spec, state=State.PENDING, generation=0, created_at=now, reason=inp.waiting)
+        return Decision(rec, [], [Emit("submitted", {"reason": inp.waiting})])
+    rec = JobRecord(spec=inp.spec, state=State.PENDING, node=inp.node, generation=1, created_at=now,
+                    assigned_gpus=list(inp.gpus))
+    return Decision(rec, [Start(inp.node, inp.spec, 1, gpus=inp.gpus)], [Emit("submitted")])
+
+
+def queued(rec: JobRecord) -> bool:
+    """A submitted job waiting for room on some node: never launched, no node."""
+    return rec.state == State.PENDING and rec.generation == 0
+
+
+def _placed(rec: JobRecord, inp: Placed, now: float) -> Decision:
+    if not queued(rec):
+        return Decision()
+    new = _copy(rec, node=inp.node, generation=1, assigned_gpus=list(inp.gpus), reason="")
+    return Decision(new, [Start(inp.node, rec.spec, 1, gpus=inp.gpus)])
+
+
+def _waiting(rec: JobRecord, inp: Waiting, now: float) -> Decision:
+    if rec.reason == inp.reason or rec.state not in ACTIVE:
+        return Decision()
+    return Decision(_copy(rec, reason=inp.reason))
 
 
 def _launched(rec: JobRecord, inp: Launched, now: float) -> Decision:
@@ -106,8 +116,8 @@ def _launch_failed(rec: JobRecord, inp: LaunchFailed, now: float) -> Decision:
     if inp.retry_node is None:
         return Decision(_copy(rec, state=State.FAILED, reason=inp.reason))
     generation = rec.generation + 1
-    new = _copy(rec, node=inp.retry_node, generation=generation)
-    return Decision(new, [Start(inp.retry_node, rec.spec, generation)])
+    new = _copy(rec, node=inp.retry_node, generation=generation, assigned_gpus=list(inp.retry_gpus))
+    return Decision(new, [Start(inp.retry_node, rec.spec, generation, gpus=inp.retry_gpus)])
 
 
 def _checkpoint_asked(rec: JobRecord, inp: CheckpointAsked, now: float) -> Decision:
@@ -190,8 +200,8 @@ def _restart_asked(rec: JobRecord, inp: RestartAsked, now: float) -> Decision:
     check_restart(rec, inp.epoch)
     generation = rec.generation + 1
     new = _copy(rec, generation=generation, state=State.RESTORING, node=inp.target, pid=0, program_pid=0, reason="",
-                exit_code=None)
-    return Decision(new, [Restore(inp.target, rec.spec, generation, epoch=inp.epoch)])
+                exit_code=None, assigned_gpus=list(inp.gpus))
+    return Decision(new, [Restore(inp.target, rec.spec, generation, epoch=inp.epoch, gpus=inp.gpus)])
 
 
 def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
@@ -262,20 +272,20 @@ def _recover(rec: JobRecord, inp: Recover, now: float) -> Decision:
         return Decision(_copy(rec, state=State.FAILED, pid=0, reason=reason), outcome="failed")
     generation = rec.generation + 1
     new = _copy(rec, generation=generation, node=inp.target, pid=0, reason="", exit_code=None,
-                state=State.RESTORING if rec.epochs else State.PENDING)
+                state=State.RESTORING if rec.epochs else State.PENDING, assigned_gpus=list(inp.gpus))
     commands: list[Command] = []
     if rec.node not in (inp.dead, inp.target, ""):
         # A half-finished earlier attempt (say, of a coordinator that died) must not live on.
         commands.append(Kill(rec.node, rec.spec.id, rec.generation))
-    commands.append(Restore(inp.target, rec.spec, generation) if rec.epochs
-                    else Start(inp.target, rec.spec, generation, fresh=True))
+    commands.append(Restore(inp.target, rec.spec, generation, gpus=inp.gpus) if rec.epochs
+                    else Start(inp.target, rec.spec, generation, fresh=True, gpus=inp.gpus))
     return Decision(new, commands)
 
 
 def needs_recovery(rec: JobRecord, dead: str) -> bool:
     """Whether a job lost with node ``dead`` still needs recovering (not ended, vacated or
     already running elsewhere)."""
-    return rec.state in ACTIVE and not (rec.state == State.RUNNING and rec.node not in (dead, ""))
+    return rec.state in ACTIVE and not queued(rec) and not (rec.state == State.RUNNING and rec.node not in (dead, ""))
 
 
 def _thaw_asked(rec: JobRecord, inp: ThawAsked, now: float) -> Decision:
@@ -310,9 +320,9 @@ _HANDLERS: dict[type, Any] = {
     Launched: _launched, LaunchFailed: _launch_failed, CheckpointAsked: _checkpoint_asked,
     Checkpointed: _checkpointed, CheckpointFailed: _checkpoint_failed, RestartAsked: _restart_asked,
     Restored: _restored, RestartFailed: _restart_failed, AgentReport: _agent_report, Recover: _recover,
-    CancelAsked: _cancel_asked,
-    ThawAsked: _thaw_asked, EpochConverted: epoch_converted,
+    CancelAsked: _cancel_asked, ThawAsked: _thaw_asked, EpochConverted: epoch_converted, Placed: _placed,
     RecoveryAttemptFailed: _recovery_attempt_failed, RecoveryFailed: _recovery_failed, Purged: _purged,
+    Waiting: _waiting,
 }
 
 
@@ -350,8 +360,8 @@ def takeover_plan(inherited: Mapping[str, tuple[str, int, str]], jobs: Mapping[s
     busy = set(recovering)
     out: list[tuple[str, str | None]] = []
     for job, rec in jobs.items():
-        if job not in inherited or job in busy or rec.state not in ACTIVE:
-            continue
+        if job not in inherited or job in busy or rec.state not in ACTIVE or queued(rec):
+            continue  # (a waiting job is the scheduler's: coordinator/table/queue.py)
         if (rec.state, rec.generation, rec.node) != inherited[job]:
             continue
         if rec.state in (State.RESTORING, State.PENDING):
@@ -380,6 +390,15 @@ def stale_local_jobs(node: str, local: Iterable[LocalJob], jobs: Mapping[str, Jo
         elif lj.generation < rec.generation or (lj.generation == rec.generation and rec.node != node):
             out.append(StaleJob(job=lj.job, generation=lj.generation,
                                 reason=f"superseded by generation {rec.generation} on {rec.node or 'no node'}"))
+    return out
+
+
+def usage(jobs: Iterable[JobRecord]) -> dict[str, Usage]:
+    """What each node's unfinished jobs asked for, and the GPUs they were given there."""
+    out: dict[str, Usage] = {}
+    for rec in jobs:
+        if rec.node and rec.state in ACTIVE:
+            out.setdefault(rec.node, Usage()).add(rec.spec.resources, rec.assigned_gpus)
     return out
 
 

@@ -9,12 +9,16 @@ newest epoch goes only to a node that can take them (:func:`revenant.common.gpuf
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import logging
+from typing import Any, Iterable, Mapping, Sequence
 
 from revenant.common.errors import RevenantError
 from revenant.common.gpufit import describe, gpu_fit
+from revenant.common.settings.resources import Usage, assign_gpus, describe as describe_ask, fit
 from revenant.coordinator.table.lifecycle import ENDED
-from revenant.messages import JobGpu, JobRecord, JobSpec, NodeStatus
+from revenant.messages import JobGpu, JobRecord, JobResources, JobSpec, NodeStatus
+
+log = logging.getLogger(__name__)
 
 _HEALTH_RANK = {"GREEN": 0, "YELLOW": 1}
 
@@ -47,6 +51,15 @@ class NoNodeAvailable(RevenantError):
     retriable = True
 
 
+class NoCapacity(NoNodeAvailable):
+    """Nodes could take the job, but none has room now for what it asks: it waits for some."""
+
+    code = "no_capacity"
+
+
+NOTHING = JobResources()
+
+
 def restore_waivers(node: NodeStatus) -> list[str]:
     """The reasons ``node`` is RED if a restore may ignore every one of them, else [].
 
@@ -71,19 +84,38 @@ def usable(node: NodeStatus, restore: bool = False) -> str | None:
 
 
 def place(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested: str = "",
-          exclude: set[str] | frozenset[str] = frozenset(), *, restore: bool = False,
-          gpus: Sequence[JobGpu] = (), gpu_driver: str = "") -> str:
-    """The node for a job: ``requested`` if usable; else the healthiest node with the fewest jobs.
+          exclude: set[str] | frozenset[str] = frozenset(), **kw: Any) -> str:
+    """:func:`place_job`'s node alone."""
+    return place_job(nodes, jobs_per_node, requested, exclude, **kw)[0]
+
+
+def place_job(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested: str = "",
+              exclude: set[str] | frozenset[str] = frozenset(), *, restore: bool = False,
+              gpus: Sequence[JobGpu] = (), gpu_driver: str = "", ask: JobResources = NOTHING,
+              used: Mapping[str, Usage] | None = None, any_health: bool = False) -> tuple[str, list[str]]:
+    """The node for a job, and the UUIDs of the GPUs it gives the job: ``requested`` if usable;
+    else the healthiest node with the fewest jobs among those with room for ``ask`` (with
+    ``used`` taken on each node: :func:`revenant.coordinator.table.lifecycle.usage`).
 
     RED nodes never get work; YELLOW ones only when no GREEN node is usable.  A ``restore``
     may also go to a node RED only for reasons it does not worsen (:func:`restore_waivers`),
     last of all.  ``gpus``, ``gpu_driver``: the GPUs a restored job held at its epoch, and
     the driver it ran under: only a node :func:`gpu_fit` finds fit for them takes it.
+    Raises :class:`NoNodeAvailable` when no node could take the job, :class:`NoCapacity` when
+    some could but none has room for it now.  ``any_health``: the ``requested`` node takes the
+    job whatever its health (:func:`own_node`: a move whose target went away goes back home).
     """
-    need = list(gpus)
+    need, taken = list(gpus), used or {}
 
     def why_not(node: NodeStatus) -> str | None:
+        if any_health and own_node([node], node.name):
+            return gpu_fit(need, gpu_driver, node.capabilities, node=node.name)[0]
         return usable(node, restore) or gpu_fit(need, gpu_driver, node.capabilities, node=node.name)[0]
+
+    def room(node: NodeStatus) -> tuple[str | None, list[str]]:
+        mine = taken.get(node.name, Usage())
+        why = fit(ask, node.capabilities, mine, node.name)
+        return (why, []) if why else assign_gpus(ask, node.capabilities, mine, need, gpu_driver, node.name)
 
     if requested:
         node = next((n for n in nodes if n.name == requested), None)
@@ -92,15 +124,23 @@ def place(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested: str
         why = why_not(node)
         if why:
             raise NoNodeAvailable(why)
-        return requested
+        why, given = room(node)
+        if why:
+            raise NoCapacity(f"no room on node {requested} for the job's {describe_ask(ask)}: {why}")
+        return requested, given
     candidates = [n for n in nodes if n.name not in exclude and why_not(n) is None]
     if not candidates:
         reasons = [why_not(n) for n in nodes if n.name not in exclude]
         detail = "; ".join(r for r in reasons if r) or "no node has joined"
         held = f" (it held {describe(need, gpu_driver)} at its checkpoint)" if need else ""
         raise NoNodeAvailable(f"no node can take the job{held}: {detail}")
-    best = min(candidates, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name))
-    return best.name
+    rooms = {n.name: room(n) for n in candidates}
+    fitting = [n for n in candidates if rooms[n.name][0] is None]
+    if not fitting:
+        detail = "; ".join(str(rooms[n.name][0]) for n in candidates[:10])
+        raise NoCapacity(f"no node has room for the job's {describe_ask(ask)} now: {detail}")
+    best = min(fitting, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name))
+    return best.name, rooms[best.name][1]
 
 
 def node_address(nodes: Iterable[NodeStatus], name: str) -> str:
@@ -122,3 +162,11 @@ def own_node(nodes: list[NodeStatus], name: str) -> str | None:
     """``name`` if it is alive with a working criu (whatever its health), else None."""
     node = next((n for n in nodes if n.name == name), None)
     return name if node is not None and node.state == "alive" and node.capabilities.criu.ok else None
+
+
+def waived_notes(job: str, nodes: list[NodeStatus], target: str) -> list[str]:
+    """The note for a restore placed on a node RED only for reasons a restore does not worsen."""
+    note = restore_note(nodes, target)
+    if note:
+        log.warning("job %s: restore %s", job, note)
+    return [note] if note else []

@@ -65,6 +65,9 @@ class FakeDriver:
 
     def cu_init(self) -> None:
         gpus = configured_gpus(self.dir)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:  # as the CUDA runtime reads it: the GPUs named (by UUID), in that order
+            gpus = [u for u in (v.strip() for v in visible.split(",")) if u in gpus]
         if not gpus:
             sys.exit(f"gpucounter: cuInit failed: CUDA_ERROR_NO_DEVICE (no GPU configured in {self.dir})")
         self.uuid = gpus[0]
