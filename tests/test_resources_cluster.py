@@ -7,6 +7,8 @@ and one-line refusals of what no node has."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -137,3 +139,38 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     assert cluster.job(b)["state"] == "vacated"
     for job in (a, d):
         cluster.cli("cancel", job)
+
+
+@pytest.mark.skipif(not (MEMORY_ROOT / "cgroup.procs").exists(), reason="needs cgroup v1 memory, cpu and pids "
+                    "hierarchies (these machines have them; a pure cgroup v2 host runs the same code with v2 files)")
+def test_failover_waits_for_room_and_a_job_over_its_memory_is_told_why_it_died(make_cluster, tmp_path):
+    fake = build(tmp_path / "fakegpu")
+    fake.set_gpus([(GPU1, H100, 80 << 30), (GPU2, H100, 80 << 30)])
+    cluster = make_cluster(2, env={**fake.env(), "REVENANT_AGENT_GPU_CHECKPOINT": "driver_api"})
+    wait_until(lambda: (n := cluster.json("nodes", "--json")) and len(n) == 2 and n, timeout=30)
+
+    # Over its --mem: the OOM killer in its cgroup, and the job's reason says so.
+    hog = cluster.cli("submit", "--mem", "64M", "--", sys.executable, "-c",
+                      "b = bytearray(512 << 20)\nimport time; time.sleep(30)").stdout.strip()
+    ended = _wait(cluster, hog, lambda j: j["state"] == "failed", "the OOM kill")
+    assert "OOM killer" in ended["reason"] and "64 MiB" in ended["reason"], ended
+
+    # A holds both of node-1's GPUs; B both of node-2's.  node-1 dies: A waits for room, restoring.
+    a, port = _counter(cluster, fake, tmp_path, "a", "--node", "node-1", "--gpus", "2", "--mem", "512M")
+    _wait(cluster, a, lambda j: j["state"] == "running", "start of A")
+    assert counter_request(port, "inc", timeout=30) == "101"
+    b = cluster.cli("submit", "--node", "node-2", "--gpus", "2", "--", "sleep", "600").stdout.strip()
+    _wait(cluster, b, lambda j: j["state"] == "running", "start of B")
+    cluster.cli("checkpoint", "create", a)
+    first = _wait(cluster, a, lambda j: j["state"] == "running" and j["epochs"], "checkpoint of A")
+    os.kill(cluster.pids()["node-1"], signal.SIGKILL)
+    os.kill(first["pid"], signal.SIGKILL)
+    held = _wait(cluster, a, lambda j: "waiting for room" in j["reason"], "failover waiting for room", timeout=60)
+    assert held["state"] in ("running", "restoring") and "node-2 has 0 of 2 GPUs free" in held["reason"], held
+    cluster.cli("cancel", b)
+    moved = _wait(cluster, a, lambda j: j["state"] == "running" and j["node"] == "node-2"
+                  and j["generation"] > first["generation"], "failover once B ended", timeout=60)
+    assert sorted(moved["assigned_gpus"]) == [GPU1, GPU2] and not moved["reason"]
+    assert _limits(moved["program_pid"])[:2] == (f"/revenant/node-2/{a}-g{moved['generation']}", str(512 << 20))
+    assert counter_request(port, "inc", timeout=30) == "102"
+    cluster.cli("cancel", a)
