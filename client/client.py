@@ -112,7 +112,9 @@ class Client:
         ``requeue``; ``workdir``: where it runs (default: this process's directory); ``env``: its
         whole environment (default: none); ``user`` (admin only); the job's overrides of the
         cluster's [checkpoint] defaults (``incremental``, ``full_every``, ``pre_dump``,
-        ``pre_dump_delay_s``, ``load_aware``, ``connections``, ``on_sick``).  Idempotent: asked
+        ``pre_dump_delay_s``, ``load_aware``, ``connections``, ``on_sick``); what it needs on its
+        node (``cpus``, ``mem``: "64G" or bytes, ``gpus``: a job with no room now comes back
+        pending, its ``reason`` saying why).  Idempotent: asked
         again with the same ``request_id`` (one is made if not given) while no leader answers,
         for up to ``retry_s``; a repeat is answered with the job the first made."""
         return (await self.submit_request(submit_request(argv, self.user, **kw), retry_s)).job

@@ -200,3 +200,14 @@ def test_the_waiting_loop_starts_jobs_oldest_first_as_room_appears():
         assert await loop.tick() == []
 
     asyncio.run(main())
+
+
+def test_the_client_library_takes_sizes_as_the_cli_does():
+    from revenant.client import ClientError
+    from revenant.client.asking import submit_request
+
+    req = submit_request(["true"], "alice", mem="1G", cpus=2, gpus=1)
+    assert (req.memory_bytes, req.cpus, req.gpus) == (1 << 30, 2, 1)
+    assert submit_request(["true"], "alice", mem=4096).memory_bytes == 4096
+    with pytest.raises(ClientError, match="--mem '1Q' is not a size"):
+        submit_request(["true"], "alice", mem="1Q")
