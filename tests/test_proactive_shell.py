@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from revenant.common.errors import RevenantError
@@ -18,7 +19,7 @@ from revenant.coordinator.table.store import MemoryJobStore
 from revenant.messages import AgentJobReply, EpochInfo, SubmitRequest
 
 from test_lifecycle import Agents, Lease
-from test_proactive_rules import MEMORY_RED, MEMORY_YELLOW, node
+from test_proactive_rules import CRIU, MEMORY_RED, MEMORY_YELLOW, node
 
 pytestmark = pytest.mark.unit
 
@@ -66,14 +67,15 @@ class Clock:
         return self.t
 
 
-async def setup(nodes: list, on_sick: str = "migrate"):
-    table = [node(n.name) for n in nodes]  # healthy for the submit; then as given
+async def setup(nodes: list, on_sick: str = "migrate", **ask):
+    # Healthy for the submit (with the nodes' own capabilities); then as given.
+    table = [msgspec.structs.replace(node(n.name), capabilities=n.capabilities) for n in nodes]
     agents, events, failover, clock = CommandAgents(), Events(), StubFailover(), Clock()
     config = CoordinatorConfig(proactive_hold_s=0.0)
     jobs = JobService(MemoryJobStore(), agents, config, events, lambda: table, Lease(), wall=lambda: 50.0)
     await jobs.open()
     await jobs.submit(SubmitRequest(argv=["sleep", "100"], node="node-1", checkpoint_interval_s=300.0,
-                                    on_sick=on_sick))
+                                    on_sick=on_sick, **ask))
     table[:] = nodes
     metrics = CoordinatorMetrics()
     moves = ProactiveMoves(config, jobs, failover, events, lambda: table, metrics, clock=clock, wall=lambda: 60.0)
@@ -112,6 +114,18 @@ async def test_with_no_healthy_node_the_job_stays_and_an_event_says_why():
     skipped = events.msgs[-1]
     assert (skipped.kind, skipped.cause, skipped.reasons) == ("migration_skipped", "health", ["memory 97% >= 95%"])
     assert "no healthy node can take it" in skipped.reason and jobs.get("1").state == "running"
+
+
+async def test_a_move_waits_while_no_healthy_node_has_room_for_what_the_job_asked():
+    sick, small = node("node-1", MEMORY_RED), node("node-2")
+    sick.capabilities, small.capabilities = (msgspec.structs.replace(CRIU, cpus=8),
+                                             msgspec.structs.replace(CRIU, cpus=2))
+    moves, jobs, agents, events, failover, table, _ = await setup([sick, small], cpus=4.0)
+    await run_tick(moves)
+    assert not [c for c in agents.commands if isinstance(c, lc.Checkpoint)] and failover.calls == []
+    skipped = events.msgs[-1]
+    assert skipped.kind == "migration_skipped" and "node node-2 has 2 of 2 CPUs free" in skipped.reason, skipped
+    assert jobs.get("1").state == "running"
 
 
 async def test_a_move_whose_checkpoint_fails_leaves_the_job_running_where_it_was():

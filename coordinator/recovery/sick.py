@@ -26,7 +26,7 @@ from revenant.coordinator.nodes.proactive import RETRY_S, Action, ProactiveRules
 from revenant.coordinator.recovery.failover import Failover, TokenBucket
 from revenant.coordinator.table import lifecycle as lc
 from revenant.coordinator.table.jobs import JobService
-from revenant.coordinator.table.placement import NoNodeAvailable, place
+from revenant.coordinator.table.placement import NoNodeAvailable
 from revenant.messages import AnomalyEvent, ClusterEvent, JobEvent, MessageError, NodeStatus, decode_as, subjects
 
 log = logging.getLogger(__name__)
@@ -185,8 +185,8 @@ class ProactiveMoves:
         why = "; ".join(action.reasons)
         rec = self.jobs.get(action.job)
         try:  # the detector's records, cordoned: no snapshot (phi and all) for a pre-check
-            target = place(self.rules.cordon(list(self.nodes())), self.jobs.jobs_per_node(),
-                           exclude={action.node}, restore=True, gpus=rec.gpus, gpu_driver=rec.gpu_driver)
+            target, _ = self.jobs.place(rec.spec, exclude={action.node}, nodes=self.rules.cordon(list(self.nodes())),
+                                        restore=True, gpus=rec.gpus, gpu_driver=rec.gpu_driver)
         except NoNodeAvailable as exc:
             log.warning("job %s: node %s is sick (%s) but the job stays: %s", action.job, action.node, why, exc)
             self._event(action, "migration_skipped", f"no healthy node can take it: {exc}")

@@ -164,10 +164,10 @@ class JobService:
     # ------------------------------------------------------------------ operations
 
     def place(self, spec: JobSpec, requested: str = "", exclude: set[str] | frozenset[str] = frozenset(),
-              **kw) -> tuple[str, tuple[str, ...]]:
-        """Where ``spec`` goes now, and the GPUs it is given there (:func:`place_job`, with what
-        every node's other unfinished jobs have taken)."""
-        node, gpus = place_job(self.nodes(), self.jobs_per_node(), requested, exclude, ask=spec.resources,
+              nodes: list[NodeStatus] | None = None, **kw) -> tuple[str, tuple[str, ...]]:
+        """Where ``spec`` goes now (among ``nodes``, default all), and the GPUs it is given there
+        (:func:`place_job`, with what every node's other unfinished jobs have taken)."""
+        node, gpus = place_job(self.nodes() if nodes is None else nodes, self.jobs_per_node(), requested, exclude, ask=spec.resources,
                                used=lc.usage(r for j, r in self.jobs.items() if j != spec.id), **kw)
         return node, tuple(gpus)
 
