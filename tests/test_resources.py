@@ -211,3 +211,32 @@ def test_the_client_library_takes_sizes_as_the_cli_does():
     assert submit_request(["true"], "alice", mem=4096).memory_bytes == 4096
     with pytest.raises(ClientError, match="--mem '1Q' is not a size"):
         submit_request(["true"], "alice", mem="1Q")
+
+
+def test_the_job_table_keeps_each_nodes_room_as_a_walk_of_it_would_find_it():
+    import random
+
+    from revenant.coordinator.table.userlimits import JobTable
+
+    rng = random.Random(7)
+    table = JobTable()
+    states = ["pending", "running", "checkpointing", "restoring", "vacated", "completed", "failed", "cancelled"]
+    for step in range(3000):
+        job = str(rng.randrange(40))
+        if rng.random() < 0.1:
+            table.pop(job, None)
+            continue
+        node = rng.choice(["", "a", "b", "c"])
+        gpus = [f"GPU-{node}-{job}"] if node and rng.random() < 0.5 else []
+        table[job] = JobRecord(spec=spec(job, cpus=rng.choice([0, 0.5, 2]), mem_gib=rng.choice([0, 1]),
+                                         gpus=len(gpus)), state=rng.choice(states), node=node, assigned_gpus=gpus)
+        walked = lc.usage(table.values())
+        kept = table.usage()
+        assert {n: (round(u.cpus, 6), u.memory_bytes, u.gpus) for n, u in walked.items()} == \
+            {n: (round(u.cpus, 6), u.memory_bytes, u.gpus) for n, u in kept.items()}, step
+        assert table.per_node == lc.jobs_per_node(table.values())
+        but = table.usage(but=job)  # a restore of the job itself: its own room is free
+        expect = lc.usage(r for j, r in table.items() if j != job)
+        assert all((round(but[n].cpus, 6), but[n].memory_bytes, but[n].gpus) ==
+                   (round(expect.get(n, Usage()).cpus, 6), expect.get(n, Usage()).memory_bytes,
+                    expect.get(n, Usage()).gpus) for n in but)

@@ -81,7 +81,7 @@ class JobService:
         return cmd
 
     def jobs_per_node(self) -> dict[str, int]:
-        return lc.jobs_per_node(self.jobs.values())
+        return self.jobs.per_node
 
     def jobs_on(self, node: str) -> list[str]:
         return [j for j, r in self.jobs.items() if r.node == node and r.state in lc.ACTIVE]
@@ -167,8 +167,8 @@ class JobService:
               nodes: list[NodeStatus] | None = None, **kw) -> tuple[str, tuple[str, ...]]:
         """Where ``spec`` goes now (among ``nodes``, default all), and the GPUs it is given there
         (:func:`place_job`, with what every node's other unfinished jobs have taken)."""
-        node, gpus = place_job(self.nodes() if nodes is None else nodes, self.jobs_per_node(), requested, exclude, ask=spec.resources,
-                               used=lc.usage(r for j, r in self.jobs.items() if j != spec.id), **kw)
+        node, gpus = place_job(self.nodes() if nodes is None else nodes, self.jobs.per_node, requested, exclude,
+                               ask=spec.resources, used=self.jobs.usage(but=spec.id), **kw)
         return node, tuple(gpus)
 
     async def submit(self, req: SubmitRequest, user: str = "") -> JobRecord:

@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import ChainMap
 from typing import Callable, Iterator, Mapping
 
 from revenant.common.errors import RevenantError
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.common.settings.limits import ROOT_USERS
+from revenant.common.settings.resources import Usage
 from revenant.coordinator.table import lifecycle as lc
 from revenant.messages import JobRecord
 
@@ -52,7 +54,9 @@ class SubmitRateExceeded(UserLimitReached):
 
 class JobTable(dict[str, JobRecord]):
     """The live job table, job id -> record, that also counts each user's jobs that are not
-    finished: a submit reads its user's count without walking a table of 100,000 jobs.
+    finished, and each node's jobs that may have a copy there (:data:`lifecycle.ACTIVE`) with
+    what they asked for (placement's room): a submit or a restore reads them without walking a
+    table of 100,000 jobs.
 
     Every way a record enters or leaves the table passes through here (set, del, pop, update,
     clear), so the counts cannot drift from the records; and a record is never changed in place
@@ -61,6 +65,8 @@ class JobTable(dict[str, JobRecord]):
     def __init__(self, records: Mapping[str, JobRecord] | None = None) -> None:
         super().__init__()
         self._unfinished: dict[str, int] = {}
+        self.per_node: dict[str, int] = {}  # node -> its ACTIVE jobs
+        self._usage: dict[str, Usage] = {}  # node -> what they asked for, the GPUs they were given
         if records:
             self.update(records)
 
@@ -68,7 +74,25 @@ class JobTable(dict[str, JobRecord]):
         """``user``'s jobs in the table that are not finished."""
         return self._unfinished.get(user, 0)
 
+    def usage(self, but: str = "") -> Mapping[str, Usage]:
+        """What each node's ACTIVE jobs asked for, but job ``but``'s (a restore's own)."""
+        rec = self.get(but)
+        if rec is None or not (rec.node and rec.state in lc.ACTIVE):
+            return self._usage
+        mine, res = self._usage[rec.node], rec.spec.resources
+        return ChainMap({rec.node: Usage(mine.cpus - res.cpus, mine.memory_bytes - res.memory_bytes,
+                                         mine.gpus - set(rec.assigned_gpus))}, self._usage)
+
     def _count(self, rec: JobRecord | None, step: int) -> None:
+        if rec is not None and rec.node and rec.state in lc.ACTIVE:
+            node, res = rec.node, rec.spec.resources
+            self.per_node[node] = self.per_node.get(node, 0) + step
+            used = self._usage.setdefault(node, Usage())
+            used.cpus += step * res.cpus
+            used.memory_bytes += step * res.memory_bytes
+            (used.gpus.update if step > 0 else used.gpus.difference_update)(rec.assigned_gpus)
+            if not self.per_node[node]:
+                del self.per_node[node], self._usage[node]
         if rec is None or rec.state in lc.ENDED:
             return
         user = rec.spec.user
@@ -111,6 +135,8 @@ class JobTable(dict[str, JobRecord]):
     def clear(self) -> None:
         super().clear()
         self._unfinished.clear()
+        self.per_node.clear()
+        self._usage.clear()
 
 
 class SubmitRate:
