@@ -240,3 +240,30 @@ def test_the_job_table_keeps_each_nodes_room_as_a_walk_of_it_would_find_it():
         assert all((round(but[n].cpus, 6), but[n].memory_bytes, but[n].gpus) ==
                    (round(expect.get(n, Usage()).cpus, 6), expect.get(n, Usage()).memory_bytes,
                     expect.get(n, Usage()).gpus) for n in but)
+
+
+def test_the_cgroup_layout_is_read_from_the_mounts():
+    from revenant.agent.processes.cgroups import JobCgroup, Layout, NodeCgroups, discover
+
+    hybrid = ("30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:9 - cgroup cgroup rw,memory\n"
+              "31 25 0:27 / /sys/fs/cgroup/cpu,cpuacct rw,relatime shared:10 - cgroup cgroup rw,cpu,cpuacct\n"
+              "32 25 0:28 / /sys/fs/cgroup/pids rw,relatime shared:11 - cgroup cgroup rw,pids\n"
+              "33 25 0:29 / /sys/fs/cgroup/unified rw,relatime shared:12 - cgroup2 cgroup2 rw\n")
+    layout = discover(hybrid, "4:memory:/x\n3:cpu,cpuacct:/\n2:pids:/\n0::/\n")
+    assert layout.version == 1 and [h.name for h in layout.hierarchies] == ["memory", "cpu,cpuacct", "pids"]
+    cg = JobCgroup(layout, "revenant/n/7-g2")
+    assert cg.criu_args() == ["--manage-cgroups=soft", "--cgroup-root", "memory:/revenant/n/7-g2",
+                              "--cgroup-root", "cpu,cpuacct:/revenant/n/7-g2", "--cgroup-root", "pids:/revenant/n/7-g2"]
+    assert cg.limits(JobResources(cpus=1.5, memory_bytes=1 << 30), 100) == {
+        "memory.limit_in_bytes": str(1 << 30), "cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "150000",
+        "pids.max": "100"}
+    assert cg.limits(JobResources(), 0)["cpu.cfs_quota_us"] == "-1"
+    v2 = JobCgroup(Layout(2, layout.hierarchies[:1]), "revenant/n/7-g2")
+    assert v2.limits(JobResources(cpus=0.25, memory_bytes=4096), 0) == {"memory.max": "4096", "cpu.max": "25000 100000",
+                                                                       "pids.max": "max"}
+    assert v2.criu_args() == ["--manage-cgroups=soft", "--cgroup-root", "/revenant/n/7-g2"]
+    none = discover("33 25 0:29 / /nonexistent/cgroup rw - cgroup2 cgroup2 rw\n", "0::/\n")
+    assert none.version == 0 and "memory, cpu, pids" in none.why_none
+    cg, why = NodeCgroups("n", none).make("7", 1, JobResources(memory_bytes=1 << 20))
+    assert cg is None and "are not enforced" in why[0]
+    assert NodeCgroups("n", none).make("7", 1, JobResources()) == (None, [])

@@ -217,9 +217,12 @@ class NodeCgroups:
         """(the job's new cgroup with its limits, []) or (None, why it has none, if it asked for
         limits: the job runs without them)."""
         if not self.layout.version:
-            why = f"node {self.node} gives jobs no cgroup ({self.layout.why_none}): "
-            return None, [why + f"job {job}'s --cpus and --mem are not enforced"] if asked.cpus or asked.memory_bytes \
-                else []
+            if not (asked.cpus or asked.memory_bytes):
+                return None, []
+            why = f"node {self.node} gives jobs no cgroup ({self.layout.why_none}): job {job}'s --cpus and --mem " \
+                  "are not enforced"
+            log.warning("%s", why)
+            return None, [why]
         cg = JobCgroup(self.layout, f"{ROOT}/{self.node}/{job}-g{generation}")
         try:
             cg.create(asked, self.pids_max)
