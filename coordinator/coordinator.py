@@ -51,8 +51,7 @@ from revenant.messages import (ClusterEvent, FailoverRequest, HealthSummary, Mes
 log = logging.getLogger(__name__)
 
 MAX_PROBES_IN_FLIGHT = 512
-# Nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes.
-NODES_PAGE_MAX = 300
+NODES_PAGE_MAX = 300  # nodes per nodes_reply.v1: a node's status with its capabilities is about 500 bytes
 # Requests the leader answers on revenant.coord.<verb> (admin's), and on revenant.user.*.<verb>
 # (users', coordinator/table/requests.py) all of them but reconcile, which is the agents'.
 REQUEST_VERBS = ("submit", "jobs", "job", "checkpoint", "vacate", "restart", "purge", "failover", "reconcile",
@@ -163,7 +162,8 @@ class Coordinator(Service):
                                      replicas=replicas, quiet_moment=gcpause.rewalk_if_due)
         gcpause.choose_rewalk()  # the whole heap's walk (a second at 100,000 nodes) right after a renewal
         agents = AgentClient(self._nc, self.leadership.fresh,
-                             lambda node: getattr(self.detector.nodes.get(node), "incarnation", ""))
+                             lambda node: getattr(self.detector.nodes.get(node), "incarnation", ""),
+                             lambda: self.leadership.term)
         self.jobs = JobService(KvJobStore(self._js, replicas), agents, self.config, self._events, self._nodes,
                                self.leadership, wall=self._wall)
         self._client_requests = ClientRequests(self.jobs)

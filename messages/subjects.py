@@ -154,3 +154,8 @@ LEADER_BUCKET = "revenant_leader"
 
 def cluster_event(kind: str) -> str:
     return f"{EVENTS_PREFIX}.cluster.{check_name(kind, 'event kind')}"
+
+# The header a leader's commands to agents carry: its term, the leader bucket's revision at its
+# election, which grows with every election cluster-wide.  An agent refuses a command (or a
+# reconcile answer) from a term older than the newest it has heard from: a deposed leader's.
+TERM_HEADER = "Revenant-Term"

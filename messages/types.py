@@ -461,6 +461,8 @@ class ReconcileReply(Message, tag="reconcile_reply.v1"):
     # Frozen jobs the agent may thaw: still theirs, at the same generation, and no failover of
     # them can now go ahead (the leader recorded the thaw first).
     thaw: list[LocalJob] = []
+    # The answering leader's term (subjects.TERM_HEADER); 0: a coordinator from before terms.
+    term: int = 0
 
 
 class ErrorReply(Message, tag="error.v1"):

@@ -161,3 +161,45 @@ async def test_a_thaw_answered_after_a_new_fence_is_not_applied(nats_url, tmp_pa
         assert len(asked) == 2 and all(r.jobs[0].frozen for r in asked)
         assert agent.supervisor.jobs["1"].frozen_at is None  # the second answer, after the fence, did
     await nc.close()
+
+
+async def test_a_deposed_leaders_late_command_or_answer_is_refused(nats_url, tmp_path):
+    """Each command carries its leader's term (subjects.TERM_HEADER): once a node has heard from
+    term 7, a command from term 5 (a leader deposed since, its request late) is refused and
+    changes nothing, and so is a reconcile answer from term 5; a command without a term (a
+    coordinator from before terms) is taken."""
+    from revenant.common.errors import RemoteError
+
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    answers = {"term": 5}
+
+    async def leader(msg):
+        req = decode_as(msg.data, ReconcileRequest)
+        stale = [StaleJob(job=j.job, generation=j.generation, reason="moved on") for j in req.jobs]
+        await msg.respond(encode(ReconcileReply(stale=stale, term=answers["term"])))
+
+    async def command(job: str, generation: int, term: int | None) -> AgentJobReply:
+        spec = JobSpec(id=job, argv=["sleep", "60"], workdir="/")
+        headers = {subjects.TERM_HEADER: str(term)} if term is not None else None
+        return await bus.request(nc, subjects.node_command("node-1", "start"),
+                                 StartJob(spec=spec, generation=generation), AgentJobReply, 10, headers)
+
+    await nc.subscribe(subjects.coordinator("reconcile"), cb=leader)
+    async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
+        await _start(nc, "1", 1)  # no term: taken
+        await command("2", 1, 7)
+        assert agent.supervisor.leader_term.newest == 7
+        with pytest.raises(RemoteError) as refused:
+            await command("3", 1, 5)
+        assert refused.value.code == "stale_term" and "term 5 refused" in str(refused.value)
+        assert "3" not in agent.supervisor.jobs
+        await command("4", 1, 8)  # a newer leader's
+        await agent.reconcile()  # term 5's answer to kill everything: refused, nothing killed
+        assert {"1", "2", "4"} <= set(agent.supervisor.jobs)
+        answers["term"] = 8
+        await agent.reconcile()  # the current leader's: applied
+        async def all_killed() -> bool:
+            return not agent.supervisor.jobs
+
+        await wait_for(all_killed)
+    await nc.close()

@@ -4,6 +4,7 @@ change records, whatever order they arrive in relative to the replies."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import nats
 import pytest
@@ -187,6 +188,9 @@ async def test_the_leader_lease_says_who_leads_now(nats_url):
             await asyncio.sleep(0.05)
         assert second.leader and await second.holds()
         assert first.value != second.value
+        # Terms grow cluster-wide, the bucket's making (Unix seconds) above the key's revision.
+        assert second.term > first.term and first.term >> 32 == second.term >> 32
+        assert abs((second.term >> 32) - time.time()) < 600
         first.leader = True  # what a stalled leader would still believe
         assert not await first.holds()
     finally:

@@ -267,3 +267,4 @@ def test_the_cgroup_layout_is_read_from_the_mounts():
     cg, why = NodeCgroups("n", none).make("7", 1, JobResources(memory_bytes=1 << 20))
     assert cg is None and "are not enforced" in why[0]
     assert NodeCgroups("n", none).make("7", 1, JobResources()) == (None, [])
+

@@ -55,9 +55,11 @@ def _cgroup(pid: int, controller: str) -> str:
 
 def _limits(pid: int) -> tuple[str, str, str, str]:
     """(memory cgroup path, memory limit, cpu quota, pids.max) of ``pid``'s cgroups."""
-    path = _cgroup(pid, "memory")
-    read = lambda ctl, f: (Path("/sys/fs/cgroup") / ctl / _cgroup(pid, ctl).lstrip("/") / f).read_text().strip()  # noqa: E731
-    return path, read("memory", "memory.limit_in_bytes"), read("cpu", "cpu.cfs_quota_us"), read("pids", "pids.max")
+    def read(ctl: str, name: str) -> str:
+        return (Path("/sys/fs/cgroup") / ctl / _cgroup(pid, ctl).lstrip("/") / name).read_text().strip()
+
+    return (_cgroup(pid, "memory"), read("memory", "memory.limit_in_bytes"), read("cpu", "cpu.cfs_quota_us"),
+            read("pids", "pids.max"))
 
 
 def _on_gpu(fake, pid_tree: set[int]) -> set[str]:

@@ -142,7 +142,9 @@ class Agent(Service):
                                      switch_timeout_s=self.config.fence_timeout_s,
                                      max_frozen_s=self.config.max_frozen_s, clock=self.clock,
                                      wall_clock=self.wall_clock, scratch=self.config.job_scratch(),
-                                     allow_root_jobs=self.config.allow_root_jobs, cgroups=self._cgroups())
+                                     allow_root_jobs=self.config.allow_root_jobs,
+                                     cgroups=cgroups.NodeCgroups.start(self.node, self.config.job_cgroups,
+                                                                       self.config.job_pids_max))
         with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):
             await self._nc.subscribe(subjects.node_commands(self.node), cb=self._on_command)
             await self._nc.flush(timeout=self.config.shutdown_grace_s)  # served once ready is set
@@ -299,12 +301,6 @@ class Agent(Service):
                                   anomaly_event(self.node, a, self.wall_clock()))
         return summary
 
-    def _cgroups(self) -> cgroups.NodeCgroups:
-        layout = cgroups.discover() if self.config.job_cgroups else cgroups.Layout(why_none="job_cgroups is off")
-        node = cgroups.NodeCgroups(self.node, layout, self.config.job_pids_max)
-        log.info("job cgroups: %s; %d left empty removed", layout.describe(), node.sweep())
-        return node
-
     async def _health_loop(self) -> None:
         """Sample the probes each heartbeat interval; the liveness thread publishes the result."""
         while True:
@@ -330,11 +326,13 @@ class Agent(Service):
             await self._nc.publish(subject, data)
 
     async def _on_command(self, msg: Msg) -> None:
-        bus.answer_in_task(self._requests, msg, self._dispatch, "command {verb}")
+        term = (msg.headers or {}).get(subjects.TERM_HEADER, "0")
+        bus.answer_in_task(self._requests, msg, lambda verb, data: self._dispatch(verb, data, term), "command {verb}")
 
-    async def _dispatch(self, verb: str, data: bytes) -> AgentJobReply:
+    async def _dispatch(self, verb: str, data: bytes, term: str = "0") -> AgentJobReply:
         sup = self.supervisor
         assert sup is not None
+        sup.leader_term.take(int(term) if term.isdigit() else 0, f"the {verb} command")
         if self.liveness.fenced:
             raise RevenantError(f"node {self.node} is self-fenced (its lease lapsed); try another node",
                                 code="fenced", retriable=True)

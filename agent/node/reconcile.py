@@ -112,6 +112,11 @@ async def apply(sup: Supervisor, answer: Answer, may_thaw: bool = True) -> bool:
     and nothing would know) and has not fenced since it asked (the freezer checks that last one
     under its lock, against a fence landing now)."""
     reply = answer.reply
+    try:
+        sup.leader_term.take(reply.term, "a reconcile answer")
+    except RevenantError as exc:
+        log.warning("%s", exc)
+        return any(rt.frozen_at is not None for rt in list(sup.jobs.values()))  # asked again
     valid = thaw_holds(answer, may_thaw, sup.fences)
     for lj in reply.thaw:
         if valid and sup.thaw(lj.job, lj.generation, answer.fences):

@@ -205,6 +205,15 @@ class NodeCgroups:
         self.pids_max = pids_max
         self.retired: list[JobCgroup] = []  # ended jobs' cgroups, removed once their last process is gone
 
+    @classmethod
+    def start(cls, node: str, enabled: bool, pids_max: int) -> NodeCgroups:
+        """An agent's, as it starts: the host's layout (unless turned off), the empty cgroups an
+        earlier agent of this node left removed."""
+        layout = discover() if enabled else Layout(why_none="job_cgroups is off")
+        made = cls(node, layout, pids_max)
+        log.info("job cgroups: %s; %d left empty removed", layout.describe(), made.sweep())
+        return made
+
     def retire(self, cg: JobCgroup | None) -> None:
         if cg is not None and not cg.remove():
             self.retired.append(cg)

@@ -35,7 +35,7 @@ from revenant.agent.running.freezing import Freezer
 from revenant.agent.running import signals
 from revenant.agent.running.launcher import Launcher, new_stamp, reset_stamp
 from revenant.agent.running.exiting import JobExits
-from revenant.agent.running.runtime import JobRuntime, Launch
+from revenant.agent.running.runtime import JobRuntime, Launch, LeaderTerm
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.serving.metrics import AgentMetrics
@@ -67,6 +67,7 @@ class Supervisor(JobExits):
         self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
         self.freezer = Freezer(self.jobs, self.exits, clock)  # the self-fence's SIGSTOP and SIGCONT
+        self.leader_term = LeaderTerm()  # whose commands it takes
         # Starts and restores in flight, one per job: a newer generation or a kill arriving
         # meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}

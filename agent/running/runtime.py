@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from revenant.agent.storage.epochs import JobFiles
+from revenant.common.errors import RevenantError
 from revenant.common.settings.resources import size_text
 from revenant.messages import JobGpu, JobSpec
 
@@ -58,3 +59,22 @@ def oom_note(rt: JobRuntime) -> str:
     limit = rt.spec.resources.memory_bytes
     return (f"the kernel's OOM killer killed {rt.oom_kills} of its processes in its cgroup"
             + (f" (its --mem is {size_text(limit)})" if limit else ""))
+
+
+class StaleTerm(RevenantError):
+    code = "stale_term"
+
+
+class LeaderTerm:
+    """The newest leader term whose word this node has heard (subjects.TERM_HEADER): a command
+    or reconcile answer from an older term comes from a coordinator deposed since, late, and is
+    refused.  0 (a coordinator from before terms) is taken as it is."""
+
+    def __init__(self) -> None:
+        self.newest = 0
+
+    def take(self, term: int, what: str) -> None:
+        if term and term < self.newest:
+            raise StaleTerm(f"{what} from leader term {term} refused: this node has heard from term {self.newest} "
+                            f"since (a deposed coordinator's, late)")
+        self.newest = max(self.newest, term)

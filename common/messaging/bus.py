@@ -163,10 +163,11 @@ async def close(nc: Client | None, grace_s: float, what: str = "") -> None:
         await nc.close()
 
 
-async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], timeout_s: float) -> M:
+async def request(nc: Client, subject: str, msg: Message, reply_type: type[M], timeout_s: float,
+                  headers: dict[str, str] | None = None) -> M:
     """Send a request and decode the typed reply; an ``error.v1`` reply raises :class:`RemoteError`."""
     try:
-        resp = await nc.request(subject, encode(msg), timeout=timeout_s)
+        resp = await nc.request(subject, encode(msg), timeout=timeout_s, **({"headers": headers} if headers else {}))
     except nats.errors.NoRespondersError:
         raise NoResponders(f"nothing is listening on {subject}") from None
     except (nats.errors.TimeoutError, asyncio.TimeoutError):

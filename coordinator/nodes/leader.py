@@ -15,6 +15,7 @@ down stops all of it at once.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import secrets
 import time
@@ -107,6 +108,10 @@ class Leadership:
         # Why it last stepped down; terms won (a step-down ends one, a new election starts the next).
         self.why = ""
         self.terms = 0
+        # This leader's term cluster-wide (0: none yet): when the leader bucket was made, in Unix
+        # seconds, above the leader key's revision at the election (both only grow; the first
+        # still grows if the bucket is made anew, a JetStream store wiped).
+        self.term = 0
         self._wake = asyncio.Event()
 
     def _new_value(self) -> bytes:
@@ -200,6 +205,18 @@ class Leadership:
         if self.clock() - self._renewed_at > self.lease_s / 2:
             self.step_down(f"lost the leader lease ({failure})")
 
+    async def _bucket_made(self) -> int:
+        """When the leader bucket was made (Unix seconds; 0: unknown)."""
+        try:
+            info = await asyncio.wait_for(self.js.stream_info(f"KV_{subjects.LEADER_BUCKET}"), self.lease_s / 3)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("cannot read when the leader bucket was made (%s): this term counts from 0", described(exc))
+            return 0
+        made = info.created
+        if isinstance(made, str):  # RFC 3339, to the nanosecond
+            made = datetime.datetime.fromisoformat(made[:19]).replace(tzinfo=datetime.timezone.utc)
+        return int(made.timestamp()) if isinstance(made, datetime.datetime) else 0
+
     async def _campaign(self, kv) -> None:
         try:
             self._revision = await asyncio.wait_for(kv.create(KEY, self.value), self.lease_s / 3)
@@ -212,5 +229,7 @@ class Leadership:
         self._renewed_at = self.clock()
         self.leader = True
         self.terms += 1
-        log.warning("coordinator %s is the leader (term %d)", self.name, self.terms)
+        self.term = (await self._bucket_made() << 32) | self._revision
+        log.warning("coordinator %s is the leader (term %d here, %d in the cluster)", self.name, self.terms,
+                    self.term)
         await self.on_elected()

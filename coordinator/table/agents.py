@@ -50,9 +50,10 @@ def check_may_act(may_act: Callable[[], bool]) -> None:
 
 class AgentClient:
     def __init__(self, nc: Client, may_act: Callable[[], bool],
-                 incarnation_of: Callable[[str], str] = lambda node: "") -> None:
+                 incarnation_of: Callable[[str], str] = lambda node: "", term: Callable[[], int] = lambda: 0) -> None:
         self.nc = nc
         self.may_act = may_act
+        self.term = term  # this leader's term, in every command's TERM_HEADER (0: none sent)
         self.incarnation_of = incarnation_of  # the node's agent as its heartbeats last named it
         # Requests in flight by node, each with the incarnation of the agent it was sent to.
         self._inflight: dict[str, dict[asyncio.Task[AgentJobReply], str]] = {}
@@ -61,7 +62,8 @@ class AgentClient:
     async def send(self, node: str, verb: str, msg: Message, timeout_s: float) -> AgentJobReply:
         check_may_act(self.may_act)
         task = asyncio.ensure_future(
-            bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s))
+            bus.request(self.nc, subjects.node_command(node, verb), msg, AgentJobReply, timeout_s,
+                        {subjects.TERM_HEADER: str(self.term())} if self.term() else None))
         self._inflight.setdefault(node, {})[task] = self.incarnation_of(node)
         try:
             return await task

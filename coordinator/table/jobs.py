@@ -415,4 +415,4 @@ class JobService:
                 stale.append(StaleJob(job=lj.job, generation=lj.generation,
                                       reason=f"frozen copy superseded: the job is {rec.state}, generation "
                                              f"{rec.generation} on {rec.node or 'no node'}"))
-        return ReconcileReply(stale=stale, thaw=thaw)
+        return ReconcileReply(stale=stale, thaw=thaw, term=getattr(self.leader, "term", 0))

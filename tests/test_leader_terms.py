@@ -1,0 +1,44 @@
+"""Leader terms: every command to an agent carries its leader's term, and an agent refuses one
+from a term older than the newest it has heard (a deposed leader's, late)."""
+
+import pytest
+
+from revenant.agent.running.runtime import LeaderTerm, StaleTerm
+from revenant.common.messaging import bus
+from revenant.coordinator.table import lifecycle as lc
+from revenant.coordinator.table.agents import AgentClient
+from revenant.messages import AgentJobReply, JobSpec, StartJob, decode_as, encode, subjects
+
+
+@pytest.mark.unit
+def test_a_node_takes_commands_from_the_newest_leader_term_it_has_heard():
+    term = LeaderTerm()
+    term.take(0, "a command")  # a coordinator from before terms
+    term.take(12, "a command")
+    term.take(12, "a command")
+    term.take(0, "a command")
+    with pytest.raises(StaleTerm, match="the kill command from leader term 9 refused: this node has heard from term 12"):
+        term.take(9, "the kill command")
+    term.take(30, "a command")
+    assert term.newest == 30
+
+
+@pytest.mark.nats
+async def test_a_leaders_commands_carry_its_term(nats_url):
+    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    seen: list[str | None] = []
+
+    async def agent(msg):
+        seen.append((msg.headers or {}).get(subjects.TERM_HEADER))
+        spec = decode_as(msg.data, StartJob).spec
+        await msg.respond(encode(AgentJobReply(job=spec.id, generation=1, node="node-1")))
+
+    await nc.subscribe(subjects.node_command("node-1", "start"), cb=agent)
+    term = {"now": 41}
+    client = AgentClient(nc, lambda: True, term=lambda: term["now"])
+    spec = JobSpec(id="1", argv=["true"])
+    await client.carry_out(lc.Start("node-1", spec, 1), 5)
+    term["now"] = 0  # not leading: no term is sent
+    await client.carry_out(lc.Start("node-1", spec, 1), 5)
+    assert seen == ["41", None]
+    await nc.close()
