@@ -139,8 +139,9 @@ INIT_NAME = procs.INIT_NAME
 
 # Runs the job in its workdir while the init stays in the job's own directory (see above), with
 # the job's environment: the file ``$1`` (in the job's directory, written by :func:`write_job_env`)
-# is read here, as the job's user, after every root process of the launch is behind it.
-CD_SHIM = ('. "./$1" || { echo "revenant: cannot read the job\'s environment $1" >&2; exit 126; }; '
+# is read here, as the job's user, after every root process of the launch is behind it.  What the
+# root part ran with (ROOT_ENV) goes first: its LC_ALL=C would override the job's own LANG.
+CD_SHIM = ('unset LC_ALL; . "./$1" || { echo "revenant: cannot read the job\'s environment $1" >&2; exit 126; }; '
            'shift; cd -- "$1" && shift && exec "$@"')
 CD_NAME = "revenant-cd"
 
