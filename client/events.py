@@ -67,7 +67,7 @@ class EventStream:
     def _subject(self) -> str:
         if self.jobs is not None and len(self.jobs) == 1:
             (job,) = self.jobs
-            return f"{subjects.EVENTS_PREFIX}.*.{subjects.check_name(job, 'job id')}.*"
+            return f"{subjects.EVENTS_PREFIX}.*.{subjects.check_name(job, 'job id')}.>"
         return subjects.EVENTS_ALL
 
     def _wanted(self, ev: Event) -> bool:

@@ -167,9 +167,9 @@ class Coordinator(Service):
         self.jobs = JobService(KvJobStore(self._js, replicas), agents, self.config, self._events, self._nodes,
                                self.leadership, wall=self._wall)
         self._client_requests = ClientRequests(self.jobs)
-        self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted)
+        self._job_events = JobEventConsumer(self._js, self.jobs, self._evicted, refused=self.metrics.events_refused.inc)
         self._conversions = JobEventConsumer(self._js, self.jobs, self._evicted, subjects.EPOCHS_CONVERTED,
-                                             EPOCHS_CONSUMER)
+                                             EPOCHS_CONSUMER, refused=self.metrics.events_refused.inc)
         self._periodic = PeriodicCheckpoints(self.jobs, self.detector.nodes.values,  # records, not a snapshot
                                              min(1.0, self.config.tick_interval_s * 10), self._wall)
         self._events.start()

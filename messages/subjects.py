@@ -3,20 +3,23 @@
 Layout (``<node>`` is always a single token, so per-node permissions can be
 granted with ``revenant.*.<node>.>``-style rules):
 
-==============================  ==========================  =======================
-subject                         transport                   payload
-==============================  ==========================  =======================
-revenant.hb.<node>              core NATS, fire and forget  Heartbeat
-revenant.node.<node>.probe      core request/reply          Probe -> ProbeReply
-revenant.node.<node>.cmd.<verb> core request/reply          command -> reply
-revenant.coord.<verb>           core request/reply          command -> reply (admin)
-revenant.user.<user>.<verb>     core request/reply          command -> reply (user)
-revenant.evt.node.<node>.<kind> JetStream stream EVENTS     NodeEvent
-revenant.evt.job.<job>.<kind>   JetStream stream EVENTS     JobEvent
-revenant.evt.epoch.<job>.<kind> JetStream stream EVENTS     EpochEvent
-revenant.evt.cluster.<kind>     JetStream stream EVENTS     cluster-wide alerts
-revenant.progress.<user>.<job>  core NATS, fire and forget  Progress
-==============================  ==========================  =======================
+=====================================  ==========================  =======================
+subject                                transport                   payload
+=====================================  ==========================  =======================
+revenant.hb.<node>                     core NATS, fire and forget  Heartbeat
+revenant.node.<node>.probe             core request/reply          Probe -> ProbeReply
+revenant.node.<node>.cmd.<verb>        core request/reply          command -> reply
+revenant.coord.<verb>                  core request/reply          command -> reply (admin)
+revenant.user.<user>.<verb>            core request/reply          command -> reply (user)
+revenant.evt.node.<node>.<kind>        JetStream stream EVENTS     NodeEvent
+revenant.evt.job.<job>.<kind>[.<node>] JetStream stream EVENTS     JobEvent
+revenant.evt.epoch.<job>.<kind>.<node> JetStream stream EVENTS     EpochEvent
+revenant.evt.cluster.<kind>            JetStream stream EVENTS     cluster-wide alerts
+revenant.progress.<user>.<job>         core NATS, fire and forget  Progress
+=====================================  ==========================  =======================
+
+A job or epoch event an agent publishes ends with its node, which is the only node its
+credential may publish as; the leader's own job events have no node token.
 
 ``revenant.coord.<verb>`` is how admin (root, operators) asks the coordinator, and how
 agents ask for ``reconcile``; ``revenant.user.<user>.<verb>`` is how the Unix user ``<user>``
@@ -134,19 +137,31 @@ def node_event(node: str, kind: str) -> str:
     return f"{EVENTS_PREFIX}.node.{check_name(node)}.{check_name(kind, 'event kind')}"
 
 
-def job_event(job: str, kind: str) -> str:
-    return f"{EVENTS_PREFIX}.job.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}"
+def job_event(job: str, kind: str, node: str = "") -> str:
+    """Where a job event goes: an agent's ends with its ``node`` (the only node its credential may
+    publish as: docs/security.md); the leader's has no node."""
+    return f"{EVENTS_PREFIX}.job.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}{_by(node)}"
 
 
-def epoch_event(job: str, kind: str) -> str:
-    return f"{EVENTS_PREFIX}.epoch.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}"
+def epoch_event(job: str, kind: str, node: str = "") -> str:
+    return f"{EVENTS_PREFIX}.epoch.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}{_by(node)}"
+
+
+def _by(node: str) -> str:
+    return f".{check_name(node)}" if node else ""
+
+
+def event_node(subject: str) -> str | None:
+    """The node a job or epoch event's subject names as its publisher; None: the leader's."""
+    parts = subject.split(".")
+    return parts[5] if len(parts) == 6 and parts[2] in ("job", "epoch") else None
 
 
 JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
 # Every node's anomaly events (the leader's proactive moves read them).
 ANOMALIES_ALL = f"{EVENTS_PREFIX}.node.*.anomaly"
 # Older epochs an agent turned into deltas (the coordinator's listing follows them).
-EPOCHS_CONVERTED = f"{EVENTS_PREFIX}.epoch.*.converted"
+EPOCHS_CONVERTED = f"{EVENTS_PREFIX}.epoch.*.converted.*"
 JOBS_BUCKET = "revenant_jobs"
 LEASES_BUCKET = "revenant_leases"
 LEADER_BUCKET = "revenant_leader"
@@ -154,6 +169,7 @@ LEADER_BUCKET = "revenant_leader"
 
 def cluster_event(kind: str) -> str:
     return f"{EVENTS_PREFIX}.cluster.{check_name(kind, 'event kind')}"
+
 
 # The header a leader's commands to agents carry: its term, the leader bucket's revision at its
 # election, which grows with every election cluster-wide.  An agent refuses a command (or a

@@ -366,7 +366,7 @@ class Progress(Message, tag="progress.v1"):
     elapsed_s: float = 0.0
 
 
-# -- events (JetStream, revenant.evt.job.<job>.<kind> / revenant.evt.epoch.<job>.<kind>)
+# -- events (JetStream, revenant.evt.job.<job>.<kind>[.<node>] / revenant.evt.epoch.<job>.<kind>.<node>)
 
 
 class JobEvent(Message, tag="job_event.v1"):

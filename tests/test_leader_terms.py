@@ -42,3 +42,45 @@ async def test_a_leaders_commands_carry_its_term(nats_url):
     await client.carry_out(lc.Start("node-1", spec, 1), 5)
     assert seen == ["41", None]
     await nc.close()
+
+
+@pytest.mark.unit
+def test_an_event_that_names_another_node_than_its_subjects_is_ignored_and_counted():
+    import asyncio
+    from types import SimpleNamespace
+
+    from revenant.coordinator.table.job_events import JobEventConsumer
+    from revenant.messages import EpochEvent, JobEvent
+
+    applied, refused = [], []
+
+    class Jobs:
+        async def apply_event(self, ev):
+            applied.append((ev.job, ev.node))
+            return False
+
+        async def apply_converted(self, ev):
+            applied.append(("converted", ev.node))
+
+    consumer = JobEventConsumer(None, Jobs(), lambda *a: None, refused=lambda: refused.append(1))
+
+    def msg(subject, event):
+        return SimpleNamespace(subject=subject, data=encode(event))
+
+    exited = JobEvent(job="7", kind="exited", at=1.0, node="node-1", generation=1, exit_code=0)
+    converted = EpochEvent(job="7", kind="converted", at=1.0, node="node-1", n=2)
+
+    async def main():
+        # node-2's credential may publish only on subjects ending with node-2: naming node-1 there is refused.
+        assert await consumer._apply(msg(subjects.job_event("7", "exited", "node-2"), exited))
+        assert await consumer._apply(msg(subjects.epoch_event("7", "converted", "node-2"), converted))
+        assert applied == [] and len(refused) == 2
+        assert await consumer._apply(msg(subjects.job_event("7", "exited", "node-1"), exited))
+        assert await consumer._apply(msg(subjects.epoch_event("7", "converted", "node-1"), converted))
+        assert await consumer._apply(msg(subjects.job_event("7", "exited"), exited))  # the leader's own
+        assert applied == [("7", "node-1"), ("converted", "node-1"), ("7", "node-1")] and len(refused) == 2
+
+    asyncio.run(main())
+    assert subjects.event_node("revenant.evt.job.7.exited.node-2") == "node-2"
+    assert subjects.event_node("revenant.evt.job.7.exited") is None
+    assert subjects.event_node("revenant.evt.node.node-1.joined") is None

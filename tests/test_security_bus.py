@@ -238,8 +238,8 @@ async def test_agent_may_do_its_own_work_only(secured):
         leases = await js.key_value(subjects.LEASES_BUCKET)
         await leases.put("node-1", b"lease")
         await js.publish(subjects.node_event("node-1", "joined"), b"e")
-        await js.publish(subjects.job_event("j-1", "started"), b"e")
-        await js.publish(subjects.epoch_event("j-1", "committed"), b"e")
+        await js.publish(subjects.job_event("j-1", "started", "node-1"), b"e")
+        await js.publish(subjects.epoch_event("j-1", "committed", "node-1"), b"e")
         await serve(coord, subjects.coordinator("reconcile"))
         assert await answered(agent, subjects.coordinator("reconcile"), b"r") == b"ok"
         # The coordinator commands it and probes it; it answers.
@@ -258,6 +258,10 @@ async def test_agent_may_do_its_own_work_only(secured):
             f"$KV.{subjects.JOBS_BUCKET}.j-1", f"$KV.{subjects.LEASES_BUCKET}.node-2",
             f"$KV.{subjects.LEADER_BUCKET}.leader", f"$KV.{security.ARCHIVE_BUCKET}.j-1",
             subjects.node_event("node-2", "evicted"), subjects.cluster_event("alert"),
+            # A job's or epoch's event as another node, or as the leader (no node): the server
+            # refuses it, so the leader never hears a node speak for another's job.
+            subjects.job_event("j-1", "exited", "node-2"), subjects.job_event("j-1", "exited"),
+            subjects.epoch_event("j-1", "created", "node-2"), subjects.epoch_event("j-1", "created"),
             subjects.coordinator("submit"), "revenant.user.alice.submit"))
         # The lease write as the KV API makes it (a publish awaiting the stream's ack): never acked.
         with pytest.raises(nats.errors.TimeoutError):

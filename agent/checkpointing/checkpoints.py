@@ -32,7 +32,7 @@ class CheckpointBook:
         self.failures = 0
 
     def _epoch_event(self, job: str, kind: str, generation: int, **kw) -> None:
-        self.emit(subjects.epoch_event(job, kind),
+        self.emit(subjects.epoch_event(job, kind, self.node),
                   EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
 
     def failed(self, job: str, generation: int, error: Exception, cause: str = "", reasons: Sequence[str] = ()) -> None:

@@ -90,7 +90,7 @@ class PolicyRunner:
                     os.close(fd)
 
     def event(self, job: str, kind: str, generation: int, **kw) -> None:
-        self.emit(subjects.epoch_event(job, kind),
+        self.emit(subjects.epoch_event(job, kind, self.node),
                   EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
 
     def forget(self, job: str) -> None:

@@ -100,7 +100,7 @@ class Supervisor(JobExits):
                              program_pid=procs.program_pid(rt.pid), output=str(rt.files.output), **kw)
 
     def _event(self, rt: JobRuntime, kind: str, **kw) -> None:
-        self.emit(subjects.job_event(rt.spec.id, kind),
+        self.emit(subjects.job_event(rt.spec.id, kind, self.node),
                   JobEvent(job=rt.spec.id, kind=kind, at=self.wall_clock(), node=self.node, generation=rt.generation,
                            pid=rt.pid, **kw))
 

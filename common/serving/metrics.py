@@ -186,6 +186,9 @@ class CoordinatorMetrics:
                                          ["action", "reason"], registry=r)
         self.proactive_paused = Gauge("revenant_proactive_paused",
                                       "1 while proactive moves are paused: too many nodes sick at once.", registry=r)
+        self.events_refused = Counter("revenant_job_events_refused",
+                                      "Agents' job and epoch events the leader ignored: the node they name is not "
+                                      "the node whose subject (and credential) they came on.", registry=r)
         for state in NODE_STATES:
             self.nodes.labels(state=state).set(0)
         for kind in NODE_EVENT_KINDS:

@@ -36,7 +36,9 @@ USER_PREFIX = "user-"
 # The coordinator's durable consumer on the event stream (coordinator/table/job_events.py): no one
 # else may create, change, read or delete it.
 COORDINATOR_CONSUMER = "revenant-coordinator-jobs"
-COORDINATOR_EPOCHS_CONSUMER = "revenant-coordinator-epochs"
+COORDINATOR_EPOCHS_CONSUMER = "revenant-coordinator-epochs-2"
+# The one before (its filter predates node-stamped epoch events): left unused by an upgrade.
+_OLD_EPOCHS_CONSUMER = "revenant-coordinator-epochs"
 ARCHIVE_BUCKET = "revenant_jobs_archive"
 SEED_SUFFIX = ".nk"
 
@@ -119,7 +121,8 @@ def _event_reader() -> tuple[str, ...]:
 
 
 # Nobody but the coordinator touches its durable consumer (acks included).
-_COORDINATOR_CONSUMER_DENY = tuple(deny for name in (COORDINATOR_CONSUMER, COORDINATOR_EPOCHS_CONSUMER) for deny in (
+_COORDINATOR_CONSUMER_DENY = tuple(deny for name in (COORDINATOR_CONSUMER, COORDINATOR_EPOCHS_CONSUMER,
+                                                     _OLD_EPOCHS_CONSUMER) for deny in (
     f"{_JS}.CONSUMER.*.{_EVENTS}.{name}",
     f"{_JS}.CONSUMER.*.{_EVENTS}.{name}.>",
     f"{_JS}.CONSUMER.MSG.NEXT.{_EVENTS}.{name}",
@@ -145,8 +148,9 @@ def permissions_for(identity: str) -> Permissions:
             publish_allow=(
                 subjects.heartbeat(node),
                 f"{subjects.EVENTS_PREFIX}.node.{node}.>",
-                f"{subjects.EVENTS_PREFIX}.job.>",
-                f"{subjects.EVENTS_PREFIX}.epoch.>",
+                # Its own jobs' and epochs' events, by the node the subject ends with: never as another node.
+                f"{subjects.EVENTS_PREFIX}.job.*.*.{node}",
+                f"{subjects.EVENTS_PREFIX}.epoch.*.*.{node}",
                 subjects.PROGRESS_ALL,  # any job's (a subject carries the job's user, not the node)
                 subjects.coordinator("reconcile"),
                 f"$KV.{subjects.LEASES_BUCKET}.{node}",

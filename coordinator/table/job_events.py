@@ -23,7 +23,8 @@ from revenant.messages import EpochEvent, JobEvent, MessageError, decode, subjec
 log = logging.getLogger(__name__)
 
 CONSUMER = "revenant-coordinator-jobs"
-EPOCHS_CONSUMER = "revenant-coordinator-epochs"
+# (-2: its filter is the node-stamped subjects'; the first one's never matches them.)
+EPOCHS_CONSUMER = "revenant-coordinator-epochs-2"
 
 
 async def _nak(msg, delay_s: float = 1.0) -> None:
@@ -36,10 +37,12 @@ async def _nak(msg, delay_s: float = 1.0) -> None:
 class JobEventConsumer:
     def __init__(self, js: JetStreamContext, jobs: JobService,
                  on_evicted: Callable[[str, str, str], None], subject: str = subjects.JOB_EVENTS_ALL,
-                 durable: str = CONSUMER) -> None:
+                 durable: str = CONSUMER, refused: Callable[[], None] = lambda: None) -> None:
         """``on_evicted(job, node, why)``: a job its node stopped (drained, fenced), to recover.
-        ``subject``, ``durable``: what this consumer reads (job events, or epochs converted)."""
+        ``subject``, ``durable``: what this consumer reads (job events, or epochs converted).
+        ``refused()``: counts an event ignored for naming another node than its subject's."""
         self.js = js
+        self.refused = refused
         self.jobs = jobs
         self.on_evicted = on_evicted
         self.subject = subject
@@ -82,7 +85,14 @@ class JobEventConsumer:
         """False: not applied (the store did not answer, or this one no longer leads)."""
         try:
             event = decode(msg.data)
-            if isinstance(event, JobEvent) and await self.jobs.apply_event(event):
+            sender = subjects.event_node(msg.subject)
+            if sender is not None and getattr(event, "node", sender) != sender:
+                # The server lets a node's credential publish only on subjects ending with its name:
+                # an event that names another node is a node speaking for another's job.
+                log.warning("ignored %s on %s: it names node %s, but came from node %s", type(event).__name__,
+                            msg.subject, getattr(event, "node", ""), sender)
+                self.refused()
+            elif isinstance(event, JobEvent) and await self.jobs.apply_event(event):
                 self.on_evicted(event.job, event.node, event.reason or "evicted")
             elif isinstance(event, EpochEvent) and event.kind == "converted":
                 await self.jobs.apply_converted(event)
