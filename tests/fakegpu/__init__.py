@@ -345,7 +345,18 @@ def counter_request(port: int, command: str = "inc", timeout: float = 10) -> str
 
     rid = uuid.uuid4().hex
     deadline = time.monotonic() + timeout
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    # Bound first, never to the counter's port: the request may go out before the counter has
+    # bound it, and a socket the kernel gave that very port would hear its own request.
+    unlucky = []
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        if sock.getsockname()[1] != port:
+            break
+        unlucky.append(sock)  # held (so the next bind gets another port), closed below
+    for other in unlucky:
+        other.close()
+    with sock as s:
         s.settimeout(0.5)
         while time.monotonic() < deadline:
             s.sendto(f"{command} {rid}".encode(), ("127.0.0.1", port))
