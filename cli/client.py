@@ -24,7 +24,7 @@ from revenant.common.errors import RevenantError
 from revenant.common.settings import security
 from revenant.common.settings.cluster import read_cluster, resolve_creds, resolve_nats_url
 from revenant.common.settings.intervals import parse_interval
-from revenant.common.settings.resources import parse_size
+from revenant.common.settings.resources import parse_size, size_text
 from revenant.common.settings.limits import ROOT_USERS, BadRequest, check_submit, env_problem
 from revenant.messages import (
     FailoverReply,
@@ -90,8 +90,21 @@ def _node_row(n: NodeStatus) -> list[str]:
     return [
         n.name, n.state, n.health if live else "-", str(n.pid), age,
         (criu.version + (" (no sockets)" if criu.network_error else "")) if criu.ok else "unusable", gpu,
-        ("; ".join(n.reasons) or "-") if live else "-",
+        _allocated(n), ("; ".join(n.reasons) or "-") if live else "-",
     ]
+
+
+def _allocated(n: NodeStatus) -> str:
+    """What the node's jobs asked for, of what it has: "3 jobs, 2/8 cpu, 4.0 GiB/31.3 GiB, 1/2 gpu"."""
+    a, caps = n.allocated, n.capabilities
+    parts = [f"{n.jobs} job{'s' * (n.jobs != 1)}"]
+    if a.cpus:
+        parts.append(f"{a.cpus:g}/{caps.cpus} cpu")
+    if a.memory_bytes:
+        parts.append(f"{size_text(a.memory_bytes)}/{size_text(caps.memory_total_bytes)}")
+    if a.gpus:
+        parts.append(f"{a.gpus}/{len(caps.gpus)} gpu")
+    return ", ".join(parts)
 
 
 def render_table(header: list[str], rows: list[list[str]]) -> str:
@@ -124,7 +137,7 @@ def asking(url: str, timeout_s: float):
 def nodes_table(reply: NodesReply) -> str:
     if not reply.nodes:
         return "no nodes have sent a heartbeat yet"
-    header = ["NAME", "STATE", "HEALTH", "PID", "LAST-HB", "CRIU", "GPU", "REASONS"]
+    header = ["NAME", "STATE", "HEALTH", "PID", "LAST-HB", "CRIU", "GPU", "JOBS", "REASONS"]
     return render_table(header, [_node_row(n) for n in reply.nodes])
 
 

@@ -27,7 +27,7 @@ from revenant.common.serving import gcpause
 from revenant.common.serving.httpserver import HttpServer
 from revenant.common.serving.loopmonitor import LoopMonitor
 from revenant.common.serving.metrics import CoordinatorMetrics, health_routes
-from revenant.common.serving.service import Service
+from revenant.common.serving.service import Service, supervised
 from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.nodes.detector import FailureDetector, Transition
@@ -41,6 +41,7 @@ from revenant.coordinator.table.archive import Archiver
 from revenant.coordinator.table.job_events import EPOCHS_CONSUMER, JobEventConsumer
 from revenant.coordinator.table.jobs import JobService
 from revenant.coordinator.table.paging import fitting
+from revenant.coordinator.table.placement import allocated
 from revenant.coordinator.table.periodic import PeriodicCheckpoints
 from revenant.coordinator.table.requests import USER_VERBS, ClientRequests, check_admin, requester_of
 from revenant.coordinator.table.store import KvJobStore
@@ -226,18 +227,18 @@ class Coordinator(Service):
             await self._nc.flush(timeout=self.config.leader_lease_s)  # the server has them: ready means ready
             if term.over.is_set():
                 return  # deposed while taking office
-            term.add(self.spawn(_supervised(self._job_events.run), "job-events"))
-            term.add(self.spawn(_supervised(self._conversions.run), "epoch-conversions"))
-            term.add(self.spawn(_supervised(self._periodic.run), "periodic-checkpoints"))
-            term.add(self.spawn(_supervised(WaitingJobs(self.jobs).run), "waiting-jobs"))
+            term.add(self.spawn(supervised(self._job_events.run), "job-events"))
+            term.add(self.spawn(supervised(self._conversions.run), "epoch-conversions"))
+            term.add(self.spawn(supervised(self._periodic.run), "periodic-checkpoints"))
+            term.add(self.spawn(supervised(WaitingJobs(self.jobs).run), "waiting-jobs"))
             self._proactive = proactive = ProactiveMoves(self.config, self.jobs, failover, self._events,
                                                          self.detector.nodes.values, self.metrics,
                                                          attention=self.detector.attention,
                                                          clock=self._clock, wall=self._wall)
             term.subscriptions.append(await self._nc.subscribe(subjects.ANOMALIES_ALL, cb=proactive.on_anomaly))
-            term.add(self.spawn(_supervised(proactive.run), "proactive-moves"))
+            term.add(self.spawn(supervised(proactive.run), "proactive-moves"))
             archiver = Archiver(self.jobs, self.config.job_retention_s, wall=self._wall)
-            term.add(self.spawn(_supervised(archiver.run), "job-archive"))
+            term.add(self.spawn(supervised(archiver.run), "job-archive"))
             term.add(self.spawn(take_over(
                 inherited, self.config.node_timeout_s + self.config.probe_timeout_s, js=self._js,
                 events=self._events, detector=self.detector, jobs=self.jobs, failover=failover,
@@ -308,7 +309,8 @@ class Coordinator(Service):
             # As many as fit one message: a node with many GPUs takes several kilobytes.
             statuses = self.detector.snapshot(self._clock(), page)
             if self._proactive is not None and self.leader:  # a cordon shows as the leader sees it
-                statuses = self._proactive.cordon(statuses)
+                jobs = self.jobs.jobs
+                statuses = allocated(self._proactive.cordon(statuses), jobs.usage(), jobs.per_node)
             return NodesReply(nodes=fitting(statuses), coordinator=self.name,
                               coordinator_metrics_url=self.http.url if self.http is not None else "",
                               total=len(names), offset=req.offset)
@@ -405,16 +407,3 @@ class Coordinator(Service):
                 # A clean shutdown reports its jobs' ends itself; a death or a restart cannot.
                 if self.failover is not None and t.kind != "left":
                     self.failover.node_dead(t.node, t.previous_incarnation or t.incarnation)
-
-
-async def _supervised(loop_fn) -> None:
-    """Run a background loop forever: a bug or a bus error restarts it, never the coordinator."""
-    while True:
-        try:
-            await loop_fn()
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("%s failed; restarting it in 1 s", getattr(loop_fn, "__qualname__", loop_fn))
-            await asyncio.sleep(1.0)

@@ -160,6 +160,10 @@ class NodeStatus(_Body):
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
     # The GPU readings from the node's latest heartbeat.
     gpus: list[GpuHealth] = []
+    # What its jobs not ended asked for (the leader's count; placement's room is capabilities
+    # less this), and how many they are: filled in by the leader in nodes_reply.v1.
+    allocated: JobResources = msgspec.field(default_factory=lambda: JobResources())
+    jobs: int = 0
 
 
 class CheckpointPolicy(_Body):

@@ -98,6 +98,10 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     info_b = _wait(cluster, b, lambda j: j["state"] == "running", "start of B")
     assert info_b["assigned_gpus"] == [GPU2] and _environ(info_b["program_pid"])["CUDA_VISIBLE_DEVICES"] == GPU2
     assert _cgroup(info_b["program_pid"], "memory") == f"/revenant/node-1/{b}-g1"  # its own, with no memory limit
+    # What node-1's jobs took, as `revenant nodes` shows it.
+    node1 = next(n for n in cluster.json("nodes", "--json") if n["name"] == "node-1")
+    assert node1["jobs"] == 2 and node1["allocated"] == {"cpus": 0.5, "memory_bytes": 256 << 20, "gpus": 2}
+    assert "2 jobs, 0.5/" in cluster.cli("nodes").stdout and "2/2 gpu" in cluster.cli("nodes").stdout
 
     # node-1 is full: a third GPU job asked there is refused; one anywhere goes to node-2.
     full = cluster.cli("submit", "--node", "node-1", "--gpus", "1", "--", "sleep", "60", check=False)

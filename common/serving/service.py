@@ -152,3 +152,16 @@ def _first(group_error: BaseExceptionGroup, service: str) -> BaseException:
     for other in errors[1:]:
         log.error("%s: another background task failed too: %r", service, other)
     return errors[0]
+
+
+async def supervised(loop_fn) -> None:
+    """Run a background loop forever: a bug or a bus error restarts it, never the whole service."""
+    while True:
+        try:
+            await loop_fn()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed; restarting it in 1 s", getattr(loop_fn, "__qualname__", loop_fn))
+            await asyncio.sleep(1.0)

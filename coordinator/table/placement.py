@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
+import msgspec
+
 from revenant.common.errors import RevenantError
 from revenant.common.gpufit import describe, gpu_fit
 from revenant.common.settings.resources import Usage, assign_gpus, describe as describe_ask, fit
@@ -141,6 +143,13 @@ def place_job(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested:
         raise NoCapacity(f"no node has room for the job's {describe_ask(ask)} now: {detail}")
     best = min(fitting, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name))
     return best.name, rooms[best.name][1]
+
+
+def allocated(nodes: list[NodeStatus], usage: Mapping[str, Usage], counts: Mapping[str, int]) -> list[NodeStatus]:
+    """``nodes`` with what their jobs not ended asked for (``usage``), and how many they are."""
+    return [msgspec.structs.replace(n, jobs=counts.get(n.name, 0), allocated=JobResources(
+        cpus=usage[n.name].cpus, memory_bytes=usage[n.name].memory_bytes, gpus=len(usage[n.name].gpus)))
+            if n.name in usage else n for n in nodes]
 
 
 def node_address(nodes: Iterable[NodeStatus], name: str) -> str:
