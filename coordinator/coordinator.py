@@ -225,6 +225,7 @@ class Coordinator(Service):
                     [subjects.user_requests(verb) for verb in USER_VERBS if verb != "nodes"]:
                 term.subscriptions.append(await self._nc.subscribe(subject, cb=self._on_job_request))
             await self._nc.flush(timeout=self.config.leader_lease_s)  # the server has them: ready means ready
+            await ask_full_heartbeats(self._nc, self.name, self._wall(), self.leadership.term)  # announces the term
             if term.over.is_set():
                 return  # deposed while taking office
             term.add(self.spawn(supervised(self._job_events.run), "job-events"))

@@ -101,6 +101,9 @@ class HeartbeatRequest(Message, tag="heartbeat_request.v1"):
 
     sender: str
     sent_at: float
+    # A leader's, as it takes office: its term (subjects.TERM_HEADER), which every agent then
+    # holds as the newest it has heard; 0: a coordinator starting, or from before terms.
+    term: int = 0
 
 
 class Probe(Message, tag="probe.v1"):

@@ -14,6 +14,7 @@ from revenant.common.errors import NoResponders
 from revenant.common.messaging import bus
 from revenant.messages import (
     AgentJobReply,
+    HeartbeatRequest,
     JobEvent,
     JobSpec,
     LocalJob,
@@ -198,6 +199,16 @@ async def test_a_deposed_leaders_late_command_or_answer_is_refused(nats_url, tmp
         assert {"1", "2", "4"} <= set(agent.supervisor.jobs)
         answers["term"] = 8
         await agent.reconcile()  # the current leader's: applied
+        # A new leader announces its term as it takes office: from then on term 8's word is refused,
+        # before the new leader has sent this node anything.
+        await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender="c2", sent_at=1.0, term=20)))
+
+        async def announced() -> bool:
+            return agent.supervisor.leader_term.newest == 20
+
+        await wait_for(announced)
+        with pytest.raises(RemoteError, match="term 8 refused: this node has heard from term 20"):
+            await command("5", 1, 8)
         async def all_killed() -> bool:
             return not agent.supervisor.jobs
 

@@ -262,6 +262,8 @@ async def test_agent_may_do_its_own_work_only(secured):
             # refuses it, so the leader never hears a node speak for another's job.
             subjects.job_event("j-1", "exited", "node-2"), subjects.job_event("j-1", "exited"),
             subjects.epoch_event("j-1", "created", "node-2"), subjects.epoch_event("j-1", "created"),
+            # A leader's announcement of its term (heartbeat_request.v1): a coordinator's alone.
+            subjects.HEARTBEAT_REQUESTS,
             subjects.coordinator("submit"), "revenant.user.alice.submit"))
         # The lease write as the KV API makes it (a publish awaiting the stream's ack): never acked.
         with pytest.raises(nats.errors.TimeoutError):
@@ -314,7 +316,7 @@ async def test_user_may_ask_as_itself_and_read_events_only(secured):
             subjects.heartbeat("node-1"), subjects.coordinator("submit"), "revenant.user.bob.submit",
             f"$KV.{subjects.JOBS_BUCKET}.j-1", f"$KV.{subjects.LEASES_BUCKET}.node-1",
             f"$KV.{subjects.LEADER_BUCKET}.leader", subjects.job_event("j-1", "evicted"),
-            subjects.node_event("node-1", "evicted")))
+            subjects.node_event("node-1", "evicted"), subjects.HEARTBEAT_REQUESTS))
         await all_refused(request_refused, alice, (
             f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
             f"$JS.API.STREAM.PURGE.{subjects.EVENTS_STREAM}",

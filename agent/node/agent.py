@@ -38,6 +38,7 @@ from revenant.agent.pipeline import progress
 from revenant.agent.pipeline.criu import inspect_criu
 from revenant.agent.processes import cgroups, procs
 from revenant.agent.running.jobs import Supervisor
+from revenant.agent.running.runtime import LeaderTerm
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import ConfigError, RevenantError
 from revenant.common.messaging import bus, events
@@ -88,12 +89,13 @@ class Agent(Service):
         self.cuda_why = ""  # ... and why not
         self.netlock: netlock.NetLockStep | None = None  # this node's own lock on a job's connections
         self.health = HealthSummary()
+        self.leader_term = LeaderTerm()  # the newest leader term heard: older terms' commands are refused
         self.liveness = Liveness(
             config, self.node, self.incarnation,
             health=lambda: self.health, capabilities=lambda: self.capabilities,
             stuck_for=self.loop_monitor.stuck_for, on_heartbeat=self.metrics.heartbeats.inc,
             on_renewed=self._reset_switches, on_fence=self._fence, on_lease_back=self._lease_back,
-            clock=clock, wall_clock=wall_clock)
+            on_term=self.leader_term.heard, clock=clock, wall_clock=wall_clock)
         self.fence_report: str = ""  # what the last self-fence did, for the "fenced" event once the lease is back
         self._fenced_since_reset = False  # (the liveness thread's) a fence since the switches were last reset
         self.supervisor: Supervisor | None = None
@@ -142,7 +144,7 @@ class Agent(Service):
                                      switch_timeout_s=self.config.fence_timeout_s,
                                      max_frozen_s=self.config.max_frozen_s, clock=self.clock,
                                      wall_clock=self.wall_clock, scratch=self.config.job_scratch(),
-                                     allow_root_jobs=self.config.allow_root_jobs,
+                                     allow_root_jobs=self.config.allow_root_jobs, leader_term=self.leader_term,
                                      cgroups=cgroups.NodeCgroups.start(self.node, self.config.job_cgroups,
                                                                        self.config.job_pids_max))
         with bus.map_exceptions(f"cannot subscribe to node {self.node}'s commands"):

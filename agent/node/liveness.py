@@ -114,6 +114,7 @@ class Liveness:
                  on_fence: Callable[[float], None],
                  on_lease_back: Callable[[], None],
                  on_heartbeat: Callable[[], None] = lambda: None,
+                 on_term: Callable[[int], None] = lambda term: None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.config = config
@@ -126,6 +127,7 @@ class Liveness:
         self._on_fence = on_fence
         self._on_lease_back = on_lease_back
         self._on_heartbeat = on_heartbeat
+        self._on_term = on_term
         self.clock = clock
         self.wall_clock = wall_clock
         self.seq = 0
@@ -264,11 +266,13 @@ class Liveness:
     async def _on_heartbeat_request(self, msg: Msg) -> None:
         """A coordinator (re)started or got its heartbeats back: the next heartbeat is full."""
         try:
-            decode_as(msg.data, HeartbeatRequest)
+            req = decode_as(msg.data, HeartbeatRequest)
         except MessageError as exc:
             log.debug("ignored a bad heartbeat request: %s", exc)
             return
         self._full.force = True
+        if req.term:  # a new leader's announcement (only a coordinator may publish one)
+            self._on_term(req.term)
 
     async def _on_probe(self, msg: Msg) -> None:
         try:

@@ -50,7 +50,8 @@ class Supervisor(JobExits):
                  switch_timeout_s: float = 1.2, *, max_frozen_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, scratch: dict[str, str] | None = None,
-                 allow_root_jobs: bool = True, cgroups: NodeCgroups | None = None) -> None:
+                 allow_root_jobs: bool = True, cgroups: NodeCgroups | None = None,
+                 leader_term: LeaderTerm | None = None) -> None:
         self.switch_timeout_s = switch_timeout_s
         self.clock = clock
         self.node = node
@@ -67,7 +68,7 @@ class Supervisor(JobExits):
         self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
         self.freezer = Freezer(self.jobs, self.exits, clock)  # the self-fence's SIGSTOP and SIGCONT
-        self.leader_term = LeaderTerm()  # whose commands it takes
+        self.leader_term = leader_term or LeaderTerm()  # whose commands it takes
         # Starts and restores in flight, one per job: a newer generation or a kill arriving
         # meanwhile supersedes it, and its process is killed on arrival.
         self.launching: dict[str, Launch] = {}

@@ -5,6 +5,7 @@ on running jobs (agent/running/freezing.py) can name them without importing the 
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,16 @@ class LeaderTerm:
 
     def __init__(self) -> None:
         self.newest = 0
+        self._lock = threading.Lock()  # the liveness thread hears a new leader's announcement
 
     def take(self, term: int, what: str) -> None:
-        if term and term < self.newest:
-            raise StaleTerm(f"{what} from leader term {term} refused: this node has heard from term {self.newest} "
-                            f"since (a deposed coordinator's, late)")
-        self.newest = max(self.newest, term)
+        with self._lock:
+            if term and term < self.newest:
+                raise StaleTerm(f"{what} from leader term {term} refused: this node has heard from term "
+                                f"{self.newest} since (a deposed coordinator's, late)")
+            self.newest = max(self.newest, term)
+
+    def heard(self, term: int) -> None:
+        """A new leader announced its term (heartbeat_request.v1): older terms' commands are refused from now."""
+        with self._lock:
+            self.newest = max(self.newest, term)

@@ -105,12 +105,12 @@ class HeartbeatIntake:
         return now[0] - last[0], now[1] - last[1]
 
 
-async def ask_full_heartbeats(nc: Client, sender: str, at: float) -> None:
+async def ask_full_heartbeats(nc: Client, sender: str, at: float, term: int = 0) -> None:
     """Every agent's next heartbeat full (heartbeat_request.v1): a verdict that changed while a
     coordinator did not listen (it was starting, or its heartbeat connection was down) is heard
-    at once, not at the agent's next periodic full heartbeat."""
+    at once, not at the agent's next periodic full heartbeat.  ``term``: a new leader's, announced."""
     try:
-        await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender=sender, sent_at=at)))
+        await nc.publish(subjects.HEARTBEAT_REQUESTS, encode(HeartbeatRequest(sender=sender, sent_at=at, term=term)))
     except nats.errors.Error as exc:
         log.warning("could not ask the agents for full heartbeats: %s", described(exc))
 
