@@ -10,16 +10,12 @@ import msgspec
 
 from revenant.common.gpufit import describe
 from revenant.common.settings.intervals import format_interval
-from revenant.common.settings.resources import describe as describe_ask
+from revenant.common.settings.resources import describe as describe_ask, size_text
 from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord, JobResource
 
 
 def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return size_text(n, tenths=True)
 
 
 def _fmt_time(ts: float) -> str:

@@ -63,6 +63,25 @@ class JobNotRunning(RevenantError):
     code = "not_running"
 
 
+class JobBusy(RevenantError):
+    """The job is being checkpointed already (the lifecycle refuses a second one meanwhile)."""
+
+    code = "busy"
+    retriable = True
+
+
+class BadState(RevenantError):
+    """The job's state refuses the request (a restart of a running job, a purge of one not ended)."""
+
+    code = "bad_state"
+
+
+class NoEpoch(RevenantError):
+    """The job keeps no epoch to restore from (or not the one asked for)."""
+
+    code = "no_epoch"
+
+
 class StaleGeneration(RevenantError):
     """A command for a generation of a job that is not (or no longer) the one running."""
 

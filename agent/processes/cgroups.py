@@ -134,26 +134,23 @@ class JobCgroup:
     def _delegate(self, mount: Path) -> None:
         """v2: the three controllers enabled in every cgroup above this one (the root's included)."""
         here = mount
-        for part in Path(self.rel).parts[:-1]:
+        for part in (*Path(self.rel).parts[:-1], None):
             control = here / "cgroup.subtree_control"
             if not set(CONTROLLERS) <= set(control.read_text().split()):
                 _write(control, " ".join(f"+{c}" for c in CONTROLLERS))
-            here = here / part
-            here.mkdir(exist_ok=True)
-        control = here / "cgroup.subtree_control"
-        if not set(CONTROLLERS) <= set(control.read_text().split()):
-            _write(control, " ".join(f"+{c}" for c in CONTROLLERS))
+            if part is not None:
+                here = here / part
+                here.mkdir(exist_ok=True)
 
     def limits(self, asked: JobResources, pids_max: int) -> dict[str, str]:
         """Each control file and the value it gets."""
-        quota = round(asked.cpus * PERIOD_US) if asked.cpus else 0
+        quota = max(round(asked.cpus * PERIOD_US), 1000) if asked.cpus else 0  # the kernel's least: 1 ms
         pids = str(pids_max) if pids_max else "max"
         if self.layout.version == 2:
             return {"memory.max": str(asked.memory_bytes) if asked.memory_bytes else "max",
-                    "cpu.max": f"{max(quota, 1000) if quota else 'max'} {PERIOD_US}", "pids.max": pids}
+                    "cpu.max": f"{quota or 'max'} {PERIOD_US}", "pids.max": pids}
         return {"memory.limit_in_bytes": str(asked.memory_bytes) if asked.memory_bytes else "-1",
-                "cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(max(quota, 1000) if quota else -1),
-                "pids.max": pids}
+                "cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(quota or -1), "pids.max": pids}
 
     def _file(self, name: str) -> Path:
         controller = name.split(".", 1)[0]

@@ -50,11 +50,12 @@ def tmpfs_size(name: str, value: str | int) -> str:
     return text
 
 
-def size_text(n: float) -> str:
-    """``n`` bytes for people: "64 GiB", "1.5 MiB", "300 B"."""
+def size_text(n: float, tenths: bool = False) -> str:
+    """``n`` bytes for people: "64 GiB", "1.5 MiB", "300 B"; with ``tenths``, "64.0 GiB" too
+    (a column of sizes, as ``show job`` prints them)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" or (n == int(n) and not tenths) else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} PiB"  # pragma: no cover
 
@@ -115,8 +116,7 @@ def assign_gpus(ask: JobResources, caps: Capabilities, used: Usage, need: Sequen
     if not ask.gpus:
         return gpu_fit(list(need), driver, caps, node=node)[0], []
     free = set(free_gpus(caps, used))
-    mine = Capabilities(**{**{f: getattr(caps, f) for f in caps.__struct_fields__},
-                           "gpus": [g for g in caps.gpus if g.uuid in free]})
+    mine = msgspec.structs.replace(caps, gpus=[g for g in caps.gpus if g.uuid in free])
     why, moved = gpu_fit(list(need), driver, mine, node=node)
     if why:
         return why, []

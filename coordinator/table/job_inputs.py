@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from revenant.common.errors import RevenantError
+from revenant.common.errors import BadState, JobBusy, NoEpoch  # noqa: F401 (the lifecycle's refusals, as lifecycle.X)
 from revenant.messages import EpochEvent, EpochInfo, JobEvent, JobRecord, JobSpec
 
 __all__ = [
@@ -42,21 +42,6 @@ __all__ = [
     "Waiting",
     "TRANSITIONS",
 ]
-
-
-# ---------------------------------------------------------------------- refusals
-
-class JobBusy(RevenantError):
-    code = "busy"
-    retriable = True
-
-
-class BadState(RevenantError):
-    code = "bad_state"
-
-
-class NoEpoch(RevenantError):
-    code = "no_epoch"
 
 
 # ---------------------------------------------------------------------- commands to agents

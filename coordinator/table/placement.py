@@ -136,13 +136,13 @@ def place_job(nodes: list[NodeStatus], jobs_per_node: dict[str, int], requested:
         detail = "; ".join(r for r in reasons if r) or "no node has joined"
         held = f" (it held {describe(need, gpu_driver)} at its checkpoint)" if need else ""
         raise NoNodeAvailable(f"no node can take the job{held}: {detail}")
-    rooms = {n.name: room(n) for n in candidates}
-    fitting = [n for n in candidates if rooms[n.name][0] is None]
-    if not fitting:
-        detail = "; ".join(str(rooms[n.name][0]) for n in candidates[:10])
-        raise NoCapacity(f"no node has room for the job's {describe_ask(ask)} now: {detail}")
-    best = min(fitting, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name))
-    return best.name, rooms[best.name][1]
+    # The best first: the room (and GPUs) of a node is worked out only until one has it.
+    for node in sorted(candidates, key=lambda n: (_HEALTH_RANK.get(n.health, 2), jobs_per_node.get(n.name, 0), n.name)):
+        why, given = room(node)
+        if why is None:
+            return node.name, given
+    detail = "; ".join(str(room(n)[0]) for n in candidates[:10])
+    raise NoCapacity(f"no node has room for the job's {describe_ask(ask)} now: {detail}")
 
 
 def allocated(nodes: list[NodeStatus], usage: Mapping[str, Usage], counts: Mapping[str, int]) -> list[NodeStatus]:
