@@ -95,7 +95,7 @@ def _node_row(n: NodeStatus) -> list[str]:
 
 
 def _allocated(n: NodeStatus) -> str:
-    """What the node's jobs asked for, of what it has: "3 jobs, 2/8 cpu, 4.0 GiB/31.3 GiB, 1/2 gpu"."""
+    """What the node's jobs asked for, of what it has: "3 jobs, 2/8 cpu, 4 GiB/31.3 GiB, 1/2 gpu"."""
     a, caps = n.allocated, n.capabilities
     parts = [f"{n.jobs} job{'s' * (n.jobs != 1)}"]
     if a.cpus:
