@@ -12,14 +12,16 @@ revenant.node.<node>.cmd.<verb>        core request/reply          command -> re
 revenant.coord.<verb>                  core request/reply          command -> reply (admin)
 revenant.user.<user>.<verb>            core request/reply          command -> reply (user)
 revenant.evt.node.<node>.<kind>        JetStream stream EVENTS     NodeEvent
-revenant.evt.job.<job>.<kind>[.<node>] JetStream stream EVENTS     JobEvent
-revenant.evt.epoch.<job>.<kind>.<node> JetStream stream EVENTS     EpochEvent
+revenant.evt.job.<user>.<job>.<kind>[.<node>]    stream EVENTS   JobEvent
+revenant.evt.epoch.<user>.<job>.<kind>.<node>    stream EVENTS   EpochEvent
 revenant.evt.cluster.<kind>            JetStream stream EVENTS     cluster-wide alerts
 revenant.progress.<user>.<job>         core NATS, fire and forget  Progress
 =====================================  ==========================  =======================
 
-A job or epoch event an agent publishes ends with its node, which is the only node its
-credential may publish as; the leader's own job events have no node token.
+A job or epoch event carries the job's user (``root`` for a job recorded before jobs had
+users), so that a server can let ``user-<user>`` read its own jobs' events only, and an agent's
+ends with its node, which is the only node its credential may publish as; the leader's own job
+events have no node token.
 
 ``revenant.coord.<verb>`` is how admin (root, operators) asks the coordinator, and how
 agents ask for ``reconcile``; ``revenant.user.<user>.<verb>`` is how the Unix user ``<user>``
@@ -137,14 +139,18 @@ def node_event(node: str, kind: str) -> str:
     return f"{EVENTS_PREFIX}.node.{check_name(node)}.{check_name(kind, 'event kind')}"
 
 
-def job_event(job: str, kind: str, node: str = "") -> str:
-    """Where a job event goes: an agent's ends with its ``node`` (the only node its credential may
-    publish as: docs/security.md); the leader's has no node."""
-    return f"{EVENTS_PREFIX}.job.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}{_by(node)}"
+def job_event(job: str, kind: str, node: str = "", *, user: str) -> str:
+    """Where an event of ``job`` (whose user is ``user``) goes: an agent's ends with its ``node``
+    (the only node its credential may publish as: docs/security.md); the leader's has no node."""
+    return f"{EVENTS_PREFIX}.job.{_owner(user)}.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}{_by(node)}"
 
 
-def epoch_event(job: str, kind: str, node: str = "") -> str:
-    return f"{EVENTS_PREFIX}.epoch.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}{_by(node)}"
+def epoch_event(job: str, kind: str, node: str = "", *, user: str) -> str:
+    return f"{EVENTS_PREFIX}.epoch.{_owner(user)}.{check_name(job, 'job id')}.{check_name(kind, 'event kind')}{_by(node)}"
+
+
+def _owner(user: str) -> str:
+    return check_name(user or _NO_USER, "user name")
 
 
 def _by(node: str) -> str:
@@ -154,14 +160,28 @@ def _by(node: str) -> str:
 def event_node(subject: str) -> str | None:
     """The node a job or epoch event's subject names as its publisher; None: the leader's."""
     parts = subject.split(".")
-    return parts[5] if len(parts) == 6 and parts[2] in ("job", "epoch") else None
+    return parts[6] if len(parts) == 7 and parts[2] in ("job", "epoch") else None
+
+
+def user_events(user: str | None, job: str | None = None) -> list[str]:
+    """The event filters a reader hears: as ``user``, that user's jobs' and epochs' events and
+    every node's and the cluster's (what the server lets ``user-<user>`` read); as admin (None),
+    everything.  With ``job``: that job's events only."""
+    owner = "*" if user is None else _owner(user)
+    if job is not None:
+        job = check_name(job, "job id")
+        return [f"{EVENTS_PREFIX}.{kind}.{owner}.{job}.>" for kind in ("job", "epoch")]
+    if user is None:
+        return [EVENTS_ALL]
+    return [f"{EVENTS_PREFIX}.{kind}.{owner}.>" for kind in ("job", "epoch")] + [
+        f"{EVENTS_PREFIX}.{kind}.>" for kind in ("node", "cluster")]
 
 
 JOB_EVENTS_ALL = f"{EVENTS_PREFIX}.job.>"
 # Every node's anomaly events (the leader's proactive moves read them).
 ANOMALIES_ALL = f"{EVENTS_PREFIX}.node.*.anomaly"
 # Older epochs an agent turned into deltas (the coordinator's listing follows them).
-EPOCHS_CONVERTED = f"{EVENTS_PREFIX}.epoch.*.converted.*"
+EPOCHS_CONVERTED = f"{EVENTS_PREFIX}.epoch.*.*.converted.*"
 JOBS_BUCKET = "revenant_jobs"
 LEASES_BUCKET = "revenant_leases"
 LEADER_BUCKET = "revenant_leader"

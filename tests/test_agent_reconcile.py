@@ -62,7 +62,7 @@ async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_p
         ])))
 
     await nc.subscribe(subjects.coordinator("reconcile"), cb=leader)
-    killed = await nc.subscribe(subjects.job_event("1", "killed", "node-1"))
+    killed = await nc.subscribe(subjects.job_event("1", "killed", "node-1", user=""))
     # drain_timeout_s=0: no checkpoint at shutdown, the jobs are simply killed.
     async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
         await _start(nc, "1", 1)

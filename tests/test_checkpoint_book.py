@@ -29,7 +29,7 @@ async def test_failures_count_until_a_commit_and_retention_follows_it(tmp_path):
     book.failed("7", 2, CriuError("again"))
     assert book.failures == 2
     subject, failed = events[0]
-    assert subject == subjects.epoch_event("7", "failed", "n1")
+    assert subject == subjects.epoch_event("7", "failed", "n1", user="")
     assert (failed.kind, failed.at, failed.node, failed.generation) == ("failed", 1234.5, "n1", 2)
     assert failed.error == "criu dump failed: (00.2) Error (criu/cr-dump.c:2120): Dumping FAILED."
 

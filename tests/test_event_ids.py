@@ -26,12 +26,12 @@ async def test_one_event_published_twice_with_one_id_is_stored_once(nats_url):
         info = await js.stream_info(subjects.EVENTS_STREAM)
         assert info.config.duplicate_window >= 60 + 2  # the publisher's retries, and their last wait
         ev = JobEvent(job="1", kind="evicted", at=1.0, node="node-1", generation=2)
-        first = await bus.publish_event(js, subjects.job_event("1", "evicted"), ev, 2.0, msg_id="abc")
-        again = await bus.publish_event(js, subjects.job_event("1", "evicted"), ev, 2.0, msg_id="abc")
+        first = await bus.publish_event(js, subjects.job_event("1", "evicted", user=""), ev, 2.0, msg_id="abc")
+        again = await bus.publish_event(js, subjects.job_event("1", "evicted", user=""), ev, 2.0, msg_id="abc")
         assert not first.duplicate and again.duplicate and again.seq == first.seq
         assert await stored(js) == 1
         # Another id is another event.
-        await bus.publish_event(js, subjects.job_event("1", "evicted"), ev, 2.0, msg_id="def")
+        await bus.publish_event(js, subjects.job_event("1", "evicted", user=""), ev, 2.0, msg_id="def")
         assert await stored(js) == 2
     finally:
         await nc.close()
@@ -46,7 +46,7 @@ async def test_a_publish_whose_ack_came_too_late_is_retried_and_stored_once(nats
         await bus.ensure_event_stream(js)
         pub = EventPublisher(js, timeout_s=0.0001)
         pub.start()
-        pub.emit(subjects.job_event("1", "evicted"), JobEvent(job="1", kind="evicted", at=1.0, node="node-1"))
+        pub.emit(subjects.job_event("1", "evicted", user=""), JobEvent(job="1", kind="evicted", at=1.0, node="node-1"))
         pub.emit(subjects.node_event("node-1", "dead"), NodeEvent(node="node-1", kind="dead", at=1.0))
         for _ in range(300):
             if pub.published == 2:

@@ -35,7 +35,7 @@ def test_a_name_that_could_escape_is_refused_everywhere(name, tmp_path):
     with pytest.raises(InvalidName, match="invalid job id"):
         JobFiles(tmp_path, name)
     with pytest.raises(InvalidName):
-        subjects.job_event(name, "started")
+        subjects.job_event(name, "started", user="")
     with pytest.raises(InvalidName):
         subjects.node_command(name, "start")
     assert subjects.node_from_heartbeat(f"revenant.hb.{name}") is None

@@ -72,15 +72,15 @@ def test_an_event_that_names_another_node_than_its_subjects_is_ignored_and_count
 
     async def main():
         # node-2's credential may publish only on subjects ending with node-2: naming node-1 there is refused.
-        assert await consumer._apply(msg(subjects.job_event("7", "exited", "node-2"), exited))
-        assert await consumer._apply(msg(subjects.epoch_event("7", "converted", "node-2"), converted))
+        assert await consumer._apply(msg(subjects.job_event("7", "exited", "node-2", user=""), exited))
+        assert await consumer._apply(msg(subjects.epoch_event("7", "converted", "node-2", user=""), converted))
         assert applied == [] and len(refused) == 2
-        assert await consumer._apply(msg(subjects.job_event("7", "exited", "node-1"), exited))
-        assert await consumer._apply(msg(subjects.epoch_event("7", "converted", "node-1"), converted))
-        assert await consumer._apply(msg(subjects.job_event("7", "exited"), exited))  # the leader's own
+        assert await consumer._apply(msg(subjects.job_event("7", "exited", "node-1", user=""), exited))
+        assert await consumer._apply(msg(subjects.epoch_event("7", "converted", "node-1", user=""), converted))
+        assert await consumer._apply(msg(subjects.job_event("7", "exited", user=""), exited))  # the leader's own
         assert applied == [("7", "node-1"), ("converted", "node-1"), ("7", "node-1")] and len(refused) == 2
 
     asyncio.run(main())
-    assert subjects.event_node("revenant.evt.job.7.exited.node-2") == "node-2"
-    assert subjects.event_node("revenant.evt.job.7.exited") is None
+    assert subjects.event_node("revenant.evt.job.alice.7.exited.node-2") == "node-2"
+    assert subjects.event_node("revenant.evt.job.alice.7.exited") is None
     assert subjects.event_node("revenant.evt.node.node-1.joined") is None

@@ -238,8 +238,8 @@ async def test_agent_may_do_its_own_work_only(secured):
         leases = await js.key_value(subjects.LEASES_BUCKET)
         await leases.put("node-1", b"lease")
         await js.publish(subjects.node_event("node-1", "joined"), b"e")
-        await js.publish(subjects.job_event("j-1", "started", "node-1"), b"e")
-        await js.publish(subjects.epoch_event("j-1", "committed", "node-1"), b"e")
+        await js.publish(subjects.job_event("j-1", "started", "node-1", user=""), b"e")
+        await js.publish(subjects.epoch_event("j-1", "committed", "node-1", user=""), b"e")
         await serve(coord, subjects.coordinator("reconcile"))
         assert await answered(agent, subjects.coordinator("reconcile"), b"r") == b"ok"
         # The coordinator commands it and probes it; it answers.
@@ -260,8 +260,8 @@ async def test_agent_may_do_its_own_work_only(secured):
             subjects.node_event("node-2", "evicted"), subjects.cluster_event("alert"),
             # A job's or epoch's event as another node, or as the leader (no node): the server
             # refuses it, so the leader never hears a node speak for another's job.
-            subjects.job_event("j-1", "exited", "node-2"), subjects.job_event("j-1", "exited"),
-            subjects.epoch_event("j-1", "created", "node-2"), subjects.epoch_event("j-1", "created"),
+            subjects.job_event("j-1", "exited", "node-2", user=""), subjects.job_event("j-1", "exited", user=""),
+            subjects.epoch_event("j-1", "created", "node-2", user=""), subjects.epoch_event("j-1", "created", user=""),
             # A leader's announcement of its term (heartbeat_request.v1): a coordinator's alone.
             subjects.HEARTBEAT_REQUESTS,
             subjects.coordinator("submit"), "revenant.user.alice.submit"))
@@ -296,7 +296,7 @@ async def test_agent_may_do_its_own_work_only(secured):
 async def test_user_may_ask_as_itself_and_read_events_only(secured):
     server, seeds = secured
     coord = await setup_jetstream(server, seeds)
-    await coord.nc.jetstream(timeout=10).publish(subjects.job_event("j-1", "started"), b"e")
+    await coord.nc.jetstream(timeout=10).publish(subjects.job_event("j-1", "started", user="alice"), b"e")
     alice = await connect_as(server, seeds, "user-alice")
     bob = await connect_as(server, seeds, "user-bob")
     try:
@@ -305,9 +305,10 @@ async def test_user_may_ask_as_itself_and_read_events_only(secured):
         js = alice.nc.jetstream(timeout=10)
         info = await js.stream_info(subjects.EVENTS_STREAM)
         assert info.state.messages == 1
-        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True,
-                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        assert (await sub.next_msg(timeout=10)).subject == subjects.job_event("j-1", "started")
+        # Its own jobs' events (tests/test_event_scope.py: only those, and every node's and the cluster's).
+        sub = await js.subscribe(subjects.user_events("alice")[0], stream=subjects.EVENTS_STREAM, manual_ack=True,
+                                 config=ConsumerConfig(name="mine", deliver_policy=DeliverPolicy.ALL))
+        assert (await sub.next_msg(timeout=10)).subject == subjects.job_event("j-1", "started", user="alice")
         await sub.unsubscribe()
         assert alice.errors == []
 
@@ -315,7 +316,7 @@ async def test_user_may_ask_as_itself_and_read_events_only(secured):
             subjects.node_command("node-1", "start_job"), subjects.probe("node-1"),
             subjects.heartbeat("node-1"), subjects.coordinator("submit"), "revenant.user.bob.submit",
             f"$KV.{subjects.JOBS_BUCKET}.j-1", f"$KV.{subjects.LEASES_BUCKET}.node-1",
-            f"$KV.{subjects.LEADER_BUCKET}.leader", subjects.job_event("j-1", "evicted"),
+            f"$KV.{subjects.LEADER_BUCKET}.leader", subjects.job_event("j-1", "evicted", user=""),
             subjects.node_event("node-1", "evicted"), subjects.HEARTBEAT_REQUESTS))
         await all_refused(request_refused, alice, (
             f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
@@ -328,7 +329,12 @@ async def test_user_may_ask_as_itself_and_read_events_only(secured):
             f"$JS.API.CONSUMER.DELETE.{subjects.EVENTS_STREAM}.{security.COORDINATOR_CONSUMER}",
             f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.{security.COORDINATOR_CONSUMER}",
             f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.EVENTS_STREAM}.{security.COORDINATOR_CONSUMER}",
-            f"$JS.API.CONSUMER.MSG.NEXT.{subjects.EVENTS_STREAM}.{security.COORDINATOR_CONSUMER}"))
+            f"$JS.API.CONSUMER.MSG.NEXT.{subjects.EVENTS_STREAM}.{security.COORDINATOR_CONSUMER}",
+            # A consumer on the whole stream, or on another user's events (tests/test_event_scope.py).
+            f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}",
+            f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.c1",
+            f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.c1.{subjects.EVENTS_ALL}",
+            f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.c1.revenant.evt.job.bob.>"))
         # A KV write is a publish the stream would ack: the ack never comes.
         await request_refused(alice, f"$KV.{subjects.JOBS_BUCKET}.j-2", b"forged")
         await all_refused(subscribe_refused, alice, (
@@ -355,7 +361,7 @@ async def test_admin_asks_the_coordinator_and_reads_events_only(secured):
             subjects.node_command("node-1", "kill_job"), subjects.heartbeat("node-1"),
             subjects.coordinator("reconcile"), "revenant.user.alice.submit",
             f"$KV.{subjects.JOBS_BUCKET}.j-1", f"$KV.{subjects.LEADER_BUCKET}.leader",
-            subjects.job_event("j-1", "evicted")))
+            subjects.job_event("j-1", "evicted", user="")))
         await all_refused(request_refused, admin, (
             f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
             f"$JS.API.STREAM.PURGE.{subjects.EVENTS_STREAM}",

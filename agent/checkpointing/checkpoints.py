@@ -23,16 +23,17 @@ Why = Mapping[str, Any]
 
 class CheckpointBook:
     def __init__(self, node: str, emit: Callable[[str, Message], None], metrics: AgentMetrics | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, owner: Callable[[str], str] = lambda job: "") -> None:
         self.node = node
         self.emit = emit
+        self.owner = owner  # a job's user, for its events' subjects
         self.metrics = metrics
         self.wall_clock = wall_clock
         # Checkpoints (of any job) that failed in a row: the health rules read it.
         self.failures = 0
 
     def _epoch_event(self, job: str, kind: str, generation: int, **kw) -> None:
-        self.emit(subjects.epoch_event(job, kind, self.node),
+        self.emit(subjects.epoch_event(job, kind, self.node, user=self.owner(job)),
                   EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
 
     def failed(self, job: str, generation: int, error: Exception, cause: str = "", reasons: Sequence[str] = ()) -> None:

@@ -34,7 +34,7 @@ from revenant.agent.storage import packs
 from revenant.agent.storage.epochs import CorruptEpoch, JobFiles, Manifest
 from revenant.agent.storage.private import PRIVATE_FILE
 from revenant.common.errors import CheckpointSkipped
-from revenant.messages import CheckpointPolicy, EpochEvent, EpochInfo, Message, subjects
+from revenant.messages import CheckpointPolicy, EpochInfo, Message
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class PolicyRunner:
                     os.close(fd)
 
     def event(self, job: str, kind: str, generation: int, **kw) -> None:
-        self.emit(subjects.epoch_event(job, kind, self.node),
-                  EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
+        self.book._epoch_event(job, kind, generation, **kw)
 
     def forget(self, job: str) -> None:
         self.gate.forget(job)

@@ -64,9 +64,10 @@ class Supervisor(JobExits):
         self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock,
                                  scratch=scratch, allow_root_jobs=allow_root_jobs)
         self.exits = ExitClassifier(switch_timeout_s, clock)
-        self.book = CheckpointBook(node, emit, metrics, wall_clock)
+        self.book = CheckpointBook(node, emit, metrics, wall_clock, owner=self.owner)
         self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)
         self.jobs: dict[str, JobRuntime] = {}
+        self._owners: dict[str, str] = {}  # every job's user, kept past its runtime (its later epoch events)
         self.freezer = Freezer(self.jobs, self.exits, clock)  # the self-fence's SIGSTOP and SIGCONT
         self.leader_term = leader_term or LeaderTerm()  # whose commands it takes
         # Starts and restores in flight, one per job: a newer generation or a kill arriving
@@ -100,8 +101,15 @@ class Supervisor(JobExits):
         return AgentJobReply(job=rt.spec.id, generation=rt.generation, node=self.node, pid=rt.pid,
                              program_pid=procs.program_pid(rt.pid), output=str(rt.files.output), **kw)
 
+    def owner(self, job: str) -> str:
+        """``job``'s user, for its events' subjects ("": unknown here, or a job from before users)."""
+        rt = self.jobs.get(job)
+        if rt is not None:
+            self._owners[job] = rt.spec.user
+        return self._owners.get(job, "")
+
     def _event(self, rt: JobRuntime, kind: str, **kw) -> None:
-        self.emit(subjects.job_event(rt.spec.id, kind, self.node),
+        self.emit(subjects.job_event(rt.spec.id, kind, self.node, user=self.owner(rt.spec.id)),
                   JobEvent(job=rt.spec.id, kind=kind, at=self.wall_clock(), node=self.node, generation=rt.generation,
                            pid=rt.pid, **kw))
 

@@ -36,9 +36,9 @@ USER_PREFIX = "user-"
 # The coordinator's durable consumer on the event stream (coordinator/table/job_events.py): no one
 # else may create, change, read or delete it.
 COORDINATOR_CONSUMER = "revenant-coordinator-jobs"
-COORDINATOR_EPOCHS_CONSUMER = "revenant-coordinator-epochs-2"
-# The one before (its filter predates node-stamped epoch events): left unused by an upgrade.
-_OLD_EPOCHS_CONSUMER = "revenant-coordinator-epochs"
+COORDINATOR_EPOCHS_CONSUMER = "revenant-coordinator-epochs-3"
+# The ones before (their filters predate node-stamped, then user-scoped epoch events): left unused by an upgrade.
+_OLD_EPOCHS_CONSUMERS = ("revenant-coordinator-epochs", "revenant-coordinator-epochs-2")
 ARCHIVE_BUCKET = "revenant_jobs_archive"
 SEED_SUFFIX = ".nk"
 
@@ -107,22 +107,27 @@ class Permissions:
     allow_responses: bool = False
 
 
-def _event_reader() -> tuple[str, ...]:
-    """Read the event stream with ephemeral (ordered) consumers, nothing more."""
+def _event_reader(user: str | None = None) -> tuple[str, ...]:
+    """Read the event stream with consumers of one's own, nothing more: as ``user``, only consumers
+    whose one filter (named in the API subject, where the server checks it against the
+    consumer's) is among subjects.user_events(user); as admin (None), any consumer."""
+    if user is None:
+        creates: tuple[str, ...] = (f"{_JS}.CONSUMER.CREATE.{_EVENTS}", f"{_JS}.CONSUMER.CREATE.{_EVENTS}.>")
+    else:
+        # (a filter of one of the user's jobs, ``...job.<user>.<job>.>``, lies under these)
+        creates = tuple(f"{_JS}.CONSUMER.CREATE.{_EVENTS}.*.{f}" for f in subjects.user_events(user))
     return (
         f"{_JS}.STREAM.NAMES",
         f"{_JS}.STREAM.INFO.{_EVENTS}",
-        f"{_JS}.CONSUMER.CREATE.{_EVENTS}",
-        f"{_JS}.CONSUMER.CREATE.{_EVENTS}.>",
+        *creates,
         f"{_JS}.CONSUMER.INFO.{_EVENTS}.*",
-        f"{_JS}.CONSUMER.MSG.NEXT.{_EVENTS}.*",
         f"$JS.FC.{_EVENTS}.>",
     )
 
 
 # Nobody but the coordinator touches its durable consumer (acks included).
 _COORDINATOR_CONSUMER_DENY = tuple(deny for name in (COORDINATOR_CONSUMER, COORDINATOR_EPOCHS_CONSUMER,
-                                                     _OLD_EPOCHS_CONSUMER) for deny in (
+                                                     *_OLD_EPOCHS_CONSUMERS) for deny in (
     f"{_JS}.CONSUMER.*.{_EVENTS}.{name}",
     f"{_JS}.CONSUMER.*.{_EVENTS}.{name}.>",
     f"{_JS}.CONSUMER.MSG.NEXT.{_EVENTS}.{name}",
@@ -149,8 +154,8 @@ def permissions_for(identity: str) -> Permissions:
                 subjects.heartbeat(node),
                 f"{subjects.EVENTS_PREFIX}.node.{node}.>",
                 # Its own jobs' and epochs' events, by the node the subject ends with: never as another node.
-                f"{subjects.EVENTS_PREFIX}.job.*.*.{node}",
-                f"{subjects.EVENTS_PREFIX}.epoch.*.*.{node}",
+                f"{subjects.EVENTS_PREFIX}.job.*.*.*.{node}",
+                f"{subjects.EVENTS_PREFIX}.epoch.*.*.*.{node}",
                 subjects.PROGRESS_ALL,  # any job's (a subject carries the job's user, not the node)
                 subjects.coordinator("reconcile"),
                 f"$KV.{subjects.LEASES_BUCKET}.{node}",
@@ -173,7 +178,7 @@ def permissions_for(identity: str) -> Permissions:
         )
     user = identity[len(USER_PREFIX):]
     return Permissions(
-        publish_allow=(f"{root}.user.{user}.>", *_event_reader()),
+        publish_allow=(f"{root}.user.{user}.>", *_event_reader(user)),
         publish_deny=_COORDINATOR_CONSUMER_DENY,
         subscribe_allow=(inbox, f"{subjects.PROGRESS_PREFIX}.{user}.>"),
     )

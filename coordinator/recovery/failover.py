@@ -219,7 +219,8 @@ class Failover:
 
     def _event(self, job: str, kind: str, dead: str, **kw) -> None:
         kw.setdefault("address", node_address(self.nodes(), kw.get("node", "")))  # where clients find it
-        self.events.emit(subjects.job_event(job, kind),
+        rec = self.jobs.jobs.get(job)
+        self.events.emit(subjects.job_event(job, kind, user=rec.spec.user if rec is not None else ""),
                          JobEvent(job=job, kind=kind, at=self.wall(), from_node=dead,
                                   since_last_heartbeat_s=self._since_last_heartbeat(dead), **kw))
 

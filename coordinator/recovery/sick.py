@@ -235,7 +235,8 @@ class ProactiveMoves:
         return True
 
     def _event(self, action: Action, kind: str, reason: str) -> None:
-        self.events.emit(subjects.job_event(action.job, kind),
+        rec = self.jobs.jobs.get(action.job)
+        self.events.emit(subjects.job_event(action.job, kind, user=rec.spec.user if rec is not None else ""),
                          JobEvent(job=action.job, kind=kind, at=self.wall(), node=action.node,
                                   generation=action.generation, reason=reason, cause="health",
                                   reasons=list(action.reasons)))

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "revenant-coordinator-jobs"
 # (-2: its filter is the node-stamped subjects'; the first one's never matches them.)
-EPOCHS_CONSUMER = "revenant-coordinator-epochs-2"
+EPOCHS_CONSUMER = "revenant-coordinator-epochs-3"
 
 
 async def _nak(msg, delay_s: float = 1.0) -> None:

@@ -158,7 +158,7 @@ class JobService:
 
     def event(self, rec: JobRecord, kind: str, **kw) -> None:
         kw.setdefault("address", node_address(self.nodes(), rec.node))  # where clients find the job
-        self.events.emit(subjects.job_event(rec.spec.id, kind), JobEvent(
+        self.events.emit(subjects.job_event(rec.spec.id, kind, user=rec.spec.user), JobEvent(
             job=rec.spec.id, kind=kind, at=self.wall(), node=rec.node, generation=rec.generation, **kw))
 
     # ------------------------------------------------------------------ operations
