@@ -9,6 +9,11 @@ in the server's configuration (``include ./authorization.conf``) and reload the 
 
 With ``--dir`` (a ``revenant up`` cluster) the keys are the cluster's (DIR/keys), and its
 nats-server is given the new block at once (DIR/nats.conf, then a reload).
+
+It also writes the cluster's image keys (``image.keys``, mode 0600, kept if it exists), with
+which every agent signs and checks its epochs (agent/storage/imagekeys.py; the agents'
+``image_keys``).  ``--rotate`` adds a new one: every agent signs with it once it restarts with the
+new file, and epochs signed with an older one stay readable while the file holds it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
+from revenant.agent.storage import imagekeys
 from revenant.common.errors import ConfigError, RevenantError
 from revenant.common.messaging.natsserver import write_server_config
 from revenant.common.settings import security
@@ -25,6 +31,7 @@ from revenant.common.settings.cluster import read_cluster
 from revenant.messages import MessageError
 
 FRAGMENT = "authorization.conf"
+IMAGE_KEYS = "image.keys"
 
 
 def _names(values: list[str] | None) -> list[str]:
@@ -63,11 +70,25 @@ def _reload_embedded(root: Path, keyring: security.Keyring) -> str:
     return f"its nats-server{'s' if len(servers) > 1 else ''} (pid {pids}) reloaded {root / 'nats.conf'}"
 
 
-def keys(out: str | None, cluster_dir: str | None, nodes: list[str] | None, users: list[str] | None) -> int:
+def image_keys(directory: Path, rotate: bool = False) -> str:
+    """The cluster's image keys in ``directory`` (made if missing, a new one added with ``rotate``): a line saying so."""
+    path = directory / IMAGE_KEYS
+    held, changed = imagekeys.write(path, rotate)
+    if not changed:
+        return f"image keys: {path} (kept; signing with key {held.current})"
+    more = f"; epochs signed with {', '.join(k for k in held.keys if k != held.current)} stay readable" if len(
+        held.keys) > 1 else ""
+    return (f"image keys: {path}, signing with key {held.current}{more}: give every agent this file "
+            "(image_keys) and restart it")
+
+
+def keys(out: str | None, cluster_dir: str | None, nodes: list[str] | None, users: list[str] | None,
+         rotate: bool = False) -> int:
     if bool(out) == bool(cluster_dir):
         raise RevenantError("revenant keys needs one of --out DIR (an existing NATS) or --dir DIR (revenant up's)")
     directory = Path(cluster_dir) / "keys" if cluster_dir else Path(out or ".")
     keyring = make_keys(directory, _names(nodes), _names(users))
+    print(f"revenant: {image_keys(directory, rotate)}", file=sys.stderr)
     for identity in sorted(keyring.public):
         print(f"{identity:<24} {keyring.public[identity]}  {keyring.seed_path(identity)}")
     print(f"revenant: authorization block for the server: {keyring.directory / FRAGMENT}", file=sys.stderr)

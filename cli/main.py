@@ -53,6 +53,7 @@ def _cluster_commands(sub: Any) -> None:
     p.add_argument("--config", help="TOML file with an [agent] table")
     p.add_argument("--creds", help="NATS credential of this node's identity, agent-<node> (an NKey seed file)")
     p.add_argument("--criu", help="criu binary (default: $REVENANT_CRIU, then PATH)")
+    p.add_argument("--image-keys", help="the cluster's image keys, which sign every epoch (`revenant keys` writes them)")
     p.add_argument("--heartbeat-interval", type=float, dest="heartbeat_interval_s", help="seconds between heartbeats")
     p.add_argument("--http-host", help="address for /metrics, /health, /ready, /live (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, help="port for them (default 9750; 0 any free port, -1 off)")
@@ -107,6 +108,8 @@ def _cluster_commands(sub: Any) -> None:
     p.add_argument("--dir", help="a 'revenant up' cluster: add to its keys and reload its nats-server")
     p.add_argument("--node", action="append", help="an agent identity for this node (repeat, or comma-separate)")
     p.add_argument("--user", action="append", help="a user identity for this Unix user (repeat, or comma-separate)")
+    p.add_argument("--rotate", action="store_true",
+                   help="add a new image key, which signs every epoch from now on (older epochs stay readable)")
     p.set_defaults(func=_cmd_keys)
 
     p = sub.add_parser("down", help="stop everything 'revenant up' started")
@@ -239,7 +242,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
     cfg = load_config(AgentConfig, "agent", args.config, {
         "node": args.node, "nats_url": args.nats, "nats_creds": args.creds, "storage": args.storage,
-        "criu_path": args.criu, "heartbeat_interval_s": args.heartbeat_interval_s,
+        "criu_path": args.criu, "heartbeat_interval_s": args.heartbeat_interval_s, "image_keys": args.image_keys,
         "http_host": args.http_host, "http_port": args.http_port,
     })
     if not cfg.node:
@@ -284,7 +287,7 @@ def _cmd_supervise(args: argparse.Namespace) -> int:
 def _cmd_keys(args: argparse.Namespace) -> int:
     from revenant.cli.keys import keys
 
-    return keys(args.out, args.dir, args.node, args.user)
+    return keys(args.out, args.dir, args.node, args.user, args.rotate)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:

@@ -17,7 +17,9 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from revenant.agent.storage import imagekeys
 from revenant.cli import netns
+from revenant.cli.keys import IMAGE_KEYS
 from revenant.cli.client import request_nodes
 from revenant.common.errors import ClusterNotFound, RevenantError
 from revenant.common.messaging import bus
@@ -214,6 +216,9 @@ def start_cluster(root: Path, shape: Shape, *,
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
     names = shape.node_names()
     keys = None if shape.insecure else generate_identities(root, names)
+    signing = root / "keys" / IMAGE_KEYS  # the epochs' image keys, whether or not the bus is open
+    signing.parent.mkdir(mode=0o700, exist_ok=True)
+    imagekeys.write(signing)
     layout = None
 
     def creds(identity: str) -> list[str]:
@@ -252,6 +257,7 @@ def start_cluster(root: Path, shape: Shape, *,
         for name in names:
             started.append(spawn("agent", name, placed(name, py + [
                 "agent", "--node", name, "--nats", url, "--http-port", "0", "--storage", str(storage),
+                "--image-keys", str(signing),
                 *creds(security.agent_identity(name))]), logs / f"{name}.log"))
         infos = [info for _, info in started]
         admin = "" if keys is None else str(keys.seed_path(security.ADMIN))

@@ -57,7 +57,17 @@ class HeldLease:
         raise AssertionError(why)
 
 
+def image_keys(tmp_path):
+    """The image keys of a test's cluster (agent/storage/imagekeys.py), made once per test."""
+    from revenant.agent.storage import imagekeys
+
+    path = tmp_path / "image.keys"
+    imagekeys.write(path)
+    return path
+
+
 def agent_config(nats_url, tmp_path, node="node-1", **kw):
+    kw.setdefault("image_keys", str(image_keys(tmp_path)))  # one test's agents: one cluster, one key
     kw.setdefault("allow_root_jobs", True)  # the suite's jobs run as root (tests/test_job_user.py: as a user)
     return AgentConfig(node=node, nats_url=nats_url, storage=str(tmp_path / "storage"),
                        heartbeat_interval_s=0.2, http_port=0, **kw)

@@ -111,7 +111,7 @@ def test_switches_reset_too_late_are_a_self_fence_even_when_the_lease_was_renewe
     from revenant.agent.node.agent import Agent
     from revenant.common.settings.config import AgentConfig
 
-    agent = Agent(AgentConfig(node="n1", storage=str(tmp_path), http_port=-1))
+    agent = Agent(AgentConfig(node="n1", storage=str(tmp_path), http_port=-1, image_integrity="crc32"))
     stamps, asked = Stamps(), []
     agent.supervisor = stamps  # type: ignore[assignment]
     agent._lease_back = lambda: asked.append("reconcile")  # type: ignore[method-assign]

@@ -3,27 +3,25 @@
     checkpoint:  step.before_dump ... criu dump ... step.after_dump ... commit epoch ... prune
     restore:     pick newest verified epoch ... step.before_restore ... criu restore ... step.after_restore
 
-Steps plug in before and after criu without touching the engine: the storage
-guard, pre-dump, GPU suspend/resume (agent/gpus/gpustep.py) and the job's own files
-(output included: agent/files/jobfiles.py, agent/files/jobfiles_restore.py).  A step may
-refuse an epoch before anything is changed (``check_restore``): for files that
-changed (FilesChanged) the restore falls back to the next older epoch, as it does
-for one that fails verification; any other refusal (GPUs this node lacks) fails it.
-``on_dump_failed`` runs shielded from cancellation, so a step that changed the
-job (suspended its GPU, say) always gets to undo it; a step that fails after
+Steps plug in before and after criu without touching the engine: the storage guard, pre-dump,
+GPU suspend/resume (agent/gpus/gpustep.py) and the job's own files (output included:
+agent/files/jobfiles.py, agent/files/jobfiles_restore.py).  A step may refuse an epoch before
+anything is changed (``check_restore``): for files that changed (FilesChanged) the restore falls
+back to the next older epoch, as it does for one that fails verification; any other refusal
+(GPUs this node lacks) fails it.  ``on_dump_failed`` runs shielded from cancellation, so a step
+that changed the job (suspended its GPU, say) always gets to undo it; a step that fails after
 criu restored the job kills what criu restored, so it never runs on half-restored.
 
-By default criu dumps straight into the epoch's temporary directory on the
-shared storage: through the page cache that freezes the job no longer than a
-raw ``criu dump`` (measured: dumping to tmpfs first froze it *longer* on these
-machines, and doubled the writes).  For storage whose writes are slow while
-the job is frozen (network filesystems), ``staging_dir`` makes criu dump to a
-node-local directory and the images move to shared storage after the job has
-resumed.  Either way the epoch is committed only once it is complete there.
+By default criu dumps straight into the epoch's temporary directory on the shared storage:
+through the page cache that freezes the job no longer than a raw ``criu dump`` (measured:
+dumping to tmpfs first froze it *longer* here, and doubled the writes).  For storage whose
+writes are slow while the job is frozen (network filesystems), ``staging_dir`` makes criu dump
+to a node-local directory and the images move to shared storage after the job has resumed.
+Either way the epoch is committed only once it is complete there.
 
-While criu writes, a follower (agent/storage/imagesum.py) starts the images' writeback
-to the disk and, where the CPUs allow, takes their CRC-32s; the commit reads
-only what it has left, and makes the whole epoch durable with one syncfs
+While criu writes, a follower (agent/storage/imagesum.py) starts the images' writeback to the
+disk and, where the CPUs allow, takes their digests (keyed with the image keys: ``keys``); the
+commit reads only what it has left, and makes the whole epoch durable with one syncfs
 (agent/storage/fileio.py ``Durable``; bench/commit_path.py measures it all).
 """
 
@@ -53,6 +51,7 @@ from revenant.agent.processes import procs
 from revenant.agent.storage import packs
 from revenant.agent.storage.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch
 from revenant.agent.storage.fileio import Durable
+from revenant.agent.storage.imagekeys import ImageKeys
 from revenant.agent.storage.imagesum import Follower
 from revenant.agent.storage.private import DUMP_UMASK, private_dir
 from revenant.common.errors import CriuError, RevenantError
@@ -118,8 +117,9 @@ class Engine:
                  criu_timeout_s: float = 3600.0, job_files: JobFilesStep | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False,
-                 reporter: progress.Reporter | None = None) -> None:
+                 reporter: progress.Reporter | None = None, keys: ImageKeys | None = None) -> None:
         self.criu = criu_path
+        self.keys = keys  # every epoch signed, none unsigned restored (agent/storage/imagekeys.py)
         # Tells whoever watches how far each dump and restore has come (agent/pipeline/progress.py).
         self.reporter = reporter or progress.Reporter(node)
         # Restore lazily (criu lazy-pages; the agent's restore_mode and criu's uffd features).
@@ -171,7 +171,7 @@ class Engine:
         SIGCONT), unharmed.  ``spoiled``, asked once the dump is written and before the
         commit: why the image must not be kept (the job was frozen meanwhile), or "".
         """
-        files = JobFiles(self.storage, job)
+        files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
         try:
             async with self.slots:
@@ -201,7 +201,7 @@ class Engine:
             watch = self.reporter.watch(job, user, "dump", functools.partial(progress.dir_bytes, ctx.epoch_tmp),
                                         functools.partial(resident_bytes, pid))
             durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)
-            undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None)
+            undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None, digest=files.digest)
             await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)
             if found := await asyncio.to_thread(blockers.blockers, pid):  # before anything freezes the job
                 more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
@@ -317,7 +317,7 @@ class Engine:
         With ``self.lazy`` a plain epoch is restored lazily: its page data is not read before
         criu starts the job; ``fetch`` (else None) is the rest of the restore, to be awaited:
         every page fetched and its page data verified (agent/lazyrestore/lazy.py)."""
-        files = JobFiles(self.storage, job)
+        files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
         try:
             async with self.slots:

@@ -39,6 +39,7 @@ from revenant.agent.pipeline.criu import inspect_criu
 from revenant.agent.processes import cgroups, procs
 from revenant.agent.running.jobs import Supervisor
 from revenant.agent.running.runtime import LeaderTerm
+from revenant.agent.storage import imagekeys
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import ConfigError, RevenantError
 from revenant.common.messaging import bus, events
@@ -62,10 +63,9 @@ class Agent(Service):
         subjects.check_name(config.node)
         self.config = config
         self.node = config.node
-        self.incarnation = secrets.token_hex(8)
-        self.storage = Path(config.storage)
-        self.clock = clock
-        self.wall_clock = wall_clock
+        self.incarnation, self.storage = secrets.token_hex(8), Path(config.storage)
+        self.clock, self.wall_clock = clock, wall_clock
+        self.keys = imagekeys.for_config(config.image_integrity, config.image_keys)  # ConfigError: one line
         self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s, clock=clock)
         self.metrics = AgentMetrics()
         thresholds = config.health_thresholds()
@@ -200,7 +200,7 @@ class Agent(Service):
                       job_files=JobFilesStep(self.storage, cfg.file_snapshot_max_bytes, cfg.workdir_scan_max_entries,
                                              cfg.file_snapshot_timeout_s, cfg.workdir_snapshot_max_bytes),
                       clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore,
-                      reporter=progress.Reporter(self.node, self._publish))
+                      reporter=progress.Reporter(self.node, self._publish), keys=self.keys)
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
         # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
         # The GPU's state is suspended before a pre-dump or the dump read the job's memory.

@@ -36,6 +36,7 @@ from revenant.agent.running import signals
 from revenant.agent.running.launcher import Launcher, new_stamp, reset_stamp
 from revenant.agent.running.exiting import JobExits
 from revenant.agent.running.runtime import JobRuntime, Launch, LeaderTerm
+from revenant.agent.storage.imagekeys import ImageKeys
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError, JobNotRunning, RevenantError, StaleGeneration
 from revenant.common.serving.metrics import AgentMetrics
@@ -101,6 +102,11 @@ class Supervisor(JobExits):
         return AgentJobReply(job=rt.spec.id, generation=rt.generation, node=self.node, pid=rt.pid,
                              program_pid=procs.program_pid(rt.pid), output=str(rt.files.output), **kw)
 
+    @property
+    def keys(self) -> ImageKeys | None:
+        """The cluster's image keys its engine signs and checks epochs with (agent/storage/imagekeys.py)."""
+        return self.engine.keys if self.engine is not None else None
+
     def owner(self, job: str) -> str:
         """``job``'s user, for its events' subjects ("": unknown here, or a job from before users)."""
         rt = self.jobs.get(job)
@@ -128,6 +134,7 @@ class Supervisor(JobExits):
         user = self.launcher.user(spec)  # as its user: never root unless allowed
         env = self.launcher.check(spec, user) | ({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {})
         files = await self.launcher.prepare(spec.id, fresh, user, env)
+        files.keys = self.keys
         launch.stamp = files.stamp
         cgroup, notes = self.cgroups.make(spec.id, generation, spec.resources)
         try:
@@ -257,7 +264,7 @@ class Supervisor(JobExits):
             raise CriuError(f"cannot restore on {self.node}: {self.criu_error}")
         user = self.launcher.user(spec)  # criu restores the credentials it dumped: root's only where allowed
         self.launcher.check_workdir(spec, user)  # a restore puts files back there as root
-        files = JobFiles(self.storage, spec.id)
+        files = JobFiles(self.storage, spec.id, self.keys)
         # A new stamp inode fences any stale copy; touch_stamps keeps it fresh while criu restores.
         await asyncio.to_thread(new_stamp, files)
         launch.stamp = files.stamp
@@ -353,7 +360,7 @@ class Supervisor(JobExits):
         if job in self.jobs:
             raise RevenantError(f"job {job} is still running on {self.node}; only finished jobs can be purged",
                                 code="running")
-        files = JobFiles(self.storage, job)
+        files = JobFiles(self.storage, job, self.keys)
         async with self.policies.lock(files):
             freed = await asyncio.to_thread(files.purge)
         return AgentJobReply(job=job, generation=0, node=self.node, output=str(files.output), freed_bytes=freed)

@@ -13,8 +13,12 @@ An epoch is committed by writing its files into a temporary directory, then ``ma
 (size and CRC-32 of every file, the criu version, kernel, CPU flags, the job's own files at the
 dump), fsyncing, and renaming it to ``<N>``: a directory named by a number is a complete epoch.
 
-The checksums guard against corruption (a torn write, a bad disk, a truncated copy), not an
-attacker who can write the storage: CRC-32 (zlib, several GB/s), not SHA-256 (1.6 GB/s here).
+Where the node holds the cluster's image keys (``keys``, agent/storage/imagekeys.py) the digests are
+keyed BLAKE3 and the manifest is signed (``manifest.mac``: the key's id and a keyed BLAKE3 of
+manifest.json's bytes, written before the rename): someone who can write the storage cannot
+change an epoch, nor rewrite its manifest, without the restore refusing it.  Without keys they
+are CRC-32 (zlib, several GB/s), which guards against corruption (a torn write, a bad disk, a
+truncated copy) only.
 
 Epochs are private: root's, directories 0700 and files 0600 (agent/storage/private.py).
 Everything here is blocking file I/O, run in a worker thread by the engine.
@@ -37,7 +41,8 @@ from typing import Callable, Collection
 
 import msgspec
 
-from revenant.agent.storage import imagesum
+from revenant.agent.storage import imagekeys, imagesum
+from revenant.agent.storage.imagekeys import ImageKeys
 from revenant.agent.storage.chain import verify_recipes, verify_workdir
 from revenant.agent.storage.fileio import Durable, copy_bytes, fsync_path
 from revenant.agent.storage.manifest import (MANIFEST, MANIFEST_VERSION, CorruptEpoch, EpochError, FileEntry,  # noqa: F401
@@ -54,7 +59,15 @@ _CHUNK = 8 * 1024 * 1024
 _EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
 
 
-def checksum_file(path: Path, algo: str = "crc32") -> str:
+# The manifest's signature: "<key id> <keyed BLAKE3 of manifest.json's bytes>" (imagekeys.py).
+MANIFEST_MAC = "manifest.mac"
+
+
+def checksum_file(path: Path, algo: str = "crc32", keys: ImageKeys | None = None, key_id: str = "") -> str:
+    if algo == imagekeys.KEYED:
+        if keys is None or key_id not in keys.keys:
+            raise CorruptEpoch(f"{path}: signed with image key {key_id!r}, which this node does not hold")
+        return imagesum.crc32_file(path, keys.digest(key_id))[1]
     with open(path, "rb", buffering=0) as f:
         if algo == "crc32":
             crc = 0
@@ -67,6 +80,13 @@ def checksum_file(path: Path, algo: str = "crc32") -> str:
                 h.update(chunk)
             return h.hexdigest()
     raise CorruptEpoch(f"{path}: unknown checksum algorithm {algo!r}")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -110,7 +130,9 @@ def _job_file_names(directory: Path) -> list[str]:
 class JobFiles:
     """Paths of one job on shared storage."""
 
-    def __init__(self, storage: str | os.PathLike[str], job: str) -> None:
+    def __init__(self, storage: str | os.PathLike[str], job: str, keys: ImageKeys | None = None) -> None:
+        # The cluster's image keys: epochs are signed with them, and none unsigned is restored.
+        self.keys = keys
         # The one way from a job id to a path: an id that could leave jobs/ is refused here.
         self.dir = Path(storage) / "jobs" / check_name(job, "job id")
         self.job = job
@@ -191,18 +213,18 @@ class JobFiles:
         make_private(tmp)  # whatever criu's and the copies' modes were
         with Durable(tmp) if durable is None else contextlib.nullcontext(durable) as sync:
             known = {n: (e.size, e.checksum) for n, e in manifest.files.items()}  # set by a step: linked copies
-            sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower, known)
-        manifest.checksum = "crc32"
+            sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower, known, self.digest)
+        manifest.checksum = self.digest.name
+        manifest.key_id = self.digest.key_id
         manifest.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in sums.items()}
         manifest.commit_s = clock() - started
         manifest.total_s = manifest.dump_s + manifest.commit_s
         n = self.next_number()
         manifest.epoch = n
-        mpath = tmp / MANIFEST
-        with open(os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "wb") as f:
-            f.write(msgspec.json.encode(manifest))
-            f.flush()
-            os.fsync(f.fileno())
+        data = msgspec.json.encode(manifest)
+        if self.keys is not None:  # signed first: a manifest.json is never there without its signature
+            _write_synced(tmp / MANIFEST_MAC, f"{manifest.key_id} {self.keys.manifest_mac(manifest.key_id, data)}\n".encode())
+        _write_synced(tmp / MANIFEST, data)
         if (tmp / FILES_DIR).is_dir():
             _fsync_dir(tmp / FILES_DIR)
         _fsync_dir(tmp)
@@ -210,6 +232,39 @@ class JobFiles:
         os.rename(tmp, final)  # the commit point; a crash before it leaves only .tmp-*
         _fsync_dir(self.epochs_dir)
         return manifest
+
+    @property
+    def digest(self) -> imagekeys.Digest:
+        """How new epochs' files are digested: keyed with the current image key, or CRC-32."""
+        return self.keys.digest() if self.keys is not None else imagekeys.PLAIN
+
+    def read_signed(self, n: int) -> Manifest:
+        """Epoch ``n``'s manifest, its signature checked first when this node holds image keys
+        (CorruptEpoch if it fails, or is missing: an epoch written without keys, or rewritten)."""
+        if self.keys is None:
+            return self.read_manifest(n)
+        d = self.epoch_dir(n)
+        try:
+            data = (d / MANIFEST).read_bytes()
+            key_id, _, mac = (d / MANIFEST_MAC).read_text().strip().partition(" ")
+        except FileNotFoundError as exc:
+            what = "is not signed (written without image keys, or its signature removed)" if exc.filename.endswith(
+                MANIFEST_MAC) else "has no manifest"
+            raise CorruptEpoch(f"epoch {n} of {self.job} {what}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
+        if key_id not in self.keys.keys:
+            raise CorruptEpoch(f"epoch {n} of {self.job} is signed with image key {key_id!r}, which this node "
+                               "does not hold")
+        if not self.keys.check_manifest(key_id, data, mac):
+            raise CorruptEpoch(f"epoch {n} of {self.job}: its manifest fails its MAC (changed since it was signed)")
+        try:
+            m = msgspec.json.decode(data, type=Manifest)
+        except msgspec.DecodeError as exc:
+            raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
+        if m.checksum != imagekeys.KEYED or m.key_id != key_id or m.epoch != n:
+            raise CorruptEpoch(f"epoch {n} of {self.job}: its signed manifest does not match its place or its files' digests")
+        return m
 
     def discard(self, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -229,8 +284,8 @@ class JobFiles:
 
     def verify(self, n: int, skip: Callable[[Manifest, str], bool] | None = None) -> Manifest:
         """Epoch ``n``'s manifest if every file matches its size and checksum (``skip``: files whose
-        checksum the caller checks: what a lazy restore serves)."""
-        m = self.read_manifest(n)
+        checksum the caller checks: what a lazy restore serves; never with image keys, below)."""
+        m = self.read_signed(n)
         if m.job != self.job:  # an epoch moved here from another job's directory
             raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
         d = self.epoch_dir(n)
@@ -242,7 +297,9 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} is missing") from None
             if size != entry.size:
                 raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
-            if (skip is None or not skip(m, name)) and checksum_file(path, m.checksum) != entry.checksum:
+            # With image keys nothing is skipped: a page served before its MAC is checked would run.
+            if ((skip is None or self.keys is not None or not skip(m, name))
+                    and checksum_file(path, m.checksum, self.keys, m.key_id) != entry.checksum):
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
         if m.recipes:  # every page it needs, from the packs
             verify_recipes(self, m)

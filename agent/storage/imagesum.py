@@ -1,6 +1,10 @@
-"""CRC-32 of an epoch's images, taken as criu writes them, and their durability.
+"""The digests of an epoch's images, taken as criu writes them, and their durability.
 
-An epoch's manifest holds a CRC-32 of every file (agent/storage/epochs.py).  Read only
+An epoch's manifest holds a digest of every file (agent/storage/epochs.py): a keyed BLAKE3
+where the node holds the cluster's image keys (agent/storage/imagekeys.py), else CRC-32.  What
+follows says CRC-32; keyed BLAKE3 is taken the same way, except that what is left after criu
+is digested as one stream per image (BLAKE3 spreads it over the CPUs itself) rather than in
+pieces combined.  Read only
 after criu has exited and then fsynced file by file, 2 GiB of images cost about
 a second of CRC-32 and a second of writes on the commit path.  Nearly all of a
 dump is its page images (``pages-*.img``), which criu writes once each,
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import Mapping
 
 from revenant.agent.storage.fileio import Durable, start_writeback
+from revenant.agent.storage.imagekeys import PLAIN, Digest, Hasher
 
 try:  # the same CRC-32 as zlib's, with the CPU's carry-less multiply: about 3x as fast here
     from isal.isal_zlib import crc32
@@ -140,28 +145,48 @@ def crc32_mapped(fd: int, start: int, end: int) -> int:
     return crc
 
 
-def crc32_file(path: Path) -> tuple[int, str]:
-    """(size, CRC-32) of ``path``."""
+def crc32_file(path: Path, digest: Digest = PLAIN) -> tuple[int, str]:
+    """(size, digest) of ``path``: its CRC-32, or ``digest``'s."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        return size, f"{crc32_range(fd, 0, size):08x}"
+        if not digest.keyed:
+            return size, f"{crc32_range(fd, 0, size):08x}"
+        hasher = digest.new()
+        digest_mapped(hasher, fd, 0, size)
+        return size, hasher.hexdigest()
     finally:
         os.close(fd)
 
 
-def checksums(directory: Path, names: list[str], followed: Mapping[str, tuple[int, str]] | None = None) -> Sums:
-    """(size, CRC-32) of each of ``names`` in ``directory``: the follower's where it has the file
+def digest_mapped(hasher: Hasher, fd: int, start: int, end: int) -> None:
+    """Feed bytes ``start`` to ``end`` of ``fd`` to ``hasher`` through a mapping of the page cache
+    (crc32_mapped's rules: a file nobody shortens meanwhile)."""
+    if end <= start:
+        return
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, end - base, offset=base, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            for offset in range(start - base, end - base, 8 * CHUNK):
+                hasher.update(view[offset:min(offset + 8 * CHUNK, end - base)])
+        finally:
+            view.release()
+
+
+def checksums(directory: Path, names: list[str], followed: Mapping[str, tuple[int, str]] | None = None,
+              digest: Digest = PLAIN) -> Sums:
+    """(size, digest) of each of ``names`` in ``directory``: the follower's where it has the file
     whole at its present size, the others read now (two at a time)."""
     followed = followed or {}
     todo = [n for n in names if n not in followed or followed[n][0] != (directory / n).stat().st_size]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        read = dict(zip(todo, pool.map(lambda n: crc32_file(directory / n), todo)))
+        read = dict(zip(todo, pool.map(lambda n: crc32_file(directory / n, digest), todo)))
     return {n: read[n] if n in read else followed[n] for n in names}
 
 
 def seal(directory: Path, names: list[str], durable: Durable, follower: Follower | None = None,
-         known: Sums | None = None) -> Sums:
+         known: Sums | None = None, digest: Digest = PLAIN) -> Sums:
     """Blocking: the (size, CRC-32) of each of ``names`` in ``directory``, every one of them
     durable (``durable.sync``, which runs while what the follower has left is read); ``known``:
     files whose sums are known already (links to an older epoch's immutable copies)."""
@@ -175,12 +200,12 @@ def seal(directory: Path, names: list[str], durable: Durable, follower: Follower
         try:
             followed = {**(known or {}), **(follower.finish() if follower is not None else {})}
             t1 = time.monotonic()
-            sums = checksums(directory, names, followed)
+            sums = checksums(directory, names, followed, digest)
             t2 = time.monotonic()
         finally:
             sync_s = syncing.result()  # never leave the sync running behind an error
-    log.info("%s: CRC-32 (%s) of %d files (%d followed as criu wrote, %.1f MiB read after it) %.3f s, the rest "
-             "%.3f s; durable (%s) %.3f s", directory.name, CRC32_BY, len(names), len(followed),
+    log.info("%s: %s (%s) of %d files (%d followed as criu wrote, %.1f MiB read after it) %.3f s, the rest "
+             "%.3f s; durable (%s) %.3f s", directory.name, digest.name, "blake3" if digest.keyed else CRC32_BY, len(names), len(followed),
              (follower.tail_bytes if follower else 0) / 2**20, t1 - t0, t2 - t1, durable.how, sync_s)
     return sums
 
@@ -191,6 +216,7 @@ class _Image:
     ino: int
     offset: int = 0
     crc: int = 0
+    hasher: Hasher | None = None  # a keyed digest's (else the CRC-32 above)
     written_back: int = 0
     # Seen shorter than what was read: truncated or rewritten; read again whole after criu.
     broken: bool = False
@@ -217,8 +243,9 @@ class Follower:
     (default: where there is no writeback, or at least FOLLOW_MIN_CPUS CPUs)."""
 
     def __init__(self, directory: Path, *, writeback: bool = True, read_during: bool | None = None,
-                 poll_s: float = POLL_S, cpus: int | None = None) -> None:
+                 poll_s: float = POLL_S, cpus: int | None = None, digest: Digest = PLAIN) -> None:
         self.dir = directory
+        self.digest = digest
         self.poll_s = poll_s
         self.cpus = cpus or len(os.sched_getaffinity(0))
         self.read_during = read_during if read_during is not None else (
@@ -262,7 +289,7 @@ class Follower:
                 except FileNotFoundError:
                     continue
                 if self.error is None and not img.broken and st.st_ino == img.ino and st.st_size == img.offset:
-                    out[name] = (img.offset, f"{img.crc:08x}")
+                    out[name] = (img.offset, img.hasher.hexdigest() if img.hasher is not None else f"{img.crc:08x}")
             return out
         except OSError as exc:
             log.warning("%s: following criu's images failed, reading them again: %s", self.dir, exc)
@@ -328,7 +355,8 @@ class Follower:
                 fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 st = os.fstat(fd)
                 if stat.S_ISREG(st.st_mode):
-                    self.images[entry.name] = _Image(fd, st.st_ino)
+                    self.images[entry.name] = _Image(fd, st.st_ino,
+                                                     hasher=self.digest.new() if self.digest.keyed else None)
                 else:
                     os.close(fd)
 
@@ -346,7 +374,10 @@ class Follower:
             n = os.preadv(img.fd, [view[:min(CHUNK, size - img.offset)]], img.offset)
             if n == 0:
                 break
-            img.crc = crc32(view[:n], img.crc)
+            if img.hasher is not None:
+                img.hasher.update(view[:n])
+            else:
+                img.crc = crc32(view[:n], img.crc)
             img.offset += n
         return img.offset > start
 
@@ -358,6 +389,10 @@ class Follower:
             size = os.fstat(img.fd).st_size
             if size < img.offset:
                 img.broken = True
+            elif not img.broken and size > img.offset and img.hasher is not None:  # one stream, BLAKE3's threads
+                digest_mapped(img.hasher, img.fd, img.offset, size)
+                self.tail_bytes += size - img.offset
+                img.offset = size
             elif not img.broken and size > img.offset:
                 count = max(1, min(self.cpus, (size - img.offset) // MIN_PIECE))
                 cuts = [img.offset + (size - img.offset) * i // count for i in range(count + 1)]

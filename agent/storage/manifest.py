@@ -135,6 +135,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     # The packs its larger files' pages are in (agent/files/workdir_packs.py): "<segment>/<N>-<rnd>".
     workdir_packs: list[str] = []
     checksum: str = "crc32"
+    # With checksum "blake3-keyed": the image key its digests (and its signature, manifest.mac) are made with.
+    key_id: str = ""
     # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
     # fsync (and copy, with staging); all of it.
     freeze_s: float = 0.0

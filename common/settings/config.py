@@ -158,6 +158,10 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # limits and this many processes at most (0: no limit); false: jobs share the agent's.
     job_cgroups: bool = True
     job_pids_max: int = 65536
+    # "mac": every epoch is signed with the cluster's image keys (a file of mode 0600 that `revenant keys`
+    # writes; agent/storage/imagekeys.py) and none unsigned is restored; "crc32": CRC-32 only, no keys.
+    image_integrity: Literal["mac", "crc32"] = "mac"
+    image_keys: str = "/etc/revenant/image.keys"
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")

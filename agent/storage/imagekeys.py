@@ -1,0 +1,185 @@
+"""The cluster's image keys and the digests an epoch's files are checked by.
+
+An epoch is a job's whole memory, and a restore runs it as root would have it run: a page image
+changed on the storage is code execution.  CRC-32 (the digest of epochs written without keys)
+catches a torn write or a bad disk, not someone who can write the storage and recompute it.  So
+every agent holds the cluster's image keys (``image_keys``, a file of mode 0600 that ``revenant up``
+and ``revenant keys`` write, never sent on the bus), and with them:
+
+* every file of an epoch is digested with **keyed BLAKE3** (``blake3-keyed``) instead of CRC-32,
+  as criu writes it (agent/storage/imagesum.py: the same follower, the same place);
+* the manifest carries the id of the key and a keyed BLAKE3 of its own bytes (``mac``), checked
+  before anything in it is believed (the files it lists, their digests, the job's user);
+* a restore refuses an epoch whose MAC or any file's digest fails, as it refuses a corrupt one
+  (agent/storage/epochs.py: it falls back to the next, with an event that names the file), and
+  an epoch without a MAC (written without keys, or whose manifest was rewritten to CRC-32).
+
+Keyed BLAKE3 is a MAC (a PRF keyed with 256 bits); measured here it digests 4.6 GiB/s on one
+core, faster than zlib's CRC-32 (3.5 GiB/s), and spreads a large buffer over the CPUs.  The file
+and manifest keys are derived from the cluster key with BLAKE3's key derivation, each for its
+own purpose, so that no file digest is ever a valid manifest MAC.
+
+The key file: one key per line, ``<id> <64 hex digits>``, oldest first; the last is the one new
+epochs are signed with.  ``revenant keys --rotate`` adds one: older epochs stay readable with the
+key they name until they are pruned (remove a key by hand once no epoch names it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import blake3
+
+from revenant.common.errors import ConfigError
+
+KEYED = "blake3-keyed"
+CRC32 = "crc32"
+_FILE_CONTEXT = "revenant 2026-12-05 epoch file MAC"
+_MANIFEST_CONTEXT = "revenant 2026-12-05 epoch manifest MAC"
+_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,31}) ([0-9a-f]{64})$")
+# A buffer at least this large is digested on every CPU (BLAKE3's own threads).
+_THREADED = 4 * 1024 * 1024
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class _Crc32:
+    """zlib's CRC-32 with a hasher's face (the digest of epochs written without keys)."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.crc = zlib.crc32(data, self.crc)
+
+    def hexdigest(self) -> str:
+        return f"{self.crc:08x}"
+
+
+@dataclass(frozen=True)
+class Digest:
+    """How an epoch's files are digested: ``name`` (the manifest's ``checksum``), and for a keyed
+    one the key's id and its derived file key."""
+
+    name: str = CRC32
+    key_id: str = ""
+    file_key: bytes = b""
+
+    def new(self) -> Hasher:
+        if self.name == KEYED:
+            return blake3.blake3(key=self.file_key, max_threads=blake3.blake3.AUTO)
+        return _Crc32()
+
+    @property
+    def keyed(self) -> bool:
+        return self.name == KEYED
+
+
+PLAIN = Digest()
+
+
+def derive(key: bytes, context: str) -> bytes:
+    return blake3.blake3(key, derive_key_context=context).digest()
+
+
+@dataclass(frozen=True)
+class ImageKeys:
+    """The keys a node holds, by id, and the current one's id (the last in the file)."""
+
+    keys: dict[str, bytes]
+    current: str
+    path: str = ""
+
+    def digest(self, key_id: str | None = None) -> Digest:
+        """The file digest with key ``key_id`` (default: the current one); KeyError if not held."""
+        kid = key_id or self.current
+        return Digest(KEYED, kid, derive(self.keys[kid], _FILE_CONTEXT))
+
+    def manifest_mac(self, key_id: str, data: bytes) -> str:
+        """The MAC of a manifest's bytes (its ``mac`` field empty) with key ``key_id``; KeyError if not held."""
+        return blake3.blake3(data, key=derive(self.keys[key_id], _MANIFEST_CONTEXT)).hexdigest()
+
+    def check_manifest(self, key_id: str, data: bytes, mac: str) -> bool:
+        return secrets.compare_digest(self.manifest_mac(key_id, data), mac)
+
+
+def parse(text: str, where: str) -> ImageKeys:
+    keys: dict[str, bytes] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        m = _LINE.match(line.strip())
+        if m is None:
+            raise ConfigError(f"{where}:{number}: not an image key (want '<id> <64 hex digits>')")
+        if m.group(1) in keys:
+            raise ConfigError(f"{where}:{number}: key {m.group(1)} appears twice")
+        keys[m.group(1)] = bytes.fromhex(m.group(2))
+    if not keys:
+        raise ConfigError(f"{where} holds no image key: `revenant keys` writes one")
+    return ImageKeys(keys, list(keys)[-1], where)
+
+
+def load(path: str | os.PathLike[str]) -> ImageKeys:
+    """The keys in ``path``, which must be a regular file only its owner may read (one line on error)."""
+    where = str(path)
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the image keys {where}: {exc.strerror}: `revenant keys` writes them "
+                          "(or set image_integrity = crc32)") from None
+    with os.fdopen(fd, "r") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"the image keys {where} are not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"the image keys {where} are readable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                              "chmod 600 it, and make new keys if others may have read them")
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"the image keys {where} belong to uid {st.st_uid}, not to this process's")
+        return parse(f.read(), where)
+
+
+def new_line(existing: ImageKeys | None = None) -> str:
+    """A fresh key's line, its id one past the newest ``k<N>`` of ``existing``."""
+    numbers = [int(k[1:]) for k in (existing.keys if existing else {}) if re.fullmatch(r"k[0-9]+", k)]
+    return f"k{max(numbers, default=0) + 1} {secrets.token_hex(32)}\n"
+
+
+def write(path: Path, rotate: bool = False) -> tuple[ImageKeys, bool]:
+    """Make sure ``path`` holds image keys (mode 0600 from the start): kept if it does, with a new
+    current key added if ``rotate``; returns them and whether the file changed."""
+    existing = load(path) if path.exists() else None
+    if existing is not None and not rotate:
+        return existing, False
+    text = path.read_text() if existing is not None else ""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + new_line(existing))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return load(path), True
+
+
+def for_config(integrity: str, path: str) -> ImageKeys | None:
+    """The keys an agent signs and checks epochs with: ``image_integrity`` "mac" loads them from
+    ``image_keys`` (ConfigError, one line, if it cannot); "crc32": none."""
+    if integrity != "mac":
+        return None
+    if not path:
+        raise ConfigError("image_integrity = mac needs image_keys: the file `revenant keys` writes "
+                          "(or set image_integrity = crc32)")
+    return load(path)
