@@ -20,8 +20,8 @@ import pytest
 from conftest import COUNTER, counter_reference
 from helpers import until
 from revenant.agent.processes import procs
-from revenant.agent.storage import imagekeys, imagesum
-from revenant.agent.storage.epochs import MANIFEST, MANIFEST_MAC, CorruptEpoch, JobFiles, Manifest, NoEpoch
+from revenant.agent.storage import imagekeys, imagesum, packs
+from revenant.agent.storage.epochs import MANIFEST, SIGNATURE, CorruptEpoch, JobFiles, Manifest, NoEpoch, split_signed
 from revenant.common.errors import ConfigError
 from revenant.messages import JobSpec
 
@@ -86,7 +86,8 @@ def test_a_signed_epoch_verifies_and_any_change_to_it_is_refused(tmp_path):
     m = fake_epoch(files, tmp_path / "st1", os.urandom(300_000))
     assert (m.checksum, m.key_id) == ("blake3-keyed", "k1") and len(m.files["pages-1.img"].checksum) == 64
     d = files.epoch_dir(1)
-    assert (d / MANIFEST_MAC).read_text().startswith("k1 ") and files.verify(1).epoch == 1
+    body, signature = split_signed((d / MANIFEST).read_bytes())
+    assert signature.startswith(b"k1 ") and files.verify(1).epoch == 1
     # A byte of the pages changed (size kept): the file's MAC fails.
     pages = bytearray((d / "pages-1.img").read_bytes())
     pages[1000] ^= 0xFF
@@ -94,14 +95,14 @@ def test_a_signed_epoch_verifies_and_any_change_to_it_is_refused(tmp_path):
     with pytest.raises(CorruptEpoch, match=r"^epoch 1: pages-1.img fails its checksum$"):
         files.verify(1)
     # ... and with a CRC-32 forged to match, as someone who can write the storage could: still refused.
-    raw = msgspec.json.decode((d / MANIFEST).read_bytes())
+    raw = msgspec.json.decode(body)
     raw["checksum"], raw["key_id"] = "crc32", ""
     raw["files"] = {n: {"size": (d / n).stat().st_size, "checksum": f"{zlib.crc32((d / n).read_bytes()):08x}"}
                     for n in raw["files"]}
-    (d / MANIFEST).write_bytes(msgspec.json.encode(raw))
+    (d / MANIFEST).write_bytes(msgspec.json.encode(raw) + b"\n" + SIGNATURE + signature + b"\n")
     with pytest.raises(CorruptEpoch, match=r"^epoch 1 of 7: its manifest fails its MAC"):
         files.verify(1)
-    (d / MANIFEST_MAC).unlink()
+    (d / MANIFEST).write_bytes(msgspec.json.encode(raw))  # the signature removed
     with pytest.raises(CorruptEpoch, match=r"^epoch 1 of 7 is not signed"):
         files.verify(1)
     assert JobFiles(tmp_path / "s", "7").verify(1).checksum == "crc32"  # a node without keys takes anything
@@ -129,6 +130,25 @@ def test_a_tampered_epoch_falls_back_to_the_older_one_naming_the_file_and_keys_r
     fake_epoch(JobFiles(tmp_path / "s", "8"), tmp_path / "st3", b"x" * 100)
     with pytest.raises(NoEpoch, match=r"epoch 1 of 8 is not signed"):
         JobFiles(tmp_path / "s", "8", new).newest_verified()
+
+
+@pytest.mark.unit
+def test_a_signed_epoch_converted_to_packs_stays_signed_and_a_changed_pack_page_is_refused(tmp_path):
+    keys = keys_at(tmp_path / "k")
+    files = JobFiles(tmp_path / "s", "7", keys)
+    base = os.urandom(64 * 4096)
+    fake_epoch(files, tmp_path / "st1", base)
+    fake_epoch(files, tmp_path / "st2", base[:32 * 4096] + os.urandom(32 * 4096))
+    result = packs.convert(files, 1, 10)
+    assert result.converted, result.note
+    m = files.verify(1)  # its signature, its recipes' MACs and every page of its image, rebuilt
+    assert m.recipes and m.checksum == "blake3-keyed" and split_signed((files.epoch_dir(1) / MANIFEST).read_bytes())[1]
+    pack = packs.pack_path(files, m.packs[0])
+    with open(pack, "r+b") as f:
+        f.seek(5 * 4096 + 7)
+        f.write(b"\xff")
+    with pytest.raises(CorruptEpoch, match=r"epoch 1: pages-1.img rebuilt from its packs fails its checksum"):
+        files.verify(1)
 
 
 @pytest.mark.unit

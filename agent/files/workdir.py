@@ -75,9 +75,10 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def previous(epoch_dir: Path, m: Manifest, workdir: str) -> Previous | None:
+def previous(epoch_dir: Path, m: Manifest, workdir: str, same_digest: bool = True) -> Previous | None:
     """Epoch ``m``'s snapshot to link unchanged files from, if it took one of ``workdir``; None if
-    not, or if it cannot be read (then every file is copied)."""
+    not, or if it cannot be read (then every file is copied).  Not ``same_digest`` (its files were
+    digested otherwise than the new epoch's are): their digests are left "", for the commit to take."""
     if m.workdir != workdir or not m.workdir_files:
         return None
     try:
@@ -86,7 +87,8 @@ def previous(epoch_dir: Path, m: Manifest, workdir: str) -> Previous | None:
         return None
     if not files:
         return None
-    return Previous(epoch_dir, files, {n: (e.size, e.checksum) for n, e in m.files.items()}, m.workdir_packs)
+    return Previous(epoch_dir, files, {n: (e.size, e.checksum if same_digest else "") for n, e in m.files.items()},
+                    m.workdir_packs)
 
 
 def users_uid(user: str) -> int | None:

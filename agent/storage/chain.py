@@ -27,6 +27,7 @@ from typing import BinaryIO, Iterator
 
 import msgspec
 
+from revenant.agent.storage.imagekeys import PLAIN, Digest
 from revenant.agent.storage.manifest import MANIFEST, CorruptEpoch, EpochStore, Manifest, WorkdirFile, read_workdir
 from revenant.agent.storage.private import PRIVATE_FILE, trusted
 
@@ -152,25 +153,25 @@ def rebuild(files: EpochStore, m: Manifest, name: str, out: BinaryIO | None = No
     checking the size and CRC-32 the original had; CorruptEpoch names the pack and page at fault."""
     entry = m.recipes[name]
     recipe = recipe if recipe is not None else read_recipe(files, m, name)
-    stream(files, recipe, entry.size, entry.checksum, f"epoch {m.epoch}: {name}", out)
+    stream(files, recipe, entry.size, entry.checksum, f"epoch {m.epoch}: {name}", out, files.digest_of(m))
 
 
 def stream(files: EpochStore, recipe: Recipe, size: int, checksum: str, what: str,
-           out: BinaryIO | None = None) -> None:
+           out: BinaryIO | None = None, digest: Digest = PLAIN) -> None:
     """Stream the ``size`` bytes ``recipe`` rebuilds (into ``out``, if given), checking their
-    CRC-32 against ``checksum``; CorruptEpoch (about ``what``) names the pack and page at fault."""
-    crc, left = 0, size
+    CRC-32 (or ``digest``'s) against ``checksum``; CorruptEpoch (about ``what``) names the pack and page at fault."""
+    hasher, left = digest.new(), size
     try:
         for _, _, data in _pages(files, recipe):
             if len(data) > left:  # the last page of an image whose size is not a multiple of 4 KiB
                 data = data[:left]
-            crc = zlib.crc32(data, crc)
+            hasher.update(data)
             left -= len(data)
             if out is not None:
                 out.write(data)
     except CorruptEpoch as exc:
         raise CorruptEpoch(f"{what}: {exc}") from None
-    if left or f"{crc:08x}" != checksum:
+    if left or hasher.hexdigest() != checksum:
         why = _culprit(files, recipe) or "its pages match their digests, the whole does not"
         raise CorruptEpoch(f"{what} rebuilt from its packs fails its checksum: {why}")
 

@@ -14,8 +14,9 @@ An epoch is committed by writing its files into a temporary directory, then ``ma
 dump), fsyncing, and renaming it to ``<N>``: a directory named by a number is a complete epoch.
 
 Where the node holds the cluster's image keys (``keys``, agent/storage/imagekeys.py) the digests are
-keyed BLAKE3 and the manifest is signed (``manifest.mac``: the key's id and a keyed BLAKE3 of
-manifest.json's bytes, written before the rename): someone who can write the storage cannot
+keyed BLAKE3 and the manifest is signed (a last line of manifest.json, ``revenant-signature: <key
+id> <keyed BLAKE3 of the JSON before it>``, so that the manifest and its signature are replaced
+together by one rename, a conversion's too): someone who can write the storage cannot
 change an epoch, nor rewrite its manifest, without the restore refusing it.  Without keys they
 are CRC-32 (zlib, several GB/s), which guards against corruption (a torn write, a bad disk, a
 truncated copy) only.
@@ -59,8 +60,14 @@ _CHUNK = 8 * 1024 * 1024
 _EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
 
 
-# The manifest's signature: "<key id> <keyed BLAKE3 of manifest.json's bytes>" (imagekeys.py).
-MANIFEST_MAC = "manifest.mac"
+# The manifest's signature, its last line: "<key id> <keyed BLAKE3 of the JSON before it>" (imagekeys.py).
+SIGNATURE = b"revenant-signature: "
+
+
+def split_signed(raw: bytes) -> tuple[bytes, bytes]:
+    """A manifest file's JSON (one line) and its signature ("<key id> <mac>"; b"" if it has none)."""
+    body, _, rest = raw.partition(b"\n")
+    return body, rest.strip()[len(SIGNATURE):] if rest.startswith(SIGNATURE) else b""
 
 
 def checksum_file(path: Path, algo: str = "crc32", keys: ImageKeys | None = None, key_id: str = "") -> str:
@@ -166,7 +173,7 @@ class JobFiles:
     def read_manifest(self, n: int) -> Manifest:
         path = self.epoch_dir(n) / MANIFEST
         try:
-            return msgspec.json.decode(path.read_bytes(), type=Manifest)
+            return msgspec.json.decode(split_signed(path.read_bytes())[0], type=Manifest)
         except (OSError, msgspec.DecodeError) as exc:
             raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
 
@@ -212,7 +219,8 @@ class JobFiles:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
         make_private(tmp)  # whatever criu's and the copies' modes were
         with Durable(tmp) if durable is None else contextlib.nullcontext(durable) as sync:
-            known = {n: (e.size, e.checksum) for n, e in manifest.files.items()}  # set by a step: linked copies
+            # Set by a step: linked copies' digests ("": digested otherwise than this epoch, taken again).
+            known = {n: (e.size, e.checksum) for n, e in manifest.files.items() if e.checksum}
             sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower, known, self.digest)
         manifest.checksum = self.digest.name
         manifest.key_id = self.digest.key_id
@@ -221,10 +229,7 @@ class JobFiles:
         manifest.total_s = manifest.dump_s + manifest.commit_s
         n = self.next_number()
         manifest.epoch = n
-        data = msgspec.json.encode(manifest)
-        if self.keys is not None:  # signed first: a manifest.json is never there without its signature
-            _write_synced(tmp / MANIFEST_MAC, f"{manifest.key_id} {self.keys.manifest_mac(manifest.key_id, data)}\n".encode())
-        _write_synced(tmp / MANIFEST, data)
+        _write_synced(tmp / MANIFEST, self.manifest_bytes(manifest))
         if (tmp / FILES_DIR).is_dir():
             _fsync_dir(tmp / FILES_DIR)
         _fsync_dir(tmp)
@@ -238,21 +243,35 @@ class JobFiles:
         """How new epochs' files are digested: keyed with the current image key, or CRC-32."""
         return self.keys.digest() if self.keys is not None else imagekeys.PLAIN
 
+    def digest_of(self, m: Manifest) -> imagekeys.Digest:
+        """How ``m``'s files were digested (CorruptEpoch: with a key this node does not hold)."""
+        if m.checksum != imagekeys.KEYED:
+            return imagekeys.PLAIN
+        if self.keys is None or m.key_id not in self.keys.keys:
+            raise CorruptEpoch(f"epoch {m.epoch} of {self.job} is signed with image key {m.key_id!r}, which this "
+                               "node does not hold")
+        return self.keys.digest(m.key_id)
+
+    def manifest_bytes(self, m: Manifest) -> bytes:
+        """What manifest.json holds for ``m``: its JSON, signed with ``m.key_id`` where this node holds keys."""
+        data = msgspec.json.encode(m)
+        if self.keys is None or m.checksum != imagekeys.KEYED:
+            return data
+        return data + b"\n" + SIGNATURE + f"{m.key_id} {self.keys.manifest_mac(m.key_id, data)}\n".encode()
+
     def read_signed(self, n: int) -> Manifest:
         """Epoch ``n``'s manifest, its signature checked first when this node holds image keys
         (CorruptEpoch if it fails, or is missing: an epoch written without keys, or rewritten)."""
         if self.keys is None:
             return self.read_manifest(n)
-        d = self.epoch_dir(n)
         try:
-            data = (d / MANIFEST).read_bytes()
-            key_id, _, mac = (d / MANIFEST_MAC).read_text().strip().partition(" ")
-        except FileNotFoundError as exc:
-            what = "is not signed (written without image keys, or its signature removed)" if exc.filename.endswith(
-                MANIFEST_MAC) else "has no manifest"
-            raise CorruptEpoch(f"epoch {n} of {self.job} {what}") from None
-        except (OSError, UnicodeDecodeError) as exc:
+            data, signature = split_signed((self.epoch_dir(n) / MANIFEST).read_bytes())
+        except OSError as exc:
             raise CorruptEpoch(f"epoch {n} of {self.job}: unreadable manifest: {exc}") from None
+        if not signature:
+            raise CorruptEpoch(f"epoch {n} of {self.job} is not signed (written without image keys, or its "
+                               "signature removed)")
+        key_id, _, mac = signature.decode(errors="replace").partition(" ")
         if key_id not in self.keys.keys:
             raise CorruptEpoch(f"epoch {n} of {self.job} is signed with image key {key_id!r}, which this node "
                                "does not hold")

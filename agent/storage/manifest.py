@@ -10,6 +10,7 @@ from typing import Protocol
 
 import msgspec
 
+from revenant.agent.storage.imagekeys import Digest
 from revenant.common.errors import RevenantError
 from revenant.messages import JobGpu
 
@@ -170,4 +171,6 @@ class EpochStore(Protocol):
     packs_dir: Path
 
     def epoch_dir(self, n: int) -> Path: ...
+
+    def digest_of(self, m: Manifest) -> Digest: ...
 

@@ -40,6 +40,8 @@ from revenant.agent.storage.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Re
                                   is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, rebuild, write_private)
 from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
 from revenant.agent.storage.fileio import fsync_path
+from revenant.agent.storage import imagekeys
+from revenant.agent.storage.imagekeys import Digest, Hasher
 from revenant.agent.storage.manifest import EpochStore
 from revenant.agent.storage.packusage import readable_manifests, usage
 from revenant.agent.storage.private import PRIVATE_FILE, private_dir
@@ -117,10 +119,10 @@ class Readable(Protocol):
 
 
 def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
-        pack: BinaryIO) -> tuple[list[int], int, int]:
+        pack: BinaryIO, hasher: Hasher | None = None) -> tuple[list[int], int, int]:
     """Hash every page read from ``f`` (to its end): pages ``index`` lacks are appended to ``pack``
     (pack number ``new_no``), their digests to ``digests``, and they go into ``index``.  (runs
-    of (pack number, first page, count), size, CRC-32)."""
+    of (pack number, first page, count), size, CRC-32); ``hasher`` is fed every byte too."""
     runs: list[int] = []
     size = crc = 0
     nxt = -1  # where the current run continues
@@ -129,6 +131,8 @@ def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
     view = memoryview(buf)
     while got := _fill(f, view):
         crc = zlib.crc32(view[:got], crc)
+        if hasher is not None:
+            hasher.update(view[:got])
         size += got
         chunk = view[:got] if got % PAGE == 0 else memoryview(bytes(view[:got]) + bytes(PAGE - got % PAGE))
         out = bytearray()
@@ -151,7 +155,7 @@ def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
     return runs, size, crc
 
 
-def _new_manifest(m: Manifest, seg: int, table: list[str], cuts: dict[str, tuple[list[int], int, int]],
+def _new_manifest(m: Manifest, seg: int, table: list[str], cuts: dict[str, tuple[list[int], int, str]],
                   token: str) -> tuple[Manifest, dict[str, Recipe]]:
     """The converted manifest (its recipe files, named with ``token`` so no two conversions share
     one, not yet in ``files``) and each image's recipe."""
@@ -162,7 +166,7 @@ def _new_manifest(m: Manifest, seg: int, table: list[str], cuts: dict[str, tuple
         renumber = {p: i for i, p in enumerate(used)}
         runs[0::3] = [renumber[p] for p in runs[0::3]]
         recipes[name] = Recipe(packs=[table[p] for p in used], runs=runs)
-        entries[name] = RecipeEntry(size=size, checksum=f"{crc:08x}",
+        entries[name] = RecipeEntry(size=size, checksum=crc,
                                     recipe=f"{Path(name).stem}-{token}{RECIPE_SUFFIX}")
     packs = sorted({ref for r in recipes.values() for ref in r.packs})
     files = {k: v for k, v in m.files.items() if k not in cuts}
@@ -190,9 +194,13 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     except CorruptEpoch as exc:
         return _result(files, n, False, 0, started, note=str(exc))
     images = sorted(name for name in m.files if _PAGES_RE.match(name))
-    if converted(m) or not images or m.checksum != "crc32":
+    if converted(m) or not images or m.checksum not in ("crc32", imagekeys.KEYED):
         why = "already converted" if converted(m) else "no pages to convert" if not images else "not CRC-32"
         return _result(files, n, False, 0, started, note=why)
+    try:
+        digest = files.digest_of(m)
+    except CorruptEpoch as exc:
+        return _result(files, n, False, 0, started, note=str(exc))
     seg = segment_of(n, full_every)
     table, index = _index(files, n, seg)
     d = pack_dir(files, seg)
@@ -200,14 +208,16 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     ref = f"{seg}/{stem}"
     tmp_pack, tmp_idx = d / f".tmp-{stem}.pack", d / f".tmp-{stem}.idx"
     digests = bytearray()
-    cuts: dict[str, tuple[list[int], int, int]] = {}
+    cuts: dict[str, tuple[list[int], int, str]] = {}
     try:
         with open(os.open(tmp_pack, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as pack:
             for name in images:
+                hasher = digest.new() if digest.keyed else None
                 with open(files.epoch_dir(n) / name, "rb", buffering=0) as image:
-                    cuts[name] = cut(image, index, len(table), digests, pack)
+                    runs, size, crc = cut(image, index, len(table), digests, pack, hasher)
+                cuts[name] = (runs, size, hasher.hexdigest() if hasher is not None else f"{crc:08x}")
                 entry = m.files[name]
-                if (cuts[name][1], f"{cuts[name][2]:08x}") != (entry.size, entry.checksum):
+                if cuts[name][1:] != (entry.size, entry.checksum):
                     return _result(files, n, False, 0, started, note=f"epoch {n}: {name} fails its checksum")
             pack.flush()
             os.fsync(pack.fileno())
@@ -232,24 +242,27 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         log.warning("job %s: epoch %d stays plain: %s", files.job, n, exc)
         return _result(files, n, False, 0, started, note=str(exc))
     new_pages = len(digests) // DIGEST
-    added = _commit(files, n, new, recipes, step) + (new_pages * PAGE + len(idx_bytes(digests)) if new_pages else 0)
+    added = _commit(files, n, new, recipes, step, digest) + (new_pages * PAGE + len(idx_bytes(digests)) if new_pages else 0)
     return _result(files, n, True, added, started, pages=sum(-(-r[1] // PAGE) for r in cuts.values()),
                    new_pages=new_pages)
 
 
-def _commit(files: JobFiles, n: int, new: Manifest, recipes: dict[str, Recipe], step: Callable[[str], None]) -> int:
+def _commit(files: JobFiles, n: int, new: Manifest, recipes: dict[str, Recipe], step: Callable[[str], None],
+            digest: Digest) -> int:
     """Recipes, then the new manifest over the old one, then the plain images go; the recipes' bytes."""
     d = files.epoch_dir(n)
     added = 0
     for name, recipe in recipes.items():
         data = msgspec.msgpack.encode(recipe)
         write_private(d / new.recipes[name].recipe, data)
-        new.files[new.recipes[name].recipe] = FileEntry(size=len(data), checksum=f"{zlib.crc32(data):08x}")
+        hasher = digest.new()
+        hasher.update(data)
+        new.files[new.recipes[name].recipe] = FileEntry(size=len(data), checksum=hasher.hexdigest())
         added += len(data)
     fsync_path(d, directory=True)
     step("recipes")
     tmp = manifest_tmp(d)
-    write_private(tmp, msgspec.json.encode(new))
+    write_private(tmp, files.manifest_bytes(new))  # signed, where the epoch was
     step("manifest")
     os.rename(tmp, d / MANIFEST)  # the commit point
     fsync_path(d, directory=True)
