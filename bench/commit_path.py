@@ -11,14 +11,19 @@ raw       ``criu dump -t <init> -D <dir> --leave-running --display-stats -o dump
           ``sync -f <dir>``: wall = criu's start to sync's exit.
 revenant  ``revenant checkpoint create JOB --json`` against a one-node local cluster
           (``revenant up``) whose storage is on that filesystem: wall = exec to exit.
-          Every image and the manifest are durable, and the manifest holds a CRC-32
-          of every file, before it replies.
+          Every image and the manifest are durable, and the manifest holds a keyed
+          BLAKE3 MAC of every file and is signed (the agents' image_integrity "mac",
+          the default: agent/storage/imagekeys.py), before it replies.
+crc32     the same against a second cluster whose agents run with image_integrity
+          "crc32" (no keys; CRC-32s, as before image keys): the baseline of the
+          integrity goal (off with --no-crc32).
 
 A fresh job is started for every run, each run starts after --settle seconds with
 idle CPUs, and the sides alternate (raw first in odd runs).  A round is --runs runs
 of each side; the ratio is revenant's best wall time over raw's best, and the
 benchmark runs --rounds rounds.  Goal (issue 12): ratio <= 1.10 at 2 GiB, and
-revenant's freeze no longer than raw criu's.
+revenant's freeze no longer than raw criu's.  Goal (issue 30): with integrity on, the wall and
+the freeze within 5% of integrity off (``mac / crc32``: best walls, median freezes).
 
 Where revenant's time goes, per run: ``cli`` the CLI's start-up (the interpreter
 importing what ``checkpoint create`` imports, timed alone); ``bus`` one request and
@@ -75,6 +80,8 @@ PYTHON = sys.executable
 NODE = "node-1"
 MiB = 1 << 20
 GOAL = 1.10
+INTEGRITY_GOAL = 1.05
+CRC32_SIDE = "revenant-crc32"
 # What `revenant checkpoint create` imports before it connects.
 CLI_IMPORTS = "import revenant.cli.main, revenant.cli.client"
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a child after fork must not dlopen
@@ -89,7 +96,7 @@ def _frozen_s(text: str) -> float | None:
     return int(m.group(1)) / 1e6 if m else None
 
 
-_SEAL_RE = re.compile(r"imagesum: (\S+): CRC-32 \((\w+)\) of (\d+) files \((\d+) followed as criu wrote, ([\d.]+) "
+_SEAL_RE = re.compile(r"imagesum: (\S+): (?:CRC-32|crc32|blake3-keyed) \((\w+)\) of (\d+) files \((\d+) followed as criu wrote, ([\d.]+) "
                       r"MiB read after it\) ([\d.]+) s, the rest ([\d.]+) s; durable \((\w+)\) ([\d.]+) s")
 
 
@@ -117,6 +124,8 @@ class Bench:
         self.base = Path(tempfile.mkdtemp(prefix="revenant-bench-commit-", dir=args.dir))
         self.cluster = self.base / "cluster"
         self.storage = self.cluster / "storage"
+        # The integrity baseline's cluster: its agents take CRC-32s and sign nothing.
+        self.clusters = {"revenant": self.cluster, CRC32_SIDE: self.base / "cluster-crc32"}
         self.work = self.base / "work"
         self.work.mkdir()
         # The job runs as root, as the raw side's does (the agent refuses root's jobs by default).
@@ -126,7 +135,7 @@ class Bench:
                                                        *filter(None, [os.environ.get("PYTHONPATH")])])
         self.cluster_up = False
         self.live: list[tuple[subprocess.Popen[bytes], int]] = []  # raw workloads: (unshare, init)
-        self.jobs: list[str] = []
+        self.jobs: list[tuple[str, Path]] = []  # (job, its cluster)
         self.seq = 0
 
     # ------------------------------------------------------------------ revenant's CLI
@@ -138,16 +147,22 @@ class Bench:
             raise BenchError(f"revenant {' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()[-500:]}")
         return done
 
+    def sides(self) -> tuple[str, ...]:
+        return ("raw", "revenant") + (() if self.args.no_crc32 else (CRC32_SIDE,))
+
     def up(self) -> None:
         self.cluster_up = True
         cluster_up(self.cluster, 1)
+        if not self.args.no_crc32:
+            cluster_up(self.clusters[CRC32_SIDE], 1, env={**os.environ, "REVENANT_AGENT_IMAGE_INTEGRITY": "crc32"})
         if not self.storage.is_dir():
             raise BenchError(f"no storage at {self.storage}")
 
     def down(self) -> None:
         if self.cluster_up:
             self.cluster_up = False
-            cluster_down(self.cluster)
+            for side in self.sides()[1:]:
+                cluster_down(self.clusters[side])
 
     def startup_s(self) -> float:
         t = time.monotonic()
@@ -232,66 +247,68 @@ class Bench:
         proc.wait(30)
         self.live = [(p, i) for p, i in self.live if p is not proc]
 
-    def show(self, job: str) -> dict:
-        return json.loads(self.cli("show", "job", job, "--dir", str(self.cluster), "--json").stdout)
+    def show(self, job: str, cluster: Path | None = None) -> dict:
+        return json.loads(self.cli("show", "job", job, "--dir", str(cluster or self.cluster), "--json").stdout)
 
-    def run_revenant(self) -> dict:
+    def run_revenant(self, side: str = "revenant") -> dict:
         self.seq += 1
-        job = self.cli("submit", "--dir", str(self.cluster), "--node", NODE, "--name", f"commit-{self.seq}",
+        cluster = self.clusters[side]
+        job = self.cli("submit", "--dir", str(cluster), "--node", NODE, "--name", f"commit-{self.seq}",
                        "--workdir", str(self.work), "--", PYTHON, str(WORKLOAD), str(self.args.mib)).stdout.strip()
-        self.jobs.append(job)
+        self.jobs.append((job, cluster))
         try:
-            view = self.show(job)
-            self.wait_ready(Path(view["output"]), lambda: self.show(job)["state"] == "running")
+            view = self.show(job, cluster)
+            self.wait_ready(Path(view["output"]), lambda: self.show(job, cluster)["state"] == "running")
             busy = self.quiet()
             t0 = time.monotonic()
-            done = self.cli("checkpoint", "create", job, "--dir", str(self.cluster), "--json")
+            done = self.cli("checkpoint", "create", job, "--dir", str(cluster), "--json")
             t1 = time.monotonic()
             epoch = json.loads(done.stdout)["epochs"][-1]
             s0 = time.monotonic()
-            after = self.show(job)
+            after = self.show(job, cluster)
             bus_s = time.monotonic() - s0
             if after["state"] != "running":
                 raise BenchError(f"job {job} is {after['state']} after its checkpoint")
             startup = self.startup_s()
-            log_text = (self.cluster / "logs" / f"{NODE}.log").read_text(errors="replace")
-            manifest = json.loads((self.storage / "jobs" / job / "epochs" / str(epoch["n"]) / "manifest.json")
-                                  .read_text())
+            log_text = (cluster / "logs" / f"{NODE}.log").read_text(errors="replace")
+            manifest = json.loads((cluster / "storage" / "jobs" / job / "epochs" / str(epoch["n"]) / "manifest.json")
+                                  .read_text().partition("\n")[0])  # its signature is its last line
         finally:
-            self.stop_job(job)
+            self.stop_job(job, cluster)
         # A revenant that does not log its phases: the manifest's criu run and commit (before its own write).
         phases = agent_phases(log_text, job, epoch["n"]) or {"criu_s": manifest["dump_s"],
                                                               "commit_s": manifest["commit_s"]}
         agent_s = phases["criu_s"] + phases["commit_s"]
-        return {"side": "revenant", "seq": self.seq, "job": job, "wall_s": t1 - t0, "freeze_s": epoch["freeze_s"],
+        return {"side": side, "checksum": manifest.get("checksum", "crc32"), "seq": self.seq, "job": job,
+                "wall_s": t1 - t0, "freeze_s": epoch["freeze_s"],
                 "bytes": epoch["bytes"], "duration_s": epoch["duration_s"], "cli_startup_s": startup,
                 "bus_s": max(0.0, bus_s - startup), "agent": phases,
                 "control_s": (t1 - t0) - agent_s, "cpu_busy_before_pct": busy}
 
-    def stop_job(self, job: str) -> None:
+    def stop_job(self, job: str, cluster: Path) -> None:
         try:
-            pid = self.show(job).get("pid") if self.cluster_up else 0
+            pid = self.show(job, cluster).get("pid") if self.cluster_up else 0
             if pid:
                 p = psutil.Process(pid)
                 if INIT_NAME in " ".join(p.cmdline()):
                     p.kill()
             deadline = time.monotonic() + 30
-            while self.cluster_up and time.monotonic() < deadline and self.show(job)["state"] == "running":
+            while self.cluster_up and time.monotonic() < deadline and self.show(job, cluster)["state"] == "running":
                 time.sleep(0.1)
         except (BenchError, psutil.Error):
             pass
         if self.cluster_up:
-            self.cli("job", "purge", job, "--dir", str(self.cluster), check=False)
-        shutil.rmtree(self.storage / "jobs" / job, ignore_errors=True)
-        self.jobs = [j for j in self.jobs if j != job]
+            self.cli("job", "purge", job, "--dir", str(cluster), check=False)
+        shutil.rmtree(cluster / "storage" / "jobs" / job, ignore_errors=True)
+        self.jobs = [j for j in self.jobs if j[0] != job]
 
     # ------------------------------------------------------------------ clean-up
 
     def cleanup(self) -> None:
         for proc, init in list(self.live):
             self.stop_raw(proc, init)
-        for job in list(self.jobs):
-            self.stop_job(job)
+        for job, cluster in list(self.jobs):
+            self.stop_job(job, cluster)
         try:
             self.down()
         finally:
@@ -343,6 +360,18 @@ def summarize(runs: list[dict], rounds: int) -> list[dict]:
             "crc32": sorted({a.get("crc32", "zlib") for a in ag}),
             "goal_met": best_rev / best_raw <= GOAL,
         })
+        crc = [x for x in runs if x["round"] == r and x["side"] == CRC32_SIDE]
+        if crc:  # the integrity goal: keyed MACs and a signed manifest against CRC-32s
+            wall = best_rev / min(x["wall_s"] for x in crc)
+            freeze = (_med([x["freeze_s"] for x in rev]) or 0) / (_med([x["freeze_s"] for x in crc]) or 1)
+            out[-1].update({
+                "crc32_best_s": min(x["wall_s"] for x in crc), "crc32_median_s": _med([x["wall_s"] for x in crc]),
+                "crc32_freeze_median_s": _med([x["freeze_s"] for x in crc]),
+                "mac_vs_crc32_wall": wall, "mac_vs_crc32_freeze": freeze,
+                "mac_vs_crc32_commit": (_med([a.get("commit_s") for a in ag]) or 0) / (
+                    _med([x["agent"].get("commit_s") for x in crc if x["agent"]]) or 1),
+                "integrity_goal_met": wall <= INTEGRITY_GOAL and freeze <= INTEGRITY_GOAL})
+            out[-1]["goal_met"] = out[-1]["goal_met"] and out[-1]["integrity_goal_met"]
     return out
 
 
@@ -371,7 +400,17 @@ def report(summary: list[dict], meta: dict) -> str:
                      f"{_f(b['crc_after_criu'])} ({_f(b['mib_read_after_criu'], '{:.0f}')}) | "
                      f"{_f(b['rest_crc'], '{:.3f}')} | {_f(b['durable'])} ({'/'.join(s['durable_how'])}) | "
                      f"{_f(b['commit'])} | {_f(b['control'])} | {'/'.join(s['crc32'])} |")
-    lines += ["", "durable runs alongside the CRC-32s after criu and ends within commit; control = revenant wall - "
+    if any("mac_vs_crc32_wall" in s for s in summary):
+        lines += ["", "Integrity: revenant (keyed BLAKE3, signed manifest) against revenant with image_integrity = crc32",
+                  "", "| round | mac best s | crc32 best s | wall ratio (goal <= 1.05) | mac freeze s | crc32 freeze s "
+                  "| freeze ratio (goal <= 1.05) | commit ratio |", "|---" * 8 + "|"]
+        for s in summary:
+            if "mac_vs_crc32_wall" in s:
+                lines.append(f"| {s['round']} | {_f(s['revenant_best_s'])} | {_f(s['crc32_best_s'])} | "
+                             f"**{_f(s['mac_vs_crc32_wall'], '{:.3f}')}** | {_f(s['revenant_freeze_median_s'], '{:.3f}')} | "
+                             f"{_f(s['crc32_freeze_median_s'], '{:.3f}')} | **{_f(s['mac_vs_crc32_freeze'], '{:.3f}')}** | "
+                             f"{_f(s['mac_vs_crc32_commit'], '{:.3f}')} |")
+    lines += ["", "durable runs alongside the digests after criu and ends within commit; control = revenant wall - "
               "(agent criu + commit): CLI start-up, bus, coordinator, reply."]
     return "\n".join(lines)
 
@@ -390,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", help="run revenant from DIR/revenant instead of the installed package")
     p.add_argument("--criu", default=str(BIN / "criu") if (BIN / "criu").exists() else shutil.which("criu"))
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "commit_path.json")
+    p.add_argument("--no-crc32", action="store_true", help="no integrity baseline (a cluster with image_integrity crc32)")
     args = p.parse_args(argv)
     if args.mib < 1 or args.runs < 1 or args.rounds < 1 or not args.criu:
         p.error("--mib, --runs and --rounds must be positive, and criu must be found")
@@ -409,13 +449,14 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         for r in range(1, args.rounds + 1):
             for i in range(args.runs):
-                for side in (("raw", "revenant") if i % 2 == 0 else ("revenant", "raw")):
-                    run = bench.run_raw() if side == "raw" else bench.run_revenant()
+                sides = bench.sides()
+                for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
+                    run = bench.run_raw() if side == "raw" else bench.run_revenant(side)
                     run["round"] = r
                     runs.append(run)
                     extra = (f"criu {run['criu_s']:.2f} + sync {run['sync_s']:.2f}" if side == "raw" else
                              f"agent {run['agent']} cli {run['cli_startup_s']:.2f} bus {run['bus_s']:.3f}")
-                    print(f"round {r} run {i + 1} {side:<8} wall {run['wall_s']:6.3f} s freeze "
+                    print(f"round {r} run {i + 1} {side:<14} wall {run['wall_s']:6.3f} s freeze "
                           f"{run['freeze_s'] or 0:.3f} s ({extra})", flush=True)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
@@ -432,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 key=lambda q: -len(q.mountpoint))
                if args.dir.startswith(q.mountpoint)), "?")
     meta = {"command": "bench/commit_path.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "mib": args.mib, "runs": args.runs, "rounds": args.rounds, "storage_fs": fs,
+            "mib": args.mib, "runs": args.runs, "rounds": args.rounds, "storage_fs": fs, "sides": list(bench.sides()),
             "revenant_source": args.source or str(REPO), "criu": args.criu, "goal_ratio": GOAL,
             "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
