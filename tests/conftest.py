@@ -120,7 +120,7 @@ async def supervisors(tmp_path):
         sink = events if events is not None else []
         sup_kw = {k: kw.pop(k) for k in ("scratch", "allow_root_jobs") if k in kw}
         files_kw = {k: kw.pop(k) for k in ("max_bytes", "max_entries", "timeout_s", "workdir_max_bytes") if k in kw}
-        engine = Engine(criu_path=locate_criu(), criu_version="4.1.1", node=node, storage=storage,
+        engine = Engine(criu_path=kw.pop("criu_path", "") or locate_criu(), criu_version="4.1.1", node=node, storage=storage,
                         work_roots=[storage.parent / f"work-{node}"], job_files=JobFilesStep(storage, **files_kw), **kw)
         sup = Supervisor(node, storage, engine, lambda subject, msg: sink.append(msg), switch_timeout_s=3600,
                          **sup_kw)

@@ -62,6 +62,7 @@ def image_keys(tmp_path):
     from revenant.agent.storage import imagekeys
 
     path = tmp_path / "image.keys"
+    path.parent.mkdir(parents=True, exist_ok=True)
     imagekeys.write(path)
     return path
 

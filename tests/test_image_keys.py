@@ -7,6 +7,7 @@ signed with an older key stays readable while the node holds it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -21,7 +22,7 @@ from conftest import COUNTER, counter_reference
 from helpers import until
 from revenant.agent.processes import procs
 from revenant.agent.storage import imagekeys, imagesum, packs
-from revenant.agent.storage.epochs import MANIFEST, SIGNATURE, CorruptEpoch, JobFiles, Manifest, NoEpoch, split_signed
+from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, JobFiles, Manifest, NoEpoch, join_signed, split_signed
 from revenant.common.errors import ConfigError
 from revenant.messages import JobSpec
 
@@ -88,6 +89,8 @@ def test_a_signed_epoch_verifies_and_any_change_to_it_is_refused(tmp_path):
     d = files.epoch_dir(1)
     body, signature = split_signed((d / MANIFEST).read_bytes())
     assert signature.startswith(b"k1 ") and files.verify(1).epoch == 1
+    signed = json.loads((d / MANIFEST).read_bytes())  # still JSON, for jq and the like
+    assert signed["signature"] == signature.decode() and signed["key_id"] == "k1"
     # A byte of the pages changed (size kept): the file's MAC fails.
     pages = bytearray((d / "pages-1.img").read_bytes())
     pages[1000] ^= 0xFF
@@ -99,7 +102,7 @@ def test_a_signed_epoch_verifies_and_any_change_to_it_is_refused(tmp_path):
     raw["checksum"], raw["key_id"] = "crc32", ""
     raw["files"] = {n: {"size": (d / n).stat().st_size, "checksum": f"{zlib.crc32((d / n).read_bytes()):08x}"}
                     for n in raw["files"]}
-    (d / MANIFEST).write_bytes(msgspec.json.encode(raw) + b"\n" + SIGNATURE + signature + b"\n")
+    (d / MANIFEST).write_bytes(join_signed(msgspec.json.encode(raw), signature))
     with pytest.raises(CorruptEpoch, match=r"^epoch 1 of 7: its manifest fails its MAC"):
         files.verify(1)
     (d / MANIFEST).write_bytes(msgspec.json.encode(raw))  # the signature removed

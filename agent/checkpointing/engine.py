@@ -117,8 +117,9 @@ class Engine:
                  criu_timeout_s: float = 3600.0, job_files: JobFilesStep | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, lazy_restore: bool = False,
-                 reporter: progress.Reporter | None = None, keys: ImageKeys | None = None) -> None:
-        self.criu = criu_path
+                 reporter: progress.Reporter | None = None, keys: ImageKeys | None = None,
+                 other_users: bool = False) -> None:
+        self.criu, self.other_users = criu_path, other_users  # the latter: it can dump other users' jobs
         self.keys = keys  # every epoch signed, none unsigned restored (agent/storage/imagekeys.py)
         # Tells whoever watches how far each dump and restore has come (agent/pipeline/progress.py).
         self.reporter = reporter or progress.Reporter(node)
@@ -407,8 +408,7 @@ class Engine:
     # ------------------------------------------------------------------ helpers
 
     def _new_dir(self, roots: list[Path], name: str) -> Path:
-        """A fresh private directory (0700: staging holds images) under the first usable root
-        (named so a successor can tell it is stale)."""
+        """A fresh private directory (0700: staging holds images) under the first usable root (named for its successor)."""
         for root in roots:
             try:
                 root.mkdir(parents=True, exist_ok=True, mode=0o700)

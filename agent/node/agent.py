@@ -61,8 +61,7 @@ class Agent(Service):
                  wall_clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         subjects.check_name(config.node)
-        self.config = config
-        self.node = config.node
+        self.config, self.node = config, config.node
         self.incarnation, self.storage = secrets.token_hex(8), Path(config.storage)
         self.clock, self.wall_clock = clock, wall_clock
         self.keys = imagekeys.for_config(config.image_integrity, config.image_keys)  # ConfigError: one line
@@ -200,7 +199,8 @@ class Agent(Service):
                       job_files=JobFilesStep(self.storage, cfg.file_snapshot_max_bytes, cfg.workdir_scan_max_entries,
                                              cfg.file_snapshot_timeout_s, cfg.workdir_snapshot_max_bytes),
                       clock=self.clock, wall_clock=self.wall_clock, lazy_restore=self.capabilities.lazy_restore,
-                      reporter=progress.Reporter(self.node, self._publish), keys=self.keys)
+                      reporter=progress.Reporter(self.node, self._publish), keys=self.keys,
+                      other_users=criu.features.get("other_users", False))
         # First the storage guard (nothing is frozen or written for a dump that cannot fit), then
         # the GPU, the policy's pre-dump, then the job's own files (while criu holds it frozen).
         # The GPU's state is suspended before a pre-dump or the dump read the job's memory.

@@ -27,6 +27,9 @@ FEATURES = ("mem_dirty_track", "uffd", "uffd-noncoop", "pidfd_store", "clone3_se
             "network_lock_nftables")
 
 _VERSION_RE = re.compile(r"^Version:\s*(\S+)", re.M)
+# criu rebuilt by deploy/scripts/install-criu.sh with deploy/criu/rlimits-proc-fallback.patch: it reads
+# another user's rlimits from /proc/PID/limits where prlimit(2) is refused, and says so in --version.
+RLIMITS_PATCH = "GitID: revenant-rlimits"
 _FROZEN_RE = re.compile(r"Frozen time:\s*(\d+)\s*us")
 
 # criu's logs, written into its work directory (-W).
@@ -282,11 +285,13 @@ async def inspect_criu(configured: str = "", timeout_s: float = 30.0) -> CriuInf
             need = ".".join(map(str, MIN_VERSION))
             return CriuInfo(path=path, version=version, ok=False,
                             error=f"criu {version} is too old: revenant needs {need} or later")
+        other_users = RLIMITS_PATCH in out or procs.has_cap_sys_resource()
         rc, out = await _run(check_argv(path), timeout_s)
         results = await asyncio.gather(*(_run(check_argv(path, f), timeout_s) for f in FEATURES))
     except (OSError, CriuError) as exc:
         return CriuInfo(path=path, ok=False, error=f"cannot run criu: {exc}")
-    features = {name: code == 0 for name, (code, _) in zip(FEATURES, results)}
+    # "other_users": it can dump another user's job (CAP_SYS_RESOURCE here, or the rlimits patch).
+    features = {name: code == 0 for name, (code, _) in zip(FEATURES, results)} | {"other_users": other_users}
     if rc != 0:
         return CriuInfo(path=path, version=version, ok=False, features=features,
                         error=f"criu check failed: {error_line(out)}")

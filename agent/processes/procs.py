@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import tempfile
+from pathlib import Path
 from dataclasses import dataclass
 
 import psutil
@@ -252,3 +253,15 @@ async def _waiter(proc: subprocess.Popen[bytes]) -> int:
     if proc.returncode is None:
         proc.returncode = await wait_pid(proc.pid)  # also keeps Popen from waiting again
     return proc.returncode
+
+
+_CAP_SYS_RESOURCE = 24
+
+
+def has_cap_sys_resource() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE (effective): the kernel's condition for reading
+    another user's rlimits with prlimit(2), as criu's dump does."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> _CAP_SYS_RESOURCE & 1)
+    return False

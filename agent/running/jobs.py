@@ -64,6 +64,7 @@ class Supervisor(JobExits):
         self.cgroups = cgroups or NodeCgroups(node, Layout(why_none="job_cgroups is off"))
         self.launcher = Launcher(node, storage, switch_timeout_s, max_frozen_s=max_frozen_s, clock=clock,
                                  scratch=scratch, allow_root_jobs=allow_root_jobs)
+        self.launcher.criu_other_users = getattr(engine, "other_users", False)
         self.exits = ExitClassifier(switch_timeout_s, clock)
         self.book = CheckpointBook(node, emit, metrics, wall_clock, owner=self.owner)
         self.policies = PolicyRunner(node, self.book, emit, wall_clock=wall_clock)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from revenant.agent.files.jobfiles import SYSTEM_DIRS
+from revenant.agent.processes import procs
 from revenant.agent.processes.jobprocs import PSEUDO
 from revenant.agent.storage.epochs import JobFiles
 from revenant.agent.storage.fileio import replace_empty
@@ -93,16 +94,12 @@ def setpriv_argv(setpriv: str, user: JobUser) -> list[str]:
             "--no-new-privs", "--inh-caps=-all", "--pdeathsig=keep", "--"]
 
 
-_CAP_SYS_RESOURCE = 24
-
-
-def can_checkpoint_other_users() -> bool:
+def can_checkpoint_other_users(criu_other_users: bool = False) -> bool:
     """Whether criu, run by this process, can dump a job of another user: it reads each task's
-    rlimits with prlimit(2), which needs CAP_SYS_RESOURCE for a task whose uids are not its own."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> _CAP_SYS_RESOURCE & 1)
-    return False
+    rlimits with prlimit(2), which needs CAP_SYS_RESOURCE for a task whose uids are not its own,
+    unless it is the criu deploy/scripts/install-criu.sh patches (``criu_other_users``: the
+    agent's criu says so, agent/pipeline/criu.py ``reads_other_users``)."""
+    return criu_other_users or procs.has_cap_sys_resource()
 
 
 def own_job_files(files: JobFiles, user: JobUser) -> None:

@@ -271,6 +271,7 @@ class Launcher:
         self.start_timeout_s = start_timeout_s
         self.clock = clock
         self.tools = tools()
+        self.criu_other_users = False  # the supervisor's engine's criu can dump other users' jobs
 
     def user(self, spec: JobSpec) -> JobUser:
         """Whom ``spec`` runs as here (:func:`resolve_user`); refused: root unless allowed, or unknown."""
@@ -336,9 +337,10 @@ class Launcher:
         tool = {name: self._tool(name) for name in ("unshare", "setsid")}
         if user is not None:
             become = setpriv_argv(self._tool("setpriv"), user)
-            if user.uid != 0 and not can_checkpoint_other_users():
-                log.warning("job %s runs as %s, but this agent lacks CAP_SYS_RESOURCE: criu cannot checkpoint "
-                            "it (it reads the job's rlimits with prlimit)", spec.id, user.name)
+            if user.uid != 0 and not can_checkpoint_other_users(self.criu_other_users):
+                log.warning("job %s runs as %s, but this agent lacks CAP_SYS_RESOURCE and its criu is not patched to "
+                            "read the job's rlimits otherwise: criu cannot checkpoint it (deploy/scripts/install-criu.sh)",
+                            spec.id, user.name)
         # The init opens its output and stamp as the user, by paths relative to its cwd (the job's
         # directory): the storage above it need not be searchable by the user.
         argv = init_argv(Path(files.output.name), Path(files.stamp.name), self.switch_timeout_s, spec.argv, workdir,

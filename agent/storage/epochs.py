@@ -14,9 +14,9 @@ An epoch is committed by writing its files into a temporary directory, then ``ma
 dump), fsyncing, and renaming it to ``<N>``: a directory named by a number is a complete epoch.
 
 Where the node holds the cluster's image keys (``keys``, agent/storage/imagekeys.py) the digests are
-keyed BLAKE3 and the manifest is signed (a last line of manifest.json, ``revenant-signature: <key
-id> <keyed BLAKE3 of the JSON before it>``, so that the manifest and its signature are replaced
-together by one rename, a conversion's too): someone who can write the storage cannot
+keyed BLAKE3 and the manifest is signed (its last key, ``"signature": "<key id> <keyed BLAKE3 of
+the JSON without it>"``, so that the manifest and its signature are replaced together by one
+rename, a conversion's too, and it stays JSON): someone who can write the storage cannot
 change an epoch, nor rewrite its manifest, without the restore refusing it.  Without keys they
 are CRC-32 (zlib, several GB/s), which guards against corruption (a torn write, a bad disk, a
 truncated copy) only.
@@ -60,14 +60,21 @@ _CHUNK = 8 * 1024 * 1024
 _EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
 
 
-# The manifest's signature, its last line: "<key id> <keyed BLAKE3 of the JSON before it>" (imagekeys.py).
-SIGNATURE = b"revenant-signature: "
+# The manifest's signature, its last key: "<key id> <keyed BLAKE3 of the JSON without it>" (imagekeys.py).
+SIGNATURE = b',"signature":"'
+
+
+def join_signed(body: bytes, signature: bytes) -> bytes:
+    """A manifest's JSON object ``body`` with ``signature`` as its last key."""
+    return body[:-1] + SIGNATURE + signature + b'"}'
 
 
 def split_signed(raw: bytes) -> tuple[bytes, bytes]:
-    """A manifest file's JSON (one line) and its signature ("<key id> <mac>"; b"" if it has none)."""
-    body, _, rest = raw.partition(b"\n")
-    return body, rest.strip()[len(SIGNATURE):] if rest.startswith(SIGNATURE) else b""
+    """A manifest file's JSON as it was signed, and its signature ("<key id> <mac>"; b"" if it has none)."""
+    at = raw.rfind(SIGNATURE)
+    if at < 0 or not raw.endswith(b'"}'):
+        return raw, b""
+    return raw[:at] + b"}", raw[at + len(SIGNATURE):-2]
 
 
 def checksum_file(path: Path, algo: str = "crc32", keys: ImageKeys | None = None, key_id: str = "") -> str:
@@ -257,7 +264,7 @@ class JobFiles:
         data = msgspec.json.encode(m)
         if self.keys is None or m.checksum != imagekeys.KEYED:
             return data
-        return data + b"\n" + SIGNATURE + f"{m.key_id} {self.keys.manifest_mac(m.key_id, data)}\n".encode()
+        return join_signed(data, f"{m.key_id} {self.keys.manifest_mac(m.key_id, data)}".encode())
 
     def read_signed(self, n: int) -> Manifest:
         """Epoch ``n``'s manifest, its signature checked first when this node holds image keys

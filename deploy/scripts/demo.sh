@@ -2,12 +2,16 @@
 # `make demo`: a local cluster; a job checkpointed, vacated and restarted on another
 # node with its output continuous; then a node killed under a running job, which is
 # restored elsewhere automatically, with the timeline of the failover; then a node
-# drained with SIGTERM, whose job goes on elsewhere.
+# drained with SIGTERM, whose job goes on elsewhere.  Every job runs as the unprivileged user
+# revenant-demo (made by `make setup`), submitted by admin on its behalf (--user).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 dir=${REVENANT_DEMO_DIR:-/tmp/revenant-demo}
 job_script=$PWD/tests/jobs/counter.py   # line i every 50 ms, with a hash chained through every earlier line
+user=revenant-demo
+python=/usr/bin/python3   # the user's: the venv may lie where the user cannot reach it
+id -u "$user" >/dev/null 2>&1 || { echo "demo: no user $user: run make setup" >&2; exit 1; }
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 lines() { wc -l < "$dir/storage/jobs/${1:-$job}/output.log" | tr -d ' '; }   # lines [JOB]
@@ -32,19 +36,19 @@ finish() {
 rm -rf "$dir"
 trap 'revenant down --dir "$dir" >/dev/null 2>&1 || true' EXIT
 
-# The demo's jobs run as root, which agents refuse unless allow_root_jobs is set (here through the
-# environment the agents inherit); production jobs run as their submitting user (docs/security.md).
-export REVENANT_AGENT_ALLOW_ROOT_JOBS=true
+# The agents refuse root's jobs (allow_root_jobs is false, the default): the demo's run as $user.
+unset REVENANT_AGENT_ALLOW_ROOT_JOBS
 step "revenant up --nodes 3 --dir $dir --detach"
 revenant up --nodes 3 --dir "$dir" --detach
-# Jobs work in a directory of their own: a restore moves aside what appeared there after its epoch.
-mkdir -p "$dir/work" && cd "$dir/work"
+# Jobs work in a directory of their own, the user's: a restore moves aside what appeared there after its epoch.
+mkdir -p "$dir/work" && cp "$job_script" "$dir/work/counter.py" && chown -R "$user": "$dir/work" && cd "$dir/work"
+job_script=$dir/work/counter.py
 revenant nodes --dir "$dir"
 
-step "revenant submit --node node-1 --max-epochs 2 -- python3 counter.py 120 0.05"
+step "revenant submit --user $user --node node-1 --max-epochs 2 -- $python counter.py 120 0.05"
 export REVENANT_NATS=$(json_field "['nats_url']" < "$dir/cluster.json")
 export REVENANT_CREDS=$(json_field "['creds']" < "$dir/cluster.json")   # the admin's NKey (docs/security.md)
-job=$(revenant submit --node node-1 --max-epochs 2 -- python3 "$job_script" 120 0.05)
+job=$(revenant submit --user "$user" --node node-1 --max-epochs 2 -- "$python" "$job_script" 120 0.05)
 echo "job $job"
 sleep 1.5
 
@@ -65,8 +69,8 @@ step "waiting for the job to finish on node-2"
 finish "$job" 120
 
 step "failover: a job checkpointed every 2 s on node-3, then node-3 is killed"
-job2=$(revenant submit --node node-3 --checkpoint 0:02 -- python3 "$job_script" 200 0.05)
-echo "job $job2 (revenant submit --node node-3 --checkpoint 0:02 ...)"
+job2=$(revenant submit --user "$user" --node node-3 --checkpoint 0:02 -- "$python" "$job_script" 200 0.05)
+echo "job $job2 (revenant submit --user $user --node node-3 --checkpoint 0:02 ...)"
 until [ "$(revenant show job "$job2" --json | json_field "['epochs'].__len__()")" -ge 1 ]; do sleep 0.2; done
 sleep 0.6
 victim=$(pid_of node-3)
@@ -97,8 +101,9 @@ finish "$job2" 200
 revenant nodes
 
 step "planned shutdown: SIGTERM to node-1's agent drains it; its job goes on elsewhere"
-job3=$(revenant submit --node node-1 -- python3 "$job_script" 100 0.05)
+job3=$(revenant submit --user "$user" --node node-1 -- "$python" "$job_script" 100 0.05)
 echo "job $job3 on node-1, submitted without --checkpoint"
+ps -o user=,pid=,args= -p "$(revenant show job "$job3" --json | json_field "['pid']")"   # the job's init, as $user
 until [ "$(lines "$job3")" -ge 20 ]; do sleep 0.1; done
 agent1=$(pid_of node-1)
 echo "kill -TERM node-1's agent (pid $agent1): it checkpoints its job, stops it and leaves"

