@@ -29,6 +29,7 @@ from pathlib import Path
 import nats
 import psutil
 
+from revenant.agent.storage import imagekeys
 from revenant.common.messaging.natsserver import start_nats_server
 from revenant.messages import Heartbeat, decode_as, subjects
 
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         server = start_nats_server(Path(tmp) / "nats", log_file=Path(tmp) / "nats.log")
         agent_log = open(Path(tmp) / "agent.log", "wb")
         cmd = [str(revenant), "agent", "--node", NODE, "--nats", server.url, "--storage", str(Path(tmp) / "storage"),
-               "--heartbeat-interval", str(args.interval), "--log-level", "WARNING", *args.agent_arg]
+               "--heartbeat-interval", str(args.interval), "--log-level", "WARNING",
+               "--image-keys", str(imagekeys.write(Path(tmp) / "image.keys")[0].path), *args.agent_arg]
         agent = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT)
         try:
             result = asyncio.run(measure(args, server.url, agent))

@@ -80,7 +80,8 @@ class Run:
                    REVENANT_AGENT_MEMORY_RED_PERCENT=str(red))
         assert self.cluster is not None
         argv = [sys.executable, "-m", "revenant.cli", "agent", "--node", SICK, "--nats", self.cluster["nats_url"],
-                "--http-port", "0", "--storage", self.cluster["storage"]]
+                "--http-port", "0", "--storage", self.cluster["storage"],
+                "--image-keys", str(self.dir / "keys" / "image.keys")]
         with open(self.dir / "logs" / f"{SICK}.log", "ab") as log:
             self.agent = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True)

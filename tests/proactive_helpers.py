@@ -127,7 +127,7 @@ class ExtraAgent:
         self.name = name
         self.log = cluster.dir / "logs" / f"{name}.log"
         argv = [sys.executable, "-m", "revenant.cli", "agent", "--node", name, "--nats", doc["nats_url"],
-                "--http-port", "0", "--storage", doc["storage"]]
+                "--http-port", "0", "--storage", doc["storage"], "--image-keys", str(cluster.dir / "keys" / "image.keys")]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **env}, start_new_session=True)

@@ -181,7 +181,8 @@ def test_agent_killed_mid_dump_leaves_no_listed_epoch(make_cluster):
     revenant = str(Path(sys.executable).parent / "revenant")
     url = json.loads((cluster.dir / "cluster.json").read_text())["nats_url"]
     agent = subprocess.Popen([revenant, "agent", "--node", "node-1", "--nats", url, "--storage", str(cluster.storage),
-                              "--http-port", "0", "--creds", str(cluster.dir / "keys" / "agent-node-1.nk")],
+                              "--http-port", "0", "--creds", str(cluster.dir / "keys" / "agent-node-1.nk"),
+                              "--image-keys", str(cluster.dir / "keys" / "image.keys")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_until(lambda: not list(files.epochs_dir.glob(".tmp-*")) and
