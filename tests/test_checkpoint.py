@@ -100,12 +100,13 @@ def test_create_vacate_restart_cycles_keep_output_byte_exact(make_cluster, tmp_p
     assert f"unknown job {job}" in cluster.cli("show", "job", job, check=False).stderr
 
 
-@pytest.mark.parametrize("mode", ["eager", "lazy"])
-def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_path, mode):
-    """Eager: the corrupt epoch is refused before criu runs.  Lazy: the job runs before its page
+@pytest.mark.parametrize("mode,integrity", [("eager", "mac"), ("lazy", "mac"), ("lazy", "crc32")])
+def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_path, mode, integrity):
+    """Eager, and lazy with image keys (every page image's MAC is checked before criu runs): the
+    corrupt epoch is refused before criu runs.  Lazy with CRC-32s: the job runs before its page
     data is read, so the corruption is found as the pages are checked alongside; the restored copy
     is killed at once (evicted), the epoch set aside, and the coordinator restores epoch 1."""
-    cluster = make_cluster(2, env={"REVENANT_AGENT_RESTORE_MODE": mode})
+    cluster = make_cluster(2, env={"REVENANT_AGENT_RESTORE_MODE": mode, "REVENANT_AGENT_IMAGE_INTEGRITY": integrity})
     job = submit_counter(cluster, "--max-epochs", "2", count=100)
     wait_lines(cluster, job, 10)
     cluster.cli("checkpoint", "create", job)
@@ -113,13 +114,14 @@ def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_pat
     cluster.cli("checkpoint", "vacate", job)
     files = JobFiles(cluster.storage, job)
     assert files.committed() == [1, 2]
+    assert files.read_manifest(2).checksum == ("blake3-keyed" if integrity == "mac" else "crc32")
     pages = max((files.epoch_dir(2)).glob("pages-*.img"), key=lambda p: p.stat().st_size)
     with open(pages, "r+b") as f:
         f.seek(100)
         f.write(b"\xde\xad\xbe\xef")
     out = cluster.cli("checkpoint", "restart", job, "--node", "node-2")
-    if mode == "eager":
-        assert "epoch 2" in out.stderr and "checksum" in out.stderr
+    if mode == "eager" or integrity == "mac":
+        assert f"epoch 2: {pages.name} fails its checksum" in out.stderr, out.stderr
     else:
         evicted = wait_until(lambda: [e for e in cluster.events() if e.get("kind") == "evicted"], timeout=60)
         assert "lazy restore of epoch 2 failed" in evicted[0]["reason"] and "checksum" in evicted[0]["reason"]

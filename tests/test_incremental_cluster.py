@@ -121,9 +121,11 @@ def stored(cluster, job: str, n: int) -> str:
 
 
 def files_of(cluster, job: str):
+    """The job's files as the cluster's agents see them: with its image keys (revenant up's)."""
+    from revenant.agent.storage import imagekeys
     from revenant.agent.storage.epochs import JobFiles
 
-    return JobFiles(cluster.storage, job)
+    return JobFiles(cluster.storage, job, imagekeys.load(cluster.dir / "keys" / "image.keys"))
 
 
 # ------------------------------------------------------------------ 1. the chain
