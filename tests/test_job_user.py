@@ -17,6 +17,7 @@ import asyncio
 import grp
 import os
 import pwd
+import re
 import shutil
 import signal
 import stat
@@ -115,6 +116,17 @@ async def test_the_jobs_directory_and_output_are_the_users_and_never_followed_th
     files.output.write_bytes(b"kept\n")
     await launcher.prepare("5", fresh=False, user=nobody)
     assert files.output.read_bytes() == b"kept\n"
+
+
+@pytest.mark.unit
+def test_the_criu_install_marks_its_patched_criu_as_the_agent_looks_for_it():
+    repo = Path(__file__).resolve().parent.parent
+    script = (repo / "deploy" / "scripts" / "install-criu.sh").read_text()
+    mark = re.search(r"^patched_mark=(\S+)$", script, re.M).group(1)
+    assert f"GitID: {mark}".startswith(RLIMITS_PATCH)
+    patch = (repo / "deploy" / "criu" / "rlimits-proc-fallback.patch").read_text()
+    assert "--- a/criu/cr-dump.c" in patch and '"limits"' in patch
+    assert can_checkpoint_other_users(True)
 
 
 # ------------------------------------------------------------------ real jobs, real criu
