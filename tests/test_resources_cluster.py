@@ -125,7 +125,8 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     # in the new generation's cgroup (criu's --cgroup-root), its counter going on.
     cluster.cli("checkpoint", "vacate", a)
     _wait(cluster, a, lambda j: j["state"] == "vacated", "vacate of A")
-    assert not (MEMORY_ROOT / "revenant" / "node-1" / f"{a}-g1").exists()  # the ended generation's cgroup is gone
+    # The ended generation's cgroup goes once its last process has been reaped (NodeCgroups.retire, then tidy).
+    assert wait_until(lambda: not (MEMORY_ROOT / "revenant" / "node-1" / f"{a}-g1").exists(), timeout=30)
     cluster.cli("checkpoint", "restart", a, "--node", "node-2")
     moved = _wait(cluster, a, lambda j: j["state"] == "running" and j["node"] == "node-2", "restart of A")
     assert moved["assigned_gpus"] == [GPU2]

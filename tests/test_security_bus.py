@@ -428,7 +428,8 @@ async def test_up_runs_authenticated_and_keys_adds_a_user(make_cluster):
     for path, mode in ((cluster.dir / "cluster.json", 0o600), (cluster.dir / "keys", 0o700),
                        (cluster.dir / "nats.conf", 0o600), *((p, 0o600) for p in (cluster.dir / "keys").iterdir())):
         assert stat.S_IMODE(path.stat().st_mode) == mode, path
-    assert {p.name for p in (cluster.dir / "keys").iterdir()} == {"admin.nk", "coordinator.nk", "agent-node-1.nk"}
+    assert {p.name for p in (cluster.dir / "keys").iterdir()} == {"admin.nk", "coordinator.nk", "agent-node-1.nk",
+                                                                 "image.keys"}  # the epochs' (agent/storage/imagekeys.py)
     # Each process runs with its own identity.
     argv = {p["name"]: p["argv"] for p in doc["processes"]}
     assert argv["node-1"][argv["node-1"].index("--creds") + 1].endswith("keys/agent-node-1.nk")
@@ -467,7 +468,8 @@ def test_up_insecure_is_open_and_says_so(make_cluster):
     cluster = make_cluster(nodes=1, insecure=True)
     doc = cluster_doc(cluster.dir)
     assert doc["insecure"] is True and doc["creds"] == ""
-    assert not (cluster.dir / "keys").exists()
+    # No NKey at all; only the epochs' image keys, which sign checkpoints whether or not the bus is open.
+    assert [p.name for p in (cluster.dir / "keys").iterdir()] == ["image.keys"]
     supervisor_log = (cluster.dir / "logs" / "supervisor.log").read_text()
     assert "INSECURE" in supervisor_log
     out = revenant_cli("nodes", "--dir", str(cluster.dir), check=True)
