@@ -77,11 +77,8 @@ def split_signed(raw: bytes) -> tuple[bytes, bytes]:
     return raw[:at] + b"}", raw[at + len(SIGNATURE):-2]
 
 
-def checksum_file(path: Path, algo: str = "crc32", keys: ImageKeys | None = None, key_id: str = "") -> str:
-    if algo == imagekeys.KEYED:
-        if keys is None or key_id not in keys.keys:
-            raise CorruptEpoch(f"{path}: signed with image key {key_id!r}, which this node does not hold")
-        return imagesum.crc32_file(path, keys.digest(key_id))[1]
+def checksum_file(path: Path, algo: str = "crc32") -> str:
+    """An unkeyed digest of ``path`` (a keyed one is imagesum.crc32_file's, with JobFiles.digest_of)."""
     with open(path, "rb", buffering=0) as f:
         if algo == "crc32":
             crc = 0
@@ -315,6 +312,7 @@ class JobFiles:
         if m.job != self.job:  # an epoch moved here from another job's directory
             raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
         d = self.epoch_dir(n)
+        digest = self.digest_of(m) if m.checksum == imagekeys.KEYED else None
         for name, entry in m.files.items():
             path = d / name
             try:
@@ -325,7 +323,8 @@ class JobFiles:
                 raise CorruptEpoch(f"epoch {n}: {name} is {size} bytes, manifest says {entry.size}")
             # With image keys nothing is skipped: a page served before its MAC is checked would run.
             if ((skip is None or self.keys is not None or not skip(m, name))
-                    and checksum_file(path, m.checksum, self.keys, m.key_id) != entry.checksum):
+                    and (imagesum.crc32_file(path, digest)[1] if digest else checksum_file(path, m.checksum))
+                    != entry.checksum):
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
         if m.recipes:  # every page it needs, from the packs
             verify_recipes(self, m)

@@ -122,7 +122,8 @@ def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
         pack: BinaryIO, hasher: Hasher | None = None) -> tuple[list[int], int, int]:
     """Hash every page read from ``f`` (to its end): pages ``index`` lacks are appended to ``pack``
     (pack number ``new_no``), their digests to ``digests``, and they go into ``index``.  (runs
-    of (pack number, first page, count), size, CRC-32); ``hasher`` is fed every byte too."""
+    of (pack number, first page, count), size, CRC-32); with ``hasher``, it is fed every byte
+    instead, and the CRC-32 returned is 0."""
     runs: list[int] = []
     size = crc = 0
     nxt = -1  # where the current run continues
@@ -130,9 +131,10 @@ def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
     buf = bytearray(BATCH * PAGE)
     view = memoryview(buf)
     while got := _fill(f, view):
-        crc = zlib.crc32(view[:got], crc)
-        if hasher is not None:
+        if hasher is not None:  # the caller's digest instead of the CRC-32
             hasher.update(view[:got])
+        else:
+            crc = zlib.crc32(view[:got], crc)
         size += got
         chunk = view[:got] if got % PAGE == 0 else memoryview(bytes(view[:got]) + bytes(PAGE - got % PAGE))
         out = bytearray()
