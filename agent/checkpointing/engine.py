@@ -12,17 +12,14 @@ back to the next older epoch, as it does for one that fails verification; any ot
 that changed the job (suspended its GPU, say) always gets to undo it; a step that fails after
 criu restored the job kills what criu restored, so it never runs on half-restored.
 
-By default criu dumps straight into the epoch's temporary directory on the shared storage:
-through the page cache that freezes the job no longer than a raw ``criu dump`` (measured:
-dumping to tmpfs first froze it *longer* here, and doubled the writes).  For storage whose
-writes are slow while the job is frozen (network filesystems), ``staging_dir`` makes criu dump
-to a node-local directory and the images move to shared storage after the job has resumed.
-Either way the epoch is committed only once it is complete there.
-
-While criu writes, a follower (agent/storage/imagesum.py) starts the images' writeback to the
-disk and, where the CPUs allow, takes their digests (keyed with the image keys: ``keys``); the
-commit reads only what it has left, and makes the whole epoch durable with one syncfs
-(agent/storage/fileio.py ``Durable``; bench/commit_path.py measures it all).
+By default criu dumps straight into the epoch's temporary directory on the shared storage (through
+the page cache that freezes the job no longer than a raw ``criu dump``; tmpfs first froze it longer
+here).  ``staging_dir`` (slow network storage), or encrypted images (agent/storage/sealed.py, staged
+in node-local scratch), make criu dump node-local and the images go to the storage after the job
+has resumed.  Either way the epoch is committed only once it is complete there.  While criu writes,
+a follower (agent/storage/imagesum.py) starts the images' writeback and, where the CPUs allow,
+takes their digests (keyed with the image keys: ``keys``); the commit reads only what it has left
+and makes the epoch durable with one syncfs (fileio.py ``Durable``; bench/commit_path.py).
 """
 
 from __future__ import annotations
@@ -125,20 +122,17 @@ class Engine:
         self.reporter = reporter or progress.Reporter(node)
         # Restore lazily (criu lazy-pages; the agent's restore_mode and criu's uffd features).
         self.lazy = lazy_restore
-        self.criu_version = criu_version
-        self.node = node
-        self.storage = storage
+        self.criu_version, self.node, self.storage = criu_version, node, storage
         # Node-local scratch for criu's logs and scripts, fastest first.
         self.work_roots = work_roots
-        # Dump here first (network storage); None: dump straight into the epoch.
+        # Dump here first (network storage); None: dump straight into the epoch (encrypted: into work_roots).
         self.staging = staging
         self.steps: list[Step] = steps if steps is not None else [
             job_files or JobFilesStep(storage), RelinkStep()]
         self.slots = asyncio.Semaphore(concurrency)
         self.criu_timeout_s = criu_timeout_s
         # Durations (monotonic) and the manifest's creation time (wall clock).
-        self.clock = clock
-        self.wall_clock = wall_clock
+        self.clock, self.wall_clock = clock, wall_clock
         self.pending = 0
         self.clean_stale_staging()
 
@@ -186,7 +180,9 @@ class Engine:
                           spoiled: Callable[[], str],
                           resume: Callable[[], None]) -> tuple[Manifest, list[str], dict[str, float]]:
         workdir = self._new_dir(self.work_roots, job)
-        staging = self._new_dir([self.staging], job) if self.staging is not None else None
+        # Encrypted images (agent/storage/sealed.py) are staged node-local: none is written plain to the storage.
+        roots = [self.staging] if self.staging is not None else self.work_roots if files.seals else []
+        staging = self._new_dir(roots, job) if roots else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
                             criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags(),
                             user=user)
@@ -202,7 +198,7 @@ class Engine:
             watch = self.reporter.watch(job, user, "dump", functools.partial(progress.dir_bytes, ctx.epoch_tmp),
                                         functools.partial(resident_bytes, pid))
             durable = Durable(undo.tmp)  # before anything is written there (see fileio.Durable)
-            undo.follower = Follower(ctx.epoch_tmp, writeback=staging is None, digest=files.digest)
+            undo.follower = None if files.seals else Follower(ctx.epoch_tmp, writeback=not staging, digest=files.digest)
             await self._clear_stale_proc_dir(ctx)  # before any criu runs (a step's pre-dump, say)
             if found := await asyncio.to_thread(blockers.blockers, pid):  # before anything freezes the job
                 more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
@@ -331,7 +327,8 @@ class Engine:
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
                 manifest, notes = await asyncio.to_thread(_chosen, files, ask.epoch, check,
                                                           lazy.lazy_serves if lazy_here else None)
-                lazy_here = lazy_here and lazy.served_lazily(manifest)
+                lazy_here, notes = lazy_here and lazy.served_lazily(manifest), notes + (
+                    ["restored eagerly: its images are encrypted"] if self.lazy and manifest.encryption else [])
                 return await self._restore_chosen(files, manifest, notes, generation, ask, checked, lazy_here)
         finally:
             self.pending -= 1
@@ -346,7 +343,10 @@ class Engine:
                              manifest=manifest, notes=notes, leave_workdir=ask.leave_workdir, checked=checked,
                              criu_args=ask.criu_args)
         try:
-            if packs.converted(manifest):  # restored eagerly (its pages were checked through the packs)
+            if manifest.encryption:  # its images decrypted into node-local scratch (agent/storage/sealed.py)
+                ctx.images = images = self._new_dir(self.work_roots, f"images-{files.job}")
+                await asyncio.to_thread(files.open_sealed, manifest, images)
+            elif packs.converted(manifest):  # restored eagerly (its pages were checked through the packs)
                 images = files.new_tmp(self.node)
                 await asyncio.to_thread(packs.materialize, files, manifest, images)
                 ctx.images = images

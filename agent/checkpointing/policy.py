@@ -131,7 +131,7 @@ class PolicyRunner:
                 # after its conversions)
                 await asyncio.to_thread(packs.gc, files)
             kept, storage = await asyncio.to_thread(self.listing, files)
-        if policy.incremental:
+        if policy.incremental and not manifest.encryption:  # encrypted epochs are kept whole (sealed.py)
             task = asyncio.create_task(self._convert(files, generation, policy.full_every),
                                        name=f"convert-{files.job}")
             self._tasks.add(task)

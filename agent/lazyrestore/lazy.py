@@ -53,9 +53,9 @@ EAGER_NEXT = "restore-eagerly"
 
 def served_lazily(m: Manifest) -> bool:
     """Whether an epoch is restored lazily where the node can: not one stored as a delta (rebuilt
-    first), nor a GPU job's (resuming CUDA copies device memory back from host memory that would
-    still be arriving)."""
-    return not m.recipes and not m.gpus
+    first), nor an encrypted one (opened first), nor a GPU job's (resuming CUDA copies device
+    memory back from host memory that would still be arriving)."""
+    return not m.recipes and not m.gpus and not m.encryption
 
 
 def lazy_serves(m: Manifest, name: str) -> bool:

@@ -64,7 +64,7 @@ class Agent(Service):
         self.config, self.node = config, config.node
         self.incarnation, self.storage = secrets.token_hex(8), Path(config.storage)
         self.clock, self.wall_clock = clock, wall_clock
-        self.keys = imagekeys.for_config(config.image_integrity, config.image_keys)  # ConfigError: one line
+        self.keys = imagekeys.for_config(config.image_integrity, config.image_keys, config.image_encryption)
         self.loop_monitor = LoopMonitor(stall_threshold_s=config.loop_stall_threshold_s, clock=clock)
         self.metrics = AgentMetrics()
         thresholds = config.health_thresholds()

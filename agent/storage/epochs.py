@@ -42,12 +42,13 @@ from typing import Callable, Collection
 
 import msgspec
 
-from revenant.agent.storage import imagekeys, imagesum
+from revenant.agent.storage import imagekeys, imagesum, sealed
 from revenant.agent.storage.imagekeys import ImageKeys
 from revenant.agent.storage.chain import verify_recipes, verify_workdir
 from revenant.agent.storage.fileio import Durable, copy_bytes, fsync_path
 from revenant.agent.storage.manifest import (MANIFEST, MANIFEST_VERSION, CorruptEpoch, EpochError, FileEntry,  # noqa: F401
-                                     FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry, WORKDIR_FILES)
+                                     FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry, WORKDIR_FILES,
+                                     join_signed, split_signed)
 from revenant.agent.storage.private import PRIVATE_FILE, make_private, private_dir, trusted
 from revenant.common import retention
 from revenant.messages import EpochFile, EpochInfo
@@ -58,23 +59,6 @@ log = logging.getLogger(__name__)
 
 _CHUNK = 8 * 1024 * 1024
 _EPOCH_RE = re.compile(r"^[0-9]{1,9}$")
-
-
-# The manifest's signature, its last key: "<key id> <keyed BLAKE3 of the JSON without it>" (imagekeys.py).
-SIGNATURE = b',"signature":"'
-
-
-def join_signed(body: bytes, signature: bytes) -> bytes:
-    """A manifest's JSON object ``body`` with ``signature`` as its last key."""
-    return body[:-1] + SIGNATURE + signature + b'"}'
-
-
-def split_signed(raw: bytes) -> tuple[bytes, bytes]:
-    """A manifest file's JSON as it was signed, and its signature ("<key id> <mac>"; b"" if it has none)."""
-    at = raw.rfind(SIGNATURE)
-    if at < 0 or not raw.endswith(b'"}'):
-        return raw, b""
-    return raw[:at] + b"}", raw[at + len(SIGNATURE):-2]
 
 
 def checksum_file(path: Path, algo: str = "crc32") -> str:
@@ -213,18 +197,26 @@ class JobFiles:
         of them durable at once (``durable``, opened before they were written: agent/storage/imagesum.py),
         the manifest, fsynced, last, then the rename to the next N."""
         started = clock()
+        sealed_now: imagesum.Sums = {}
         if staging is not None:
             staged = _image_names(staging) + _job_file_names(staging)
             for sub in (FILES_DIR, PREDUMP_DIR):
                 if (staging / sub).is_dir():
                     (tmp / sub).mkdir(mode=0o700, exist_ok=True)
             link_predump(tmp, staged)
+            if self.seals:  # images encrypted on their way (agent/storage/sealed.py), digested as stored
+                key, manifest.data_key = sealed.job_key(self.keys, self.dir, self.job)  # type: ignore[arg-type]
+                manifest.encryption = sealed.ALGORITHM
+                sealed_now = sealed.seal_all(staging, tmp, sealed.names(staged), key, self.digest)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                list(pool.map(lambda n: _copy_file(staging / n, tmp / n), staged))
+                list(pool.map(lambda n: _copy_file(staging / n, tmp / n), [n for n in staged if n not in sealed_now]))
+        elif self.seals:
+            raise EpochError(f"checkpoint of {self.job}: encrypted images need node-local staging (no plain image "
+                             "is written to the storage)")
         make_private(tmp)  # whatever criu's and the copies' modes were
         with Durable(tmp) if durable is None else contextlib.nullcontext(durable) as sync:
             # Set by a step: linked copies' digests ("": digested otherwise than this epoch, taken again).
-            known = {n: (e.size, e.checksum) for n, e in manifest.files.items() if e.checksum}
+            known = {n: (e.size, e.checksum) for n, e in manifest.files.items() if e.checksum} | sealed_now
             sums = imagesum.seal(tmp, _image_names(tmp) + _job_file_names(tmp), sync, follower, known, self.digest)
         manifest.checksum = self.digest.name
         manifest.key_id = self.digest.key_id
@@ -241,6 +233,16 @@ class JobFiles:
         os.rename(tmp, final)  # the commit point; a crash before it leaves only .tmp-*
         _fsync_dir(self.epochs_dir)
         return manifest
+
+    @property
+    def seals(self) -> bool:
+        """Whether new epochs' images are encrypted (image_encryption = "aead")."""
+        return self.keys is not None and self.keys.seal
+
+    def open_sealed(self, m: Manifest, dest: Path) -> None:
+        """Decrypt encrypted epoch ``m``'s images (verified) into ``dest``, node-local, for criu."""
+        sealed.open_epoch(self.keys, self.job, m, self.epoch_dir(m.epoch), dest)
+        link_predump(dest, m.files)
 
     @property
     def digest(self) -> imagekeys.Digest:

@@ -31,7 +31,7 @@ import re
 import secrets
 import stat
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -100,6 +100,8 @@ class ImageKeys:
     keys: dict[str, bytes]
     current: str
     path: str = ""
+    # image_encryption = "aead": new epochs' images are encrypted too (agent/storage/sealed.py).
+    seal: bool = False
 
     def digest(self, key_id: str | None = None) -> Digest:
         """The file digest with key ``key_id`` (default: the current one); KeyError if not held."""
@@ -174,12 +176,16 @@ def write(path: Path, rotate: bool = False) -> tuple[ImageKeys, bool]:
     return load(path), True
 
 
-def for_config(integrity: str, path: str) -> ImageKeys | None:
+def for_config(integrity: str, path: str, encryption: str = "none") -> ImageKeys | None:
     """The keys an agent signs and checks epochs with: ``image_integrity`` "mac" loads them from
-    ``image_keys`` (ConfigError, one line, if it cannot); "crc32": none."""
+    ``image_keys`` (ConfigError, one line, if it cannot); "crc32": none.  ``image_encryption``
+    "aead" encrypts new epochs' images with them too, so it needs "mac"."""
     if integrity != "mac":
+        if encryption == "aead":
+            raise ConfigError("image_encryption = aead needs image_integrity = mac (its keys encrypt the images)")
         return None
     if not path:
         raise ConfigError("image_integrity = mac needs image_keys: the file `revenant keys` writes "
                           "(or set image_integrity = crc32)")
-    return load(path)
+    keys = load(path)
+    return replace(keys, seal=True) if encryption == "aead" else keys

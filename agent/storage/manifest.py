@@ -20,6 +20,23 @@ WORKDIR_FILES = "workdir-files.json"
 MANIFEST_VERSION = 1
 
 
+# The manifest's signature, its last key: "<key id> <keyed BLAKE3 of the JSON without it>" (imagekeys.py).
+SIGNATURE = b',"signature":"'
+
+
+def join_signed(body: bytes, signature: bytes) -> bytes:
+    """A manifest's JSON object ``body`` with ``signature`` as its last key."""
+    return body[:-1] + SIGNATURE + signature + b'"}'
+
+
+def split_signed(raw: bytes) -> tuple[bytes, bytes]:
+    """A manifest file's JSON as it was signed, and its signature ("<key id> <mac>"; b"" if it has none)."""
+    at = raw.rfind(SIGNATURE)
+    if at < 0 or not raw.endswith(b'"}'):
+        return raw, b""
+    return raw[:at] + b"}", raw[at + len(SIGNATURE):-2]
+
+
 class EpochError(RevenantError):
     code = "epoch"
 
@@ -138,6 +155,10 @@ class Manifest(msgspec.Struct, kw_only=True):
     checksum: str = "crc32"
     # With checksum "blake3-keyed": the image key its digests (and its signature, manifest.mac) are made with.
     key_id: str = ""
+    # Its images encrypted at rest (agent/storage/sealed.py): the algorithm ("" if not), and the job's data
+    # key wrapped with an image key ("<key id> <hex>").  Sizes and digests above are of the stored bytes.
+    encryption: str = ""
+    data_key: str = ""
     # criu's own freeze (files_s of it on the job's own files); criu's whole dump; checksums,
     # fsync (and copy, with staging); all of it.
     freeze_s: float = 0.0

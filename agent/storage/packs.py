@@ -196,8 +196,9 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     except CorruptEpoch as exc:
         return _result(files, n, False, 0, started, note=str(exc))
     images = sorted(name for name in m.files if _PAGES_RE.match(name))
-    if converted(m) or not images or m.checksum not in ("crc32", imagekeys.KEYED):
-        why = "already converted" if converted(m) else "no pages to convert" if not images else "not CRC-32"
+    if converted(m) or not images or m.checksum not in ("crc32", imagekeys.KEYED) or m.encryption:
+        why = ("already converted" if converted(m) else "no pages to convert" if not images
+               else "encrypted: kept whole" if m.encryption else "not CRC-32")
         return _result(files, n, False, 0, started, note=why)
     try:
         digest = files.digest_of(m)

@@ -162,6 +162,8 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # writes; agent/storage/imagekeys.py) and none unsigned is restored; "crc32": CRC-32 only, no keys.
     image_integrity: Literal["mac", "crc32"] = "mac"
     image_keys: str = "/etc/revenant/image.keys"
+    # "aead": every epoch's images are encrypted with a data key per job, wrapped by the image keys (needs "mac").
+    image_encryption: Literal["none", "aead"] = "none"
 
     def __post_init__(self) -> None:
         _positive(self, "lease_ttl_s", "lease_renew_s", "fence_timeout_s")
