@@ -17,6 +17,11 @@ revenant  ``revenant checkpoint create JOB --json`` against a one-node local clu
 crc32     the same against a second cluster whose agents run with image_integrity
           "crc32" (no keys; CRC-32s, as before image keys): the baseline of the
           integrity goal (off with --no-crc32).
+aead      with --encryption: against a third cluster whose agents run with
+          image_encryption "aead" (agent/storage/sealed.py: criu dumps into node-local
+          staging, /dev/shm, and the commit encrypts each image with AES-256-GCM on its
+          way to the storage): what encryption at rest costs against "mac" (no goal;
+          the report states it).
 
 A fresh job is started for every run, each run starts after --settle seconds with
 idle CPUs, and the sides alternate (raw first in odd runs).  A round is --runs runs
@@ -37,6 +42,7 @@ fsyncs) returned, running alongside those, and ``commit`` all of the commit
 
     .venv/bin/python bench/commit_path.py                        # 2 GiB, 5 runs a side, 2 rounds
     .venv/bin/python bench/commit_path.py --mib 256 --runs 2 --rounds 1   # a quick look
+    .venv/bin/python bench/commit_path.py --encryption --no-crc32 --runs 3 --rounds 1   # encryption's cost
     .venv/bin/python bench/commit_path.py --source /tmp/before   # revenant from another tree
 
 ``--source DIR`` runs revenant (CLI, coordinator, agent) from ``DIR/revenant`` (for
@@ -82,6 +88,7 @@ MiB = 1 << 20
 GOAL = 1.10
 INTEGRITY_GOAL = 1.05
 CRC32_SIDE = "revenant-crc32"
+AEAD_SIDE = "revenant-aead"
 # What `revenant checkpoint create` imports before it connects.
 CLI_IMPORTS = "import revenant.cli.main, revenant.cli.client"
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a child after fork must not dlopen
@@ -125,7 +132,8 @@ class Bench:
         self.cluster = self.base / "cluster"
         self.storage = self.cluster / "storage"
         # The integrity baseline's cluster: its agents take CRC-32s and sign nothing.
-        self.clusters = {"revenant": self.cluster, CRC32_SIDE: self.base / "cluster-crc32"}
+        self.clusters = {"revenant": self.cluster, CRC32_SIDE: self.base / "cluster-crc32",
+                         AEAD_SIDE: self.base / "cluster-aead"}
         self.work = self.base / "work"
         self.work.mkdir()
         # The job runs as root, as the raw side's does (the agent refuses root's jobs by default).
@@ -148,13 +156,16 @@ class Bench:
         return done
 
     def sides(self) -> tuple[str, ...]:
-        return ("raw", "revenant") + (() if self.args.no_crc32 else (CRC32_SIDE,))
+        return (("raw", "revenant") + (() if self.args.no_crc32 else (CRC32_SIDE,))
+                + ((AEAD_SIDE,) if self.args.encryption else ()))
 
     def up(self) -> None:
         self.cluster_up = True
         cluster_up(self.cluster, 1)
         if not self.args.no_crc32:
             cluster_up(self.clusters[CRC32_SIDE], 1, env={**os.environ, "REVENANT_AGENT_IMAGE_INTEGRITY": "crc32"})
+        if self.args.encryption:
+            cluster_up(self.clusters[AEAD_SIDE], 1, env={**os.environ, "REVENANT_AGENT_IMAGE_ENCRYPTION": "aead"})
         if not self.storage.is_dir():
             raise BenchError(f"no storage at {self.storage}")
 
@@ -280,6 +291,7 @@ class Bench:
                                                               "commit_s": manifest["commit_s"]}
         agent_s = phases["criu_s"] + phases["commit_s"]
         return {"side": side, "checksum": manifest.get("checksum", "crc32"), "seq": self.seq, "job": job,
+                "encryption": manifest.get("encryption", ""),
                 "wall_s": t1 - t0, "freeze_s": epoch["freeze_s"],
                 "bytes": epoch["bytes"], "duration_s": epoch["duration_s"], "cli_startup_s": startup,
                 "bus_s": max(0.0, bus_s - startup), "agent": phases,
@@ -372,6 +384,16 @@ def summarize(runs: list[dict], rounds: int) -> list[dict]:
                     _med([x["agent"].get("commit_s") for x in crc if x["agent"]]) or 1),
                 "integrity_goal_met": wall <= INTEGRITY_GOAL and freeze <= INTEGRITY_GOAL})
             out[-1]["goal_met"] = out[-1]["goal_met"] and out[-1]["integrity_goal_met"]
+        aead = [x for x in runs if x["round"] == r and x["side"] == AEAD_SIDE]
+        if aead:  # what encryption at rest costs against integrity alone (no goal)
+            out[-1].update({
+                "aead_best_s": min(x["wall_s"] for x in aead), "aead_median_s": _med([x["wall_s"] for x in aead]),
+                "aead_freeze_median_s": _med([x["freeze_s"] for x in aead]),
+                "aead_criu_median_s": _med([x["agent"].get("criu_s") for x in aead if x["agent"]]),
+                "aead_commit_median_s": _med([x["agent"].get("commit_s") for x in aead if x["agent"]]),
+                "aead_vs_mac_wall": min(x["wall_s"] for x in aead) / best_rev,
+                "aead_vs_mac_freeze": (_med([x["freeze_s"] for x in aead]) or 0) / (
+                    _med([x["freeze_s"] for x in rev]) or 1)})
     return out
 
 
@@ -410,6 +432,18 @@ def report(summary: list[dict], meta: dict) -> str:
                              f"**{_f(s['mac_vs_crc32_wall'], '{:.3f}')}** | {_f(s['revenant_freeze_median_s'], '{:.3f}')} | "
                              f"{_f(s['crc32_freeze_median_s'], '{:.3f}')} | **{_f(s['mac_vs_crc32_freeze'], '{:.3f}')}** | "
                              f"{_f(s['mac_vs_crc32_commit'], '{:.3f}')} |")
+    if any("aead_best_s" in s for s in summary):
+        lines += ["", "Encryption at rest: revenant with image_encryption = aead (staged in /dev/shm, AES-256-GCM on the "
+                  "way to the storage) against revenant (mac)", "",
+                  "| round | aead best s | mac best s | wall ratio | aead freeze s | mac freeze s | freeze ratio "
+                  "| aead criu s | aead commit s | mac commit s |", "|---" * 10 + "|"]
+        for s in summary:
+            if "aead_best_s" in s:
+                lines.append(f"| {s['round']} | {_f(s['aead_best_s'])} | {_f(s['revenant_best_s'])} | "
+                             f"**{_f(s['aead_vs_mac_wall'], '{:.3f}')}** | {_f(s['aead_freeze_median_s'], '{:.3f}')} | "
+                             f"{_f(s['revenant_freeze_median_s'], '{:.3f}')} | "
+                             f"**{_f(s['aead_vs_mac_freeze'], '{:.3f}')}** | {_f(s['aead_criu_median_s'])} | "
+                             f"{_f(s['aead_commit_median_s'])} | {_f(s['revenant_breakdown_median_s']['commit'])} |")
     lines += ["", "durable runs alongside the digests after criu and ends within commit; control = revenant wall - "
               "(agent criu + commit): CLI start-up, bus, coordinator, reply."]
     return "\n".join(lines)
@@ -430,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--criu", default=str(BIN / "criu") if (BIN / "criu").exists() else shutil.which("criu"))
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "commit_path.json")
     p.add_argument("--no-crc32", action="store_true", help="no integrity baseline (a cluster with image_integrity crc32)")
+    p.add_argument("--encryption", action="store_true", help="a side with image_encryption aead (a third cluster)")
     args = p.parse_args(argv)
     if args.mib < 1 or args.runs < 1 or args.rounds < 1 or not args.criu:
         p.error("--mib, --runs and --rounds must be positive, and criu must be found")
