@@ -288,6 +288,7 @@ def submit_request(args: argparse.Namespace, request_id: str = "") -> SubmitRequ
                         checkpoint_interval_s=interval, max_epochs=args.max_epochs, requeue=args.requeue,
                         user=user, incremental=args.incremental, full_every=args.full_every,
                         pre_dump=args.pre_dump, pre_dump_delay_s=args.pre_dump_delay_s, load_aware=args.load_aware,
+                        pack_compression=getattr(args, "pack_compression", None),
                         connections=getattr(args, "connections", None),
                         on_sick=getattr(args, "on_sick", None) or "", request_id=request_id,
                         cpus=getattr(args, "cpus", None), gpus=getattr(args, "gpus", None),

@@ -105,7 +105,8 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
 
 def policy_line(p: CheckpointPolicy) -> str:
     """A job's checkpoint policy on one line (``show job``)."""
-    parts = [f"incremental, full every {p.full_every}" if p.incremental else "full epochs",
+    packs = f", packs {p.pack_compression}" if p.pack_compression != "none" else ""
+    parts = [f"incremental, full every {p.full_every}{packs}" if p.incremental else "full epochs",
              f"pre-dump {p.pre_dump_delay_s:g} s before" if p.pre_dump else "no pre-dump",
              (f"load-aware (cpu {p.load_threshold_cpu:g}, io {p.load_threshold_io:g}, "
               f"memory {p.load_threshold_memory:g})") if p.load_aware else "not load-aware",

@@ -154,6 +154,9 @@ def _submit_command(sub: Any) -> None:
                    help="the job's TCP connections on a move: keep (a restore on the node that vacated it "
                    "brings them back intact; elsewhere closed) or close (always closed; a vacate resets them at "
                    "once) (default: the cluster's, keep)")
+    p.add_argument("--pack-compression", choices=("none", "zstd", "lz4"),
+                   help="with --incremental, compress the packs older epochs' pages go into (never the newest "
+                   "epoch's images, which failover restores) (default: the cluster's, none)")
     p.add_argument("--requeue", action="store_true", help="rerun from the start if the node dies before a checkpoint")
     p.add_argument("--cpus", type=float, metavar="N", help="CPUs the job needs on its node: reserved, and its limit "
                    "(its cgroup's cpu quota) (default: the cluster's [resources] cpus, 0: none)")

@@ -18,6 +18,7 @@ JobEventKind = Literal["submitted", "started", "exited", "vacated", "restored", 
 OnSick = Literal["checkpoint", "migrate", "none", ""]
 ON_SICK = ("checkpoint", "migrate", "none")
 CONNECTIONS = ("keep", "close")
+PACK_COMPRESSION = ("none", "zstd", "lz4")
 # skipped: a scheduled checkpoint not taken (the node over a load threshold); degraded: a
 # pre-dump that could not run (once per job); forced: a scheduled one taken despite the load;
 # converted: an older epoch turned into a delta against the job's packs.
@@ -174,6 +175,8 @@ class CheckpointPolicy(_Body):
     incremental: bool = False
     # Every full_every-th epoch starts a segment: an epoch references only its segment's packs.
     full_every: int = 10
+    # An incremental job's packs compressed with this ("none", "zstd", "lz4"); never the newest epoch's images.
+    pack_compression: Literal["none", "zstd", "lz4"] = "none"
     # A criu pre-dump pre_dump_delay_s before the final dump (needs dirty-memory tracking).
     pre_dump: bool = False
     pre_dump_delay_s: float = 5.0

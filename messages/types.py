@@ -45,6 +45,7 @@ from revenant.messages.parts import (  # noqa: F401  (part of this module's name
     NodeStatus,
     ON_SICK,
     CONNECTIONS,
+    PACK_COMPRESSION,
     OnSick,
     StaleJob,
 )
@@ -182,6 +183,7 @@ class SubmitRequest(Message, tag="submit.v1"):
     pre_dump_delay_s: float | None = None
     load_aware: bool | None = None
     connections: str | None = None  # "keep" or "close" (CheckpointPolicy.connections)
+    pack_compression: str | None = None  # "none", "zstd" or "lz4" (CheckpointPolicy.pack_compression)
     # What a sick node does to it: "checkpoint", "migrate" or "none" ("": the cluster's default).
     on_sick: str = ""
     # The client's key for this submit ("": none): a repeat with the same key from the same user
@@ -484,7 +486,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
-    "FINDING_CODES", "ON_SICK", "CONNECTIONS", "OnSick",
+    "FINDING_CODES", "ON_SICK", "CONNECTIONS", "PACK_COMPRESSION", "OnSick",
     "AgentJobReply", "AnomalyEvent", "Capabilities", "CheckJob", "CheckpointJob", "CheckpointPolicy", "ClusterEvent",
     "CriuInfo", "EpochEvent", "EpochEventKind", "EpochFile", "EpochInfo", "ErrorReply", "FailoverReply",
     "FailoverRequest", "GpuHealth", "GpuInfo", "GpuProcess", "HealthFinding", "HealthState", "HealthSummary",

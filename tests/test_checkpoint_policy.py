@@ -208,7 +208,7 @@ def test_show_job_json_has_the_effective_policy_storage_and_own_bytes(capsys):
     view = json.loads(capsys.readouterr().out)
     assert view["policy"] == {"incremental": True, "full_every": 5, "pre_dump": False, "pre_dump_delay_s": 5.0,
                               "load_aware": True, "load_threshold_cpu": 0.95, "load_threshold_io": 0.5,
-                              "load_threshold_memory": 0.85, "connections": "keep"}
+                              "load_threshold_memory": 0.85, "connections": "keep", "pack_compression": "none"}
     assert view["storage_bytes"] == 3 * 1024**2
     assert [(e["n"], e["own_bytes"], e["incremental"]) for e in view["epochs"]] == \
         [(1, 1024**2 // 2, True), (2, 2 * 1024**2, False)]

@@ -83,8 +83,9 @@ def _checkpoint(tmp_path, toml: str, env: dict[str, str] | None = None) -> Check
 def test_the_guide_table_maps_every_guide_option_to_its_key_default_and_range():
     rows = re.findall(r"^\| `(CRIU_\w+)` \| `(\w+)` \| ([^|]+) \| ([^|]+) \|", _doc_section("checkpoint"), re.M)
     assert {guide: key for guide, key, _, _ in rows} == GUIDE_NAMES
-    # Every option but revenant's own (what a move does to a job's connections has no guide spelling).
-    assert set(GUIDE_NAMES.values()) == set(CheckpointConfig.__struct_fields__) - {"connections"}
+    # Every option but revenant's own (what a move does to a job's connections, and pack compression,
+    # have no guide spelling).
+    assert set(GUIDE_NAMES.values()) == set(CheckpointConfig.__struct_fields__) - {"connections", "pack_compression"}
     defaults = CheckpointConfig()
     for _, key, default, accepted in rows:
         value = getattr(defaults, key)

@@ -153,9 +153,13 @@ def test_show_job_lists_converted_epochs_with_their_own_bytes_and_the_shared_sto
     assert epochs[-1]["own_bytes"] >= full
 
 
-def test_an_older_incremental_epoch_restores_exactly_then_the_newest(make_cluster, tmp_path):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_an_older_incremental_epoch_restores_exactly_then_the_newest(make_cluster, tmp_path, compression):
+    from revenant.agent.storage.chain import read_layout
+
     cluster = make_cluster(1)
-    job = submit(cluster, tmp_path / "wd", 32, "--incremental", "--max-epochs", "4", "--full-every", "10")
+    job = submit(cluster, tmp_path / "wd", 32, "--incremental", "--max-epochs", "4", "--full-every", "10",
+                 "--pack-compression", compression)
     checkpoints(cluster, job, 1, 4)
     wait_steps(cluster, job, steps_done(cluster, job) + 4)
     cluster.cli("checkpoint", "vacate", job)  # epoch 5; epoch 1 goes (four kept)
@@ -163,6 +167,9 @@ def test_an_older_incremental_epoch_restores_exactly_then_the_newest(make_cluste
     vacated = cluster.job(job)
     assert vacated["state"] == "vacated" and [e["n"] for e in vacated["epochs"]] == [2, 3, 4, 5]
     assert [stored(cluster, job, n) for n in (2, 3, 4, 5)] == ["delta", "delta", "delta", "plain"]
+    assert vacated["policy"]["pack_compression"] == compression
+    files = files_of(cluster, job)
+    assert {read_layout(files, ref).codec or "none" for ref in files.read_manifest(2).packs} == {compression}
     at_2, at_vacate = epoch_steps(cluster, job, 2), steps_done(cluster, job)
     assert at_2 + 10 < at_vacate
 

@@ -282,14 +282,15 @@ def two_image_epochs(files: JobFiles, rnd: random.Random) -> dict[int, dict[str,
     return images
 
 
-def crash_converting(files: JobFiles, n: int, at: str) -> None:
-    """Convert epoch ``n`` in a child process that dies (os._exit, no cleanup) at step ``at``."""
+def crash_converting(files: JobFiles, n: int, at: str, codec: str = "") -> None:
+    """Convert epoch ``n`` (its pack compressed with ``codec``) in a child process that dies
+    (os._exit, no cleanup) at step ``at``."""
     crashed = 71
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            packs.convert(files, n, 10, on_step=lambda s: os._exit(crashed) if s == at else None)
+            packs.convert(files, n, 10, on_step=lambda s: os._exit(crashed) if s == at else None, codec=codec)
             code = 0
         finally:
             os._exit(code)
@@ -297,17 +298,18 @@ def crash_converting(files: JobFiles, n: int, at: str) -> None:
     assert os.waitstatus_to_exitcode(status) == crashed
 
 
+@pytest.mark.parametrize("codec", ["", "zstd"])
 @pytest.mark.parametrize("at", packs.STEPS)
-def test_a_crash_at_any_step_of_a_conversion_leaves_every_epoch_restorable(tmp_path, at):
+def test_a_crash_at_any_step_of_a_conversion_leaves_every_epoch_restorable(tmp_path, at, codec):
     files = JobFiles(tmp_path, "7")
     images = two_image_epochs(files, random.Random(11))
-    packs.convert(files, 1, 10)
-    crash_converting(files, 2, at)
+    packs.convert(files, 1, 10, codec=codec)
+    crash_converting(files, 2, at, codec)
     assert files.committed() == [1, 2, 3]
     for n, want in images.items():
         assert rebuilt(files, n, tmp_path) == want
     assert packs.converted(files.read_manifest(2)) == (at in ("committed", "unlinking"))  # the commit point
-    r = packs.convert(files, 2, 10)  # over what the crash left: finished now, or already done
+    r = packs.convert(files, 2, 10, codec=codec)  # over what the crash left: finished now, or already done
     assert packs.converted(files.read_manifest(2)) and r.note in ("", "already converted")
     packs.gc(files)
     leftovers = [p for p in pack_files(files) if p.name.startswith(".tmp-")]

@@ -132,7 +132,7 @@ class PolicyRunner:
                 await asyncio.to_thread(packs.gc, files)
             kept, storage = await asyncio.to_thread(self.listing, files)
         if policy.incremental and not manifest.encryption:  # encrypted epochs are kept whole (sealed.py)
-            task = asyncio.create_task(self._convert(files, generation, policy.full_every),
+            task = asyncio.create_task(self._convert(files, generation, policy.full_every, policy.pack_compression),
                                        name=f"convert-{files.job}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -161,14 +161,15 @@ class PolicyRunner:
             kept = []
         return next((e for e in kept if e.n == m.epoch), files.info(m))
 
-    async def _convert(self, files: JobFiles, generation: int, full_every: int) -> None:
+    async def _convert(self, files: JobFiles, generation: int, full_every: int, compression: str) -> None:
         done = []
         try:
             for n in files.committed()[:-1]:  # the newest stays plain: failover restores it at full speed
                 async with self.lock(files):  # one epoch at a time: a commit or a restore gets in between
                     if n == files.committed()[-1]:
                         break  # pruned meanwhile, down to this one: it is the newest now
-                    result = await asyncio.to_thread(packs.convert, files, n, full_every)
+                    result = await asyncio.to_thread(packs.convert, files, n, full_every, None,
+                                                     "" if compression == "none" else compression)
                 if result.converted:
                     log.info("job %s: epoch %d is a delta now (%d of %d pages new, %.2f s)",
                              files.job, n, result.new_pages, result.pages, result.seconds)

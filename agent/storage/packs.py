@@ -36,7 +36,7 @@ from typing import BinaryIO, Callable, Protocol
 
 import msgspec
 
-from revenant.agent.storage.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, Recipe, check_trusted, converted, idx_bytes,
+from revenant.agent.storage.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, FramedPack, Recipe, check_trusted, converted, idx_bytes,
                                   is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, rebuild, write_private)
 from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
 from revenant.agent.storage.fileio import fsync_path
@@ -119,7 +119,7 @@ class Readable(Protocol):
 
 
 def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
-        pack: BinaryIO, hasher: Hasher | None = None) -> tuple[list[int], int, int]:
+        pack: BinaryIO | FramedPack, hasher: Hasher | None = None) -> tuple[list[int], int, int]:
     """Hash every page read from ``f`` (to its end): pages ``index`` lacks are appended to ``pack``
     (pack number ``new_no``), their digests to ``digests``, and they go into ``index``.  (runs
     of (pack number, first page, count), size, CRC-32); with ``hasher``, it is fed every byte
@@ -186,9 +186,11 @@ def pack_dir(files: EpochStore, seg: int) -> Path:
     return d
 
 
-def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], None] | None = None) -> ConvertResult:
+def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], None] | None = None,
+            codec: str = "") -> ConvertResult:
     """Store epoch ``n``'s pages-*.img as recipes over its segment's packs (see the module's
-    docstring for the order).  ``on_step`` is called at each of STEPS (crash tests)."""
+    docstring for the order), its new pack compressed with ``codec`` (chain.CODECS; "": not).
+    ``on_step`` is called at each of STEPS (crash tests)."""
     started = time.monotonic()
     step = on_step or (lambda _: None)
     try:
@@ -213,7 +215,8 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     digests = bytearray()
     cuts: dict[str, tuple[list[int], int, str]] = {}
     try:
-        with open(os.open(tmp_pack, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as pack:
+        with open(os.open(tmp_pack, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as raw:
+            pack = FramedPack(raw, codec) if codec else raw
             for name in images:
                 hasher = digest.new() if digest.keyed else None
                 with open(files.epoch_dir(n) / name, "rb", buffering=0) as image:
@@ -222,10 +225,13 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
                 entry = m.files[name]
                 if cuts[name][1:] != (entry.size, entry.checksum):
                     return _result(files, n, False, 0, started, note=f"epoch {n}: {name} fails its checksum")
-            pack.flush()
-            os.fsync(pack.fileno())
+            if isinstance(pack, FramedPack):
+                pack.finish()
+            raw.flush()
+            os.fsync(raw.fileno())
         if digests:
-            write_private(tmp_idx, idx_bytes(digests))
+            write_private(tmp_idx, idx_bytes(digests, codec, pack.offsets if isinstance(pack, FramedPack) else ()))
+            new_bytes = os.stat(tmp_pack).st_size + os.stat(tmp_idx).st_size
             step("pack")
             os.rename(tmp_idx, pack_path(files, ref, ".idx"))
             os.rename(tmp_pack, pack_path(files, ref))
@@ -245,7 +251,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         log.warning("job %s: epoch %d stays plain: %s", files.job, n, exc)
         return _result(files, n, False, 0, started, note=str(exc))
     new_pages = len(digests) // DIGEST
-    added = _commit(files, n, new, recipes, step, digest) + (new_pages * PAGE + len(idx_bytes(digests)) if new_pages else 0)
+    added = _commit(files, n, new, recipes, step, digest) + (new_bytes if new_pages else 0)
     return _result(files, n, True, added, started, pages=sum(-(-r[1] // PAGE) for r in cuts.values()),
                    new_pages=new_pages)
 

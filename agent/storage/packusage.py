@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from revenant.agent.storage.chain import DIGEST, PAGE, Recipe, pack_path, read_recipe, runs_of, workdir_recipe
+from revenant.agent.storage.chain import (DIGEST, PAGE, Recipe, is_compressed, pack_path, read_layout, read_recipe, runs_of,
+                                          workdir_recipe)
 from revenant.agent.storage.epochs import FILES_DIR, MANIFEST, CorruptEpoch, JobFiles, Manifest
 from revenant.agent.storage.manifest import read_workdir
 
@@ -66,10 +67,24 @@ def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
                 storage += os.stat(pack_path(files, ref, suffix)).st_size
             except (OSError, CorruptEpoch):
                 pass
-    for ivs in intervals.values():
+    for ref, ivs in intervals.items():
+        per_page = _page_bytes(files, ref)
         for n, pages in _own_pages(ivs).items():
-            own[n] += pages * (PAGE + DIGEST)
+            own[n] += round(pages * (per_page + DIGEST))
     return storage - _shared_copies(files, manifests, own), own
+
+
+def _page_bytes(files: JobFiles, ref: str) -> float:
+    """What a page of pack ``ref`` takes on the storage: 4 KiB, or a compressed pack's average."""
+    try:
+        if not is_compressed(files, ref):
+            return PAGE
+        layout = read_layout(files, ref)
+        if layout.codec and layout.digests:
+            return os.stat(pack_path(files, ref)).st_size / (len(layout.digests) // DIGEST)
+    except (OSError, CorruptEpoch):
+        pass
+    return PAGE
 
 
 def _recipes(files: JobFiles, m: Manifest) -> Iterator[Recipe]:

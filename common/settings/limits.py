@@ -17,7 +17,8 @@ import re
 import msgspec
 
 from revenant.common.errors import RevenantError
-from revenant.messages import CONNECTIONS, MAX_MESSAGE_BYTES, ON_SICK, CheckpointPolicy, JobSpec, SubmitRequest
+from revenant.messages import (CONNECTIONS, MAX_MESSAGE_BYTES, ON_SICK, PACK_COMPRESSION, CheckpointPolicy, JobSpec,
+                               SubmitRequest)
 
 # The job's spec (command line, environment, name, working directory) as stored, encoded.
 MAX_SPEC_BYTES = 128 * 1024
@@ -155,6 +156,9 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
         raise BadRequest(f"--on-sick must be one of {', '.join(ON_SICK)}, got {req.on_sick!r}")
     if req.connections is not None and req.connections not in CONNECTIONS:
         raise BadRequest(f"--connections must be one of {', '.join(CONNECTIONS)}, got {req.connections!r}")
+    if req.pack_compression is not None and req.pack_compression not in PACK_COMPRESSION:
+        raise BadRequest(f"--pack-compression must be one of {', '.join(PACK_COMPRESSION)}, got "
+                         f"{req.pack_compression!r}")
     check_asked(req.cpus, req.memory_bytes, req.gpus)
     every = req.checkpoint_interval_s
     if every is not None and not (math.isfinite(every) and MIN_INTERVAL_S <= every <= MAX_INTERVAL_S):
