@@ -26,7 +26,7 @@ import threading
 from typing import BinaryIO
 
 from revenant.agent.storage import packs
-from revenant.agent.storage.chain import DIGEST, PAGE, idx_bytes, pack_path, write_private
+from revenant.agent.storage.packfile import DIGEST, PAGE, idx_bytes, pack_path, write_private
 from revenant.agent.storage.fileio import fsync_path
 from revenant.agent.storage.manifest import EpochStore
 from revenant.agent.storage.private import PRIVATE_FILE

@@ -36,8 +36,10 @@ from typing import BinaryIO, Callable, Protocol
 
 import msgspec
 
-from revenant.agent.storage.chain import (BATCH, DIGEST, PAGE, RECIPE_SUFFIX, FramedPack, Recipe, check_trusted, converted, idx_bytes,
-                                  is_manifest_tmp, manifest_tmp, pack_path, page_hash, read_idx, rebuild, write_private)
+from revenant.agent.storage.chain import (BATCH, RECIPE_SUFFIX, Recipe, check_trusted, converted, is_manifest_tmp,
+                                          manifest_tmp, page_hash, rebuild)
+from revenant.agent.storage.packfile import (DIGEST, PAGE, FramedPack, idx_bytes, pack_path, read_idx,
+                                             write_private)
 from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
 from revenant.agent.storage.fileio import fsync_path
 from revenant.agent.storage import imagekeys
