@@ -1,4 +1,5 @@
-"""Shared fixtures: a real nats-server on a free port, started per test."""
+"""Shared fixtures: a real nats-server on a free port, started per test (authenticated as
+``revenant up``'s: tests/helpers.py AuthBus)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from revenant.common.messaging.natsserver import start_nats_server
+from helpers import AuthBus
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -20,7 +21,10 @@ os.environ.setdefault("REVENANT_AGENT_ALLOW_ROOT_JOBS", "true")
 
 @pytest.fixture
 def nats_server(tmp_path):
-    server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log")
+    """A nats-server that admits only the identities `revenant up` would, each with its own
+    permissions (an AuthBus): every in-process agent, coordinator and client connects with its
+    identity's credential (tests/helpers.py agent_config, coordinator_config, connect_as, cli_env)."""
+    server = AuthBus(tmp_path / "nats", log_file=tmp_path / "nats.log")
     yield server
     server.stop()
 
@@ -204,7 +208,7 @@ def running(root, marker: str) -> list:
     return found
 
 
-LOG_TAIL_LINES = {"coordinator.log": 40}
+LOG_TAIL_LINES = {"coordinator.log": 40, "violations": 20}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -214,6 +218,12 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
+    server = item.funcargs.get("nats_server") if hasattr(item, "funcargs") else None
+    if isinstance(server, AuthBus):
+        # What the bus refused: a test that lacks a right fails on a timeout, far from the cause.
+        refused = server.violations()[-LOG_TAIL_LINES["violations"]:]
+        if refused:
+            report.sections.append((f"nats-server permission violations (last {len(refused)})", "\n".join(refused)))
     make = item.funcargs.get("make_cluster") if hasattr(item, "funcargs") else None
     for c in getattr(make, "clusters", []):
         for log_file in sorted((c.dir / "logs").glob("*.log")):

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import time
 
-import nats
 import pytest
 
-from helpers import agent_config, running
+from helpers import agent_config, connect_as, running
 from revenant.agent.node.agent import Agent
 from revenant.agent.node.liveness import FULL_FIRST
+from revenant.common.settings import security
 from revenant.messages import Heartbeat, HeartbeatRequest, decode_as, encode, subjects
 
 pytestmark = pytest.mark.nats
 
 
+async def _listener(nats_url):
+    """Heartbeats (and asking for a full one) are the coordinator's to hear (and ask): the test listens as it."""
+    return await connect_as(nats_url, security.COORDINATOR)
+
+
 async def test_heartbeats_carry_sequence_capabilities_and_health(nats_url, tmp_path):
-    nc = await nats.connect(nats_url)
+    nc = await _listener(nats_url)
     sub = await nc.subscribe(subjects.heartbeat("node-1"))
     async with running(Agent(agent_config(nats_url, tmp_path))):
         beats = [decode_as((await sub.next_msg(timeout=5)).data, Heartbeat) for _ in range(3)]
@@ -35,7 +40,7 @@ async def test_heartbeats_carry_sequence_capabilities_and_health(nats_url, tmp_p
 
 
 async def test_agent_with_missing_criu_still_heartbeats_and_reports_red(nats_url, tmp_path):
-    nc = await nats.connect(nats_url)
+    nc = await _listener(nats_url)
     sub = await nc.subscribe(subjects.heartbeat("node-1"))
     cfg = agent_config(nats_url, tmp_path, criu_path=str(tmp_path / "no-such-criu"))
     async with running(Agent(cfg)):
@@ -49,7 +54,7 @@ async def test_agent_with_missing_criu_still_heartbeats_and_reports_red(nats_url
 
 
 async def test_injected_loop_stall_makes_the_node_yellow(nats_url, tmp_path):
-    nc = await nats.connect(nats_url)
+    nc = await _listener(nats_url)
     sub = await nc.subscribe(subjects.heartbeat("node-1"))
     async with running(Agent(agent_config(nats_url, tmp_path))):
         await sub.next_msg(timeout=5)
@@ -68,7 +73,7 @@ async def test_memory_pressure_makes_the_node_yellow(nats_url, tmp_path):
     import psutil
 
     used = psutil.virtual_memory().percent
-    nc = await nats.connect(nats_url)
+    nc = await _listener(nats_url)
     sub = await nc.subscribe(subjects.heartbeat("node-1"))
     # The real memory probe against a threshold this machine is already above.
     cfg = agent_config(nats_url, tmp_path, memory_yellow_percent=max(1.0, used / 2), memory_red_percent=99.9)
@@ -83,7 +88,7 @@ async def test_memory_pressure_makes_the_node_yellow(nats_url, tmp_path):
 async def test_a_coordinators_request_makes_the_next_heartbeat_full(nats_url, tmp_path):
     """Between full heartbeats the agent sends slim ones; a heartbeat_request.v1 (a coordinator
     that started, or got its heartbeats back) makes the next one full at once."""
-    nc = await nats.connect(nats_url)
+    nc = await _listener(nats_url)
     sub = await nc.subscribe(subjects.heartbeat("node-1"))
     async with running(Agent(agent_config(nats_url, tmp_path, heartbeat_full_every=60))):
         beats = [decode_as((await sub.next_msg(timeout=5)).data, Heartbeat) for _ in range(5)]

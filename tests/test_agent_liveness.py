@@ -8,10 +8,11 @@ import time
 import nats
 import pytest
 
-from helpers import _states, agent_config, running, wait_for
+from helpers import _states, agent_config, connect_as, creds, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders, RemoteError
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.messages import Heartbeat, NodesReply, NodesRequest, decode, decode_as, subjects
 
 pytestmark = pytest.mark.cluster
@@ -22,11 +23,13 @@ async def test_stuck_event_loop_is_red_but_never_dead(nats_url, tmp_path):
 
     from conftest import VENV_BIN
 
-    coord = subprocess.Popen([str(VENV_BIN / "revenant"), "coordinator", "--nats", nats_url, "--http-port", "0"],
+    coord = subprocess.Popen([str(VENV_BIN / "revenant"), "coordinator", "--nats", nats_url, "--http-port", "0",
+                              "--creds", creds(nats_url, security.COORDINATOR)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
-        sub = await nc.subscribe(subjects.heartbeat("node-1"))
+        nc = await connect_as(nats_url, security.ADMIN)  # the node table and the events, as an operator
+        hearing = await connect_as(nats_url, security.COORDINATOR, "heartbeats")  # only it hears them
+        sub = await hearing.subscribe(subjects.heartbeat("node-1"))
         async with running(Agent(agent_config(nats_url, tmp_path))):
             await wait_for(lambda: _states(lambda: _nodes(nc), {"node-1": "alive"}), timeout=20)
             time.sleep(3.5)  # the agent's event loop is stuck past node_timeout_s (2.5 s)
@@ -51,6 +54,7 @@ async def test_stuck_event_loop_is_red_but_never_dead(nats_url, tmp_path):
                 break
         assert "dead" not in kinds and "suspect" not in kinds, kinds
         await nc.close()
+        await hearing.close()
     finally:
         coord.terminate()
         coord.wait(timeout=10)

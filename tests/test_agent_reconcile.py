@@ -8,10 +8,11 @@ import logging
 
 import pytest
 
-from helpers import agent_config, running, wait_for
+from helpers import agent_config, connect_as, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.messages import (
     AgentJobReply,
     HeartbeatRequest,
@@ -44,7 +45,7 @@ async def _start(nc, job: str, generation: int) -> None:
 
 
 async def test_reconcile_kills_the_jobs_the_leader_says_moved_on(nats_url, tmp_path):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     asked: list[ReconcileRequest] = []
     started: list[ReconcileRequest] = []
 
@@ -83,7 +84,7 @@ async def test_without_a_leader_reconcile_leaves_the_jobs_alone(nats_url, tmp_pa
     from revenant.agent.node import reconcile
 
     monkeypatch.setattr(reconcile, "RECONCILE_RETRY_FOR_S", 1.5)  # asks again for 60 s by default
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     async with running(Agent(agent_config(nats_url, tmp_path, drain_timeout_s=0))) as agent:
         await _start(nc, "1", 1)
         with caplog.at_level(logging.WARNING, logger="revenant.agent.node.reconcile"):
@@ -102,7 +103,7 @@ async def test_a_thaw_waits_until_the_nodes_lease_is_back(nats_url, tmp_path, mo
     """A reconcile after the connection came back can come before the lease does: the agent then
     does not ask to thaw (the leader's thaw would void a failover begun before it, and nothing
     would stop one begun after it), and asks again once the lease is held."""
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     asked: list[ReconcileRequest] = []
 
     async def leader(msg):
@@ -136,12 +137,16 @@ async def test_a_thaw_answered_after_a_new_fence_is_not_applied(nats_url, tmp_pa
     after the node fenced again (held up by the very cut that brought the new fence) is void: a
     failover that began after the leader answered may have restored the job elsewhere.  The job
     stays frozen and the agent asks again, whose answer decides."""
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     asked: list[ReconcileRequest] = []
     agent_ref: list[Agent] = []
+    armed = asyncio.Event()  # not before the test asks: the agent's own first reconcile may come late
 
     async def leader(msg):
         req = decode_as(msg.data, ReconcileRequest)
+        if not armed.is_set():
+            await msg.respond(encode(ReconcileReply()))
+            return
         asked.append(req)
         if len(asked) == 1:
             agent_ref[0].supervisor.freeze_all("a test's second fence")  # while the answer is on its way
@@ -154,8 +159,8 @@ async def test_a_thaw_answered_after_a_new_fence_is_not_applied(nats_url, tmp_pa
         await _start(nc, "1", 1)
         agent.supervisor.freeze_all("a test's fence")
         monkeypatch.setattr(agent.liveness, "holds_lease", lambda: True)
-        asked.clear()
         fences = agent.supervisor.fences
+        armed.set()
         await asyncio.wait_for(agent.reconcile(), 10)
         assert agent.supervisor.fences == fences + 1
         # Asked twice: the first answer came after the second fence and thawed nothing.
@@ -171,7 +176,7 @@ async def test_a_deposed_leaders_late_command_or_answer_is_refused(nats_url, tmp
     coordinator from before terms) is taken."""
     from revenant.common.errors import RemoteError
 
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     answers = {"term": 5}
 
     async def leader(msg):

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from helpers import agent_config, running, wait_for
+from helpers import agent_config, connect_as, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.messages import ErrorReply, Probe, ProbeReply, decode, subjects
 
 pytestmark = pytest.mark.nats
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.nats
 
 async def test_agent_answers_probes_and_rejects_garbage(nats_url, tmp_path):
     async with running(Agent(agent_config(nats_url, tmp_path))) as agent:
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        nc = await connect_as(nats_url, security.COORDINATOR)  # probes are the coordinator's
         reply = await wait_for(lambda: _probe(nc))
         assert reply.node == "node-1" and reply.incarnation == agent.incarnation
         raw = await nc.request(subjects.probe("node-1"), b"\x00garbage", timeout=2)

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER, Cluster, counter_reference, revenant_cli, running, wait_until
-from revenant.common.messaging.natsserver import start_nats_server
+from helpers import external_nats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
@@ -45,8 +45,8 @@ def counter_process(init_pid: int) -> psutil.Process:
 def test_jobs_survive_a_nats_restart_with_their_pid_generation_and_every_line(tmp_path, outage_s):
     port = free_port()
     store = tmp_path / "nats"
-    server = start_nats_server(store, port=port, log_file=tmp_path / "nats.log")
     cluster = Cluster(tmp_path / "cluster")
+    server = external_nats(cluster.dir, ["node-1", "node-2"], store, port=port, log_file=tmp_path / "nats.log")
     try:
         revenant_cli("up", "--nodes", "2", "--dir", str(cluster.dir), "--detach", "--nats", server.url, check=True)
         jobs = {name: cluster.cli("submit", "--node", node, "--", sys.executable, str(COUNTER), str(LINES),
@@ -66,7 +66,7 @@ def test_jobs_survive_a_nats_restart_with_their_pid_generation_and_every_line(tm
         frozen_at = {j: len(lines(cluster, j)) for j in jobs.values()}
         time.sleep(outage_s / 2)
         assert {j: len(lines(cluster, j)) for j in jobs.values()} == frozen_at  # not a byte while frozen
-        server = start_nats_server(store, port=port, log_file=tmp_path / "nats-2.log")
+        server = external_nats(cluster.dir, ["node-1", "node-2"], store, port=port, log_file=tmp_path / "nats-2.log")
 
         def all_running_again() -> bool:
             return all(counter_process(rec["pid"]).status() != psutil.STATUS_STOPPED for rec in before.values())

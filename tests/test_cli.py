@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import VENV_BIN, revenant_cli, wait_until
-from revenant.common.messaging.natsserver import start_nats_server
+from helpers import external_nats
 
 pytestmark = pytest.mark.cluster
 
@@ -134,8 +134,8 @@ def test_up_refuses_a_running_cluster(cluster):
 
 
 def test_up_with_external_nats(tmp_path):
-    server = start_nats_server(tmp_path / "ext")
     d = tmp_path / "c"
+    server = external_nats(d, ["node-1"], tmp_path / "ext")
     try:
         revenant_cli("up", "--nodes", "1", "--dir", str(d), "--nats", server.url, "--detach", check=True)
         assert node_table(d)["node-1"]["state"] == "alive"

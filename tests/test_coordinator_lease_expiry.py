@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from revenant.common.messaging import bus
+from helpers import connect_as
+from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.messages import subjects
 
@@ -21,7 +22,8 @@ async def test_lease_expiry_is_read_from_the_store_only_when_needed(nats_url):
     from revenant.messages import LeaseValue
     from revenant.coordinator.recovery.failover import Failover
 
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    # The failover reads the leases as the coordinator; the test renews them in the agents' stead.
+    nc = await connect_as(nats_url, security.COORDINATOR)
     js = nc.jetstream()
     cfg = CoordinatorConfig(nats_url=nats_url, lease_ttl_s=0.6, lease_margin_s=0.1)
     fo = Failover(cfg, js, None, None, lambda: [], lambda node: None)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from helpers import _states, agent_config, running, wait_for
+from helpers import _states, agent_config, connect_as, coordinator_config, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import NoResponders, RemoteError
 from revenant.common.messaging import bus
-from revenant.common.settings.config import CoordinatorConfig
+from revenant.common.settings import security
 from revenant.coordinator.coordinator import Coordinator
 from revenant.messages import Heartbeat, HeartbeatRequest, NodeEvent, NodesReply, NodesRequest, Probe, decode_as, encode, subjects
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.nats
 
 
 async def test_coordinator_tracks_nodes_and_publishes_events(nats_url, tmp_path):
-    cfg = CoordinatorConfig(nats_url=nats_url, http_port=0)
+    cfg = coordinator_config(nats_url, http_port=0)
     async with running(Coordinator(cfg)):
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        nc = await connect_as(nats_url, security.ADMIN)  # the node table and the event stream, as an operator
 
         async def nodes():
             try:
@@ -58,13 +58,17 @@ async def _all_alive(nodes, names):
 
 
 async def test_coordinator_survives_malformed_and_spoofed_heartbeats(nats_url, tmp_path):
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord:
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
-        await nc.publish(subjects.heartbeat("node-x"), b"\xc1\xc1")
-        await nc.publish(subjects.heartbeat("node-x"), msgpack.packb({"type": "heartbeat.v1", "seq": "x"}))
-        await nc.publish(subjects.heartbeat("node-x"), encode(Heartbeat(node="other", seq=1, sent_at=0, incarnation="i")))
-        await nc.publish(subjects.heartbeat("node-x"), b"x" * 300_000)
-        await nc.flush()
+    async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord:
+        # Node-x's own identity sends the junk (no other may publish on its heartbeat subject).
+        spoofer = await connect_as(nats_url, security.agent_identity("node-x"), "node-x")
+        nc = await connect_as(nats_url, security.ADMIN)
+        await spoofer.publish(subjects.heartbeat("node-x"), b"\xc1\xc1")
+        await spoofer.publish(subjects.heartbeat("node-x"), msgpack.packb({"type": "heartbeat.v1", "seq": "x"}))
+        await spoofer.publish(subjects.heartbeat("node-x"),
+                              encode(Heartbeat(node="other", seq=1, sent_at=0, incarnation="i")))
+        await spoofer.publish(subjects.heartbeat("node-x"), b"x" * 300_000)
+        await spoofer.flush()
+        await spoofer.close()
         await wait_for(lambda: _true(coord.malformed_heartbeats >= 4), timeout=3)
         # Still serving.
         reply = await wait_for(lambda: _nodes_or_none(nc))
@@ -75,9 +79,9 @@ async def test_coordinator_survives_malformed_and_spoofed_heartbeats(nats_url, t
 
 
 async def test_a_coordinator_that_starts_asks_every_agent_for_a_full_heartbeat(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.agent_identity("node-1"), "node-1")  # what every agent hears
     sub = await nc.subscribe(subjects.HEARTBEAT_REQUESTS)
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0, name="c1"))):
+    async with running(Coordinator(coordinator_config(nats_url, http_port=0, name="c1"))):
         req = decode_as((await sub.next_msg(timeout=10)).data, HeartbeatRequest)
     assert req.sender == "c1"
     await nc.close()
@@ -97,15 +101,19 @@ async def _nodes_or_none(nc):
 async def test_a_large_node_table_comes_in_pages(nats_url):
     from revenant.cli.client import request_nodes
 
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))):
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    async with running(Coordinator(coordinator_config(nats_url, http_port=0))):
+        # 1200 nodes' heartbeats from one connection: only the coordinator's identity may publish
+        # on every node's heartbeat subject.  The table is asked for as an operator.
+        agents = await connect_as(nats_url, security.COORDINATOR, "1200-agents")
+        nc = await connect_as(nats_url, security.ADMIN)
         caps = {"hostname": "h" * 40, "criu": {"path": "/usr/sbin/criu", "version": "4.1.1", "ok": True,
                                                "features": {f"feature_{i}": True for i in range(5)}}}
         for i in range(1200):  # ~600 KB of node statuses: more than one message may carry
             hb = msgpack.packb({"type": "heartbeat.v1", "node": f"n{i:04d}", "seq": 1, "sent_at": 0.0,
                                 "incarnation": "i", "capabilities": caps})
-            await nc.publish(subjects.heartbeat(f"n{i:04d}"), hb)
-        await nc.flush()
+            await agents.publish(subjects.heartbeat(f"n{i:04d}"), hb)
+        await agents.flush()
+        await agents.close()
         reply = await wait_for(lambda: _full_table(nc, request_nodes, 1200), timeout=15)
         assert [n.name for n in reply.nodes] == [f"n{i:04d}" for i in range(1200)]
         assert reply.total == 1200

@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
+from helpers import connect_as
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.common.messaging.events import EventPublisher
 from revenant.messages import JobEvent, NodeEvent, subjects
 
@@ -19,7 +21,7 @@ async def stored(js) -> int:
 
 
 async def test_one_event_published_twice_with_one_id_is_stored_once(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the leader's events (no node in their subjects)
     try:
         js = nc.jetstream()
         await bus.ensure_event_stream(js)
@@ -40,7 +42,7 @@ async def test_one_event_published_twice_with_one_id_is_stored_once(nats_url):
 async def test_a_publish_whose_ack_came_too_late_is_retried_and_stored_once(nats_url):
     """The first attempt's ack cannot arrive within its timeout (the stream stores the event
     anyway); each retry waits twice as long and carries the same id."""
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     try:
         js = nc.jetstream()
         await bus.ensure_event_stream(js)

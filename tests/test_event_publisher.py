@@ -6,16 +6,20 @@ import asyncio
 
 import pytest
 
+from helpers import connect_as, credentials
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.messages import NodeEvent, decode_as, subjects
 
 pytestmark = pytest.mark.nats
+
+# Every node's events, as the coordinator's publisher sends them: only its identity may.
 
 
 async def test_event_bursts_are_published_in_order_per_subject(nats_url):
     from revenant.common.messaging.events import EventPublisher
 
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
     pub = EventPublisher(js)
@@ -39,10 +43,11 @@ async def test_a_publisher_on_its_own_connection_keeps_a_burst_off_the_callers(n
     (whose leader-lease renewals must not wait behind them), and it closes that one at stop."""
     from revenant.common.messaging.events import EventPublisher
 
-    nc = await bus.connect(nats_url, "caller", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR, "caller")
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
-    pub = await EventPublisher.on_own_connection(nats_url, "caller-events", {})
+    pub = await EventPublisher.on_own_connection(nats_url, "caller-events",
+                                                  credentials(nats_url, security.COORDINATOR))
     own = pub._own
     assert own is not None and own is not nc and own.is_connected
     pub.start()
@@ -72,7 +77,7 @@ async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url)
 
     from revenant.common.messaging.events import EventPublisher
 
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
     for round_ in range(20):
@@ -88,33 +93,33 @@ async def test_events_in_flight_at_stop_are_published_and_stop_returns(nats_url)
     await nc.close()
 
 
-async def test_events_emitted_while_nats_is_down_are_published_once_it_is_back(tmp_path):
+async def test_events_emitted_while_nats_is_down_are_published_once_it_is_back(nats_server):
     """A self-fence happens exactly when NATS is out of reach: its reports must wait, not drop."""
     from revenant.common.messaging.events import EventPublisher
-    from revenant.common.messaging.natsserver import start_nats_server
 
-    server = start_nats_server(tmp_path / "nats")
-    port = int(server.url.rsplit(":", 1)[1])
-    nc = await bus.connect(server.url, "test", reconnect_wait_s=0.2)
+    # Node n1's agent: its own node events.
+    nc = await connect_as(nats_server.url, security.agent_identity("n1"), "n1", reconnect_wait_s=0.2,
+                          endless_reconnect=True)
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
     pub = EventPublisher(js, timeout_s=0.5)
     pub.start()
     try:
-        server.stop()
+        nats_server.kill()
         pub.emit(subjects.node_event("n1", "fenced"), NodeEvent(node="n1", kind="fenced", at=1.0))
         await asyncio.sleep(2.0)  # several failed attempts
         assert pub.published == 0 and pub.dropped == 0
-        server = start_nats_server(tmp_path / "nats", port=port)
+        nats_server.restart()
         for _ in range(100):
             if pub.published:
                 break
             await asyncio.sleep(0.1)
         assert pub.published == 1 and pub.dropped == 0
-        sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+        reader = await connect_as(nats_server.url, security.ADMIN)  # an agent may not read the stream
+        sub = await reader.jetstream().subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
         ev = decode_as((await sub.next_msg(timeout=5)).data, NodeEvent)
         assert (ev.node, ev.kind) == ("n1", "fenced")
+        await reader.close()
     finally:
         await pub.stop(flush_timeout_s=1)
         await nc.close()
-        server.stop()

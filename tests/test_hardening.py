@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import examples
+from helpers import connect_as, examples
 
 from revenant.agent.running.jobs import Supervisor
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.messages import MessageError, PurgeJob, decode, decode_as, encode, subjects
 from revenant.messages.codec import MAX_MESSAGE_BYTES
 from revenant.messages.errors import OversizedMessage
@@ -122,7 +123,8 @@ def test_fuzz_every_decoded_message_is_bounded(size):
 
 @pytest.mark.nats
 async def test_the_event_stream_refuses_junk_bigger_than_an_event(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    # A node's own credential is the one that could send junk: the stream's limit stops it.
+    nc = await connect_as(nats_url, security.agent_identity("junk"), "junk")
     try:
         js = nc.jetstream()
         await bus.ensure_event_stream(js)
@@ -138,13 +140,10 @@ async def test_the_event_stream_refuses_junk_bigger_than_an_event(nats_url):
 
 
 @pytest.mark.nats
-async def test_an_older_event_stream_gets_the_message_size_limit(tmp_path):
+async def test_an_older_event_stream_gets_the_message_size_limit(nats_url):
     from nats.js.api import StreamConfig
 
-    from revenant.common.messaging.natsserver import start_nats_server
-
-    server = start_nats_server(tmp_path / "nats")
-    nc = await bus.connect(server.url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the coordinator brings the stream up to date
     try:
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL]))
@@ -157,7 +156,6 @@ async def test_an_older_event_stream_gets_the_message_size_limit(tmp_path):
             await js.publish(subjects.node_event("n1", "joined"), b"j" * 900 * 1024)
     finally:
         await nc.close()
-        server.stop()
 
 
 # ------------------------------------------------------------------ the job's directory may be its user's

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from conftest import revenant_cli
-from helpers import HeldLease, agent_config, running, wait_for
+from helpers import HeldLease, agent_config, cli_env, connect_as, coordinator_config, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import UnknownJob
-from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.table.archive import Archiver, due_for_archive, is_due, pass_interval_s
@@ -137,13 +137,13 @@ async def test_purge_removes_a_live_finished_record():
 
 
 async def _cli(*args: str, url: str):
-    # In a thread: the coordinator answers from this process's event loop.
-    return await asyncio.to_thread(revenant_cli, *args, "--nats", url, "--timeout", "10")
+    # In a thread: the coordinator answers from this process's event loop.  As root's CLI: admin.
+    return await asyncio.to_thread(revenant_cli, *args, "--nats", url, "--timeout", "10", env=cli_env(url))
 
 
 @pytest.mark.nats
 async def test_a_finished_job_is_archived_after_retention_and_still_shown(nats_url, tmp_path):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the job table, as the coordinator writes it
     try:
         store = KvJobStore(nc.jetstream())
         await store.open()
@@ -151,7 +151,7 @@ async def test_a_finished_job_is_archived_after_retention_and_still_shown(nats_u
         await store.save(rec("1", "completed", now - WEEK - 60))   # finished over a week ago
         await store.save(rec("2", "completed", now - 60))          # finished a minute ago
         await store.save(rec("3", "vacated", now - 30 * DAY))     # vacated a month ago: may be restarted
-        async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord:
+        async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord:
             await wait_for(lambda: _gone_from(coord, "1"), timeout=10)
             listed = await _cli("jobs", "--json", url=nats_url)
             assert [j["id"] for j in json.loads(listed.stdout)] == ["2", "3"]
@@ -171,7 +171,7 @@ async def _gone_from(coord: Coordinator, job: str) -> bool:
 
 @pytest.mark.nats
 async def test_purge_removes_the_record_live_or_archived(nats_url, tmp_path):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     try:
         store = KvJobStore(nc.jetstream())
         await store.open()
@@ -181,7 +181,7 @@ async def test_purge_removes_the_record_live_or_archived(nats_url, tmp_path):
         epoch = tmp_path / "storage" / "jobs" / "2" / "epochs" / "1"
         epoch.mkdir(parents=True)
         (epoch / "pages-1.img").write_bytes(b"x" * 4096)
-        config = CoordinatorConfig(nats_url=nats_url, http_port=0)
+        config = coordinator_config(nats_url, http_port=0)
         async with running(Coordinator(config)) as coord, running(Agent(agent_config(nats_url, tmp_path))):
             await wait_for(lambda: _gone_from(coord, "1"), timeout=10)
             await wait_for(lambda: _alive(coord), timeout=10)

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from conftest import VENV_BIN
-from helpers import agent_config, running, wait_for
+from helpers import agent_config, connect_as, coordinator_config, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.messaging import bus
-from revenant.common.settings.config import CoordinatorConfig
+from revenant.common.settings import security
 from revenant.coordinator.coordinator import Coordinator
 from revenant.messages import JobReply, SubmitRequest, subjects
 
@@ -40,10 +40,10 @@ async def _ended(coord: Coordinator) -> bool:
 async def test_simultaneous_submits_all_get_a_job(nats_url, tmp_path, clients):
     criu = str(VENV_BIN / "criu")
     agents = [Agent(agent_config(nats_url, tmp_path / n, node=n, criu_path=criu)) for n in ("node-1", "node-2")]
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord, \
+    async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord, \
             running(agents[0]), running(agents[1]):
         await wait_for(lambda: _ready(coord), timeout=30)
-        conns = [await bus.connect(nats_url, f"client-{i}", endless_reconnect=False) for i in range(clients)]
+        conns = [await connect_as(nats_url, security.ADMIN, f"client-{i}") for i in range(clients)]
         try:
             took = time.monotonic()
             results = await asyncio.gather(*(_submit(conns[i % clients]) for i in range(BURST)),

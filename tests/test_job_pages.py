@@ -11,9 +11,8 @@ import msgspec
 import pytest
 
 from conftest import revenant_cli
-from helpers import running
-from revenant.common.messaging import bus
-from revenant.common.settings.config import CoordinatorConfig
+from helpers import cli_env, connect_as, coordinator_config, running
+from revenant.common.settings import security
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.table.paging import JOBS_PAGE_MAX, PAGE_BYTES, JobPages, fitting, job_sort_key, shown
 from revenant.coordinator.table.store import KvJobStore
@@ -105,7 +104,7 @@ def test_fitting_keeps_a_prefix_within_the_budget():
 
 @pytest.mark.nats
 async def test_revenant_jobs_lists_5000_jobs(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the job table, as the coordinator writes it
     try:
         store = KvJobStore(nc.jetstream())
         await store.open()
@@ -114,11 +113,12 @@ async def test_revenant_jobs_lists_5000_jobs(nats_url):
             batch = [store.save(record(str(i), state="completed")) for i in range(start, min(start + 500, SEEDED + 1))]
             await asyncio.gather(*batch)
         seeded = time.monotonic() - seeded
-        async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord:
+        async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord:
             assert len(coord.jobs.jobs) == SEEDED
             took = time.monotonic()
             # In a thread: the coordinator answers from this process's event loop.
-            out = await asyncio.to_thread(revenant_cli, "jobs", "--nats", nats_url, "--timeout", "10")
+            out = await asyncio.to_thread(revenant_cli, "jobs", "--nats", nats_url, "--timeout", "10",
+                                          env=cli_env(nats_url))
             took = time.monotonic() - took
             assert out.returncode == 0, out.stderr
             lines = out.stdout.splitlines()
@@ -126,7 +126,8 @@ async def test_revenant_jobs_lists_5000_jobs(nats_url):
             assert [line.split()[0] for line in lines[1:]] == [str(i) for i in range(1, SEEDED + 1)]
             print(f"seeded {SEEDED} jobs in {seeded:.2f} s; `revenant jobs` listed them in {took:.2f} s")
             assert took < 2.0, f"`revenant jobs` took {took:.2f} s for {SEEDED} jobs"
-            as_json = await asyncio.to_thread(revenant_cli, "jobs", "--json", "--nats", nats_url, "--timeout", "10")
+            as_json = await asyncio.to_thread(revenant_cli, "jobs", "--json", "--nats", nats_url, "--timeout", "10",
+                                              env=cli_env(nats_url))
             assert [j["id"] for j in json.loads(as_json.stdout)] == [str(i) for i in range(1, SEEDED + 1)]
     finally:
         await nc.close()

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import nats
 import pytest
 
+from helpers import connect_as, coordinator_config
 from revenant.common.errors import BusError, RemoteError, RevenantError
 from revenant.common.messaging import bus
 from revenant.common.messaging.events import EventPublisher
+from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.nodes.leader import Leadership
 from revenant.coordinator.table.agents import AgentClient, NotLeader
@@ -45,10 +46,10 @@ def service(nc, js, config: CoordinatorConfig, events: EventPublisher, term: Ter
 
 @pytest.fixture
 async def table(nats_url):
-    nc = await nats.connect(nats_url)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
-    table = service(nc, js, CoordinatorConfig(nats_url=nats_url), EventPublisher(js), Term(leads=False))
+    table = service(nc, js, coordinator_config(nats_url), EventPublisher(js), Term(leads=False))
     table.nc, table.js = nc, js
     await table.open()
     yield table
@@ -153,7 +154,7 @@ async def test_a_late_write_of_a_deposed_leader_does_not_depose_the_real_one(tab
 
 
 async def test_the_leader_lease_says_who_leads_now(nats_url):
-    nc = await nats.connect(nats_url)
+    nc = await connect_as(nats_url, security.COORDINATOR)
     js = nc.jetstream()
     elected: list[str] = []
     deposed: list[str] = []

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER, counter_reference, gone
-from helpers import agent_config, running, until, wait_for
+from helpers import agent_config, connect_as, running, until, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.agent.processes import procs
 from revenant.agent.running.jobs import Supervisor
@@ -39,6 +39,7 @@ from revenant.agent.running.launcher import LaunchError, Launcher, can_checkpoin
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import CriuError, NoResponders, RevenantError
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.common.settings.config import AgentConfig, load_config
 from revenant.messages import AgentJobReply, JobSpec, StartJob, subjects
 
@@ -330,7 +331,7 @@ async def test_the_agent_refuses_a_root_job_by_default_with_one_line(nats_url, t
     config = agent_config(nats_url, tmp_path, allow_root_jobs=False)  # the default
     assert config.allow_root_jobs == AgentConfig().allow_root_jobs
     async with running(Agent(config)) as agent:
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        nc = await connect_as(nats_url, security.COORDINATOR)  # commands come from the coordinator
         try:
             for user in ("", "root"):
                 refused = await wait_for(lambda: start(JobSpec(id="7", argv=["sleep", "60"], user=user)))

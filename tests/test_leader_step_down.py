@@ -8,11 +8,12 @@ import asyncio
 
 import pytest
 
-from helpers import wait_for
+from helpers import connect_as, coordinator_config, wait_for
 from revenant.common.errors import NoResponders, RemoteError
 from revenant.common.messaging import bus
 from revenant.common.messaging.kv import open_bucket
 from revenant.common.serving.service import ServiceStatus
+from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.nodes.leader import KEY
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.nats
 
 
 def config(url: str, **kw) -> CoordinatorConfig:
-    return CoordinatorConfig(nats_url=url, http_port=-1, name="c1", **kw)
+    return coordinator_config(url, http_port=-1, name="c1", **kw)
 
 
 async def start(coord: Coordinator) -> asyncio.Task:
@@ -67,7 +68,7 @@ async def served_job(nc, job_id: str) -> JobRecord:
 
 
 async def test_a_leader_whose_key_is_taken_steps_down_keeps_running_and_leads_again(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the other coordinator
     js = nc.jetstream()
     coord = Coordinator(config(nats_url, leader_lease_s=1.5))
     task = await start(coord)
@@ -116,7 +117,7 @@ async def test_a_write_conflict_with_a_newer_leader_steps_down_in_process(nats_u
     """JobService._resolve: the store says another coordinator leads, so this one steps down
     without writing, and stays up to campaign again.  The lease is long, so no renewal notices
     first: the conflict alone deposes it."""
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the other coordinator
     js = nc.jetstream()
     store = KvJobStore(js)
     await store.open()
@@ -152,26 +153,21 @@ async def test_a_write_conflict_with_a_newer_leader_steps_down_in_process(nats_u
         await nc.close()
 
 
-async def test_a_leader_cut_off_from_nats_steps_down_and_leads_again_when_it_is_back(tmp_path):
+async def test_a_leader_cut_off_from_nats_steps_down_and_leads_again_when_it_is_back(nats_server):
     """Finding 1 of issue 9: the leader exited 1.85 s into a NATS outage."""
-    from revenant.common.messaging.natsserver import start_nats_server
-
-    server = start_nats_server(tmp_path / "nats")
-    port = int(server.url.rsplit(":", 1)[1])
-    coord = Coordinator(config(server.url, leader_lease_s=1.5))
+    coord = Coordinator(config(nats_server.url, leader_lease_s=1.5))
     task = await start(coord)
     try:
-        server.stop()
+        nats_server.kill()
         await wait_for(lambda: _true(coord.step_downs == 1), timeout=5)
         await asyncio.sleep(1.0)
         assert coord.status is ServiceStatus.RUNNING and not task.done() and not coord.ready.is_set()
-        server = start_nats_server(tmp_path / "nats", port=port)
+        nats_server.restart()
         await asyncio.wait_for(coord.ready.wait(), 15)
         assert coord.leader and coord.leadership.terms == 2
     finally:
         coord.stop()
         await asyncio.wait_for(task, 10)
-        server.stop()
 
 
 async def _true(value: bool) -> bool:

@@ -3,8 +3,9 @@ from a term older than the newest it has heard (a deposed leader's, late)."""
 
 import pytest
 
+from helpers import connect_as
 from revenant.agent.running.runtime import LeaderTerm, StaleTerm
-from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.coordinator.table import lifecycle as lc
 from revenant.coordinator.table.agents import AgentClient
 from revenant.messages import AgentJobReply, JobSpec, StartJob, decode_as, encode, subjects
@@ -25,7 +26,8 @@ def test_a_node_takes_commands_from_the_newest_leader_term_it_has_heard():
 
 @pytest.mark.nats
 async def test_a_leaders_commands_carry_its_term(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # the leader's AgentClient
+    node = await connect_as(nats_url, security.agent_identity("node-1"), "node-1")  # and the agent it commands
     seen: list[str | None] = []
 
     async def agent(msg):
@@ -33,7 +35,8 @@ async def test_a_leaders_commands_carry_its_term(nats_url):
         spec = decode_as(msg.data, StartJob).spec
         await msg.respond(encode(AgentJobReply(job=spec.id, generation=1, node="node-1")))
 
-    await nc.subscribe(subjects.node_command("node-1", "start"), cb=agent)
+    await node.subscribe(subjects.node_command("node-1", "start"), cb=agent)
+    await node.flush()
     term = {"now": 41}
     client = AgentClient(nc, lambda: True, term=lambda: term["now"])
     spec = JobSpec(id="1", argv=["true"])
@@ -42,6 +45,7 @@ async def test_a_leaders_commands_carry_its_term(nats_url):
     await client.carry_out(lc.Start("node-1", spec, 1), 5)
     assert seen == ["41", None]
     await nc.close()
+    await node.close()
 
 
 @pytest.mark.unit

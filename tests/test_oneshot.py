@@ -11,6 +11,7 @@ import time
 import nats
 import pytest
 
+from helpers import connect_as, credentials
 from test_security_bus import secured  # noqa: F401  (the fixture: a server with revenant's permissions)
 from revenant.common.errors import NoResponders, RemoteError, RequestTimeout
 from revenant.common.messaging import oneshot
@@ -25,7 +26,10 @@ async def ask(*args, **kw):
 
 
 async def test_a_request_gets_its_reply_or_the_error_that_answers_it(nats_url):
-    nc = await nats.connect(nats_url)
+    # The test answers as the coordinator, on admin's subjects; the one-shot asks as admin.
+    nc = await connect_as(nats_url, security.COORDINATOR)
+    admin = credentials(nats_url, security.ADMIN)
+    nodes, job, nobody, silent = (subjects.coordinator(verb) for verb in ("nodes", "job", "nobody", "silent"))
     asked = []
 
     async def answer(msg) -> None:
@@ -35,33 +39,37 @@ async def test_a_request_gets_its_reply_or_the_error_that_answers_it(nats_url):
     async def refuse(msg) -> None:
         await msg.respond(encode(ErrorReply(code="unknown_job", message="unknown job 9", retriable=False)))
 
-    await nc.subscribe("t.nodes", cb=answer)
-    await nc.subscribe("t.job", cb=refuse)
+    await nc.subscribe(nodes, cb=answer)
+    await nc.subscribe(job, cb=refuse)
     async def ignore(msg) -> None:
         pass
 
-    await nc.subscribe("t.silent", cb=ignore)
+    await nc.subscribe(silent, cb=ignore)
     await nc.flush()
     try:
-        reply = await ask(nats_url, "t.nodes", NodesRequest(offset=3), NodesReply, 5.0)
+        reply = await ask(nats_url, nodes, NodesRequest(offset=3), NodesReply, 5.0, creds=admin["nkey_seed"],
+                          inbox_prefix=admin["inbox_prefix"])
         assert reply.total == 7 and asked == [NodesRequest(offset=3)]
         with pytest.raises(RemoteError) as refused:
-            await ask(nats_url, "t.job", JobRequest(job="9"), NodesReply, 5.0)
+            await ask(nats_url, job, JobRequest(job="9"), NodesReply, 5.0, creds=admin["nkey_seed"],
+                      inbox_prefix=admin["inbox_prefix"])
         assert (refused.value.code, str(refused.value)) == ("unknown_job", "unknown job 9")
-        with pytest.raises(NoResponders, match="nothing is listening on t.nobody"):
-            await ask(nats_url, "t.nobody", NodesRequest(), NodesReply, 5.0)
+        with pytest.raises(NoResponders, match=f"nothing is listening on {nobody}"):
+            await ask(nats_url, nobody, NodesRequest(), NodesReply, 5.0, creds=admin["nkey_seed"],
+                      inbox_prefix=admin["inbox_prefix"])
         began = time.monotonic()
-        with pytest.raises(RequestTimeout, match="no reply on t.silent within 0.5 s"):
-            await ask(nats_url, "t.silent", NodesRequest(), NodesReply, 0.5)
+        with pytest.raises(RequestTimeout, match=f"no reply on {silent} within 0.5 s"):
+            await ask(nats_url, silent, NodesRequest(), NodesReply, 0.5, creds=admin["nkey_seed"],
+                      inbox_prefix=admin["inbox_prefix"])
         assert time.monotonic() - began < 3
         # A dead first server: the next one of the URL answers.
         port = nats_url.rsplit(":", 1)[1]
-        assert (await ask(f"nats://127.0.0.1:1,nats://127.0.0.1:{port}", "t.nodes", NodesRequest(), NodesReply,
-                          5.0)).total == 7
+        assert (await ask(f"nats://127.0.0.1:1,nats://127.0.0.1:{port}", nodes, NodesRequest(), NodesReply,
+                          5.0, creds=admin["nkey_seed"], inbox_prefix=admin["inbox_prefix"])).total == 7
     finally:
         await nc.close()
     with pytest.raises(oneshot.NeedsLibrary):
-        await ask("tls://127.0.0.1:1", "t.nodes", NodesRequest(), NodesReply, 1.0)
+        await ask("tls://127.0.0.1:1", nodes, NodesRequest(), NodesReply, 1.0)
 
 
 async def test_a_user_asks_with_its_nkey_on_its_own_subject_and_inbox(secured):  # noqa: F811

@@ -12,7 +12,7 @@ import urllib.parse
 import nats
 import pytest
 
-from helpers import running
+from helpers import connect_as, creds, running
 from revenant.common.errors import BusError
 from revenant.common.messaging.natsserver import start_nats_cluster, start_nats_server, write_server_config
 from revenant.common.messaging.handshake import plain_urls
@@ -25,6 +25,11 @@ from revenant.messages import Heartbeat, encode, subjects
 
 pytestmark = pytest.mark.nats
 
+# On the test's bus (authenticated: tests/helpers.py AuthBus) the subscriber is the coordinator's,
+# which alone may hear every node's subjects: it listens, and the test publishes, as the
+# coordinator, under revenant's root.
+T = f"{subjects.ROOT}.t"
+
 
 async def until(predicate, timeout_s: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -36,51 +41,49 @@ async def until(predicate, timeout_s: float = 10.0) -> None:
 
 async def test_messages_arrive_whole_and_in_order(nats_url):
     got: list[tuple[bytes, bytes]] = []
-    sub = RawSubscriber(nats_url, "test", "t.*", got.extend)
+    sub = RawSubscriber(nats_url, "test", f"{T}.*", got.extend, creds=creds(nats_url, security.COORDINATOR))
     await sub.start()
     try:
         assert sub.connected
-        nc = await nats.connect(nats_url)
+        nc = await connect_as(nats_url, security.COORDINATOR)
         payloads = [bytes([i % 251]) * (i * 37 % 5000) for i in range(2000)] + [b"\r\nMSG x 1 3\r\n" * 9000]
         for i, p in enumerate(payloads):
-            await nc.publish(f"t.n{i % 7}", p)
-        await nc.publish("other", b"not mine")
+            await nc.publish(f"{T}.n{i % 7}", p)
+        await nc.publish(f"{subjects.ROOT}.other", b"not mine")
         await nc.flush()
         await until(lambda: len(got) == len(payloads))
         assert [d for _, d in got] == payloads  # an empty payload, a 117 KiB one, protocol-like bytes
-        assert [s for s, _ in got[:8]] == [f"t.n{i % 7}".encode() for i in range(8)]
+        assert [s for s, _ in got[:8]] == [f"{T}.n{i % 7}".encode() for i in range(8)]
         await nc.close()
     finally:
         await sub.close()
     assert not sub.connected
 
 
-async def test_a_restarted_server_is_found_again(tmp_path):
-    server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log")
-    port = server.port
+async def test_a_restarted_server_is_found_again(nats_server):
+    url = nats_server.url
     got: list[bytes] = []
     back = asyncio.Event()
 
     async def on_reconnect() -> None:
         back.set()
 
-    sub = RawSubscriber(server.url, "test", "t.>", lambda batch: got.extend(d for _, d in batch), ping_interval_s=0.2,
-                        reconnect_wait_s=0.1, on_reconnect=on_reconnect)
+    sub = RawSubscriber(url, "test", f"{T}.>", lambda batch: got.extend(d for _, d in batch), ping_interval_s=0.2,
+                        reconnect_wait_s=0.1, on_reconnect=on_reconnect, creds=creds(url, security.COORDINATOR))
     await sub.start()
     try:
-        server.stop()
+        nats_server.kill()
         await until(lambda: not sub.connected)
-        server = start_nats_server(tmp_path / "nats", port=port, log_file=tmp_path / "nats2.log")
+        nats_server.restart()
         await asyncio.wait_for(back.wait(), 10)
         assert sub.connected and sub.reconnects == 1
-        nc = await nats.connect(server.url)
-        await nc.publish("t.a", b"after")
+        nc = await connect_as(url, security.COORDINATOR)
+        await nc.publish(f"{T}.a", b"after")
         await nc.flush()
         await until(lambda: got == [b"after"])
         await nc.close()
     finally:
         await sub.close()
-        server.stop()
 
 
 async def test_a_url_naming_one_server_of_a_cluster_survives_that_server(tmp_path):
@@ -148,8 +151,8 @@ async def test_credentials_are_signed_and_refusals_are_one_line(tmp_path):
             await agent.close()
         finally:
             await sub.close()
-        for creds in (None, str(keyring.ensure("agent-stranger"))):
-            refused = RawSubscriber(server.url, "test", "revenant.hb.*", lambda batch: None, creds=creds)
+        for seed in (None, str(keyring.ensure("agent-stranger"))):
+            refused = RawSubscriber(server.url, "test", "revenant.hb.*", lambda batch: None, creds=seed)
             with pytest.raises(BusError) as err:
                 await refused.start()
             assert "authorization violation" in str(err.value).lower() and "\n" not in str(err.value)
@@ -243,15 +246,16 @@ async def test_a_connection_that_breaks_oddly_is_reconnected_not_given_up(nats_u
     """A transport that fails a write (closed under it, its connection_lost not yet called): the
     subscription reconnects; it never stops for good, which would leave a coordinator blind."""
     got: list[tuple[bytes, bytes]] = []
-    sub = RawSubscriber(nats_url, "test", "t.*", got.extend, ping_interval_s=0.1)
+    sub = RawSubscriber(nats_url, "test", f"{T}.*", got.extend, ping_interval_s=0.1,
+                        creds=creds(nats_url, security.COORDINATOR))
     await sub.start()
     try:
         sub._conn.transport = _Unwritable(sub._conn.transport)
         await until(lambda: sub.reconnects == 1 and sub.connected)
-        nc = await nats.connect(nats_url)
-        await nc.publish("t.a", b"after")
+        nc = await connect_as(nats_url, security.COORDINATOR)
+        await nc.publish(f"{T}.a", b"after")
         await nc.flush()
-        await until(lambda: got == [(b"t.a", b"after")])
+        await until(lambda: got == [(f"{T}.a".encode(), b"after")])
         await nc.close()
     finally:
         await sub.close()
@@ -291,7 +295,8 @@ async def test_a_pings_round_trip_says_how_far_behind_the_reader_is():
 
 
 async def test_a_reconnect_attempt_that_fails_oddly_is_followed_by_another(nats_url, caplog):
-    sub = RawSubscriber(nats_url, "test", "t.*", lambda batch: None, reconnect_wait_s=0.05)
+    sub = RawSubscriber(nats_url, "test", f"{T}.*", lambda batch: None, reconnect_wait_s=0.05,
+                        creds=creds(nats_url, security.COORDINATOR))
     await sub.start()
     real, calls = sub._connect, []
 

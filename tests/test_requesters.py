@@ -6,21 +6,24 @@ does not exist.  The CLI picks its subject from who runs it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 
 import pytest
 
 from conftest import VENV_BIN, revenant_cli
-from helpers import agent_config, running, wait_for
+from helpers import agent_config, cli_env, connect_as, coordinator_config, creds, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.cli import client
 from revenant.cli.main import parse_args
 from revenant.common.errors import RemoteError, UnknownJob
 from revenant.common.messaging import bus
-from revenant.common.settings.config import CoordinatorConfig
+from revenant.common.settings import security
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.table.paging import JobPages
 from revenant.coordinator.table.requests import (
@@ -185,9 +188,27 @@ async def _seed(nc, records: list[JobRecord], archived: list[JobRecord] = ()) ->
         await store.archive(rec)
 
 
-async def _ask(nc, who: Requester, verb: str, msg, reply_type):
+class _Askers:
+    """A connection per requester, each with its own identity's credential: alice asks as
+    user-alice, whom the server lets publish on her own subjects only; admin as admin."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.conns = url, {}
+
+    async def of(self, who: Requester):
+        identity = security.ADMIN if who.admin else security.user_identity(who.user)
+        if identity not in self.conns:
+            self.conns[identity] = await connect_as(self.url, identity, identity)
+        return self.conns[identity]
+
+    async def close(self) -> None:
+        for nc in self.conns.values():
+            await nc.close()
+
+
+async def _ask(askers: _Askers, who: Requester, verb: str, msg, reply_type):
     subject = subjects.coordinator(verb) if who.admin else subjects.user_request(who.user, verb)
-    return await bus.request(nc, subject, msg, reply_type, 5)
+    return await bus.request(await askers.of(who), subject, msg, reply_type, 5)
 
 
 async def _refusal(nc, who: Requester, verb: str, msg, reply_type=JobReply) -> tuple[str, str]:
@@ -204,60 +225,79 @@ async def _listing(nc, who: Requester) -> list[tuple[str, str]]:
 
 @pytest.mark.nats
 async def test_alice_cannot_see_or_act_on_bobs_job_and_admin_sees_all(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # seeds the job table, as the coordinator writes it
+    askers = _Askers(nats_url)
     try:
         await _seed(nc, [record("1", "alice"), record("2", "bob"), record("3", ""),
                          record("4", "alice", state="vacated")], archived=[record("5", "bob")])
-        async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord:
-            assert await _listing(nc, ALICE) == [("1", "alice"), ("4", "alice")]
-            assert await _listing(nc, BOB) == [("2", "bob")]
-            assert await _listing(nc, ADMIN) == [("1", "alice"), ("2", "bob"), ("3", ""), ("4", "alice")]
-            assert (await _ask(nc, ALICE, "job", JobRequest(job="1"), JobReply)).job.spec.user == "alice"
+        async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord:
+            assert await _listing(askers, ALICE) == [("1", "alice"), ("4", "alice")]
+            assert await _listing(askers, BOB) == [("2", "bob")]
+            assert await _listing(askers, ADMIN) == [("1", "alice"), ("2", "bob"), ("3", ""), ("4", "alice")]
+            assert (await _ask(askers, ALICE, "job", JobRequest(job="1"), JobReply)).job.spec.user == "alice"
             # Bob's (live or archived) and the record from before users: as if they did not exist.
             for verb in ("job", "checkpoint", "vacate", "restart", "purge", "cancel", "signal"):
                 for job in ("2", "3", "5", "99"):
                     asked = JobRequest(job=job, signal="USR1")
-                    assert await _refusal(nc, ALICE, verb, asked) == ("unknown_job", f"unknown job {job}")
+                    assert await _refusal(askers, ALICE, verb, asked) == ("unknown_job", f"unknown job {job}")
             # Her own pass that check: what stops them now is the job's state or the nodes.
             for verb, job in (("checkpoint", "1"), ("vacate", "1"), ("restart", "1"), ("purge", "4")):
-                assert (await _refusal(nc, ALICE, verb, JobRequest(job=job)))[0] != "unknown_job", verb
+                assert (await _refusal(askers, ALICE, verb, JobRequest(job=job)))[0] != "unknown_job", verb
             # Cancelling an ended job says so and changes nothing; a bad signal is named.
-            assert await _refusal(nc, ALICE, "cancel", JobRequest(job="1")) == (
+            assert await _refusal(askers, ALICE, "cancel", JobRequest(job="1")) == (
                 "bad_state", "job 1 has already ended (completed); nothing to cancel")
-            assert await _refusal(nc, BOB, "cancel", JobRequest(job="5")) == (
+            assert await _refusal(askers, BOB, "cancel", JobRequest(job="5")) == (
                 "bad_state", "job 5 has already ended and been archived; nothing to cancel")
-            assert await _refusal(nc, ALICE, "signal", JobRequest(job="1", signal="TERM")) == (
+            assert await _refusal(askers, ALICE, "signal", JobRequest(job="1", signal="TERM")) == (
                 "bad_state", "job 1 is completed; only a running job can be signalled")
-            code, message = await _refusal(nc, ALICE, "cancel", JobRequest(job="4", signal="NOPE", grace_s=1))
+            code, message = await _refusal(askers, ALICE, "cancel", JobRequest(job="4", signal="NOPE", grace_s=1))
             assert code == "bad_request" and message.startswith("unknown signal 'NOPE'")
             # Her vacated job: cancelled (no copy anywhere to kill), its epochs kept for a restart.
-            cancelled = (await _ask(nc, ALICE, "cancel", JobRequest(job="4"), JobReply)).job
+            cancelled = (await _ask(askers, ALICE, "cancel", JobRequest(job="4"), JobReply)).job
             assert (cancelled.state, cancelled.reason) == ("cancelled", "cancelled by user alice")
-            assert await _refusal(nc, ALICE, "cancel", JobRequest(job="4")) == (
+            assert await _refusal(askers, ALICE, "cancel", JobRequest(job="4")) == (
                 "bad_state", "job 4 is already cancelled; nothing to cancel")
-            shown = await _ask(nc, BOB, "job", JobRequest(job="5"), JobReply)
+            shown = await _ask(askers, BOB, "job", JobRequest(job="5"), JobReply)
             assert shown.job.spec.user == "bob" and shown.notes[0].startswith("archived")
             for job in ("2", "3", "5"):
-                assert (await _ask(nc, ADMIN, "job", JobRequest(job=job), JobReply)).job.spec.id == job
+                assert (await _ask(askers, ADMIN, "job", JobRequest(job=job), JobReply)).job.spec.id == job
             # A user may read failover's state and the nodes, not pause failover; root is admin only.
-            assert not (await _ask(nc, ALICE, "failover", FailoverRequest(), FailoverReply)).paused
-            code, message = await _refusal(nc, ALICE, "failover", FailoverRequest(action="pause"), FailoverReply)
+            assert not (await _ask(askers, ALICE, "failover", FailoverRequest(), FailoverReply)).paused
+            code, message = await _refusal(askers, ALICE, "failover", FailoverRequest(action="pause"), FailoverReply)
             assert code == "forbidden" and "failover pause is for admin (root) only" in message
             assert not coord.failover.storm.paused
-            await _ask(nc, ALICE, "nodes", NodesRequest(), NodesReply)
-            assert (await _refusal(nc, Requester("root"), "jobs", JobsRequest(), JobsReply))[0] == "forbidden"
+            await _ask(askers, ALICE, "nodes", NodesRequest(), NodesReply)
+            assert (await _refusal(askers, Requester("root"), "jobs", JobsRequest(), JobsReply))[0] == "forbidden"
             # A user naming another at submit is refused before anything happens.
-            code, message = await _refusal(nc, ALICE, "submit", SubmitRequest(argv=["true"], user="bob"))
+            code, message = await _refusal(askers, ALICE, "submit", SubmitRequest(argv=["true"], user="bob"))
             assert (code, message) == ("forbidden", "user alice may not submit as bob: only admin (root) submits "
                                                     "on another user's behalf (revenant submit --user)")
             assert sorted(coord.jobs.jobs) == ["1", "2", "3", "4"]
     finally:
+        await askers.close()
         await nc.close()
 
 
-def _as_nobody(*args: str, url: str) -> subprocess.CompletedProcess:
-    """The installed CLI run by the unprivileged user nobody (uid 65534), as that user would."""
-    env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "REVENANT_NATS": url, "HOME": "/"}
+@contextlib.contextmanager
+def _nobodys_credential(nats_url: str):
+    """user-nobody's seed file, as nobody's own (the test bus's keys are root's: mode 0600, in a
+    directory of mode 0700); named as its identity, which is how a client knows who it is."""
+    directory = tempfile.mkdtemp(prefix="revenant-nobody-")
+    try:
+        path = os.path.join(directory, "user-nobody.nk")
+        shutil.copyfile(creds(nats_url, security.user_identity("nobody")), path)
+        for owned in (directory, path):
+            os.chown(owned, 65534, 65534)
+        os.chmod(path, 0o600)
+        yield path
+    finally:
+        shutil.rmtree(directory)
+
+
+def _as_nobody(*args: str, url: str, credential: str) -> subprocess.CompletedProcess:
+    """The installed CLI run by the unprivileged user nobody (uid 65534), as that user would,
+    with its own credential."""
+    env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "REVENANT_NATS": url, "REVENANT_CREDS": credential, "HOME": "/"}
     return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                            str(VENV_BIN / "revenant"), *args], capture_output=True, text=True, timeout=60,
                           env=env, stdin=subprocess.DEVNULL, cwd="/")
@@ -265,29 +305,31 @@ def _as_nobody(*args: str, url: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.nats
 async def test_the_cli_run_by_a_user_sees_their_jobs_only_and_root_sees_all(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # seeds the job table, as the coordinator writes it
     try:
         await _seed(nc, [record("1", "nobody"), record("2", "daemon"), record("3", "nobody")])
-        async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))):
-            # In threads: the coordinator answers from this process's event loop.
-            mine = await asyncio.to_thread(_as_nobody, "jobs", "--json", url=nats_url)
-            assert mine.returncode == 0, mine.stderr
-            assert [(j["id"], j["user"]) for j in json.loads(mine.stdout)] == [("1", "nobody"), ("3", "nobody")]
-            table = await asyncio.to_thread(_as_nobody, "jobs", url=nats_url)
-            assert [line.split()[:4] for line in table.stdout.splitlines()] == [
-                ["ID", "NAME", "STATE", "USER"], ["1", "true", "completed", "nobody"],
-                ["3", "true", "completed", "nobody"]]
-            theirs, unknown = [await asyncio.to_thread(_as_nobody, "show", "job", job, url=nats_url)
-                               for job in ("2", "2000")]
-            assert theirs.returncode == unknown.returncode == 1
-            assert theirs.stderr == "revenant: unknown job 2\n" and unknown.stderr == "revenant: unknown job 2000\n"
-            refused = await asyncio.to_thread(_as_nobody, "submit", "--user", "daemon", "--", "true", url=nats_url)
-            assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
-                "revenant: user nobody may not submit as daemon: only admin (root) submits on another user's "
-                "behalf (revenant submit --user)"]
-            everything = await asyncio.to_thread(revenant_cli, "jobs", "--json", env={"REVENANT_NATS": nats_url})
-            assert [(j["id"], j["user"]) for j in json.loads(everything.stdout)] == [
-                ("1", "nobody"), ("2", "daemon"), ("3", "nobody")]
+        with _nobodys_credential(nats_url) as own:
+            async with running(Coordinator(coordinator_config(nats_url, http_port=0))):
+                # In threads: the coordinator answers from this process's event loop.
+                mine = await asyncio.to_thread(_as_nobody, "jobs", "--json", url=nats_url, credential=own)
+                assert mine.returncode == 0, mine.stderr
+                assert [(j["id"], j["user"]) for j in json.loads(mine.stdout)] == [("1", "nobody"), ("3", "nobody")]
+                table = await asyncio.to_thread(_as_nobody, "jobs", url=nats_url, credential=own)
+                assert [line.split()[:4] for line in table.stdout.splitlines()] == [
+                    ["ID", "NAME", "STATE", "USER"], ["1", "true", "completed", "nobody"],
+                    ["3", "true", "completed", "nobody"]]
+                theirs, unknown = [await asyncio.to_thread(_as_nobody, "show", "job", job, url=nats_url,
+                                                           credential=own) for job in ("2", "2000")]
+                assert theirs.returncode == unknown.returncode == 1
+                assert theirs.stderr == "revenant: unknown job 2\n" and unknown.stderr == "revenant: unknown job 2000\n"
+                refused = await asyncio.to_thread(_as_nobody, "submit", "--user", "daemon", "--", "true", url=nats_url,
+                                                  credential=own)
+                assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+                    "revenant: user nobody may not submit as daemon: only admin (root) submits on another user's "
+                    "behalf (revenant submit --user)"]
+                everything = await asyncio.to_thread(revenant_cli, "jobs", "--json", env=cli_env(nats_url))
+                assert [(j["id"], j["user"]) for j in json.loads(everything.stdout)] == [
+                    ("1", "nobody"), ("2", "daemon"), ("3", "nobody")]
     finally:
         await nc.close()
 
@@ -304,21 +346,22 @@ async def test_a_submit_records_who_asked_and_admin_may_submit_for_a_user(nats_u
     wd = tmp_path / "nobodys"  # a job's workdir is its user's own (agent/running/jobuser.py workdir_problem)
     wd.mkdir()
     os.chown(wd, 65534, 65534)
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord, running(agent):
+    async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord, running(agent):
         await wait_for(lambda: _started(coord), timeout=30)
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        askers = _Askers(nats_url)
         try:
-            own = await _ask(nc, Requester("nobody"), "submit", SubmitRequest(argv=["true"], workdir=str(wd)), JobReply)
+            own = await _ask(askers, Requester("nobody"), "submit", SubmitRequest(argv=["true"], workdir=str(wd)),
+                             JobReply)
             assert own.job.spec.user == "nobody"
             # Root's CLI asks as admin, which may name the user.
             out = await asyncio.to_thread(revenant_cli, "submit", "--user", "nobody", "--workdir", str(wd), "--", "true",
-                                          env={"REVENANT_NATS": nats_url})
+                                          env=cli_env(nats_url))
             assert out.returncode == 0, out.stderr
             job = out.stdout.strip()
             assert coord.jobs.get(job).spec.user == "nobody"
-            shown = await _ask(nc, Requester("nobody"), "job", JobRequest(job=job), JobReply)
+            shown = await _ask(askers, Requester("nobody"), "job", JobRequest(job=job), JobReply)
             assert shown.job.spec.user == "nobody"
-            assert await _listing(nc, Requester("nobody")) == [(own.job.spec.id, "nobody"), (job, "nobody")]
-            assert await _listing(nc, Requester("daemon")) == []
+            assert await _listing(askers, Requester("nobody")) == [(own.job.spec.id, "nobody"), (job, "nobody")]
+            assert await _listing(askers, Requester("daemon")) == []
         finally:
-            await nc.close()
+            await askers.close()

@@ -10,11 +10,11 @@ import time
 import pytest
 
 from conftest import VENV_BIN, revenant_cli
-from helpers import agent_config, running, wait_for
+from helpers import agent_config, cli_env, connect_as, coordinator_config, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import RemoteError
 from revenant.common.messaging import bus
-from revenant.common.settings.config import CoordinatorConfig
+from revenant.common.settings import security
 from revenant.coordinator.coordinator import Coordinator
 from revenant.messages import MAX_MESSAGE_BYTES, JobReply, SubmitRequest, encode, subjects
 
@@ -38,7 +38,7 @@ def just_fitting_request() -> SubmitRequest:
 
 async def _cli(*args: str, url: str):
     # In a thread: the coordinator answers from this process's event loop.
-    return await asyncio.to_thread(revenant_cli, *args, env={"REVENANT_NATS": url})
+    return await asyncio.to_thread(revenant_cli, *args, env=cli_env(url))  # root's CLI: admin
 
 
 async def _ready(coord: Coordinator) -> bool:
@@ -49,9 +49,9 @@ async def _ready(coord: Coordinator) -> bool:
 async def cluster(nats_url, tmp_path):
     """A coordinator and one agent with criu, in this process: a submit that passed would run."""
     agent = Agent(agent_config(nats_url, tmp_path, criu_path=str(VENV_BIN / "criu")))
-    async with running(Coordinator(CoordinatorConfig(nats_url=nats_url, http_port=0))) as coord, running(agent):
+    async with running(Coordinator(coordinator_config(nats_url, http_port=0))) as coord, running(agent):
         await wait_for(lambda: _ready(coord), timeout=30)
-        nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+        nc = await connect_as(nats_url, security.ADMIN)  # another client of admin's
         try:
             yield coord, agent, nc
         finally:

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
+from helpers import connect_as, creds
 from revenant.client import ClientError
 from revenant.common.errors import BusError, RevenantError
-from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.common.settings.limits import BadRequest, check_submit
 from revenant.coordinator.table.requests import ClientRequests
 from revenant.messages import ErrorReply, JobRecord, JobReply, JobSpec, SubmitRequest, decode_as, encode, subjects
@@ -107,11 +108,19 @@ def test_a_request_id_is_short_and_plain(bad):
         check_submit(SubmitRequest(argv=["true"], request_id=bad))  # none given: fine
 
 
+def as_admin(nats_url: str, monkeypatch) -> None:
+    """The CLI's submit as root's, with admin's credential (what ``--creds`` resolves to)."""
+    from revenant.cli import client
+
+    monkeypatch.setattr(client, "_creds", creds(nats_url, security.ADMIN))
+
+
 @pytest.mark.nats
-async def test_the_cli_asks_again_with_the_same_id_while_no_leader_answers(nats_url):
+async def test_the_cli_asks_again_with_the_same_id_while_no_leader_answers(nats_url, monkeypatch):
     from revenant.cli.client import submitted
 
-    nc = await bus.connect(nats_url, "fake-coordinator", endless_reconnect=False)
+    as_admin(nats_url, monkeypatch)
+    nc = await connect_as(nats_url, security.COORDINATOR, "fake-coordinator")
     seen: list[str] = []
 
     async def on_submit(msg) -> None:
@@ -136,12 +145,13 @@ async def test_the_cli_asks_again_with_the_same_id_while_no_leader_answers(nats_
     ("bad_request", "nothing to run"),  # a refusal no repeat can change
     ("timeout", "job 3 could not start on node-1"),  # a node that did not answer the start
 ])
-async def test_the_cli_does_not_ask_again_after_a_coordinators_answer(nats_url, code, message):
+async def test_the_cli_does_not_ask_again_after_a_coordinators_answer(nats_url, code, message, monkeypatch):
     """Only what this client met on the bus, and not_leader, are asked again; a coordinator's
     answer is final, even one with a bus error's code."""
     from revenant.cli.client import submitted
 
-    nc = await bus.connect(nats_url, "fake-coordinator", endless_reconnect=False)
+    as_admin(nats_url, monkeypatch)
+    nc = await connect_as(nats_url, security.COORDINATOR, "fake-coordinator")
     seen: list[str] = []
 
     async def answer(msg) -> None:

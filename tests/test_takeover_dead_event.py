@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from helpers import wait_for
+from helpers import connect_as, coordinator_config, wait_for
 from revenant.common.messaging import bus
 from revenant.common.messaging.kv import open_bucket
+from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.nodes.detector import FailureDetector
@@ -49,7 +50,8 @@ async def node_events(js, node: str, kind: str) -> list[NodeEvent]:
 
 @pytest.mark.nats
 async def test_a_standby_that_takes_over_a_failover_publishes_the_nodes_dead_event(nats_url, caplog):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR, "old-leader")
+    node = await connect_as(nats_url, security.agent_identity("node-1"), "node-1")
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
     lease = await open_bucket(js, subjects.LEADER_BUCKET, 1.5)
@@ -67,14 +69,14 @@ async def test_a_standby_that_takes_over_a_failover_publishes_the_nodes_dead_eve
     await store.open()
     await store.save(JobRecord(spec=JobSpec(id="1", argv=["true"]), state="restoring", node="", generation=2,
                                epochs=[EpochInfo(n=1)]))
-    config = CoordinatorConfig(nats_url=nats_url, http_port=-1, name="standby", leader_lease_s=1.5,
-                               suspect_timeout_s=0.5, node_timeout_s=0.6, probe_timeout_s=0.2,
-                               requeue_timeout_s=1.0)
+    config = coordinator_config(nats_url, http_port=-1, name="standby", leader_lease_s=1.5,
+                                suspect_timeout_s=0.5, node_timeout_s=0.6, probe_timeout_s=0.2,
+                                requeue_timeout_s=1.0)
     coord = Coordinator(config)
     task = asyncio.create_task(coord.run())
     try:
         for seq in range(1, 6):  # node-1 heartbeats, then dies
-            await nc.publish(subjects.heartbeat("node-1"), encode(Heartbeat(
+            await node.publish(subjects.heartbeat("node-1"), encode(Heartbeat(
                 node="node-1", seq=seq, sent_at=time.time(), incarnation="inc-1", interval_s=0.2,
                 capabilities=WORKING)))
             await asyncio.sleep(0.2)
@@ -98,11 +100,12 @@ async def test_a_standby_that_takes_over_a_failover_publishes_the_nodes_dead_eve
         coord.stop()
         await asyncio.wait_for(task, 10)
         await nc.close()
+        await node.close()
 
 
 @pytest.mark.nats
 async def test_a_dead_event_already_out_is_not_published_again(nats_url):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR, "old-leader")
     js = nc.jetstream()
     await bus.ensure_event_stream(js)
     from revenant.common.messaging.events import EventPublisher

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import VENV_BIN, revenant_cli
-from helpers import agent_config, running, wait_for
+from helpers import agent_config, cli_env, connect_as, coordinator_config, running, wait_for
 from revenant.agent.node.agent import Agent
 from revenant.common.errors import ConfigError, RemoteError
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.common.settings.config import CoordinatorConfig, load_config
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.table.requests import ClientRequests
@@ -270,48 +271,53 @@ def nobodys_dir():
 @pytest.mark.criu
 async def test_a_coordinator_refuses_a_user_past_the_limits_with_one_line_and_makes_no_job(nats_url, tmp_path,
                                                                                           nobodys_dir):
-    nc = await bus.connect(nats_url, "test", endless_reconnect=False)
+    nc = await connect_as(nats_url, security.COORDINATOR)  # writes the table as an earlier leader did
+    # Each asks with its own identity: a user's may publish on that user's subjects only.
+    daemon, nobody, admin = [await connect_as(nats_url, identity, identity) for identity in (
+        security.user_identity("daemon"), security.user_identity("nobody"), security.ADMIN)]
     try:
         # What an earlier leader left: two of daemon's jobs not finished, one finished.
         store = KvJobStore(nc.jetstream())
         await store.open()
         for job, state in (("101", "vacated"), ("102", "vacated"), ("103", "completed")):
             await store.save(record(job, "daemon", state))
-        config = CoordinatorConfig(nats_url=nats_url, http_port=0, max_jobs_per_user=2, submit_rate_per_user=0.01,
-                                   submit_burst_per_user=2)
+        config = coordinator_config(nats_url, http_port=0, max_jobs_per_user=2, submit_rate_per_user=0.01,
+                                    submit_burst_per_user=2)
         agent = Agent(agent_config(nats_url, tmp_path, criu_path=str(VENV_BIN / "criu")))
         async with running(Coordinator(config)) as coord, running(agent):
             await wait_for(lambda: _ready(coord), timeout=30)
-            refused = await _refused(nc, "daemon", SubmitRequest(argv=["true"], workdir="/", request_id="d1"))
+            refused = await _refused(daemon, "daemon", SubmitRequest(argv=["true"], workdir="/", request_id="d1"))
             assert (refused.code, str(refused)) == (
                 "too_many_jobs", "user daemon already has 2 jobs that are not finished (max_jobs_per_user = 2)")
             # Admin submitting on daemon's behalf counts for daemon: the CLI prints the one line.
             out = await asyncio.to_thread(revenant_cli, "submit", "--user", "daemon", "--workdir", "/", "--", "true",
-                                          env={"REVENANT_NATS": nats_url})
+                                          env=cli_env(nats_url))
             assert out.returncode == 1 and out.stderr.splitlines() == [
                 "revenant: user daemon already has 2 jobs that are not finished (max_jobs_per_user = 2)"]
             assert sorted(coord.jobs.jobs) == ["101", "102", "103"] and agent.supervisor.jobs == {}
             # nobody's burst of two goes through (the first job takes id 1: none was taken above) ...
-            made = [await bus.request(nc, subjects.user_request("nobody", "submit"),
+            made = [await bus.request(nobody, subjects.user_request("nobody", "submit"),
                                       SubmitRequest(argv=["true"], workdir=nobodys_dir, request_id=f"n{n}"),
                                       JobReply, 10)
                     for n in (1, 2)]
             assert [r.job.spec.id for r in made] == ["1", "2"]
             await wait_for(lambda: _ended(coord, "1", "2"), timeout=20)
             # ... the third is past the rate, though nobody has no job left unfinished.
-            refused = await _refused(nc, "nobody", SubmitRequest(argv=["true"], workdir=nobodys_dir, request_id="n3"))
+            refused = await _refused(nobody, "nobody",
+                                     SubmitRequest(argv=["true"], workdir=nobodys_dir, request_id="n3"))
             shown = re.fullmatch(r"user nobody submitted more than 0\.01 jobs/s \(submit_rate_per_user = 0\.01, "
                                  r"burst 2\): try again in ([0-9.]+) s", str(refused))
             assert refused.code == "submit_rate" and shown and 90 < float(shown[1]) <= 100, str(refused)
             # A repeat of the second still gets its job; admin's own submits are not limited.
-            again = await bus.request(nc, subjects.user_request("nobody", "submit"),
+            again = await bus.request(nobody, subjects.user_request("nobody", "submit"),
                                       SubmitRequest(argv=["true"], workdir=nobodys_dir, request_id="n2"), JobReply, 10)
             assert again.job.spec.id == "2"
-            root = await bus.request(nc, subjects.coordinator("submit"), SubmitRequest(argv=["true"], workdir="/"),
+            root = await bus.request(admin, subjects.coordinator("submit"), SubmitRequest(argv=["true"], workdir="/"),
                                      JobReply, 10)
             assert root.job.spec.id == "3" and sorted(coord.jobs.jobs) == ["1", "101", "102", "103", "2", "3"]
     finally:
-        await nc.close()
+        for conn in (nc, daemon, nobody, admin):
+            await conn.close()
 
 
 async def _ended(coord: Coordinator, *jobs: str) -> bool:
