@@ -103,6 +103,17 @@ anyway); lazy needs that setting.  --nats-servers COUNTS (default 1) runs each
 of those once per count, e.g. 1,3 (a count is 1, or 3 or more, as ``revenant
 up`` takes it).
 
+--auth secure,insecure runs every configuration on authenticated clusters (``revenant up`` as it
+is by default: an NKey identity per process, nats-server checking each one's permissions; the
+default, ``--auth secure``) and on ``revenant up --insecure`` ones, the two taking turns (innermost,
+after the server counts); the table then has a column per side and a second table the medians'
+secure / insecure per part (detection, decision, restore and its split, total, last heartbeat ->
+restore request, resumed), also in the JSON (``summary_by_auth``, ``auth_ratio``; default file
+bench/results/failover-auth.json).  The observer connects as the coordinator identity on the
+secure side, with no credential on the other.
+
+    .venv/bin/python bench/failover.py --auth secure,insecure --sizes 64 --restore-mode eager --cache warm --runs 5
+
 Prints one Markdown table per size (median [min-max] over the restored runs; one
 column per cache state, mode and server count, its count in the "NATS servers"
 row; with 1 and 3 a last row of total on 3 / on 1, goal met or not), then the
@@ -137,7 +148,7 @@ from pathlib import Path
 from failover_cluster import GOAL_S, LEASE_MARGIN_S, LEASE_TTL_S, REPO, SERVERS_GOAL_RATIO, TICK_S, MiB, rounded
 from failover_lazy import (CACHES, LAZY_TARGET_RATIO, LAZY_TARGET_RESUMED_S, MODES, WINDOW_S,
                            agent_has_restore_mode, targets)
-from failover_report import servers_lines, servers_ratio, summarize, table
+from failover_report import auth_ratio, auth_table, servers_lines, servers_ratio, summarize, table
 from failover_run import Run
 from harness import BenchError, machine, write_json
 
@@ -211,6 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="nats-server counts, comma-separated: each size, cache and mode runs on clusters "
                         "started with revenant up --nats-servers N for each N, the counts taking turns "
                         "(1; 1,3 also gives the median total on 3 servers / on 1, goal ≤ 1.2)")
+    p.add_argument("--auth", default="secure", metavar="SIDES",
+                   help="secure (revenant up as it is by default: every process its own NKey identity, the "
+                        "server checking each one's permissions) and/or insecure (revenant up --insecure: an "
+                        "open bus), comma-separated; with both the sides take turns (secure)")
     p.add_argument("--max-attempts", type=int, default=0,
                    help="attempts per size, cache, mode and server count at most (0: 2 × runs + 2)")
     p.add_argument("--settle", type=float, default=2.0,
@@ -273,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         counts = _server_counts(args.nats_servers)
+        auths = _choices(args.auth, ("secure", "insecure"), "--auth")
         modes = _choices(args.restore_mode, MODES, "--restore-mode")
         if set(modes) - {"eager"} and not agent_has_restore_mode():
             raise BenchError("this revenant's agent has no restore_mode setting (no lazy restore): "
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     caches = ["cold"] if args.cold_images else list(CACHES) if args.cache == "both" else [args.cache]
     if args.out is None:
-        args.out = REPO / "bench" / "results" / "failover.json"
+        args.out = REPO / "bench" / "results" / ("failover-auth.json" if "insecure" in auths else "failover.json")
     max_attempts = args.max_attempts or 2 * args.runs + 2
 
     def on_term(signum, frame):  # noqa: ARG001
@@ -295,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                       "kill_phase": "settle + uniform(0, 1) s after the checkpoint", "base": str(args.base),
                       "lease_ttl_s": LEASE_TTL_S, "lease_margin_s": LEASE_MARGIN_S, "goal_s": GOAL_S,
                       "lazy_target_ratio": LAZY_TARGET_RATIO, "lazy_target_resumed_s": LAZY_TARGET_RESUMED_S,
-                      "servers_goal_ratio": SERVERS_GOAL_RATIO,
+                      "servers_goal_ratio": SERVERS_GOAL_RATIO, "auth": auths,
                       "argv": sys.argv[1:] if argv is None else argv},
            "runs": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -307,24 +323,29 @@ def main(argv: list[str] | None = None) -> int:
         doc["summary"] = by["1"] if "1" in by else by[str(counts[0])]
         doc["summary_by_nats_servers"] = by
         doc["nats_servers_ratio"] = servers_ratio(by, sizes, caches, modes)
+        if len(auths) > 1:  # secure against insecure, on the first server count
+            doc["summary_by_auth"] = {a: summarize(doc["runs"], sizes, caches, modes, counts[0], a) for a in auths}
+            doc["auth_ratio"] = auth_ratio(doc["summary_by_auth"], sizes, caches, modes)
         doc["elapsed_s"] = rounded(time.time() - doc["started_at"], 1)
         write_json(args.out, doc)
 
     interrupted = False
-    # The server counts innermost: 1, 3, 1, 3, ... so that a drift of the load touches both alike.
-    combos = [(c, m, n) for c in caches for m in modes for n in counts]
+    # The server counts and the sides innermost: 1, 3, 1, 3, ..., secure, insecure, ... so that a drift
+    # of the load touches both alike.
+    combos = [(c, m, n, a) for c in caches for m in modes for n in counts for a in auths]
     try:
         for mib in sizes:
             ok = dict.fromkeys(combos, 0)
             tried = dict.fromkeys(combos, 0)
             while any(ok[k] < args.runs and tried[k] < max_attempts for k in combos):
                 for key in combos:  # one attempt each in turn: a drift of the load touches all alike
-                    cache, mode, servers = key
+                    cache, mode, servers, auth = key
                     if ok[key] >= args.runs or tried[key] >= max_attempts:
                         continue
                     tried[key] += 1
-                    run = Run(args, mib, tried[key], args.base, mode, cache, servers)
+                    run = Run(args, mib, tried[key], args.base, mode, cache, servers, auth)
                     on = "" if counts == [1] else f", {servers} NATS server{'s' if servers > 1 else ''}"
+                    on += "" if auths == ["secure"] else f", {auth}"
                     print(f"[{mib} MiB, {cache}, {mode}{on}, attempt {tried[key]}] cluster in {run.dir}",
                           file=sys.stderr, flush=True)
                     try:
@@ -346,10 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     save()
     cold = " (cold: evicted from the page cache before the kill)" if "cold" in caches else ""
     print(f"\nfailover, restore {' and '.join(modes)}, images {' and '.join(caches)}{cold}, "
-          f"NATS servers {' and '.join(map(str, counts))}, kernel {doc['machine']['kernel']}, "
+          f"NATS servers {' and '.join(map(str, counts))}, bus {' and '.join(auths)}, kernel {doc['machine']['kernel']}, "
           f"{doc['machine']['cpus']} CPUs, {doc['elapsed_s']:.0f} s; every run in {args.out}\n")
     for mib in sizes:
-        print(table(doc["summary_by_nats_servers"], mib, caches, modes, doc["nats_servers_ratio"]) + "\n")
+        if len(auths) > 1:
+            print(auth_table(doc["summary_by_auth"], mib, caches, modes, doc["auth_ratio"]) + "\n")
+        else:
+            print(table(doc["summary_by_nats_servers"], mib, caches, modes, doc["nats_servers_ratio"]) + "\n")
     for n in counts:
         lines = targets(doc["summary_by_nats_servers"][str(n)], sizes, caches, modes)
         if lines:

@@ -60,10 +60,12 @@ def _summarize_one(mine: list[dict]) -> dict:
     return s
 
 
-def summarize(runs: list[dict], sizes: list[int], caches: list[str], modes: list[str], servers: int = 1) -> dict:
-    """{size: {cache: {mode: stats, "lazy_over_eager": ...}}}, over the runs on ``servers`` nats-servers."""
+def summarize(runs: list[dict], sizes: list[int], caches: list[str], modes: list[str], servers: int = 1,
+              auth: str | None = None) -> dict:
+    """{size: {cache: {mode: stats, "lazy_over_eager": ...}}}, over the runs on ``servers`` nats-servers
+    (and, given ``auth``, on clusters of that side only: secure or insecure)."""
     out: dict = {}
-    runs = [r for r in runs if r.get("nats_servers", 1) == servers]
+    runs = [r for r in runs if r.get("nats_servers", 1) == servers and auth in (None, r.get("auth", "secure"))]
     for mib in sizes:
         out[str(mib)] = {}
         for cache in caches:
@@ -152,3 +154,68 @@ def servers_lines(ratios: dict) -> str:
                                  f"**{x['ratio']:.2f}** (goal ≤ {SERVERS_GOAL_RATIO:g}: "
                                  f"{'met' if x['met'] else 'not met'})")
     return "\n".join(lines)
+
+
+# ====================================================================== authenticated against --insecure
+
+AUTH_WITHIN = 0.05
+AUTH_PARTS = ["detection_s", "decision_s", "restore_s", "restore_verify_s", "restore_criu_s", "restore_after_agent_s",
+              "total_s", "heartbeat_to_restore_request_s", "resumed_s"]
+
+
+def auth_ratio(by_auth: dict, sizes: list[int], caches: list[str], modes: list[str]) -> dict:
+    """{size: {cache: {mode: {part: {secure, insecure, ratio, within}}}}}: the medians of each part on
+    authenticated clusters over those on --insecure ones (within AUTH_WITHIN or not)."""
+    out: dict = {}
+    if "secure" not in by_auth or "insecure" not in by_auth:
+        return out
+    for mib in sizes:
+        for cache in caches:
+            for mode in modes:
+                sec = by_auth["secure"][str(mib)][cache][mode]
+                ins = by_auth["insecure"][str(mib)][cache][mode]
+                parts = {}
+                for key in AUTH_PARTS:
+                    a, b = sec[key]["median"], ins[key]["median"]
+                    ratio = rounded(a / b, 3) if a is not None and b else None
+                    parts[key] = {"secure": a, "insecure": b, "ratio": ratio,
+                                  "difference_s": rounded(minus(a, b), 3),
+                                  "within": None if ratio is None else abs(ratio - 1) <= AUTH_WITHIN}
+                out.setdefault(str(mib), {}).setdefault(cache, {})[mode] = parts
+    return out
+
+
+def auth_table(by_auth: dict, mib: int, caches: list[str], modes: list[str], ratios: dict) -> str:
+    """One column per cache state, mode and side (secure, insecure); then secure / insecure per part."""
+    sides = [a for a in ("secure", "insecure") if a in by_auth]
+    cols = [(c, m, a) for c in caches for m in modes for a in sides]
+
+    def cell(d: dict, fmt: str) -> str:
+        if d["median"] is None:
+            return "–"
+        return f"{d['median']:{fmt}} [{d['min']:{fmt}}–{d['max']:{fmt}}]"
+
+    def row(label: str, f) -> str:
+        return f"| {label} | " + " | ".join(f(by_auth[a][str(mib)][c][m]) for c, m, a in cols) + " |"
+
+    lines = [f"| {mib} MiB job: seconds, median [min–max] | " + " | ".join(f"{c} {m}, {a}" for c, m, a in cols) + " |",
+             "|---|" + "---|" * len(cols),
+             row("runs restored / attempts", lambda s: f"{s['restored']} / {s['attempts']}")]
+    for label, key, fmt in ROWS:
+        if key in AUTH_PARTS or key in ("dead_silence_s", "kill_after_last_heartbeat_s", "lease_wait_logged_s"):
+            lines.append(row(label, lambda s, key=key, fmt=fmt: cell(s[key], fmt)))
+    labels = {key: label for label, key, _ in ROWS}
+    out = ["\n".join(lines), "",
+           f"| {mib} MiB: secure / insecure (medians) | " + " | ".join(f"{c} {m}" for c in caches for m in modes) + " |",
+           "|---|" + "---|" * (len(caches) * len(modes))]
+    for key in AUTH_PARTS:
+        cells = []
+        for c in caches:
+            for m in modes:
+                x = ratios.get(str(mib), {}).get(c, {}).get(m, {}).get(key)
+                if x is None or x["ratio"] is None:
+                    cells.append("–")
+                else:
+                    cells.append(f"{x['ratio']:.3f} ({x['difference_s']:+.3f} s){'' if x['within'] else ' > 5 %'}")
+        out.append(f"| {labels[key].strip()} | " + " | ".join(cells) + " |")
+    return "\n".join(out)

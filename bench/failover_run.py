@@ -31,21 +31,22 @@ WORKLOAD = Path(__file__).resolve().parent / "failover.py"
 
 class Run:
     def __init__(self, args: argparse.Namespace, mib: int, attempt: int, base: Path,
-                 mode: str = "eager", cache: str = "warm", servers: int = 1) -> None:
+                 mode: str = "eager", cache: str = "warm", servers: int = 1, auth: str = "secure") -> None:
         self.args = args
         self.mib = mib
         self.attempt = attempt
         self.mode = mode
         self.cache = cache
         self.servers = servers  # nats-servers of the cluster (revenant up --nats-servers)
-        srv = "" if servers == 1 else f"{servers}srv-"
+        self.auth = auth  # secure: revenant up as it is by default (authenticated); insecure: --insecure
+        srv = ("" if servers == 1 else f"{servers}srv-") + ("insecure-" if auth == "insecure" else "")
         self.dir = Path(tempfile.mkdtemp(prefix=f"revenant-bench-failover-{mib}-{cache}-{mode}-{srv}", dir=base))
         self.tag = f"fobench-{os.getpid()}-{mib}-{cache}-{mode}-{srv}{attempt}-{random.randrange(1 << 30):x}"
         self.cluster: dict | None = None
         self.observer: Observer | None = None
         self.scan_stop = threading.Event()
         self.result: dict = {"size_mib": mib, "cache": cache, "restore_mode": mode, "nats_servers": servers,
-                             "attempt": attempt, "dir": str(self.dir), "status": "error",
+                             "auth": auth, "attempt": attempt, "dir": str(self.dir), "status": "error",
                              "loadavg_before": list(os.getloadavg())}
 
     # ---------------------------------------------------------------- cluster
@@ -74,8 +75,15 @@ class Run:
         env["REVENANT_AGENT_ALLOW_ROOT_JOBS"] = "true"  # the benchmark's job runs as its user, root here
         r["agent_env"] = {MODE_ENV: env.get(MODE_ENV)}
         servers = [] if self.servers == 1 else ["--nats-servers", str(self.servers)]
-        cluster_up(self.dir, 2, *servers, env=env)
+        insecure = ["--insecure"] if self.auth == "insecure" else []
+        t_up = time.monotonic()
+        cluster_up(self.dir, 2, *servers, *insecure, env=env)
+        r["cluster_up_s"] = rounded(time.monotonic() - t_up)
         self.cluster = json.loads((self.dir / "cluster.json").read_text())
+        if bool(self.cluster.get("insecure")) != (self.auth == "insecure") or (
+                self.auth == "secure" and not (self.dir / "nats.conf").exists()):
+            raise BenchError(f"asked for a {self.auth} cluster; cluster.json says insecure="
+                             f"{self.cluster.get('insecure')}")
         # With several servers nats_url lists each one, comma-separated: the observer connects
         # through bus.connect, which takes that list (and moves to another server if one goes).
         urls = [u for u in self.cluster["nats_url"].split(",") if u.strip()]

@@ -2,12 +2,22 @@
 each publishing heartbeats (and, with --leases, renewing its lease) as an agent would and
 answering the coordinator's probes for its live nodes; and the readings of their counters.
 Run as ``python bench/heartbeats.py generate ...`` by the benchmark itself.
+
+Two ways to carry the heartbeats (``--conns``): ``shared``, every node of a generator on one
+socket (RawPublisher), the cheap way to make 100,000 nodes; ``per-node``, each node on a
+connection of its own (NodeConn), as each agent has, subscribed where an agent subscribes and
+answering its own probes.  On an authenticated bus (``--keys DIR``: the keyring ``revenant up``
+would write) a per-node connection signs the server's nonce as ``agent-<node>``, the identity
+whose permissions let it publish only its own ``revenant.hb.<node>``; a shared one (and every
+generator's control connection) can only be the ``coordinator`` identity, the one allowed to
+publish every node's heartbeat.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import heapq
 import json
@@ -28,11 +38,14 @@ import psutil
 
 from revenant.agent.node.liveness import FULL_FIRST
 from revenant.common.messaging import bus
+from revenant.common.settings import security
 from revenant.common.settings.config import AgentConfig
 from revenant.messages import (Capabilities, CriuInfo, HealthSummary, Heartbeat, LeaseValue, MessageError, Probe,
                                ProbeReply, decode_as, encode, subjects)
 
-CTL = "bench.hbgen"
+# Under revenant.>: on an authenticated bus the benchmark's control connections are the coordinator
+# identity's, which may publish and subscribe there and nowhere else (no coordinator subscribes here).
+CTL = "revenant.bench.hbgen"
 # The generators wake every BATCH_S and send every heartbeat that is due (jitter is +/- 100 ms).
 BATCH_S = 0.005
 LATENESS_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -48,6 +61,29 @@ def node_name(i: int) -> str:
     return f"sim-{i:05d}"
 
 
+def nkey_fields(seed: bytes, nonce: str) -> dict[str, str]:
+    """The CONNECT fields that authenticate as the NKey ``seed``: its public key and its signature of
+    the server's ``nonce`` (as nats-py sends them)."""
+    import nkeys
+
+    kp = nkeys.from_seed(bytearray(seed.strip()))
+    try:
+        return {"nkey": kp.public_key.decode(), "sig": base64.b64encode(kp.sign(nonce.encode())).decode()}
+    finally:
+        kp.wipe()
+
+
+def connect_options(name: str, info: dict, seed: bytes | None) -> bytes:
+    """A minimal CONNECT (not verbose, no headers); signed with ``seed`` if the server sent a nonce."""
+    connect: dict = {"verbose": False, "pedantic": False, "lang": "python", "version": "bench", "protocol": 1,
+                     "name": name, "headers": False, "no_responders": False}
+    if seed is not None:
+        if "nonce" not in info:
+            raise SystemExit("the server asks for no credential, but the benchmark was given keys (--keys)")
+        connect.update(nkey_fields(seed, info["nonce"]))
+    return b"CONNECT " + json.dumps(connect).encode() + b"\r\n"
+
+
 # =============================================================================== load generator
 
 
@@ -57,8 +93,9 @@ class RawPublisher:
     100,000 nodes is more than the machine's share for the load).  It speaks the client protocol's
     minimum: CONNECT (not verbose), PUB frames, PONG to the server's PING; an -ERR is counted."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, seed: bytes | None = None) -> None:
         self.name = name
+        self.seed = seed  # an NKey seed: authenticate with it (the coordinator identity's, see --keys)
         self.errors = 0
         self.last_error = ""
         self._reader: asyncio.StreamReader | None = None
@@ -71,9 +108,7 @@ class RawPublisher:
         info = await self._reader.readline()
         if not info.startswith(b"INFO"):
             raise SystemExit(f"{url}: not a NATS server ({info[:60]!r})")
-        connect = {"verbose": False, "pedantic": False, "lang": "python", "version": "bench", "protocol": 1,
-                   "name": self.name, "headers": False, "no_responders": False}
-        self._writer.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n")
+        self._writer.write(connect_options(self.name, json.loads(info[5:]), self.seed) + b"PING\r\n")
         await self._writer.drain()
         line = await asyncio.wait_for(self._reader.readline(), 10)
         if not line.startswith(b"PONG"):
@@ -115,6 +150,85 @@ class RawPublisher:
             self._task.cancel()
         if self._writer is not None:
             self._writer.close()
+
+
+class NodeConn(asyncio.Protocol):
+    """One simulated node's own connection (``--conns per-node``), as an agent has one: authenticated
+    as ``agent-<node>`` when given its seed, subscribed to what the agent subscribes to (its probe
+    subject, its commands, the coordinator's full-heartbeat requests), answering its probes on
+    the same connection (the identity's ``allow_responses``), and carrying its heartbeats.  A
+    protocol object rather than a stream and a task: 10,000 of them in one process."""
+
+    def __init__(self, gen: Generator, k: int, seed: bytes | None) -> None:
+        self.gen = gen
+        self.k = k
+        self.seed = seed
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.need = -1  # the size of the MSG payload awaited, or -1: a protocol line
+        self.subject = b""
+        self.reply = b""
+        self.connected = False
+        self.closed = False
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(self.gen.last_error or "closed by the server"))
+        elif not self.gen.stopping.is_set():
+            self.gen.conns_lost += 1
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while True:
+            if self.need >= 0:  # a message's payload, then CRLF
+                if len(buf) < self.need + 2:
+                    return
+                payload = bytes(buf[:self.need])
+                del buf[:self.need + 2]
+                self.need = -1
+                self.gen.on_node_msg(self, self.subject, self.reply, payload)
+                continue
+            i = buf.find(b"\r\n")
+            if i < 0:
+                return
+            line = bytes(buf[:i])
+            del buf[:i + 2]
+            if line.startswith(b"MSG "):  # MSG <subject> <sid> [reply] <size>
+                parts = line.split(b" ")
+                self.subject = parts[1]
+                self.reply = parts[3] if len(parts) == 5 else b""
+                self.need = int(parts[-1])
+            elif line == b"PING":
+                self.write(b"PONG\r\n")
+            elif line == b"PONG":
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif line.startswith(b"INFO ") and not self.connected:
+                self.connected = True
+                name = self.gen.names[self.k]
+                try:
+                    hello = connect_options(f"bench-agent-{name}", json.loads(line[5:]), self.seed)
+                except SystemExit as exc:
+                    self.ready.set_exception(exc)
+                    return
+                subs = (subjects.probe(name), subjects.node_commands(name), subjects.HEARTBEAT_REQUESTS)
+                self.write(hello + b"".join(f"SUB {s} {i + 1}\r\n".encode() for i, s in enumerate(subs))
+                           + b"PING\r\n")
+            elif line.startswith(b"-ERR"):
+                self.gen.conn_errors += 1
+                self.gen.last_error = line.decode(errors="replace").strip()
+
+    def write(self, data: bytes) -> bool:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        self.transport.write(data)
+        return True
 
 
 class Generator:
@@ -177,6 +291,63 @@ class Generator:
         self.lateness_max = 0.0
         self.stopping = asyncio.Event()
         self.server_name = ""
+        # --conns per-node: a connection per node (NodeConn), its set-up time and its failures.
+        self.conns: list[NodeConn] = []
+        self.connect_s = 0.0
+        self.conns_lost = 0
+        self.conn_errors = 0
+        self.last_error = ""
+        self.keys = args.keys  # the keyring of an authenticated bus (revenant up's DIR/keys), or ""
+
+    def seed(self, identity: str) -> bytes | None:
+        """``identity``'s NKey seed from the keyring, or None on an open bus."""
+        if not self.keys:
+            return None
+        return security.Keyring(self.keys).seed_path(identity).read_bytes().strip()
+
+    async def connect_nodes(self, url: str) -> None:
+        """A connection per node, ``--connect-concurrency`` at a time, each ready (its CONNECT and
+        SUBs answered by a PONG, so the server accepted its key) before the heartbeats start."""
+        u = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+        loop = asyncio.get_running_loop()
+        gate = asyncio.Semaphore(self.args.connect_concurrency)
+        t0 = time.monotonic()
+
+        async def one(k: int) -> NodeConn:
+            seed = self.seed(security.agent_identity(self.names[k]))
+            async with gate:
+                _, conn = await loop.create_connection(lambda: NodeConn(self, k, seed), u.hostname, u.port or 4222)
+                try:
+                    await asyncio.wait_for(conn.ready, 30)
+                except (asyncio.TimeoutError, ConnectionError) as exc:
+                    raise SystemExit(f"node {self.names[k]}: not connected: {exc or 'no PONG in 30 s'}"
+                                     f" ({self.last_error})") from None
+                return conn
+
+        self.conns = list(await asyncio.gather(*(one(k) for k in range(len(self.ids)))))
+        self.connect_s = time.monotonic() - t0
+        print(f"{len(self.conns)} node connections in {self.connect_s:.1f} s"
+              + (" (each its own identity)" if self.keys else ""), flush=True)
+
+    def on_node_msg(self, conn: NodeConn, subject: bytes, reply: bytes, payload: bytes) -> None:
+        """A message on a node's own connection: a probe is answered as the agent answers it (a
+        silenced node's is not); a command or a full-heartbeat request is ignored, as the shared
+        generators ignore them (none comes in a run: no jobs; see the coordinator's log)."""
+        if not reply or not subject.endswith(b".probe"):
+            return
+        k = conn.k
+        if self.silenced[k]:
+            self.probes_ignored += 1
+            return
+        node = self.names[k]
+        try:
+            decode_as(payload, Probe)
+            answer = encode(ProbeReply(node=node, incarnation=self.incarnations[k], seq=self.seq[k],
+                                       sent_at=time.time(), health=self.healths[k % len(self.healths)]))
+        except MessageError as exc:
+            answer = bus.error_reply(exc)
+        if conn.write(b"PUB " + reply + b" %d\r\n" % len(answer) + answer + b"\r\n"):
+            self.probes_answered += 1
 
     def _late(self, late_s: float, count: int = 1) -> None:
         if not count:
@@ -203,7 +374,9 @@ class Generator:
                "lease_late_acks": self.lease_late_acks, "lease_hist": list(self.lease_hist),
                "lease_lat_sum_s": self.lease_lat_sum, "lease_lat_max_s": self.lease_lat_max,
                "lease_gap_max_s": self.lease_gap_max, "lease_gaps_over_fence": self.lease_gaps_over_fence,
-               "lease_in_flight": len(self.lease_pending)}
+               "lease_in_flight": len(self.lease_pending),
+               "conns": self.args.conns, "connections": len(self.conns), "connect_s": round(self.connect_s, 3),
+               "conns_lost": self.conns_lost, "conn_errors": self.conn_errors, "last_error": self.last_error}
         if reset_max:  # the lease maxima from here on: the steady window's own
             self.lease_lat_max = self.lease_gap_max = 0.0
         return out
@@ -253,19 +426,29 @@ class Generator:
     async def run(self) -> None:
         a = self.args
         # The first URL first (the orchestrator rotates the list): generators spread over a cluster's servers.
+        # The control connection (and, shared, the probes' and the leases'): on an authenticated bus
+        # the coordinator identity's, the one whose permissions cover every node's subjects.
+        creds = {} if not self.keys else {
+            "nkeys_seed": str(security.Keyring(self.keys).seed_path(security.COORDINATOR)),
+            "inbox_prefix": security.inbox_prefix(security.COORDINATOR)}
         nc = await nats.connect(a.nats.split(","), name=f"bench-hbgen-{self.index}", connect_timeout=5,
                                 pending_size=64 * 2**20, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                dont_randomize=True)
+                                dont_randomize=True, **creds)
         self.server_name = (getattr(nc, "_server_info", None) or {}).get("server_name", "")
-        await nc.subscribe("revenant.node.*.probe", cb=self._on_probe)
+        per_node = a.conns == "per-node"
+        if not per_node:
+            await nc.subscribe("revenant.node.*.probe", cb=self._on_probe)
         await nc.subscribe(f"{CTL}.{self.index}", cb=self._on_ctl)
         # The stream's acks for the lease puts: one wildcard inbox, the token names the put.
         inbox = f"_INBOX.bench-lease-{self.index}-{secrets.token_hex(4)}"
         if a.lease_renew > 0:
             await nc.subscribe(f"{inbox}.*", cb=self._on_lease_ack, pending_msgs_limit=4_000_000)
         await nc.flush()
-        # Everyone starts at the same wall time, so phases are even across generators.
-        start = time.monotonic() + max(0.0, a.start_at - time.time())
+        if per_node:
+            await self.connect_nodes(a.nats.split(",")[0])
+        # Everyone starts at the same wall time, so phases are even across generators (unless the
+        # node connections took longer than the orchestrator allowed: then from now, not in a burst).
+        start = time.monotonic() + max(0.1, a.start_at - time.time())
         interval, jitter = a.interval, a.jitter
         # Heartbeats are scheduled in slots of BATCH_S on a ring two intervals long: a node's next
         # heartbeat goes one interval +/- jitter later (rounded to a slot), or one interval from the
@@ -286,10 +469,13 @@ class Generator:
         lease_subjects = [f"$KV.{subjects.LEASES_BUCKET}.{n}" for n in self.names]
         lease_seq = [0] * len(self.ids)
         pending, order = self.lease_pending, self.lease_order
-        # Heartbeats go out on a socket of their own, as pre-encoded frames patched in place.
-        raw = RawPublisher(f"bench-hbraw-{self.index}")
-        await raw.connect(a.nats.split(",")[0])
+        # Heartbeats go out on a socket of their own (per-node: each on its node's), as pre-encoded
+        # frames patched in place.
+        raw = RawPublisher(f"bench-hbraw-{self.index}", self.seed(security.COORDINATOR))
+        if not per_node:
+            await raw.connect(a.nats.split(",")[0])
         self.raw = raw
+        conns = self.conns
         frames = [self.frame(k, interval) for k in range(len(self.ids))]
         slims = [self.frame(k, interval, full=False) for k in range(len(self.ids))]
         full_every = max(1, a.full_every)
@@ -318,7 +504,13 @@ class Generator:
                         frame, seq_at, sent_at = frames[k] if seq <= FULL_FIRST or seq % full_every == 0 else slims[k]
                         pack_into(">I", frame, seq_at, seq)
                         pack_into(">d", frame, sent_at, wall)
-                        batch.append(bytes(frame))
+                        if per_node:
+                            if conns[k].write(bytes(frame)):
+                                self.published += 1
+                            else:
+                                self.publish_errors += 1
+                        else:
+                            batch.append(bytes(frame))
                         last_sent[k] = wall
                         draw = (draw + 1) % len(offsets)
                         ring[(base + offsets[draw]) % ring_len].append(k)
@@ -327,8 +519,9 @@ class Generator:
                     if len(batch) >= 2000:
                         self.published += raw.send(batch)
                         await asyncio.sleep(0)  # let probes in
-                self.published += raw.send(batch)
-                await raw.drain()
+                if not per_node:
+                    self.published += raw.send(batch)
+                    await raw.drain()
                 self._lease_timeouts(now)
                 while lheap and lheap[0][0] <= now:
                     due, k = pop(lheap)
@@ -357,6 +550,9 @@ class Generator:
                 delay = min(next_slot, lheap[0][0] if lheap else next_slot) - time.monotonic()
                 await asyncio.sleep(min(max(delay, 0.001), 0.02))
         finally:
+            for conn in self.conns:
+                if conn.transport is not None:
+                    conn.transport.close()
             await raw.close()
             try:
                 await asyncio.wait_for(nc.drain(), 3)
@@ -435,6 +631,9 @@ def generator_main(argv: list[str]) -> int:
     p.add_argument("--lease-timeout", type=float, default=0.7)
     p.add_argument("--lease-fence", type=float, default=1.2)
     p.add_argument("--full-every", type=int, default=AgentConfig().heartbeat_full_every)
+    p.add_argument("--conns", choices=("shared", "per-node"), default="shared")
+    p.add_argument("--connect-concurrency", type=int, default=200)
+    p.add_argument("--keys", default="", help="the keyring of an authenticated bus (DIR/keys); none: an open bus")
     args = p.parse_args(argv)
     import uvloop
 

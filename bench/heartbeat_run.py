@@ -1,6 +1,8 @@
 """One size of the heartbeat benchmark (bench/heartbeats.py): a private nats-server (or cluster)
 and a real coordinator, the load generators, the idle, warm-up, steady-state and silence phases,
-and everything measured in them.
+and everything measured in them.  With ``auth="secure"`` the bus is authenticated as ``revenant up``
+makes it: a keyring of the cluster's identities (coordinator, admin, an agent per simulated node)
+and the server's ``authorization`` block of them all, rendered by the production functions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import nats
@@ -27,7 +30,9 @@ from revenant.cli.client import request_nodes
 from revenant.common.errors import RevenantError
 from revenant.common.messaging import bus
 from revenant.common.messaging.kv import open_bucket
-from revenant.common.messaging.natsserver import NatsServer, start_nats_cluster, start_nats_server, wait_jetstream
+from revenant.common.messaging.natsserver import (NatsServer, start_nats_cluster, start_nats_server, wait_jetstream,
+                                                  write_server_config)
+from revenant.common.settings import security
 from revenant.common.settings.config import AgentConfig
 from revenant.messages import MessageError, NodeEvent, decode, subjects
 
@@ -44,28 +49,69 @@ HEARTBEATS = Path(__file__).resolve().parent / "heartbeats.py"
 class Run:
     """One size: its own nats-server (or cluster of ``servers``), coordinator and generators."""
 
-    def __init__(self, args: argparse.Namespace, n: int, tmp: Path, servers: int = 1) -> None:
+    def __init__(self, args: argparse.Namespace, n: int, tmp: Path, servers: int = 1,
+                 auth: str = "insecure", rep: int = 0) -> None:
         self.args = args
         self.n = n
         self.tmp = tmp
         self.servers = servers
+        self.auth = auth
+        self.rep = rep
         self.procs: list[subprocess.Popen] = []
         self.events: list[tuple[float, str, NodeEvent]] = []  # (received wall, subject, event)
-        self.result: dict = {"nodes": n, "nats_servers": servers}
+        self.result: dict = {"nodes": n, "nats_servers": servers, "auth": auth, "conns": args.conns, "rep": rep}
         self.notes: list[str] = []
+        self.keys: security.Keyring | None = None
 
     def log(self, text: str) -> None:
         where = f", {self.servers} servers" if self.servers > 1 else ""
-        print(f"  [{self.n:>6} nodes{where}] {text}", flush=True)
+        side = f", {self.auth}" if len(self.args.auth) > 1 or self.auth != "insecure" else ""
+        print(f"  [{self.n:>6} nodes{where}{side}] {text}", flush=True)
+
+    def creds(self) -> dict[str, str | None]:
+        """bus.connect's credentials for the benchmark's own clients: the coordinator identity's on an
+        authenticated bus (the one allowed to hear the node events and to ask for the node table)."""
+        if self.keys is None:
+            return {}
+        return security.credentials(security.COORDINATOR, str(self.keys.seed_path(security.COORDINATOR)))
+
+    def nats_creds(self) -> dict:
+        """The same for a plain nats-py connect."""
+        c = self.creds()
+        return {"nkeys_seed": c["nkey_seed"], "inbox_prefix": c["inbox_prefix"]} if c else {}
+
+    def make_keys(self) -> Path:
+        """As ``revenant up`` does (cli/processes.py generate_identities): a seed per identity of the
+        cluster (coordinator, admin, agent-<node> per simulated node) and the server configuration
+        whose authorization block admits them alone, each with its permissions."""
+        r = self.result
+        t0 = time.monotonic()
+        self.keys = security.Keyring(self.tmp / "keys")
+        self.keys.ensure_all(security.cluster_identities(node_name(i) for i in range(self.n)))
+        text = security.render_authorization(self.keys.public)
+        conf = write_server_config(self.tmp / "nats.conf", text)
+        r["auth_users"] = len(self.keys.public)
+        r["auth_config_bytes"] = conf.stat().st_size
+        r["auth_keys_s"] = round(time.monotonic() - t0, 2)
+        self.log(f"{len(self.keys.public):,} identities, nats.conf {r['auth_config_bytes'] / 2**20:.1f} MiB, "
+                 f"in {r['auth_keys_s']} s")
+        return conf
 
     async def start_nats(self) -> list[NatsServer]:
         """One nats-server, or a JetStream cluster of ``servers`` started as `revenant up --nats-servers`
-        starts it (common/messaging/natsserver.py), ready once its metadata leader is elected."""
+        starts it (common/messaging/natsserver.py), ready once its metadata leader is elected; with
+        ``auth="secure"`` given the configuration file of :meth:`make_keys`."""
+        conf = self.make_keys() if self.auth == "secure" else None
+        t0 = time.monotonic()
         if self.servers == 1:
-            return [start_nats_server(self.tmp / "nats", log_file=self.tmp / "nats.log")]
-        servers = start_nats_cluster(self.tmp / "nats", self.servers, log_dir=self.tmp)
+            server = start_nats_server(self.tmp / "nats", log_file=self.tmp / "nats.log", config_file=conf,
+                                       ready_timeout_s=60.0)
+            self.result["nats_start_s"] = round(time.monotonic() - t0, 3)
+            return [server]
+        servers = start_nats_cluster(self.tmp / "nats", self.servers, log_dir=self.tmp, authorization=conf)
         try:
-            await wait_jetstream(",".join(s.url for s in servers), self.servers, 30.0)
+            await wait_jetstream(",".join(s.url for s in servers), self.servers, 30.0, **self.creds())
+            self.result["nats_start_s"] = round(time.monotonic() - t0, 3)
         except BaseException:
             for server in servers:
                 server.stop()
@@ -76,7 +122,7 @@ class Run:
         """The lease bucket, created as an agent creates it (its TTL, history 1, the replicas that
         ``nats_replicas`` gives on this bus); its stream's leader and replicas go into the result."""
         r = self.result
-        nc = await bus.connect(url, "bench-hb-leases", endless_reconnect=False)
+        nc = await bus.connect(url, "bench-hb-leases", endless_reconnect=False, **self.creds())
         try:
             replicas = bus.replicas_for(nc, self.args.replicas)
             js = nc.jetstream()
@@ -98,11 +144,43 @@ class Run:
         finally:
             await nc.close()
 
+    async def check_enforced(self, url: str) -> None:
+        """On the secure side, that the server really checks: a connection without a key is refused,
+        and ``agent-<node 0>`` may publish its own heartbeat but not node 1's."""
+        from heartbeat_load import connect_options
+
+        async def attempt(seed: bytes | None, subject: str) -> str:
+            u = urllib.parse.urlsplit(url.split(",")[0])
+            reader, writer = await asyncio.open_connection(u.hostname, u.port)
+            try:
+                info = json.loads((await reader.readline())[5:])
+                writer.write(connect_options("bench-auth-check", info, seed)
+                             + f"PUB {subject} 0\r\n\r\nPING\r\n".encode())
+                line = await asyncio.wait_for(reader.readline(), 5)
+                while line.startswith((b"+OK", b"INFO")):
+                    line = await asyncio.wait_for(reader.readline(), 5)
+                return line.decode(errors="replace").strip()
+            finally:
+                writer.close()
+
+        assert self.keys is not None
+        seed = self.keys.seed_path(security.agent_identity(node_name(0))).read_bytes().strip()
+        anonymous = await attempt(None, subjects.heartbeat(node_name(0)))
+        own = await attempt(seed, subjects.heartbeat(node_name(0)))
+        other = await attempt(seed, subjects.heartbeat(node_name(1)))
+        ok = "authorization violation" in anonymous.lower() and own == "PONG" and "permissions violation" in other.lower()
+        self.result["auth_enforced"] = {"ok": ok, "no_key": anonymous, "own_heartbeat": own,
+                                        "another_node_heartbeat": other}
+        if not ok:
+            raise SystemExit(f"the secure side is not enforced: {self.result['auth_enforced']}")
+
     # ------------------------------------------------------------------ processes
 
     def start_coordinator(self, url: str) -> subprocess.Popen:
         self.coord_log = self.tmp / "coordinator.log"
         args = ["coordinator", "--nats", url, "--http-port", "0", "--name", "bench-coordinator"]
+        if self.keys is not None:  # its own identity, as revenant up starts it
+            args += ["--creds", str(self.keys.seed_path(security.COORDINATOR))]
         env = {**os.environ, **dict(kv.split("=", 1) for kv in self.args.coordinator_env)}
         # Per-node health series cost a scrape seconds at 100,000 nodes (the loop stops while it
         # renders): from NODE_METRICS_OFF_FROM nodes the coordinator runs as docs/deploy.md says
@@ -164,7 +242,9 @@ class Run:
                    "--interval", str(self.args.interval), "--jitter", str(self.args.jitter),
                    "--start-at", repr(start_at), "--seed", str(self.args.seed),
                    "--lease-renew", str(self.args.leases), "--lease-timeout", str(self.args.leases * 2),
-                   "--lease-fence", str(AgentConfig().fence_timeout_s), "--full-every", str(self.args.full_every)]
+                   "--lease-fence", str(AgentConfig().fence_timeout_s), "--full-every", str(self.args.full_every),
+                   "--conns", self.args.conns, "--connect-concurrency", str(self.args.connect_concurrency),
+                   "--keys", "" if self.keys is None else str(self.keys.directory)]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(self.tmp / f"gen-{g}.log", "wb"),
                                     stderr=subprocess.STDOUT)
             self.procs.append(proc)
@@ -201,12 +281,14 @@ class Run:
         servers = await self.start_nats()
         url = ",".join(s.url for s in servers)
         try:
+            if self.keys is not None:
+                await self.check_enforced(url)
             if self.args.leases > 0:
                 await self.open_leases(url)
             coord = self.start_coordinator(url)
             base = await self.wait_http_url(coord)
             r["coordinator_http"] = base
-            nc = await nats.connect(url.split(","), name="bench-hb-observer", connect_timeout=5)
+            nc = await nats.connect(url.split(","), name="bench-hb-observer", connect_timeout=5, **self.nats_creds())
             try:
                 await nc.subscribe(f"{subjects.EVENTS_PREFIX}.node.>", cb=self._on_event)
                 await nc.flush()
@@ -404,6 +486,13 @@ class Run:
         r["published_hb_per_s_detection_phase"] = round(
             (sum(s["published"] for s in g2) - sum(s["published"] for s in g1)) / detect_wall, 1)
         self._check_rate("detection", r["published_hb_per_s_detection_phase"], (n - k) / a.interval)
+        r["generator_connections"] = sum(s["connections"] for s in g2)
+        r["generator_connect_s"] = max(s["connect_s"] for s in g2)
+        r["generator_conns_lost"] = sum(s["conns_lost"] for s in g2)
+        r["generator_conn_errors"] = sum(s["conn_errors"] for s in g2)
+        if r["generator_conns_lost"] or r["generator_conn_errors"]:
+            self.notes.append(f"{r['generator_conns_lost']} node connections lost, {r['generator_conn_errors']} "
+                              f"-ERR from the server: {'; '.join(s['last_error'] for s in g2 if s['last_error'])}")
         r["probes_answered"] = sum(s["probes_answered"] for s in g2)
         r["probes_ignored"] = sum(s["probes_ignored"] for s in g2)
         self.silenced, self.last_sent = silenced, last_sent

@@ -47,6 +47,49 @@ generators and nats-server compete with the coordinator, and the numbers say
 by how much.  One generator process sends 20,000 heartbeats/s on about a
 sixth of a core.
 
+Authenticated against open (``--auth secure,insecure``; the default is ``insecure``, an open bus,
+as the runs before it).  The secure side runs on the bus as ``revenant up`` (without
+``--insecure``) makes it, built by the production functions (common/settings/security.py,
+common/messaging/natsserver.py): a keyring of the cluster's identities (``cluster_identities``:
+coordinator, admin and ``agent-<node>`` for each of the N simulated nodes, an NKey seed file each,
+``Keyring.ensure_all``), the server's configuration with the ``authorization`` block of all N + 2
+users and their permissions (``render_authorization``, ``write_server_config``,
+``start_nats_server(config_file=...)``), and the coordinator started with its own credential
+(``--creds DIR/keys/coordinator.nk``).  Before the coordinator starts, the run checks that the server
+enforces it: a connection with no key is refused, and ``agent-sim-00000`` may publish its own
+heartbeat but not node 1's.  What the secure side includes and what it does not depends on
+``--conns``:
+
+* ``--conns per-node`` (the honest comparison): each simulated node has a connection of its own,
+  as each agent has, on both sides; on the secure side it authenticates as ``agent-<node>`` (the
+  server's nonce signed with that node's seed), so the server checks every heartbeat against that
+  node's own publish permissions (its ``revenant.hb.<node>`` and nothing else), and the node
+  subscribes where its permissions let an agent subscribe (its probe, its commands, the
+  full-heartbeat requests) and answers its probes on its reply subject (``allow_responses``).
+  Included: N + 2 users in the server, N NKey handshakes (nonce signature verified), the
+  per-message permission check on every heartbeat, probe reply and coordinator publish, and the
+  coordinator's own authenticated connections.  Not included: the agents' other traffic (leases,
+  job events, the inbox subscription an agent's nats-py client makes), TLS (revenant does not
+  use it on the bus), and the agents' own CPU (a real agent signs one nonce per connect; the
+  generator signs N at the start, outside the measured window).  At 10,000 nodes a run measures
+  whether this machine takes it (the connections' set-up time, nats-server's RSS).
+* ``--conns shared`` (the default, as before): a generator sends all its nodes' heartbeats on one
+  socket.  One connection cannot be thousands of identities, and an agent identity may publish only
+  its own heartbeat; so on the secure side the generators connect as the ``coordinator`` identity,
+  the one whose permissions (``revenant.>``) cover every node's subjects.  Included: the N + 2
+  users in the server and the permission check on every message; but against the coordinator's
+  permissions, not an agent's, and over a few connections that each publish thousands of
+  subjects (nats-server caches its permission verdicts per connection and subject, a cache that
+  thousands of subjects overflow), and without the N handshakes.  Not a model of production's
+  connection count on either side.
+
+On both sides the benchmark's own connections (the observer, each generator's control connection)
+are the coordinator identity's on the secure side (the control subject is ``revenant.bench.hbgen.<g>``
+so that identity may use it).  The sides run interleaved for each size (and with ``--repeat R``,
+R times each, A B then B A), and a second table gives, per metric, each side's values, the medians
+and secure / insecure: the coordinator's CPU share and RSS, nats-server's CPU and RSS, detection
+p50/p99/max, the heartbeats heard, false verdicts; the first five judged against 5 %.
+
     .venv/bin/python bench/heartbeats.py                    # 1k, 10k, 20k nodes (about 5 minutes)
     .venv/bin/python bench/heartbeats.py --quick            # 1,000 nodes, short phases
     .venv/bin/python bench/heartbeats.py --sizes 5000 --duration 30
@@ -55,13 +98,15 @@ sixth of a core.
     .venv/bin/python bench/heartbeats.py --leases --nats-servers 1,3 --sizes 500,2000,5000   # R1 and R3 leases
     .venv/bin/python bench/heartbeats.py --coordinator-ref HEAD~3   # an older coordinator
     .venv/bin/python bench/heartbeats.py --coordinator-src DIR      # a modified copy (DIR/revenant/...)
+    .venv/bin/python bench/heartbeats.py --sizes 10000 --auth secure,insecure --conns per-node --repeat 3
+                                                            # authenticated against open (about 7 minutes)
 
 Goal: 20,000 nodes on less than one core, with no false verdicts.  Prints a
-table (with ``--leases`` a second one, of the renewals) and writes
-bench/results/heartbeats.json (with ``--leases`` heartbeats-leases.json;
-``--out``); the coordinator's,
+table (with ``--leases`` a second one, of the renewals; with both --auth sides one of the ratios) and
+writes bench/results/heartbeats.json (with ``--leases`` heartbeats-leases.json, with --auth secure
+``-auth`` added to the name; ``--out``); the coordinator's,
 nats-server's and the generators' logs are kept next to it in
-``<out stem>-logs-<N>[-<S>servers]/``, py-spy's collapsed stacks in
+``<out stem>-logs-<N>[-<S>servers][-<side>][-<repetition>]/``, py-spy's collapsed stacks in
 ``<out stem>-<N>-profile-<phase>.txt``.  A benchmark, not a test.  Everything
 it starts is stopped, also on an error or Ctrl-C.
 """
@@ -72,6 +117,7 @@ import argparse
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,25 +140,28 @@ GOAL_DETECT_P99_S = 3.0
 
 
 def table(runs: list[dict]) -> str:
-    header = ["nodes", "gens", "hb/s target", "published", "received", "coord CPU", "coord RSS",
-              "detect median", "detect max", "detected", "false dead", "false suspect",
-              "nats CPU", "gen CPU", "machine CPU", "gen late p99/max"]
+    header = ["nodes", "auth", "gens", "hb/s target", "published", "received", "coord CPU", "coord RSS",
+              "detect median", "p99", "max", "detected", "false dead", "false suspect",
+              "nats CPU", "nats RSS", "gen CPU", "machine CPU", "gen late p99/max"]
     rows = []
     for r in runs:
+        side = f"{r.get('auth', 'insecure')}" + (" per-node" if r.get("conns") == "per-node" else "")
         if "error" in r:
-            rows.append([f"{r['nodes']:,}", str(r.get("generators", "-")), f"{r['nodes'] / args_interval(r):,.0f}",
-                         *["-"] * 12, "FAILED (below)"])
+            rows.append([f"{r['nodes']:,}", side, str(r.get("generators", "-")),
+                         f"{r['nodes'] / args_interval(r):,.0f}", *["-"] * 14, "FAILED (below)"])
             continue
         d = r["detection_s"]
         lat = r["generator_lateness"]
         rows.append([
-            f"{r['nodes']:,}", str(r["generators"]), f"{r['target_hb_per_s']:,.0f}",
+            f"{r['nodes']:,}", side, str(r["generators"]), f"{r['target_hb_per_s']:,.0f}",
             f"{r['published_hb_per_s']:,.0f}", f"{r['received_hb_per_s']:,.0f}",
             f"{r['coordinator_cpu_percent']:.1f} %", f"{r['coordinator_rss_mib']:.0f} MiB",
             f"{d['median']:.2f} s" if d["median"] is not None else "-",
+            f"{d['p99']:.2f} s" if d["p99"] is not None else "-",
             f"{d['max']:.2f} s" if d["max"] is not None else "-",
             f"{r['detected']}/{r['silenced']}", str(r["false_dead"]), str(r["false_suspect"]),
-            f"{r['nats_server_cpu_percent']:.0f} %", f"{r['generators_cpu_percent']:.0f} %",
+            f"{r['nats_server_cpu_percent']:.1f} %", f"{sum(r['nats_server_rss_mib_each']):.0f} MiB",
+            f"{r['generators_cpu_percent']:.0f} %",
             f"{r['machine_cpu_percent']:.0f}/{r['machine_cpu_capacity_percent']} %",
             f"{lat['p99']} / {lat['max_s'] * 1000:.0f} ms",
         ])
@@ -147,6 +196,57 @@ def lease_table(runs: list[dict]) -> str:
         ])
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows])
+
+
+# secure / insecure, per size (and server count): the medians over the repetitions of each side.
+AUTH_WITHIN = 0.05
+AUTH_METRICS = [  # label, how to read it from a run, judged against AUTH_WITHIN
+    ("coordinator CPU (% of a core)", lambda r: r["coordinator_cpu_percent"], True),
+    ("coordinator RSS (MiB)", lambda r: r["coordinator_rss_mib"], True),
+    ("nats-server CPU (% of a core)", lambda r: r["nats_server_cpu_percent"], True),
+    ("nats-server RSS (MiB)", lambda r: sum(r["nats_server_rss_mib_each"]), False),
+    ("detection p50 (s)", lambda r: r["detection_s"]["median"], True),
+    ("detection p99 (s)", lambda r: r["detection_s"]["p99"], True),
+    ("detection max (s)", lambda r: r["detection_s"]["max"], False),
+    ("heartbeats received/s", lambda r: r["received_hb_per_s"], False),
+    ("generators CPU (% of a core)", lambda r: r["generators_cpu_percent"], False),
+    ("machine CPU (% of 200)", lambda r: r["machine_cpu_percent"], False),
+    ("false dead verdicts", lambda r: r["false_dead"], False),
+    ("false suspicions", lambda r: r["false_suspect"], False),
+]
+
+
+def auth_ratios(runs: list[dict]) -> list[dict]:
+    """Per size and server count, per metric: each side's values, their medians, secure / insecure, and
+    whether that is within AUTH_WITHIN (for the metrics the issue names; None for the others)."""
+    out = []
+    keys = sorted({(r["nodes"], r.get("nats_servers", 1)) for r in runs})
+    for n, servers in keys:
+        sides = {a: [r for r in runs if r["nodes"] == n and r.get("nats_servers", 1) == servers
+                     and r.get("auth") == a and "error" not in r] for a in ("secure", "insecure")}
+        if not sides["secure"] or not sides["insecure"]:
+            continue
+        for label, get, judged in AUTH_METRICS:
+            vals = {a: [v for v in (get(r) for r in rs) if v is not None] for a, rs in sides.items()}
+            med = {a: statistics.median(v) if v else None for a, v in vals.items()}
+            ratio = (med["secure"] / med["insecure"] if med["secure"] is not None and med["insecure"]
+                     else None)
+            out.append({"nodes": n, "nats_servers": servers, "metric": label, "secure": vals["secure"],
+                        "insecure": vals["insecure"], "secure_median": med["secure"],
+                        "insecure_median": med["insecure"], "ratio": None if ratio is None else round(ratio, 3),
+                        "within": (abs(ratio - 1) <= AUTH_WITHIN if ratio is not None else None) if judged else None})
+    return out
+
+
+def auth_table(ratios: list[dict]) -> str:
+    header = ["nodes", "metric", "secure (runs)", "insecure (runs)", "secure / insecure", f"within {AUTH_WITHIN:.0%}"]
+    fmt = lambda xs: ", ".join(f"{x:g}" for x in xs) or "-"  # noqa: E731
+    rows = [[f"{x['nodes']:,}", x["metric"], fmt(x["secure"]), fmt(x["insecure"]),
+             "-" if x["ratio"] is None else f"{x['ratio']:.3f}",
+             "" if x["within"] is None else ("yes" if x["within"] else "NO")] for x in ratios]
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in [header, *rows])
 
 
 def args_interval(r: dict) -> float:
@@ -246,12 +346,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="sample the coordinator with py-spy (`.venv/bin/pip install py-spy`; not a project "
                         "dependency) during the join and the steady window; inflates its CPU a little")
+    p.add_argument("--auth", default="insecure", metavar="SIDES",
+                   help="comma-separated: insecure (an open bus, the default) and/or secure (the bus as "
+                        "`revenant up` authenticates it: the authorization block of the N nodes' identities, "
+                        "the coordinator with its credential); with both, the sides alternate for each size "
+                        "and repetition (A B, then B A)")
+    p.add_argument("--conns", choices=("shared", "per-node"), default="shared",
+                   help="shared: each generator sends its nodes' heartbeats on one socket (the default); "
+                        "per-node: a connection per simulated node, as each agent has (secure: each its own "
+                        "agent-<node> identity), subscribed as an agent and answering its own probes")
+    p.add_argument("--connect-concurrency", type=int, default=200,
+                   help="per-node: connections being set up at once per generator (default 200)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each size and side (default 1); the sides' order alternates")
     p.add_argument("--quick", action="store_true", help="1,000 nodes, 5 s phases: for debugging the bench")
     p.add_argument("--out", type=Path, default=None,
                    help="default bench/results/heartbeats.json, with --leases heartbeats-leases.json")
     args = p.parse_args(argv)
+    args.auth = list(dict.fromkeys(x.strip() for x in args.auth.split(",") if x.strip()))
+    if not args.auth or set(args.auth) - {"secure", "insecure"}:
+        p.error("--auth takes secure and/or insecure, comma-separated")
+    if args.repeat < 1 or args.connect_concurrency < 1:
+        p.error("--repeat and --connect-concurrency must be >= 1")
+    if args.conns == "per-node" and args.leases > 0:
+        p.error("--conns per-node sends heartbeats only: no --leases")
     if args.out is None:
-        args.out = REPO / "bench" / "results" / ("heartbeats-leases.json" if args.leases > 0 else "heartbeats.json")
+        name = ("heartbeats-leases" if args.leases > 0 else "heartbeats") + ("-auth" if "secure" in args.auth else "")
+        args.out = REPO / "bench" / "results" / f"{name}.json"
     try:
         args.nats_servers = [int(c) for c in args.nats_servers.split(",")]
     except ValueError:
@@ -316,9 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     print(f"heartbeat scale: sizes {args.sizes}, window {args.duration:g} s, silence {args.silence}, "
           f"nats-servers {args.nats_servers}, leases {args.leases or 'off'}, {os.cpu_count()} CPUs", flush=True)
-    for count, n in [(c, n) for c in args.nats_servers for n in args.sizes]:
+    # With --auth secure,insecure the sides take turns, A B then B A, so a drift of the machine's load
+    # touches both alike.
+    plan = [(c, n, rep, auth) for c in args.nats_servers for n in args.sizes for rep in range(args.repeat)
+            for auth in (args.auth if rep % 2 == 0 else args.auth[::-1])]
+    for count, n, rep, auth in plan:
         with tempfile.TemporaryDirectory(prefix=f"revenant-bench-hb-{n}-") as tmp:
-            run = Run(args, n, Path(tmp), servers=count)
+            run = Run(args, n, Path(tmp), servers=count, auth=auth, rep=rep)
             try:
                 runs.append(uvloop.run(run.execute()))
             except (SystemExit, Exception) as exc:  # one size failing must not lose the others
@@ -331,14 +456,17 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stderr.write(log.read_text(errors="replace")[-2000:])
             finally:
                 # The logs (coordinator, nats-server, generators) outlive the run, next to the JSON.
-                keep = args.out.parent / (f"{args.out.stem}-logs-{n}" + (f"-{count}servers" if count > 1 else ""))
+                keep = args.out.parent / (f"{args.out.stem}-logs-{n}" + (f"-{count}servers" if count > 1 else "")
+                                          + (f"-{auth}" if len(args.auth) > 1 or auth != "insecure" else "")
+                                          + (f"-{rep + 1}" if args.repeat > 1 else ""))
                 shutil.rmtree(keep, ignore_errors=True)
                 keep.mkdir(parents=True, exist_ok=True)
                 for log in Path(tmp).glob("*.log"):
                     shutil.copy(log, keep / log.name)
     if src_tmp is not None:
         src_tmp.cleanup()
-    ok, lines = verdict(runs, leases=args.leases > 0)
+    compare = "secure" in args.auth
+    ok, lines = verdict(runs, leases=args.leases > 0 or compare)
     if len({r.get("coordinator_code_sha256") for r in runs}) > 1:
         lines.append("NOTE: the coordinator's code changed between sizes (someone edited the tree during the run)")
     print()
@@ -346,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.leases > 0:
         print()
         print(lease_table(runs))
+    ratios = auth_ratios(runs) if len(args.auth) > 1 else []
+    if ratios:
+        print()
+        print(auth_table(ratios))
     print()
     print("\n".join(lines))
     if args.leases > 0:
@@ -355,12 +487,16 @@ def main(argv: list[str] | None = None) -> int:
               f"in every run: {'yes' if kept else 'NO'}")
     shown = any(r["nodes"] >= GOAL_NODES and "error" not in r for r in runs)
     status = "NOT met" if not ok else "MET" if shown else f"not shown (no run at {GOAL_NODES:,} nodes)"
+    if ratios:
+        within = all(x["within"] for x in ratios if x["within"] is not None)
+        print(f"secure within {AUTH_WITHIN:.0%} of insecure (medians of coordinator CPU and RSS, nats-server CPU, "
+              f"detection p50/p99): {'yes' if within else 'NO'} (see the ratios above)")
     print(f"goal ({GOAL_NODES:,} nodes on < 1 core, no false verdicts, detection p99 <= {GOAL_DETECT_P99_S:g} s): "
           f"{status}")
     doc = {"goal": {"nodes": GOAL_NODES, "core_percent_below": GOAL_CORE_PERCENT, "false_dead": 0}, "met": ok,
            "verdict": lines, "machine": machine(), "coordinator_code": code, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                           for k, v in vars(args).items()},
-           "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
+           "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs, "auth_ratios": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, doc)
     print(f"written to {args.out}")
