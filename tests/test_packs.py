@@ -62,7 +62,7 @@ def flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_one_percent_changed_adds_about_one_percent(tmp_path):
+def test_one_percent_changed_adds_about_one_percent_and_three_epochs_cost_one_image(tmp_path):
     files, rnd = JobFiles(tmp_path, "7"), random.Random(1)
     body = pages(rnd, 2048)  # 8 MiB
     images = {}
@@ -75,18 +75,21 @@ def test_one_percent_changed_adds_about_one_percent(tmp_path):
     size = len(images[1])
     print(f"\nfull image {size} B; first conversion added {first.added_bytes} B ({first.added_bytes / size:.2%}); "
           f"1% changed added {second.added_bytes} B ({second.added_bytes / size:.3%}: "
-          f"{second.new_pages * PAGE} B of pages, {second.added_bytes - second.new_pages * PAGE} B index and recipe)")
-    assert first.converted and first.new_pages == 2048 and size <= first.added_bytes <= size * 1.01
+          f"{second.new_pages * PAGE} B of pages, {second.added_bytes - second.new_pages * PAGE} B index and digests)")
+    # Only what the next epoch changed is stored: the rest is read from the newer plain images.
+    assert first.converted and first.new_pages == 20 and first.added_bytes <= 0.015 * size
     assert second.converted and second.new_pages == 20 and second.pages == 2048
-    assert second.added_bytes <= 0.0105 * size
+    assert second.added_bytes <= 0.015 * size  # 1% of pages, 0.4% of digests
     # The plain images went; each epoch is rebuilt exactly; the newest stays plain.
     assert not (files.epoch_dir(2) / "pages-1.img").exists()
     assert not packs.converted(files.read_manifest(3))
     for n in (1, 2, 3):
         assert rebuilt(files, n, tmp_path)["pages-1.img"] == images[n]
     assert files.read_manifest(2).total_bytes == size + 4  # what a restore reads, as before
+    assert {r for n in (1, 2) for r in chain.read_recipe(files, files.read_manifest(n), "pages-1.img").packs
+            if r.startswith("@")} == {"@3/pages-1.img"}
     storage, own = packs.usage(files)
-    assert own[2] < 0.012 * size and own[3] > size and storage < 2.05 * size
+    assert own[2] < 0.015 * size and own[3] > size and storage < 1.04 * size  # three epochs: one image
     assert storage == sum(p.stat().st_size for p in pack_files(files) if p.is_file()) + sum(
         p.stat().st_size for n in (1, 2, 3) for p in files.epoch_dir(n).iterdir())
 
@@ -98,11 +101,12 @@ def test_inserted_page_shifting_the_rest_still_dedups(tmp_path):
     shifted = body[:100] + [rnd.randbytes(PAGE)] + body[100:500] + body[501:]
     commit(files, epoch(shifted))
     commit(files, epoch(shifted))
-    packs.convert(files, 1, 10)
-    r = packs.convert(files, 2, 10)
-    assert r.new_pages == 1
-    recipe = chain.read_recipe(files, files.read_manifest(2), "pages-1.img")
-    assert len(recipe.runs) // 3 == 4  # before, the new page, the shifted middle, after the removed page
+    r = packs.convert(files, 1, 10)
+    assert r.new_pages == 1  # the page removed since: found nowhere newer
+    assert packs.convert(files, 2, 10).new_pages == 0
+    recipe = chain.read_recipe(files, files.read_manifest(1), "pages-1.img")
+    assert len(recipe.runs) // 3 == 4  # before, the shifted middle, the removed page, after it
+    assert rebuilt(files, 1, tmp_path)["pages-1.img"] == b"".join(body)
     assert rebuilt(files, 2, tmp_path)["pages-1.img"] == b"".join(shifted)
 
 
@@ -145,7 +149,7 @@ def test_corrupt_pack_page_fails_verify_and_restore_falls_back_naming_it(tmp_pat
     packs.convert(files, 2, 10)
     ref = next(r for r in files.read_manifest(2).packs if r.split("/")[1].startswith("2-"))
     flip(chain.pack_path(files, ref), 100)  # its only page: page 0 of epoch 2's pack
-    flip(files.epoch_dir(3) / "pages-1.img", 5)
+    flip(files.epoch_dir(3) / "pages-1.img", 10 * PAGE + 5)  # the newest's own page 10, which no other reads
     with pytest.raises(CorruptEpoch, match=f"page 0 of pack {ref} is corrupt"):
         files.verify(2)
     with pytest.raises(CorruptEpoch, match=f"page 0 of pack {ref}"):
@@ -157,53 +161,71 @@ def test_corrupt_pack_page_fails_verify_and_restore_falls_back_naming_it(tmp_pat
     # Retention deletes the corrupt ones first (never the newest that verifies), gc their pack.
     assert files.prune(2) == [2]
     assert packs.gc(files) == PAGE + chain.DIGEST + 4 and not chain.pack_path(files, ref).exists()
-    # A missing pack names itself too.
+    # A page of the newest image that an older epoch reads takes that epoch with it, named.
+    flip(files.epoch_dir(3) / "pages-1.img", 3 * PAGE)
+    with pytest.raises(CorruptEpoch, match=r"epoch 1: pages-1.img rebuilt from its packs fails its checksum: "
+                                           r"page 3 of image @3/pages-1.img is corrupt"):
+        files.verify(1)
+    flip(files.epoch_dir(3) / "pages-1.img", 3 * PAGE)
+    # A missing pack: its pages are nowhere.
     chain.pack_path(files, files.read_manifest(1).packs[0]).unlink()
-    with pytest.raises(CorruptEpoch, match="pack 0/1-[0-9a-f]{8} is unreadable"):
+    with pytest.raises(CorruptEpoch, match="epoch 1: pages-1.img: page 10 is in no pack nor newer image"):
         files.verify(1)
     with pytest.raises(NoEpoch, match="no epoch verifies"):
         files.newest_verified()
 
 
-def test_damaged_index_costs_only_deduplication(tmp_path):
+def unique_first(rnd: random.Random, count: int, unique: int) -> list[dict[str, bytes]]:
+    """Three epochs of ``count`` pages, the same but for the first ``unique`` pages of the first."""
+    body = pages(rnd, count)
+    return [epoch(pages(rnd, unique) + body[unique:]), epoch(body), epoch(body)]
+
+
+def test_a_damaged_index_costs_nothing_its_pack_is_hashed_again(tmp_path):
     files, rnd = JobFiles(tmp_path, "7"), random.Random(5)
-    body = pages(rnd, 32)
-    for _ in range(3):
-        commit(files, epoch(body))
+    for images in unique_first(rnd, 32, 4):
+        commit(files, images)
     packs.convert(files, 1, 10)
     ref = files.read_manifest(1).packs[0]
     flip(chain.pack_path(files, ref, ".idx"), 3)
     files.verify(1)  # its pages are intact: still restorable
-    r = packs.convert(files, 2, 10)  # the index is not trusted: its pages are stored again
-    assert r.converted and r.new_pages == 32 and files.read_manifest(2).packs != [ref]
-    assert rebuilt(files, 2, tmp_path)["pages-1.img"] == b"".join(body)
+    assert packs.convert(files, 2, 10).new_pages == 0
+    assert rebuilt(files, 1, tmp_path) == unique_first(random.Random(5), 32, 4)[0]
 
 
 def test_a_corrupt_pack_is_never_spread_to_a_good_epoch(tmp_path):
     files, rnd = JobFiles(tmp_path, "7"), random.Random(6)
     body = pages(rnd, 16)
-    for _ in range(3):
-        commit(files, epoch(body))
-    packs.convert(files, 1, 10)
+    x = body[5]
+    commit(files, epoch(body))
+    body[5] = rnd.randbytes(PAGE)
+    commit(files, epoch(body))
+    packs.convert(files, 1, 10)  # its page 5 into a pack: the newer epoch changed it
     ref = files.read_manifest(1).packs[0]
-    flip(chain.pack_path(files, ref), 5 * PAGE + 7)
-    r = packs.convert(files, 2, 10)
-    assert not r.converted and f"page 5 of pack {ref} is corrupt" in r.note
-    m = files.verify(2)  # still plain, still good, and nothing of the attempt is left
-    assert not packs.converted(m) and [p.name for p in pack_files(files) if p.is_file()] == [
-        f"{ref.split('/')[1]}.idx", f"{ref.split('/')[1]}.pack"]
+    body[5] = x  # and back again: epoch 3 holds the packed page, the newest does not
+    commit(files, epoch(body))
+    body[5] = rnd.randbytes(PAGE)
+    commit(files, epoch(body))
+    flip(chain.pack_path(files, ref), 7)
+    assert packs.convert(files, 2, 10).converted
+    r = packs.convert(files, 3, 10)  # its page 5 is found in that pack, which no longer holds it
+    assert not r.converted and f"page 0 of pack {ref} is corrupt" in r.note
+    m = files.verify(3)  # still plain, still good, and nothing of the attempt is left
+    assert not packs.converted(m) and not [p for p in pack_files(files) if p.name.startswith(".tmp-")]
+    assert len([p for p in pack_files(files) if p.suffix == ".pack"]) == 2  # epoch 1's and 2's
 
 
 def test_convert_twice_is_a_no_op_and_a_corrupt_plain_epoch_is_left_alone(tmp_path):
     files, rnd = JobFiles(tmp_path, "7"), random.Random(7)
     for _ in range(3):
         commit(files, epoch(pages(rnd, 8)))
+    flip(files.epoch_dir(2) / "pages-1.img", 9)  # before anything took its digest list
     assert packs.convert(files, 1, 10).converted
+    assert not (files.epoch_dir(2) / "pages-1.img.digests").exists()  # a damaged image is no place
     before = files.read_manifest(1)
     again = packs.convert(files, 1, 10)
     assert (again.converted, again.added_bytes, again.note) == (False, 0, "already converted")
     assert files.read_manifest(1) == before and again.own_bytes > 8 * PAGE
-    flip(files.epoch_dir(2) / "pages-1.img", 9)
     r = packs.convert(files, 2, 10)
     assert not r.converted and "pages-1.img fails its checksum" in r.note
     assert not packs.converted(files.read_manifest(2))
@@ -216,16 +238,18 @@ def test_full_every_keeps_segments_apart(tmp_path):
     for _ in range(5):
         commit(files, epoch(body))
         body[0] = rnd.randbytes(PAGE)
-    added = {n: packs.convert(files, n, 2).added_bytes for n in (1, 2, 3, 4)}
+    added = {n: packs.convert(files, n, 2) for n in (1, 2, 3, 4)}
     segments = {n: files.read_manifest(n) for n in (1, 2, 3, 4)}
     assert [segments[n].segment for n in (1, 2, 3, 4)] == [0, 0, 1, 1]
     assert all(r.startswith("0/") for n in (1, 2) for r in segments[n].packs)
     assert all(r.startswith("1/") for n in (3, 4) for r in segments[n].packs)
-    assert added[3] > 40 * PAGE > 2 * added[2] and added[4] < 2 * PAGE + 1024  # each segment starts whole
+    # A segment's last epoch is stored whole (no newer image of its segment), the others by what changed.
+    assert [added[n].new_pages for n in (1, 2, 3, 4)] == [1, 40, 1, 40]
     # A corrupt page takes its segment's epochs with it, never the next segment's.
-    flip(chain.pack_path(files, segments[1].packs[0]), 20 * PAGE)
+    seg0 = next(r for r in segments[2].packs if r.startswith("0/2-"))
+    flip(chain.pack_path(files, seg0), 20 * PAGE)
     for n in (1, 2):
-        with pytest.raises(CorruptEpoch, match="page 20 of pack 0/1-"):
+        with pytest.raises(CorruptEpoch, match=f"page 20 of pack {seg0}"):
             files.verify(n)
     for n in (3, 4, 5):
         files.verify(n)
@@ -242,9 +266,9 @@ def test_gc_keeps_what_kept_epochs_reference_and_purge_frees_everything(tmp_path
         packs.convert(files, n, 10)
     assert packs.gc(files) == 0
     assert files.prune(2) == [1, 2]
-    freed = packs.gc(files)  # epoch 3 still reads most pages from epoch 1's pack: only 2's page goes
-    assert freed == PAGE + chain.DIGEST + 4
-    assert [r.split("/")[1].split("-")[0] for r in files.read_manifest(3).packs] == ["1", "3"]
+    freed = packs.gc(files)  # epoch 3 reads the newest image and its own pack: 1's and 2's packs go
+    assert freed == 2 * (PAGE + chain.DIGEST + 4)
+    assert [r.split("/")[1].split("-")[0] for r in files.read_manifest(3).packs] == ["3"]
     for n in (3, 4):
         assert rebuilt(files, n, tmp_path)["pages-1.img"] == images[n]
     on_disk = sum(p.stat().st_size for p in [*pack_files(files), *files.epochs_dir.rglob("*")] if p.is_file())
@@ -314,8 +338,9 @@ def test_a_crash_at_any_step_of_a_conversion_leaves_every_epoch_restorable(tmp_p
     packs.gc(files)
     leftovers = [p for p in pack_files(files) if p.name.startswith(".tmp-")]
     for n in (1, 2, 3):
-        m = files.read_manifest(n)
-        leftovers += [p for p in files.epoch_dir(n).iterdir() if p.name not in m.files and p.name != MANIFEST]
+        m = files.read_manifest(n)  # (a plain epoch's digest lists are its cache, not in its manifest)
+        leftovers += [p for p in files.epoch_dir(n).iterdir() if p.name not in m.files and p.name != MANIFEST
+                      and not (not m.recipes and p.name.endswith(".digests"))]
     assert leftovers == []
     referenced = {r for n in (1, 2, 3) for r in files.read_manifest(n).packs}
     assert {f"{p.parent.name}/{p.stem}" for p in pack_files(files) if p.is_file()} == referenced

@@ -4,9 +4,12 @@ verifying it (agent/storage/packs.py converts and collects; agent/storage/epochs
 A pack (``packs/<segment>/<N>-<rnd>.pack``) is a run of 4 KiB pages; its index (``.idx``) holds
 the digest of each page (SHA-256 cut to 128 bits), in order, then the CRC-32 of those digests.  A recipe
 (``<image stem>.recipe`` in the epoch's directory, msgpack) rebuilds one image: a table of the
-packs it reads and runs of (pack, first page, page count) in image order.  The manifest records
-the original image's size and CRC-32: a rebuilt image is right if and only if both match, and
-when they do not, the page digests name the culprit.
+packs it reads and runs of (pack, first page, page count) in image order.  A content recipe
+(``pages-<id>.img.digests``: agent/storage/contents.py) is resolved into such a recipe when it is
+read, its table naming newer epochs' plain images ("@<N>/pages-<id>.img") as well as packs.  The
+manifest records the original image's size and digest: a rebuilt image is right if and only if
+both match, and when they do not, the page digests (a pack's index, an image's digest list) name
+the culprit.
 
 A pack may be compressed (``pack_compression``): its pages in frames (agent/storage/packfile.py).
 
@@ -17,7 +20,6 @@ that have none, SHA-256 is twice as fast (cut to 128 bits it is as strong as bla
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -28,7 +30,8 @@ import msgspec
 from revenant.agent.storage.imagekeys import PLAIN, Digest
 # (CODECS, FRAME_PAGES, read_layout: the chain's names for its callers and tests.)
 from revenant.agent.storage.packfile import (CODECS, DIGEST, FRAME_PAGES, PAGE, Layout, _frame,  # noqa: F401
-                                             _unreadable, is_compressed, pack_path, read_idx, read_layout)
+                                             _unreadable, is_compressed, pack_path, page_hash, read_idx, read_layout)
+from revenant.agent.storage import contents
 from revenant.agent.storage.manifest import MANIFEST, CorruptEpoch, EpochStore, Manifest, WorkdirFile, read_workdir
 from revenant.agent.storage.private import trusted
 
@@ -43,13 +46,18 @@ class Recipe(msgspec.Struct, array_like=True):
     runs: list[int]
 
 
-def page_hash(page: bytes | memoryview) -> bytes:
-    return hashlib.sha256(page).digest()[:DIGEST]
-
-
 def read_recipe(files: EpochStore, m: Manifest, name: str) -> Recipe:
-    """The recipe of image ``name`` of converted epoch ``m``, checked for consistency."""
+    """The recipe of image ``name`` of converted epoch ``m``, checked for consistency: a content
+    recipe's resolved where its pages are now (agent/storage/contents.py)."""
     entry = m.recipes[name]
+    if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
+        what = f"epoch {m.epoch}: {name}"
+        seg, digests = contents.read_digests(files.epoch_dir(m.epoch) / entry.recipe, f"{what}'s digest list")
+        if seg != m.segment or len(digests) // DIGEST != -(-entry.size // PAGE):
+            raise CorruptEpoch(f"{what}'s digest list does not describe it")
+        places = contents.Places(files, seg, m.epoch, files.committed())
+        refs, runs = contents.resolve_runs(digests, places, what)
+        return Recipe(packs=refs, runs=runs)
     try:
         recipe = msgspec.msgpack.decode((files.epoch_dir(m.epoch) / entry.recipe).read_bytes(), type=Recipe)
     except (OSError, msgspec.DecodeError) as exc:
@@ -90,6 +98,8 @@ def _pages(files: EpochStore, recipe: Recipe) -> Iterator[tuple[str, int, bytes]
                 if not layout.codec:
                     want = min(BATCH, end - page)
                     data = os.pread(fd, want * PAGE, page * PAGE)
+                    if ref.startswith("@") and len(data) < want * PAGE:  # an image's last page, as packs pad it
+                        data += bytes(want * PAGE - len(data))
                 else:
                     no, at = divmod(page, FRAME_PAGES)
                     want = min(FRAME_PAGES - at, end - page)
@@ -110,13 +120,14 @@ def _culprit(files: EpochStore, recipe: Recipe) -> str:
     digests: dict[str, bytes] = {}
     try:
         for ref, first, data in _pages(files, recipe):
-            if ref not in digests:
-                digests[ref] = read_idx(files, ref)
+            if ref not in digests:  # a pack's index, or an image's digest list
+                digests[ref] = read_idx(files, ref) if not ref.startswith("@") else contents.read_digests(
+                    contents.digests_path(files, ref), f"the digest list of {ref}")[1]
             idx = digests[ref]
             for i in range(0, len(data), PAGE):
                 page = first + i // PAGE
                 if page_hash(data[i:i + PAGE]) != idx[page * DIGEST:(page + 1) * DIGEST]:
-                    return f"page {page} of pack {ref} is corrupt"
+                    return f"page {page} of {'image' if ref.startswith('@') else 'pack'} {ref} is corrupt"
     except CorruptEpoch as exc:
         return str(exc)
     return ""
@@ -193,6 +204,22 @@ def verify_recipes(files: EpochStore, m: Manifest) -> None:
     check_trusted(files, m)
     for name in m.recipes:
         rebuild(files, m, name)
+
+
+def read_from(files: EpochStore, kept: list[int]) -> set[int]:
+    """The epochs whose plain images epochs ``kept`` read pages from (content recipes); an epoch
+    whose recipes cannot be resolved reads from none (it is corrupt already)."""
+    _, manifests = files.listing()
+    found: set[int] = set()
+    for n in kept:
+        m = manifests.get(n)
+        for name, entry in (m.recipes.items() if m is not None else ()):
+            if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
+                try:
+                    found.update(int(r[1:].split("/")[0]) for r in read_recipe(files, m, name).packs if r[0] == "@")
+                except (CorruptEpoch, OSError):
+                    continue
+    return found
 
 
 def converted(m: Manifest) -> bool:

@@ -44,7 +44,7 @@ import msgspec
 
 from revenant.agent.storage import imagekeys, imagesum, sealed
 from revenant.agent.storage.imagekeys import ImageKeys
-from revenant.agent.storage.chain import verify_recipes, verify_workdir
+from revenant.agent.storage.chain import read_from, verify_recipes, verify_workdir
 from revenant.agent.storage.fileio import Durable, copy_bytes, fsync_path
 from revenant.agent.storage.manifest import (MANIFEST, MANIFEST_VERSION, CorruptEpoch, EpochError, FileEntry,  # noqa: F401
                                      FilesChanged, JobFile, Manifest, NoEpoch, RecipeEntry, WORKDIR_FILES,
@@ -158,6 +158,14 @@ class JobFiles:
         numbers += [int(m.group(1)) for n in names if (m := re.match(r"^\.trash-([0-9]+)-", n))]
         return max(numbers, default=0) + 1
 
+    def listing(self) -> tuple[list[int], dict[int, Manifest]]:
+        """The committed epochs, and the manifests of those that can be read."""
+        committed, found = self.committed(), {}
+        for n in committed:
+            with contextlib.suppress(CorruptEpoch):
+                found[n] = self.read_manifest(n)
+        return committed, found
+
     def read_manifest(self, n: int) -> Manifest:
         path = self.epoch_dir(n) / MANIFEST
         try:
@@ -235,8 +243,7 @@ class JobFiles:
         return manifest
 
     @property
-    def seals(self) -> bool:
-        """Whether new epochs' images are encrypted (image_encryption = "aead")."""
+    def seals(self) -> bool:  # new epochs' images are encrypted (image_encryption = "aead")
         return self.keys is not None and self.keys.seal
 
     def open_sealed(self, m: Manifest, dest: Path) -> None:
@@ -362,11 +369,10 @@ class JobFiles:
 
     def prune(self, keep: int, verified: Collection[int] = ()) -> list[int]:
         """Delete committed epochs beyond ``keep`` by the shared retention rule: those that fail
-        verification first, never the newest that verifies; returns the numbers removed.
-        ``verified``: epochs known to verify, not read again (the one just committed, whose
-        checksums were taken as it was written: with ``keep`` 1 nothing is read at all).
-        ``keep`` below 1 deletes nothing, and so does a storage error while verifying (a
-        read that failed proves nothing about the epoch)."""
+        verification first, never the newest that verifies, nor one whose images a kept epoch
+        reads (chain.read_from); returns the numbers removed.  ``verified``: epochs known to verify,
+        not read again (the one just committed: with ``keep`` 1 nothing is read at all).  ``keep``
+        below 1 deletes nothing, and so does a storage error while verifying."""
         committed = self.committed()
         if keep < 1 or len(committed) <= keep:
             return []
@@ -385,7 +391,8 @@ class JobFiles:
         except OSError as exc:
             log.warning("job %s: retention skipped, an epoch could not be read: %s", self.job, exc)
             return []
-        return [n for n in doomed if self.delete_epoch(n)]
+        needed = read_from(self, [n for n in committed if n not in doomed and n < max(doomed)]) if doomed else set()
+        return [n for n in doomed if n not in needed and self.delete_epoch(n)]
 
     def delete_epoch(self, n: int) -> bool:
         """Unlist epoch ``n`` at once, then delete it; False if it was gone (another node's retention)."""

@@ -11,6 +11,7 @@ frames its runs cover.  An index without the header is an uncompressed pack's.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import struct
@@ -25,6 +26,8 @@ PAGE = 4096
 DIGEST = 16
 # "<segment>/<N>-<rnd>": a pack as a recipe and a manifest name it.
 _REF_RE = re.compile(r"^([0-9]{1,9})/([0-9]{1,9}-[0-9a-f]{8})$")
+# "@<N>/pages-<id>.img": epoch N's plain image, as a content recipe's resolution names it.
+_IMAGE_REF_RE = re.compile(r"^@([0-9]{1,9})/(pages-[0-9]+\.img)$")
 _CRC = struct.Struct(">I")
 # A compressed pack's index header: magic, codec (8 bytes, NUL-padded), frames, then frames + 1 offsets.
 CODECS = ("zstd", "lz4")
@@ -34,10 +37,25 @@ _HEAD = struct.Struct(">8s8sI")
 
 
 def pack_path(files: EpochStore, ref: str, suffix: str = ".pack") -> Path:
+    """Where pack ``ref`` is (its index: ``suffix`` ".idx"); or, for "@<N>/pages-<id>.img", that
+    plain image of epoch N, whose pages a content recipe reads (agent/storage/contents.py)."""
+    if ref.startswith("@"):
+        image = _IMAGE_REF_RE.match(ref)
+        if image is None or suffix != ".pack":
+            raise CorruptEpoch(f"job {files.job}: {ref!r} is not an image a recipe may read")
+        return files.epoch_dir(int(image.group(1))) / image.group(2)
     m = _REF_RE.match(ref)
     if m is None:
         raise CorruptEpoch(f"job {files.job}: {ref!r} is not a pack name")
     return files.packs_dir / m.group(1) / f"{m.group(2)}{suffix}"
+
+
+def page_hash(page: bytes | memoryview) -> bytes:
+    return hashlib.sha256(page).digest()[:DIGEST]
+
+
+def image_ref(n: int, image: str) -> str:
+    return f"@{n}/{image}"
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -139,7 +157,9 @@ class FramedPack:
 
 
 def is_compressed(files: EpochStore, ref: str) -> bool:
-    """Whether pack ``ref``'s index has the compressed header (its first bytes only)."""
+    """Whether pack ``ref``'s index has the compressed header (its first bytes only); a plain image is not."""
+    if ref.startswith("@"):
+        return False
     try:
         with open(os.open(pack_path(files, ref, ".idx"), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             return f.read(len(_IDX2)) == _IDX2

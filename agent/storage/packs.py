@@ -1,21 +1,28 @@
-"""Reverse-incremental epochs: an epoch superseded by a newer one becomes a delta.
+"""Reverse-incremental epochs: an epoch superseded by a newer one becomes a delta against it.
 
 Layout, per job, next to ``epochs/`` (agent/storage/epochs.py)::
 
-    epochs/<N>/                  the newest epoch: plain criu images (restores at full speed);
-                                 an older one: its pages-*.img replaced by <stem>.recipe files
-    packs/<seg>/<N>-<rnd>.pack   the 4 KiB pages first stored when epoch N was converted
-    packs/<seg>/<N>-<rnd>.idx    their digests (formats: agent/storage/chain.py)
+    epochs/<N>/                  the newest epoch: plain criu images (restores at full speed),
+                                 with each image's digest list once a conversion took it
+    epochs/<N>/pages-<id>.img.digests   an older one: its pages-*.img replaced by their digest
+                                 lists (content recipes, agent/storage/contents.py)
+    packs/<seg>/<N>-<rnd>.pack   the 4 KiB pages of epoch N that, when it was converted, no newer
+                                 plain image and no pack of its segment held
+    packs/<seg>/<N>-<rnd>.idx    their digests (formats: agent/storage/chain.py, packfile.py)
 
-:func:`convert` cuts each pages-*.img of epoch N into pages, hashes them, and references the
-pages the packs of N's segment (``(N-1) // full_every``) already hold, those that the job's
-kept epochs reference; the rest go into one new pack.  An epoch reads only packs of its own
-segment, so a corrupt page takes at most ``full_every`` epochs with it.  The order makes every
-crash harmless: the pack and its index written, fsynced and renamed; the epoch rebuilt from the
-packs and checked against the original checksums (a damaged older pack never turns a good
-epoch into a bad one: the epoch then stays plain); the recipes written and fsynced; the new
-manifest written to a temporary name, fsynced and renamed over the old one (the commit point);
-then the plain images unlinked.  :func:`gc` removes what a crash or a prune left behind.
+(Epochs converted before content recipes keep their ``.recipe`` files: runs over the packs,
+read as before.)  :func:`convert` takes epoch N's digest lists (hashing its images if it has
+none, only if they match their manifest), and those of the newer plain epochs of N's segment
+(``(N-1) // full_every``) that lack one; the pages of N that none of those images and none of
+the segment's packs hold go into one new pack.  An epoch reads only its own segment's images
+and packs, so a corrupt page takes at most ``full_every`` epochs with it (a page of the newest
+image takes every older epoch of its segment that has that page).  The order makes every crash
+harmless: the digest lists written (each whole, renamed into place); the pack and its index
+written, fsynced and renamed; the epoch rebuilt from its places and checked against its
+original digests (a damaged pack or image never turns a good epoch into a bad one: the epoch
+then stays plain); the new manifest written to a temporary name, fsynced and renamed over the
+old one (the commit point); then the plain images unlinked, once every page an older epoch
+read from them is in a newer image or a pack.  :func:`gc` removes what a crash or a prune left.
 
 Blocking file I/O, run after the job resumed and the checkpoint replied; callers serialise
 conversion, prune and gc of one job.
@@ -36,8 +43,9 @@ from typing import BinaryIO, Callable, Protocol
 
 import msgspec
 
+from revenant.agent.storage import contents
 from revenant.agent.storage.chain import (BATCH, RECIPE_SUFFIX, Recipe, check_trusted, converted, is_manifest_tmp,
-                                          manifest_tmp, page_hash, rebuild)
+                                          manifest_tmp, page_hash, read_recipe, rebuild, stream)
 from revenant.agent.storage.packfile import (DIGEST, PAGE, FramedPack, idx_bytes, pack_path, read_idx,
                                              write_private)
 from revenant.agent.storage.epochs import MANIFEST, CorruptEpoch, FileEntry, JobFiles, Manifest, RecipeEntry, link_predump
@@ -53,7 +61,7 @@ log = logging.getLogger(__name__)
 __all__ = ["STEPS", "ConvertResult", "convert", "converted", "gc", "materialize", "segment_of", "usage"]
 
 # The points of a conversion a crash test stops at (convert's on_step), in order.
-STEPS = ("pack", "packed", "recipes", "manifest", "committed", "unlinking")
+STEPS = ("digests", "pack", "packed", "recipes", "manifest", "committed", "unlinking")
 _PAGES_RE = re.compile(r"^pages-[0-9]+\.img$")
 _SEG_RE = re.compile(r"^[0-9]{1,9}$")
 _EPOCH_OF = re.compile(r"^[0-9]{1,9}-")
@@ -75,20 +83,6 @@ class ConvertResult:
 
 def segment_of(n: int, full_every: int) -> int:
     return (n - 1) // max(1, full_every)
-
-
-def _index(files: JobFiles, n: int, seg: int) -> tuple[list[str], dict[bytes, int]]:
-    """The packs of segment ``seg`` that kept epochs reference, oldest first, and their pages by
-    digest (as ``pack number << 32 | page``)."""
-    refs: set[str] = set()
-    for k in files.committed():
-        try:
-            m = files.read_manifest(k)
-        except CorruptEpoch:
-            continue
-        if k != n and converted(m) and m.segment == seg:
-            refs.update(m.packs)
-    return index_of(files, sorted(refs, key=lambda r: (len(r), r)))  # "<seg>/<N>-<rnd>", oldest first
 
 
 def index_of(files: EpochStore, refs: list[str]) -> tuple[list[str], dict[bytes, int]]:
@@ -159,24 +153,6 @@ def cut(f: Readable, index: dict[bytes, int], new_no: int, digests: bytearray,
     return runs, size, crc
 
 
-def _new_manifest(m: Manifest, seg: int, table: list[str], cuts: dict[str, tuple[list[int], int, str]],
-                  token: str) -> tuple[Manifest, dict[str, Recipe]]:
-    """The converted manifest (its recipe files, named with ``token`` so no two conversions share
-    one, not yet in ``files``) and each image's recipe."""
-    recipes: dict[str, Recipe] = {}
-    entries: dict[str, RecipeEntry] = {}
-    for name, (runs, size, crc) in cuts.items():
-        used = sorted(set(runs[0::3]))
-        renumber = {p: i for i, p in enumerate(used)}
-        runs[0::3] = [renumber[p] for p in runs[0::3]]
-        recipes[name] = Recipe(packs=[table[p] for p in used], runs=runs)
-        entries[name] = RecipeEntry(size=size, checksum=crc,
-                                    recipe=f"{Path(name).stem}-{token}{RECIPE_SUFFIX}")
-    packs = sorted({ref for r in recipes.values() for ref in r.packs})
-    files = {k: v for k, v in m.files.items() if k not in cuts}
-    return msgspec.structs.replace(m, files=files, recipes=entries, packs=packs, segment=seg), recipes
-
-
 def pack_dir(files: EpochStore, seg: int) -> Path:
     """packs/<seg>/, private (agent/storage/private.py); a new directory's entry durable before a pack in it is."""
     d = files.packs_dir / str(seg)
@@ -190,9 +166,10 @@ def pack_dir(files: EpochStore, seg: int) -> Path:
 
 def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], None] | None = None,
             codec: str = "") -> ConvertResult:
-    """Store epoch ``n``'s pages-*.img as recipes over its segment's packs (see the module's
-    docstring for the order), its new pack compressed with ``codec`` (chain.CODECS; "": not).
-    ``on_step`` is called at each of STEPS (crash tests)."""
+    """Store epoch ``n``'s pages-*.img as content recipes (agent/storage/contents.py): their digest
+    lists, and the pages no place of their segment holds in one new pack, compressed with
+    ``codec`` (packfile.CODECS; "": not).  See the module's docstring for the order; ``on_step``
+    is called at each of STEPS (crash tests)."""
     started = time.monotonic()
     step = on_step or (lambda _: None)
     try:
@@ -204,36 +181,30 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         why = ("already converted" if converted(m) else "no pages to convert" if not images
                else "encrypted: kept whole" if m.encryption else "not CRC-32")
         return _result(files, n, False, 0, started, note=why)
+    seg = segment_of(n, full_every)
     try:
         digest = files.digest_of(m)
+        lists = {name: contents.image_digests(files, n, m, name, seg, digest) for name in images}
+        committed, manifests = files.listing()
+        for k in (k for k in committed if k > n and segment_of(k, full_every) == seg):  # newer plain ones: places
+            if (mk := manifests.get(k)) is not None and not converted(mk) and not mk.encryption:
+                for image in (name for name in mk.files if _PAGES_RE.match(name)):
+                    contents.image_digests(files, k, mk, image, seg, files.digest_of(mk))
     except CorruptEpoch as exc:
         return _result(files, n, False, 0, started, note=str(exc))
-    seg = segment_of(n, full_every)
-    table, index = _index(files, n, seg)
+    if bad := [name for name, pages in lists.items() if pages is None]:
+        return _result(files, n, False, 0, started, note=f"epoch {n}: {bad[0]} fails its checksum")
+    step("digests")
+    places = contents.Places(files, seg, n, committed)
     d = pack_dir(files, seg)
     stem = f"{n}-{secrets.token_hex(4)}"
     ref = f"{seg}/{stem}"
     tmp_pack, tmp_idx = d / f".tmp-{stem}.pack", d / f".tmp-{stem}.idx"
-    digests = bytearray()
-    cuts: dict[str, tuple[list[int], int, str]] = {}
     try:
-        with open(os.open(tmp_pack, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as raw:
-            pack = FramedPack(raw, codec) if codec else raw
-            for name in images:
-                hasher = digest.new() if digest.keyed else None
-                with open(files.epoch_dir(n) / name, "rb", buffering=0) as image:
-                    runs, size, crc = cut(image, index, len(table), digests, pack, hasher)
-                cuts[name] = (runs, size, hasher.hexdigest() if hasher is not None else f"{crc:08x}")
-                entry = m.files[name]
-                if cuts[name][1:] != (entry.size, entry.checksum):
-                    return _result(files, n, False, 0, started, note=f"epoch {n}: {name} fails its checksum")
-            if isinstance(pack, FramedPack):
-                pack.finish()
-            raw.flush()
-            os.fsync(raw.fileno())
-        if digests:
-            write_private(tmp_idx, idx_bytes(digests, codec, pack.offsets if isinstance(pack, FramedPack) else ()))
-            new_bytes = os.stat(tmp_pack).st_size + os.stat(tmp_idx).st_size
+        new = _pack_missing(files, n, lists, places, ref, tmp_pack, tmp_idx, codec)
+        if isinstance(new, str):
+            return _result(files, n, False, 0, started, note=new)
+        if new:
             step("pack")
             os.rename(tmp_idx, pack_path(files, ref, ".idx"))
             os.rename(tmp_pack, pack_path(files, ref))
@@ -242,34 +213,75 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     finally:
         for leftover in (tmp_pack, tmp_idx):
             leftover.unlink(missing_ok=True)
-    new, recipes = _new_manifest(m, seg, table + [ref], cuts, stem.rsplit("-", 1)[1])
+    new_bytes = sum(os.stat(pack_path(files, ref, s)).st_size for s in (".pack", ".idx")) if new else 0
     try:
-        check_trusted(files, new)
-        for name, recipe in recipes.items():
-            rebuild(files, new, name, recipe=recipe)
-    except CorruptEpoch as exc:
+        converted_m, refs = _content_manifest(files, m, seg, lists, places, digest)
+    except CorruptEpoch as exc:  # a place that does not hold what its digests say: the epoch stays plain
         for suffix in (".pack", ".idx"):
             pack_path(files, ref, suffix).unlink(missing_ok=True)
         log.warning("job %s: epoch %d stays plain: %s", files.job, n, exc)
         return _result(files, n, False, 0, started, note=str(exc))
-    new_pages = len(digests) // DIGEST
-    added = _commit(files, n, new, recipes, step, digest) + (new_bytes if new_pages else 0)
-    return _result(files, n, True, added, started, pages=sum(-(-r[1] // PAGE) for r in cuts.values()),
-                   new_pages=new_pages)
+    added = _commit(files, n, converted_m, images, step) + new_bytes
+    return _result(files, n, True, added, started, pages=sum(len(p) // DIGEST for p in lists.values()),
+                   new_pages=new)
 
 
-def _commit(files: JobFiles, n: int, new: Manifest, recipes: dict[str, Recipe], step: Callable[[str], None],
-            digest: Digest) -> int:
-    """Recipes, then the new manifest over the old one, then the plain images go; the recipes' bytes."""
-    d = files.epoch_dir(n)
-    added = 0
-    for name, recipe in recipes.items():
-        data = msgspec.msgpack.encode(recipe)
-        write_private(d / new.recipes[name].recipe, data)
+def _pack_missing(files: JobFiles, n: int, lists: dict[str, bytes], places: contents.Places, ref: str,
+                  tmp_pack: Path, tmp_idx: Path, codec: str) -> int | str:
+    """Write the pages of epoch ``n`` that no place holds into ``tmp_pack`` (and its index), each
+    checked against its digest; they become place ``ref`` in ``places``.  How many pages, or why not."""
+    digests = bytearray()
+    no = places.add(ref, b"")
+    with open(os.open(tmp_pack, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as raw:
+        pack = FramedPack(raw, codec) if codec else raw
+        for name, pages in lists.items():
+            with open(files.epoch_dir(n) / name, "rb", buffering=0) as image:
+                for i in range(0, len(pages), DIGEST):
+                    d = pages[i:i + DIGEST]
+                    if d in places.index:
+                        continue
+                    page = os.pread(image.fileno(), PAGE, i // DIGEST * PAGE)
+                    page += bytes(PAGE - len(page))
+                    if page_hash(page) != d:
+                        return f"epoch {n}: page {i // DIGEST} of {name} does not match its digest list"
+                    places.index[d] = no << 32 | len(digests) // DIGEST
+                    digests += d
+                    pack.write(page)
+        if isinstance(pack, FramedPack):
+            pack.finish()
+        raw.flush()
+        os.fsync(raw.fileno())
+    if digests:
+        write_private(tmp_idx, idx_bytes(digests, codec, pack.offsets if isinstance(pack, FramedPack) else ()))
+    return len(digests) // DIGEST
+
+
+def _content_manifest(files: JobFiles, m: Manifest, seg: int, lists: dict[str, bytes], places: contents.Places,
+                      digest: Digest) -> tuple[Manifest, list[str]]:
+    """Epoch ``m`` as content recipes, each image rebuilt from its places and checked against its
+    digest first (CorruptEpoch if one is not); and the packs it reads now."""
+    recipes: dict[str, RecipeEntry] = {}
+    files_now = {k: v for k, v in m.files.items() if k not in lists}
+    used: set[str] = set()
+    for name, pages in lists.items():
+        entry = m.files[name]
+        refs, runs = contents.resolve_runs(pages, places, f"epoch {m.epoch}: {name}")
+        stream(files, Recipe(packs=refs, runs=runs), entry.size, entry.checksum, f"epoch {m.epoch}: {name}",
+               None, digest)
+        used.update(r for r in refs if not r.startswith("@"))
+        recipes[name] = RecipeEntry(size=entry.size, checksum=entry.checksum, recipe=contents.digests_name(name))
+        listed = files.epoch_dir(m.epoch) / contents.digests_name(name)
         hasher = digest.new()
-        hasher.update(data)
-        new.files[new.recipes[name].recipe] = FileEntry(size=len(data), checksum=hasher.hexdigest())
-        added += len(data)
+        hasher.update(listed.read_bytes())
+        files_now[contents.digests_name(name)] = FileEntry(size=listed.stat().st_size, checksum=hasher.hexdigest())
+    new = msgspec.structs.replace(m, files=files_now, recipes=recipes, packs=sorted(used), segment=seg)
+    return new, sorted(used)
+
+
+def _commit(files: JobFiles, n: int, new: Manifest, images: list[str], step: Callable[[str], None]) -> int:
+    """The digest lists made durable, then the new manifest over the old one, then the plain
+    images go; the digest lists' bytes."""
+    d = files.epoch_dir(n)
     fsync_path(d, directory=True)
     step("recipes")
     tmp = manifest_tmp(d)
@@ -278,11 +290,11 @@ def _commit(files: JobFiles, n: int, new: Manifest, recipes: dict[str, Recipe], 
     os.rename(tmp, d / MANIFEST)  # the commit point
     fsync_path(d, directory=True)
     step("committed")
-    for name in recipes:
+    for name in images:
         (d / name).unlink(missing_ok=True)
         step("unlinking")
     fsync_path(d, directory=True)
-    return added
+    return sum(new.files[contents.digests_name(name)].size for name in images)
 
 
 def _result(files: JobFiles, n: int, done: bool, added: int, started: float, **kw) -> ConvertResult:
@@ -334,8 +346,8 @@ def _unlink(path: Path) -> int:
 
 
 def gc(files: JobFiles) -> int:
-    """Delete the packs no committed epoch's manifest lists (none at all while a manifest is
-    unreadable), recipes and plain images an epoch's manifest does not list, and what an
+    """Delete the packs no committed epoch's manifest lists nor its content recipes read (none at
+    all while a manifest is unreadable or a content recipe unresolved), recipes and plain images an epoch's manifest does not list, and what an
     interrupted conversion left; returns the bytes freed.  Callers hold the job's lock (no
     conversion is under way, on any node: agent/checkpointing/policy.py).  A checkpoint does not take that
     lock: the pack it writes its working directory's pages into (agent/files/workdir_packs.py) is
@@ -347,9 +359,17 @@ def gc(files: JobFiles) -> int:
         d = files.epoch_dir(n)
         with os.scandir(d) as entries:
             doomed = [e.name for e in entries if e.name not in m.files and e.is_file(follow_symlinks=False) and (
-                _PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name))]
+                _PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name)
+                or contents.is_digests_tmp(e.name))]
         freed += sum(_unlink(d / name) for name in doomed)
     referenced = {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}
+    for m in manifests.values():  # what content recipes read now (agent/storage/contents.py)
+        for name, entry in m.recipes.items():
+            if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
+                try:
+                    referenced.update(read_recipe(files, m, name).packs)
+                except (CorruptEpoch, OSError):
+                    complete = False  # what it would read is not known: no pack goes
     newest = max(manifests, default=0)
     if not files.packs_dir.is_dir():
         return freed

@@ -5,10 +5,12 @@ stores the pages)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterator
 
 from revenant.agent.storage.chain import (DIGEST, PAGE, Recipe, is_compressed, pack_path, read_layout, read_recipe, runs_of,
                                           workdir_recipe)
+from revenant.agent.storage.contents import PAGES_RE, digests_name
 from revenant.agent.storage.epochs import FILES_DIR, MANIFEST, CorruptEpoch, JobFiles, Manifest
 from revenant.agent.storage.manifest import read_workdir
 
@@ -57,9 +59,12 @@ def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
             own[n] = sum(f.size for f in m.files.values()) + os.stat(files.epoch_dir(n) / MANIFEST).st_size
         except OSError:
             own[n] = sum(f.size for f in m.files.values())
+        if not m.recipes:  # a plain epoch's digest lists (agent/storage/contents.py): not in its manifest
+            own[n] += sum(_size(files.epoch_dir(n) / digests_name(name)) for name in m.files if PAGES_RE.match(name))
         for recipe in _recipes(files, m):
             for ref, first, count in runs_of(recipe):
-                intervals.setdefault(ref, []).append((first, first + count, n))
+                if not ref.startswith("@"):  # a newer epoch's plain image: that epoch's own files
+                    intervals.setdefault(ref, []).append((first, first + count, n))
     storage = sum(own.values())
     for ref in {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}:
         for suffix in (".pack", ".idx"):
@@ -72,6 +77,13 @@ def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
         for n, pages in _own_pages(ivs).items():
             own[n] += round(pages * (per_page + DIGEST))
     return storage - _shared_copies(files, manifests, own), own
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _page_bytes(files: JobFiles, ref: str) -> float:
