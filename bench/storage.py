@@ -114,7 +114,7 @@ def compare(configs: list[dict]) -> list[dict]:
     return out
 
 
-def verdicts(ratios: list[dict]) -> list[dict]:
+def verdicts(ratios: list[dict], summaries: list[dict]) -> list[dict]:
     def met(value: float | None, target: float) -> str:
         return "n/a" if value is None else "met" if value <= target else "NOT met"
 
@@ -124,6 +124,18 @@ def verdicts(ratios: list[dict]) -> list[dict]:
         out.append({"measure": "bytes added by a 1 % epoch (steady state, worst) / full image", "fraction": 0.01,
                     "value": one["bytes_ratio_on"], "target": TARGETS["bytes_1pct"],
                     "verdict": met(one["bytes_ratio_on"], TARGETS["bytes_1pct"])})
+    for s in (s for s in summaries if s["incremental"]):
+        gib = (s["full_image_bytes"] or 0) / GiB
+        for key, measure, value in (
+                ("storage_1pct", "the kept epochs on disk / a full image (on)",
+                 ratio(s["storage_du_bytes"], s["full_image_bytes"]) if abs(s["fraction"] - 0.01) < 1e-9 else None),
+                ("oldest_vs_newest", "oldest kept restore / newest restore (on)",
+                 ratio(s["restore_oldest_s"], s["restore_newest_s"])),
+                ("convert_s_per_gib", "conversion s per GiB (on, median)",
+                 s["convert_s_median"] / gib if s["convert_s_median"] is not None and gib else None)):
+            if value is not None:
+                out.append({"measure": measure, "fraction": s["fraction"], "value": rounded(value, 3),
+                            "target": TARGETS[key], "verdict": met(value, TARGETS[key])})
     for key, measure in (("restore_newest", "newest-epoch restore, on / off"),
                          ("checkpoint_wall", "checkpoint wall (median), on / off"),
                          ("freeze", "freeze (median), on / off")):
@@ -175,7 +187,7 @@ def report(epochs: list[dict], summary: list[dict], ratios: list[dict], checks: 
               _f(c["value"], "{:.1%}" if c["measure"].startswith("bytes") else "{:.3f}"),
               ("<= {:.0%}" if c["measure"].startswith("bytes") else "<= {:.2f}").format(c["target"]), c["verdict"]]
              for c in checks]
-    lines += ["targets (issue 12)", text_table(header4, rows4), ""]
+    lines += ["targets (issues 12 and 31)", text_table(header4, rows4), ""]
     odd = [(s["fraction"], s["incremental"], s["steps_not_one"]) for s in summary if s["steps_not_one"]]
     if odd:
         lines.append(f"note: (fraction, incremental, epochs) taken after more than one step since the previous "
@@ -221,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  "(default: a new one under /var/tmp, removed at the end)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "storage.json")
     p.add_argument("--keep", action="store_true", help="keep the cluster directory (logs) at the end")
+    p.add_argument("--pack-compression", default="none", choices=("none", "zstd", "lz4"),
+                   help="the incremental side's --pack-compression (default none)")
     args = p.parse_args(argv)
     try:
         args.fractions = [float(x) for x in args.fractions.split(",") if x.strip()]
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = [summarize_config(c) for c in bench.configs]
     ratios = compare(summary)
-    checks = verdicts(ratios)
+    checks = verdicts(ratios, summary)
     meta = {
         "size_mib": args.size_mib, "epochs": args.epochs, "fractions": args.fractions, "interval_s": args.interval,
         "restores": args.restores,

@@ -18,7 +18,7 @@ import msgspec
 # revenant.client.ask_once, over a plain socket (the commands that follow or list import them).
 from revenant.client import asking as who
 from revenant.client.asking import SUBMIT_RETRY_S
-from revenant.cli.jobview import _fmt_bytes, _print_job, job_view
+from revenant.cli.jobview import _fmt_bytes, _print_job, job_view, storage_rows
 from revenant.cli.progress import ProgressLine, stats_table
 from revenant.common.errors import RevenantError
 from revenant.common.settings import security
@@ -324,6 +324,25 @@ def show_job(args: argparse.Namespace) -> int:
     for note in reply.notes:
         print(f"revenant: {note}", file=sys.stderr)
     _print_job(reply.job, args.json)
+    return 0
+
+
+def job_storage(args: argparse.Namespace) -> int:
+    """``revenant job storage JOB``: where each kept epoch's pages are, and the job's storage."""
+    rec = ask(bus_url(args), "job", JobRequest(job=args.job), JobReply, args.timeout).job
+    if args.json:
+        print(json.dumps({"job": rec.spec.id, "storage_bytes": rec.storage_bytes,
+                          "epochs": [{"n": e.n, "bytes": e.bytes, "own_bytes": e.own_bytes,
+                                      "plain_bytes": e.plain_bytes, "packed_bytes": e.packed_bytes,
+                                      "newer_bytes": e.newer_bytes, "incremental": e.incremental}
+                                     for e in rec.epochs]}, indent=2))
+        return 0
+    if not rec.epochs:
+        print(f"job {rec.spec.id} has no checkpoint")
+        return 0
+    print(render_table(*storage_rows(rec)))
+    print(f"storage: {size_text(rec.storage_bytes, tenths=True) if rec.storage_bytes else 'not reported'} "
+          "(data shared between epochs counted once)")
     return 0
 
 

@@ -122,6 +122,20 @@ def _epoch_cell(e: EpochInfo) -> str:
     return f"#{e.n} {_fmt_bytes(e.bytes)}{own} at {_fmt_time(e.created_at)}"
 
 
+def storage_rows(rec: JobRecord) -> tuple[list[str], list[list[str]]]:
+    """``revenant job storage``: per kept epoch, its image's size, the bytes only it holds, and
+    where its pages are: its own plain images, the job's packs, a newer epoch's plain images."""
+    header = ["EPOCH", "NODE", "CREATED", "IMAGES", "OWN", "PLAIN", "IN PACKS", "IN NEWER EPOCHS", "STORED AS"]
+    rows = []
+    for e in rec.epochs:
+        placed = e.plain_bytes or e.packed_bytes or e.newer_bytes
+        cell = (lambda n: _fmt_bytes(n) if placed else "-")
+        rows.append([str(e.n), e.node, _fmt_time(e.created_at), _fmt_bytes(e.bytes),
+                     _fmt_bytes(e.own_bytes) if e.own_bytes else "-", cell(e.plain_bytes), cell(e.packed_bytes),
+                     cell(e.newer_bytes), "delta" if e.incremental else "plain"])
+    return header, rows
+
+
 def _storage_cell(rec: JobRecord) -> str:
     if rec.storage_bytes:
         return f"{_fmt_bytes(rec.storage_bytes)} on disk (data shared between epochs counted once)"

@@ -222,6 +222,11 @@ def _job_commands(sub: Any) -> None:
     _add_cluster_args(q, timeout=600.0)
     q.add_argument("job")
     q.set_defaults(func=_cmd_job_action, verb="purge", one_shot=True)
+    q = jbs.add_parser("storage", help="where each kept epoch's pages are, and the job's storage")
+    _add_cluster_args(q)
+    q.add_argument("job")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_cmd_job_storage, one_shot=True)
 
     p = sub.add_parser("failover", help="automatic failover: status, or pause/resume it")
     _add_cluster_args(p)
@@ -315,6 +320,12 @@ def _cmd_job_action(args: argparse.Namespace) -> int:
     from revenant.cli.client import job_action
 
     return job_action(args, args.verb)
+
+
+def _cmd_job_storage(args: argparse.Namespace) -> int:
+    from revenant.cli.client import job_storage
+
+    return job_storage(args)
 
 
 def _cmd_show_job(args: argparse.Namespace) -> int:

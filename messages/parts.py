@@ -290,6 +290,11 @@ class EpochInfo(_Body):
     own_bytes: int = 0
     # Stored as a delta against the job's packs (it is rebuilt from them to be restored).
     incremental: bool = False
+    # Where its images' pages are (bytes of page data; all 0: not reported): its own plain images,
+    # the job's packs, or a newer epoch's plain images that hold the same pages (`revenant job storage`).
+    plain_bytes: int = 0
+    packed_bytes: int = 0
+    newer_bytes: int = 0
     # A GPU job's GPUs at this epoch and the driver it ran under (a restore needs fitting GPUs).
     gpus: list[JobGpu] = []
     gpu_driver: str = ""

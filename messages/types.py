@@ -421,8 +421,10 @@ class EpochEvent(Message, tag="epoch_event.v1"):
     error: str = ""
     # Why: for "skipped" and "forced" the metric, its value and its threshold; "degraded": why no pre-dump.
     reason: str = ""
-    # For "converted": the job's whole checkpoint storage afterwards (shared data once).
+    # For "converted": the job's whole checkpoint storage afterwards (shared data once), and where each
+    # kept epoch's pages are now: {epoch: [plain, packed, newer] bytes} (EpochInfo.plain_bytes, ...).
     storage_bytes: int = 0
+    placement: dict[int, list[int]] = {}
     # For "created": the GPUs the job held at this epoch ([]: none), and the node's driver version.
     gpus: list[JobGpu] = []
     gpu_driver: str = ""

@@ -151,6 +151,15 @@ def test_show_job_lists_converted_epochs_with_their_own_bytes_and_the_shared_sto
     for e in epochs[0:3]:  # a few steps of 2 % each: a small part of a full image
         assert 0 < e["own_bytes"] < 0.3 * full, (e["n"], e["own_bytes"], full)
     assert epochs[-1]["own_bytes"] >= full
+    # Where each epoch's pages are: the deltas' mostly in the newest's plain images, a few in packs.
+    table = json.loads(cluster.cli("job", "storage", job, "--json").stdout)
+    assert table["storage_bytes"] == listed["storage_bytes"] and [e["n"] for e in table["epochs"]] == [1, 2, 3, 4]
+    for e in table["epochs"][:3]:
+        assert e["plain_bytes"] == 0 and 0 < e["packed_bytes"] < e["newer_bytes"], e
+    newest = table["epochs"][-1]
+    assert newest["plain_bytes"] > 32 * MIB and newest["packed_bytes"] == newest["newer_bytes"] == 0, newest
+    text = cluster.cli("job", "storage", job).stdout
+    assert "IN NEWER EPOCHS" in text and "delta" in text and "storage:" in text
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])

@@ -140,7 +140,7 @@ class PolicyRunner:
 
     def listing(self, files: JobFiles) -> tuple[list[EpochInfo], int]:
         """Every kept epoch's info with its own bytes, and the job's storage (shared pages once)."""
-        storage, own = packs.usage(files)
+        storage, own, where = packs.usage_detail(files)
         out = []
         for n in files.committed():
             try:
@@ -150,6 +150,7 @@ class PolicyRunner:
             info = files.info(m)
             info.own_bytes = own.get(n, info.bytes)
             info.incremental = packs.converted(m)
+            info.plain_bytes, info.packed_bytes, info.newer_bytes = where.get(n, [0, 0, 0])
             out.append(info)
         return out, storage
 
@@ -178,13 +179,13 @@ class PolicyRunner:
                     log.warning("job %s: epoch %d not converted: %s", files.job, n, result.note)
             async with self.lock(files):
                 await asyncio.to_thread(packs.gc, files)
-                storage, own = await asyncio.to_thread(packs.usage, files)
+                storage, own, where = await asyncio.to_thread(packs.usage_detail, files)
         except (OSError, IndexError) as exc:
             log.warning("job %s: converting its older epochs failed (they stay as they are): %s", files.job, exc)
             return
         for result in done:  # the coordinator's listing follows these (own bytes, the job's storage)
             self.event(files.job, "converted", generation, n=result.epoch, bytes=own.get(result.epoch, 0),
-                       duration_s=result.seconds, storage_bytes=storage)
+                       duration_s=result.seconds, storage_bytes=storage, placement=where)
 
     async def idle(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the conversions under way (an agent stopping lets them

@@ -53,12 +53,12 @@ from revenant.agent.storage.fileio import fsync_path
 from revenant.agent.storage import imagekeys
 from revenant.agent.storage.imagekeys import Digest, Hasher
 from revenant.agent.storage.manifest import EpochStore
-from revenant.agent.storage.packusage import readable_manifests, usage
+from revenant.agent.storage.packusage import readable_manifests, usage, usage_detail
 from revenant.agent.storage.private import PRIVATE_FILE, private_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STEPS", "ConvertResult", "convert", "converted", "gc", "materialize", "segment_of", "usage"]
+__all__ = ["STEPS", "ConvertResult", "convert", "converted", "gc", "materialize", "segment_of", "usage", "usage_detail"]
 
 # The points of a conversion a crash test stops at (convert's on_step), in order.
 STEPS = ("digests", "pack", "packed", "recipes", "manifest", "committed", "unlinking")

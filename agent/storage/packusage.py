@@ -48,21 +48,33 @@ def _own_pages(intervals: list[tuple[int, int, int]]) -> dict[int, int]:
 
 
 def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
-    """(the job's storage, {epoch: bytes only it holds}), from manifests, recipes and file sizes,
-    never page data: the kept epochs' files and the packs they reference, a shared page once;
-    an epoch's own bytes are its files and the pages (with their digests) no other kept epoch reads."""
+    """(the job's storage, {epoch: bytes only it holds}): :func:`usage_detail`'s first two."""
+    storage, own, _ = usage_detail(files)
+    return storage, own
+
+
+def usage_detail(files: JobFiles) -> tuple[int, dict[int, int], dict[int, list[int]]]:
+    """(the job's storage, {epoch: bytes only it holds}, {epoch: [plain, packed, newer] bytes of
+    its images' pages: where they are}), from manifests, recipes and file sizes, never page data:
+    the kept epochs' files and the packs they reference, a shared page once; an epoch's own bytes
+    are its files and the pages (with their digests) no other kept epoch reads."""
     manifests, _ = readable_manifests(files)
     own: dict[int, int] = {}
+    where: dict[int, list[int]] = {}
     intervals: dict[str, list[tuple[int, int, int]]] = {}
     for n, m in manifests.items():
         try:
             own[n] = sum(f.size for f in m.files.values()) + os.stat(files.epoch_dir(n) / MANIFEST).st_size
         except OSError:
             own[n] = sum(f.size for f in m.files.values())
+        plain = [f.size for name, f in m.files.items() if PAGES_RE.match(name)]
+        where[n] = [sum(plain), 0, 0]
         if not m.recipes:  # a plain epoch's digest lists (agent/storage/contents.py): not in its manifest
             own[n] += sum(_size(files.epoch_dir(n) / digests_name(name)) for name in m.files if PAGES_RE.match(name))
-        for recipe in _recipes(files, m):
+        for image, recipe in _recipes(files, m):
             for ref, first, count in runs_of(recipe):
+                if image:
+                    where[n][2 if ref.startswith("@") else 1] += count * PAGE
                 if not ref.startswith("@"):  # a newer epoch's plain image: that epoch's own files
                     intervals.setdefault(ref, []).append((first, first + count, n))
     storage = sum(own.values())
@@ -76,7 +88,7 @@ def usage(files: JobFiles) -> tuple[int, dict[int, int]]:
         per_page = _page_bytes(files, ref)
         for n, pages in _own_pages(ivs).items():
             own[n] += round(pages * (per_page + DIGEST))
-    return storage - _shared_copies(files, manifests, own), own
+    return storage - _shared_copies(files, manifests, own), own, where
 
 
 def _size(path: Path) -> int:
@@ -99,12 +111,12 @@ def _page_bytes(files: JobFiles, ref: str) -> float:
     return PAGE
 
 
-def _recipes(files: JobFiles, m: Manifest) -> Iterator[Recipe]:
-    """Every recipe epoch ``m`` reads pages by: its images', its working directory's packed files'
-    (one per copy); those that cannot be read are left out."""
+def _recipes(files: JobFiles, m: Manifest) -> Iterator[tuple[bool, Recipe]]:
+    """Every recipe epoch ``m`` reads pages by (whether it is an image's): its images', its working
+    directory's packed files' (one per copy); those that cannot be read are left out."""
     for name in m.recipes:
         try:
-            yield read_recipe(files, m, name)
+            yield True, read_recipe(files, m, name)
         except CorruptEpoch:
             continue
     if not m.workdir_packs:
@@ -118,7 +130,7 @@ def _recipes(files: JobFiles, m: Manifest) -> Iterator[Recipe]:
         if rec.runs is not None and rec.copy not in seen:
             seen.add(rec.copy)
             try:
-                yield workdir_recipe(m, rec, rec.copy)
+                yield False, workdir_recipe(m, rec, rec.copy)
             except CorruptEpoch:
                 continue
 

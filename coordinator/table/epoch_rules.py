@@ -15,6 +15,8 @@ def epoch_converted(rec: JobRecord, inp: EpochConverted, now: float) -> Decision
     ev = inp.event  # own bytes in ev.bytes; a listing a later checkpoint replaced is fresher
     epochs = [msgspec.structs.replace(e, own_bytes=ev.bytes, incremental=True) if e.n == ev.n else e
               for e in rec.epochs]
+    epochs = [msgspec.structs.replace(e, plain_bytes=where[0], packed_bytes=where[1], newer_bytes=where[2])
+              if len(where := ev.placement.get(e.n, [])) == 3 else e for e in epochs]
     if ev.at < rec.last_checkpoint_at or (epochs == rec.epochs and ev.storage_bytes in (0, rec.storage_bytes)):
         return Decision()
     return Decision(msgspec.structs.replace(rec, epochs=epochs, storage_bytes=ev.storage_bytes or rec.storage_bytes))
