@@ -28,6 +28,7 @@ is hashed again.  A rebuilt image is checked against the manifest's digest as be
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import secrets
@@ -48,6 +49,7 @@ _CRC = struct.Struct(">I")
 PAGES_RE = re.compile(r"^pages-[0-9]+\.img$")
 _PACK_RE = re.compile(r"^([0-9]{1,9})-[0-9a-f]{8}\.pack$")
 _READ = 2048 * PAGE
+_HASHERS = 2  # threads hashing pages (hashlib lets go of the GIL for a page)
 
 
 def digests_name(image: str) -> str:
@@ -98,16 +100,24 @@ def hash_image(path: Path, digest: Digest) -> tuple[bytes, int, str]:
     """(page digests, size, ``digest`` of the whole file) of an image, in one read (its last page
     padded with zeros, as a pack stores it)."""
     pages, hasher, size = bytearray(), digest.new(), 0
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0) as f, concurrent.futures.ThreadPoolExecutor(_HASHERS) as pool:
+        pending: list[concurrent.futures.Future[bytes]] = []
         while data := f.read(_READ):
-            hasher.update(data)
+            hasher.update(data)  # BLAKE3 or CRC-32, beside the pages' SHA-256s (both let go of the GIL)
             size += len(data)
             if len(data) % PAGE:
                 data += bytes(PAGE - len(data) % PAGE)
-            view = memoryview(data)
-            for at in range(0, len(data), PAGE):
-                pages += page_hash(view[at:at + PAGE])
+            pending.append(pool.submit(_page_digests, data))
+            while len(pending) > _HASHERS:
+                pages += pending.pop(0).result()
+        for done in pending:
+            pages += done.result()
     return bytes(pages), size, hasher.hexdigest()
+
+
+def _page_digests(data: bytes) -> bytes:
+    view = memoryview(data)
+    return b"".join(page_hash(view[at:at + PAGE]) for at in range(0, len(data), PAGE))
 
 
 def image_digests(files: EpochStore, n: int, m: Manifest, image: str, seg: int, digest: Digest) -> bytes | None:
