@@ -46,16 +46,22 @@ class Recipe(msgspec.Struct, array_like=True):
     runs: list[int]
 
 
-def read_recipe(files: EpochStore, m: Manifest, name: str) -> Recipe:
+def read_recipe(files: EpochStore, m: Manifest, name: str, cache: dict | None = None) -> Recipe:
     """The recipe of image ``name`` of converted epoch ``m``, checked for consistency: a content
-    recipe's resolved where its pages are now (agent/storage/contents.py)."""
+    recipe's resolved where its pages are now (agent/storage/contents.py); ``cache``: the places
+    found so far, for a caller that reads many while nothing changes."""
     entry = m.recipes[name]
     if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
         what = f"epoch {m.epoch}: {name}"
         seg, digests = contents.read_digests(files.epoch_dir(m.epoch) / entry.recipe, f"{what}'s digest list")
         if seg != m.segment or len(digests) // DIGEST != -(-entry.size // PAGE):
             raise CorruptEpoch(f"{what}'s digest list does not describe it")
-        places = contents.Places(files, seg, m.epoch, files.committed())
+        plain = contents.plain_places(files, m.epoch, files.committed())
+        places = cache.get((seg, plain)) if cache is not None else None
+        if places is None:  # the same for every epoch older than the same plain ones: built once
+            places = contents.Places(files, seg, m.epoch, [], plain)
+            if cache is not None:
+                cache[(seg, plain)] = places
         refs, runs = contents.resolve_runs(digests, places, what)
         return Recipe(packs=refs, runs=runs)
     try:
@@ -211,12 +217,14 @@ def read_from(files: EpochStore, kept: list[int]) -> set[int]:
     whose recipes cannot be resolved reads from none (it is corrupt already)."""
     _, manifests = files.listing()
     found: set[int] = set()
+    cache: dict = {}
     for n in kept:
         m = manifests.get(n)
         for name, entry in (m.recipes.items() if m is not None else ()):
             if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
                 try:
-                    found.update(int(r[1:].split("/")[0]) for r in read_recipe(files, m, name).packs if r[0] == "@")
+                    found.update(int(r[1:].split("/")[0]) for r in read_recipe(files, m, name, cache).packs
+                                 if r[0] == "@")
                 except (CorruptEpoch, OSError):
                     continue
     return found

@@ -96,34 +96,56 @@ def is_digests_tmp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp") and DIGESTS_SUFFIX in name
 
 
-def hash_image(path: Path, digest: Digest) -> tuple[bytes, int, str]:
+def hash_image(path: Path, digest: Digest, like: tuple[Path, bytes] | None = None) -> tuple[bytes, int, str]:
     """(page digests, size, ``digest`` of the whole file) of an image, in one read (its last page
-    padded with zeros, as a pack stores it)."""
+    padded with zeros, as a pack stores it).  ``like``: an older image of the job and its digest
+    list: where a page is the same, byte for byte at the same offset, its digest is taken from
+    the list instead of being computed (an epoch that changed 1 % of its pages is hashed 1 %)."""
     pages, hasher, size = bytearray(), digest.new(), 0
+    older = open(like[0], "rb", buffering=0) if like is not None else None
     with open(path, "rb", buffering=0) as f, concurrent.futures.ThreadPoolExecutor(_HASHERS) as pool:
         pending: list[concurrent.futures.Future[bytes]] = []
         while data := f.read(_READ):
             hasher.update(data)  # BLAKE3 or CRC-32, beside the pages' SHA-256s (both let go of the GIL)
+            at = size
             size += len(data)
             if len(data) % PAGE:
                 data += bytes(PAGE - len(data) % PAGE)
+            if older is not None and like is not None:
+                same = older.read(_READ)
+                pending.append(pool.submit(_page_digests, data, same, like[1][at // PAGE * DIGEST:]))
+                continue
             pending.append(pool.submit(_page_digests, data))
             while len(pending) > _HASHERS:
                 pages += pending.pop(0).result()
         for done in pending:
             pages += done.result()
+    if older is not None:
+        older.close()
     return bytes(pages), size, hasher.hexdigest()
 
 
-def _page_digests(data: bytes) -> bytes:
+def _page_digests(data: bytes, same: bytes = b"", known: bytes = b"") -> bytes:
+    """The digests of ``data``'s pages; those equal to ``same``'s at their offset taken from
+    ``known`` (``same``'s digests, from its first page)."""
     view = memoryview(data)
-    return b"".join(page_hash(view[at:at + PAGE]) for at in range(0, len(data), PAGE))
+    if same[:len(data)] == data and len(known) >= len(data) // PAGE * DIGEST:
+        return known[:len(data) // PAGE * DIGEST]
+    out = bytearray()
+    for at in range(0, len(data), PAGE):
+        i = at // PAGE * DIGEST
+        if same[at:at + PAGE] == data[at:at + PAGE] and len(known) >= i + DIGEST:
+            out += known[i:i + DIGEST]
+        else:
+            out += page_hash(view[at:at + PAGE])
+    return bytes(out)
 
 
-def image_digests(files: EpochStore, n: int, m: Manifest, image: str, seg: int, digest: Digest) -> bytes | None:
+def image_digests(files: EpochStore, n: int, m: Manifest, image: str, seg: int, digest: Digest,
+                  like: tuple[Path, bytes] | None = None) -> bytes | None:
     """Plain epoch ``n``'s digest list of ``image`` for segment ``seg``: its file's, else taken now
-    and written, but only from an image that matches its manifest (None: it does not; it is no
-    place, and is not converted)."""
+    (``like``: see :func:`hash_image`) and written, but only from an image that matches its
+    manifest (None: it does not; it is no place, and is not converted)."""
     path = files.epoch_dir(n) / digests_name(image)
     try:
         got_seg, pages = read_digests(path, "")
@@ -132,7 +154,7 @@ def image_digests(files: EpochStore, n: int, m: Manifest, image: str, seg: int, 
     except CorruptEpoch:
         pass
     try:
-        pages, size, whole = hash_image(files.epoch_dir(n) / image, digest)
+        pages, size, whole = hash_image(files.epoch_dir(n) / image, digest, like)
     except OSError:
         return None
     entry = m.files.get(image)
@@ -147,15 +169,12 @@ class Places:
     ``newer_than``: see the module's docstring for the order.  ``index``: digest -> place number
     << 32 | page; ``refs``: each place's name ("@<N>/<image>" or "<seg>/<N>-<rnd>")."""
 
-    def __init__(self, files: EpochStore, seg: int, newer_than: int, committed: list[int]) -> None:
+    def __init__(self, files: EpochStore, seg: int, newer_than: int, committed: list[int],
+                 plain: tuple[tuple[int, tuple[str, ...]], ...] | None = None) -> None:
         self.refs: list[str] = []
         self.index: dict[bytes, int] = {}
-        for k in sorted((k for k in committed if k > newer_than), reverse=True):
-            try:  # an image with its digest list (the list was taken from it whole: its manifest is not needed)
-                names = sorted(os.listdir(files.epoch_dir(k)))
-            except OSError:
-                continue
-            for image in (name for name in names if PAGES_RE.match(name) and digests_name(name) in names):
+        for k, images in plain if plain is not None else plain_places(files, newer_than, committed):
+            for image in images:
                 try:
                     got_seg, pages = read_digests(files.epoch_dir(k) / digests_name(image), "")
                 except CorruptEpoch:
@@ -168,12 +187,30 @@ class Places:
                 self.add(ref, pages)
 
     def add(self, ref: str, pages: bytes | bytearray) -> int:
+        """A place, last; a digest an earlier place (or an earlier page) has stays found there."""
         no = len(self.refs)
         self.refs.append(ref)
-        base, index = no << 32, self.index
-        for i in range(0, len(pages), DIGEST):
-            index.setdefault(bytes(pages[i:i + DIGEST]), base | i // DIGEST)
+        count, base = len(pages) // DIGEST, no << 32
+        keys = [bytes(pages[i:i + DIGEST]) for i in range((count - 1) * DIGEST, -1, -DIGEST)]  # last first
+        mine = dict(zip(keys, range(base + count - 1, base - 1, -1)))  # so the first page of a digest wins
+        mine.update(self.index)
+        self.index = mine
         return no
+
+
+def plain_places(files: EpochStore, newer_than: int, committed: list[int]) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """The epochs newer than ``newer_than`` that have plain images with digest lists (the list was
+    taken from the whole image: no manifest is needed), newest first, with those images."""
+    out = []
+    for k in sorted((k for k in committed if k > newer_than), reverse=True):
+        try:
+            names = sorted(os.listdir(files.epoch_dir(k)))
+        except OSError:
+            continue
+        images = tuple(name for name in names if PAGES_RE.match(name) and digests_name(name) in names)
+        if images:
+            out.append((k, images))
+    return tuple(out)
 
 
 def packs_of(files: EpochStore, seg: int) -> list[str]:

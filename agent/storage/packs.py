@@ -189,7 +189,8 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         for k in (k for k in committed if k > n and segment_of(k, full_every) == seg):  # newer plain ones: places
             if (mk := manifests.get(k)) is not None and not converted(mk) and not mk.encryption:
                 for image in (name for name in mk.files if _PAGES_RE.match(name)):
-                    contents.image_digests(files, k, mk, image, seg, files.digest_of(mk))
+                    like = (files.epoch_dir(n) / image, lists[image]) if lists.get(image) else None
+                    contents.image_digests(files, k, mk, image, seg, files.digest_of(mk), like)
     except CorruptEpoch as exc:
         return _result(files, n, False, 0, started, note=str(exc))
     if bad := [name for name, pages in lists.items() if pages is None]:
@@ -298,9 +299,10 @@ def _commit(files: JobFiles, n: int, new: Manifest, images: list[str], step: Cal
 
 
 def _result(files: JobFiles, n: int, done: bool, added: int, started: float, **kw) -> ConvertResult:
+    seconds = time.monotonic() - started  # the conversion's own, not the accounting's after it
     storage, own = usage(files)
     return ConvertResult(epoch=n, converted=done, added_bytes=added, own_bytes=own.get(n, 0), storage_bytes=storage,
-                         seconds=time.monotonic() - started, **kw)
+                         seconds=seconds, **kw)
 
 
 # ------------------------------------------------------------------ restore
@@ -363,11 +365,12 @@ def gc(files: JobFiles) -> int:
                 or contents.is_digests_tmp(e.name))]
         freed += sum(_unlink(d / name) for name in doomed)
     referenced = {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}
+    cache: dict = {}
     for m in manifests.values():  # what content recipes read now (agent/storage/contents.py)
         for name, entry in m.recipes.items():
             if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
                 try:
-                    referenced.update(read_recipe(files, m, name).packs)
+                    referenced.update(read_recipe(files, m, name, cache).packs)
                 except (CorruptEpoch, OSError):
                     complete = False  # what it would read is not known: no pack goes
     newest = max(manifests, default=0)

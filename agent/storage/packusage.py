@@ -61,6 +61,7 @@ def usage_detail(files: JobFiles) -> tuple[int, dict[int, int], dict[int, list[i
     manifests, _ = readable_manifests(files)
     own: dict[int, int] = {}
     where: dict[int, list[int]] = {}
+    cache: dict = {}
     intervals: dict[str, list[tuple[int, int, int]]] = {}
     for n, m in manifests.items():
         try:
@@ -71,7 +72,7 @@ def usage_detail(files: JobFiles) -> tuple[int, dict[int, int], dict[int, list[i
         where[n] = [sum(plain), 0, 0]
         if not m.recipes:  # a plain epoch's digest lists (agent/storage/contents.py): not in its manifest
             own[n] += sum(_size(files.epoch_dir(n) / digests_name(name)) for name in m.files if PAGES_RE.match(name))
-        for image, recipe in _recipes(files, m):
+        for image, recipe in _recipes(files, m, cache):
             for ref, first, count in runs_of(recipe):
                 if image:
                     where[n][2 if ref.startswith("@") else 1] += count * PAGE
@@ -111,12 +112,12 @@ def _page_bytes(files: JobFiles, ref: str) -> float:
     return PAGE
 
 
-def _recipes(files: JobFiles, m: Manifest) -> Iterator[tuple[bool, Recipe]]:
+def _recipes(files: JobFiles, m: Manifest, cache: dict) -> Iterator[tuple[bool, Recipe]]:
     """Every recipe epoch ``m`` reads pages by (whether it is an image's): its images', its working
     directory's packed files' (one per copy); those that cannot be read are left out."""
     for name in m.recipes:
         try:
-            yield True, read_recipe(files, m, name)
+            yield True, read_recipe(files, m, name, cache)
         except CorruptEpoch:
             continue
     if not m.workdir_packs:
