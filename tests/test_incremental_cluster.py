@@ -192,6 +192,18 @@ def test_an_older_incremental_epoch_restores_exactly_then_the_newest(make_cluste
     assert assert_exact(output(cluster, job)) >= at_2 + 8
     assert not list((cluster.storage / "jobs" / job / "epochs").glob(".tmp-*"))  # the rebuilt images went
 
+    # The middle ones too: each vacate adds an epoch and retention drops the oldest (3 and 4 stay).
+    for n in (3, 4):
+        wait_steps(cluster, job, steps_done(cluster, job) + 2)
+        cluster.cli("checkpoint", "vacate", job)
+        assert n in [e["n"] for e in cluster.job(job)["epochs"]]
+        at_n = epoch_steps(cluster, job, n)
+        done = restart(cluster, job, "--epoch", str(n))
+        assert done.returncode == 0, done.stderr
+        assert restored_event(cluster, job, cluster.job(job)["generation"])["epoch"] == n
+        wait_steps(cluster, job, at_n + 4)
+        assert assert_exact(output(cluster, job)) >= at_n + 4
+
     # Then the newest restorable epoch: the one the next vacate writes.
     wait_steps(cluster, job, steps_done(cluster, job) + 4)
     cluster.cli("checkpoint", "vacate", job)

@@ -155,7 +155,14 @@ class PolicyRunner:
         return out, storage
 
     async def described(self, files: JobFiles, m: Manifest) -> EpochInfo:
-        """Epoch ``m``'s info with its own bytes, as a listing has it (a restore's reply)."""
+        """Epoch ``m``'s info with its own bytes, as a listing has it (a restore's reply).  A plain
+        epoch's (a failover's: the newest) are its files, read from its manifest: the whole listing
+        resolves every delta's pages, which would delay the reply by a second per GiB."""
+        if not packs.converted(m):
+            info = files.info(m)
+            info.own_bytes = sum(f.size for f in m.files.values())
+            info.plain_bytes = sum(f.size for name, f in m.files.items() if packs.is_pages(name))
+            return info
         try:
             kept, _ = await asyncio.to_thread(self.listing, files)
         except OSError:

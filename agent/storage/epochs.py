@@ -314,9 +314,9 @@ class JobFiles:
 
     # ------------------------------------------------------------------ verify, prune
 
-    def verify(self, n: int, skip: Callable[[Manifest, str], bool] | None = None) -> Manifest:
-        """Epoch ``n``'s manifest if every file matches its size and checksum (``skip``: files whose
-        checksum the caller checks: what a lazy restore serves; never with image keys, below)."""
+    def verify(self, n: int, skip: Callable[[Manifest, str], bool] | None = None, pages: bool = True) -> Manifest:
+        """Epoch ``n``'s manifest if every file matches its size and checksum (``skip``: files a lazy
+        restore checks as served, never with image keys; not ``pages``: a delta's images, checked as rebuilt)."""
         m = self.read_signed(n)
         if m.job != self.job:  # an epoch moved here from another job's directory
             raise CorruptEpoch(f"epoch {n} of {self.job} is job {m.job}'s")
@@ -335,7 +335,7 @@ class JobFiles:
                     and (imagesum.crc32_file(path, digest)[1] if digest else checksum_file(path, m.checksum))
                     != entry.checksum):
                 raise CorruptEpoch(f"epoch {n}: {name} fails its checksum")
-        if m.recipes:  # every page it needs, from the packs
+        if m.recipes and pages:  # every page it needs, from the packs
             verify_recipes(self, m)
         if m.workdir_packs:  # and its working directory's
             verify_workdir(self, m, d)

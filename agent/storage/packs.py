@@ -81,6 +81,11 @@ class ConvertResult:
     note: str = ""
 
 
+def is_pages(name: str) -> bool:
+    """Whether an epoch's file is criu's page data (``pages-<id>.img``)."""
+    return bool(_PAGES_RE.match(name))
+
+
 def segment_of(n: int, full_every: int) -> int:
     return (n - 1) // max(1, full_every)
 
