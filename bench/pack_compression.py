@@ -6,10 +6,10 @@ For each workload, on a one-node local cluster (``revenant up``; its agent allow
    --warm seconds more;
 2. ``revenant checkpoint create`` it: a real criu dump, a plain epoch;
 3. feed every ``pages-*.img`` of that epoch, as one run of 4 KiB pages, to a pack writer
-   for each codec exactly as a conversion does (agent/storage/chain.py ``FramedPack``: frames
+   for each codec exactly as a conversion does (agent/storage/packfile.py ``FramedPack``: frames
    of 64 pages, each compressed alone, kept as it is where that is no smaller), writing to a
    counting sink, and time it (the thread's CPU time, and wall); then decompress every frame
-   back (``chain._decompress``) and time that too.
+   back (``packfile._decompress``) and time that too.
 
 Workloads: ``numpy`` bench/workloads/numpy_train.py (an MLP trained by SGD on a synthetic data
 set of --mib MiB of float32, with momentum, in a python3 that has numpy: PATH's, the system's), ``random``
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from revenant.agent.storage import chain
+from revenant.agent.storage import packfile as frames  # FramedPack, its frames and codecs
 
 # bench/ is not a package: these are this script's own directory's.
 from harness import BenchError, cluster_down, cluster_up, machine, rv, text_table, write_json
@@ -78,20 +78,20 @@ class _Count:
 def measure(images: list[Path], codec: str) -> dict:
     """One pack of every page of ``images`` with ``codec``: sizes, compress and decompress times."""
     sink = _Count()
-    pack = chain.FramedPack(sink, codec)  # type: ignore[arg-type]
+    pack = frames.FramedPack(sink, codec)  # type: ignore[arg-type]
     raw = 0
     c0, w0 = time.thread_time(), time.perf_counter()
     for path in images:
         with open(path, "rb", buffering=0) as f:
-            while data := f.read(chain.BATCH * chain.PAGE):
+            while data := f.read(2048 * frames.PAGE):
                 raw += len(data)
                 pack.write(data)
     pack.finish()
     c1, w1 = time.thread_time(), time.perf_counter()
-    sizes = [min(chain.FRAME_PAGES * chain.PAGE, raw - i * chain.FRAME_PAGES * chain.PAGE)
+    sizes = [min(frames.FRAME_PAGES * frames.PAGE, raw - i * frames.FRAME_PAGES * frames.PAGE)
              for i in range(len(sink.frames))]
     for data, size in zip(sink.frames, sizes):
-        chain._decompress(codec, data, size)
+        frames._decompress(codec, data, size)
     c2, w2 = time.thread_time(), time.perf_counter()
     kept = sum(1 for data, size in zip(sink.frames, sizes) if len(data) == size)
     return {"codec": codec, "raw_bytes": raw, "stored_bytes": sink.bytes, "ratio": sink.bytes / max(1, raw),
@@ -117,7 +117,7 @@ def run_workload(cluster: Path, name: str, argv: list[str], warm_s: float) -> di
         n = done["epochs"][-1]["n"]
         images = sorted((cluster / "storage" / "jobs" / job / "epochs" / str(n)).glob("pages-*.img"))
         return {"workload": name, "job": job, "epoch": n,
-                "results": [measure(images, codec) for codec in chain.CODECS]}
+                "results": [measure(images, codec) for codec in frames.CODECS]}
     finally:
         rv("checkpoint", "vacate", job, "--dir", str(cluster), check=False, timeout=600)
         rv("job", "purge", job, "--dir", str(cluster), check=False)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(rows))
     meta = {"command": "bench/pack_compression.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "mib": args.mib, "warm_s": args.warm, "frame_pages": chain.FRAME_PAGES, "machine": machine(),
+            "mib": args.mib, "warm_s": args.warm, "frame_pages": frames.FRAME_PAGES, "machine": machine(),
             "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json(args.out, {"meta": meta, "runs": rows})
     print(f"\nwritten to {args.out}")
