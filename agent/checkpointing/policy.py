@@ -177,7 +177,7 @@ class PolicyRunner:
                     if n == files.committed()[-1]:
                         break  # pruned meanwhile, down to this one: it is the newest now
                     result = await asyncio.to_thread(packs.convert, files, n, full_every, None,
-                                                     "" if compression == "none" else compression)
+                                                     "" if compression == "none" else compression, False)
                 if result.converted:
                     log.info("job %s: epoch %d is a delta now (%d of %d pages new, %.2f s)",
                              files.job, n, result.new_pages, result.pages, result.seconds)

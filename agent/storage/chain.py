@@ -59,7 +59,7 @@ def read_recipe(files: EpochStore, m: Manifest, name: str, cache: dict | None = 
         plain = contents.plain_places(files, m.epoch, files.committed())
         places = cache.get((seg, plain)) if cache is not None else None
         if places is None:  # the same for every epoch older than the same plain ones: built once
-            places = contents.Places(files, seg, m.epoch, [], plain)
+            places = contents.Places(files, seg, plain)
             if cache is not None:
                 cache[(seg, plain)] = places
         refs, runs = contents.resolve_runs(digests, places, what)
@@ -215,12 +215,14 @@ def verify_recipes(files: EpochStore, m: Manifest) -> None:
 def read_from(files: EpochStore, kept: list[int]) -> set[int]:
     """The epochs whose plain images epochs ``kept`` read pages from (content recipes); an epoch
     whose recipes cannot be resolved reads from none (it is corrupt already)."""
-    _, manifests = files.listing()
     found: set[int] = set()
     cache: dict = {}
     for n in kept:
-        m = manifests.get(n)
-        for name, entry in (m.recipes.items() if m is not None else ()):
+        try:
+            m = files.read_manifest(n)
+        except CorruptEpoch:
+            continue
+        for name, entry in m.recipes.items():
             if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
                 try:
                     found.update(int(r[1:].split("/")[0]) for r in read_recipe(files, m, name, cache).packs

@@ -29,18 +29,17 @@ is hashed again.  A rebuilt image is checked against the manifest's digest as be
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
-import secrets
 import struct
 import zlib
 from pathlib import Path
 
 from revenant.agent.storage.imagekeys import PLAIN, Digest
 from revenant.agent.storage.manifest import CorruptEpoch, EpochStore, Manifest
-from revenant.agent.storage.packfile import (DIGEST, PAGE, is_compressed, image_ref, pack_path, page_hash, read_idx,
-                                             write_private)
-from revenant.agent.storage.fileio import fsync_path
+from revenant.agent.storage.packfile import DIGEST, PAGE, is_compressed, image_ref, pack_path, page_hash, read_idx
+from revenant.agent.storage.private import write_atomic
 
 DIGESTS_SUFFIX = ".digests"
 _MAGIC = b"rvndig1\0"
@@ -82,14 +81,8 @@ def read_digests(path: Path, what: str) -> tuple[int, bytes]:
 
 
 def write_digests(path: Path, seg: int, digests: bytes | bytearray) -> None:
-    """A digest list at ``path``, whole or not at all (a unique temporary name, fsynced, renamed)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        write_private(tmp, digests_bytes(seg, digests))
-        os.rename(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_path(path.parent, directory=True)
+    """A digest list at ``path``, whole or not at all."""
+    write_atomic(path, digests_bytes(seg, digests))
 
 
 def is_digests_tmp(name: str) -> bool:
@@ -102,35 +95,33 @@ def hash_image(path: Path, digest: Digest, like: tuple[Path, bytes] | None = Non
     list: where a page is the same, byte for byte at the same offset, its digest is taken from
     the list instead of being computed (an epoch that changed 1 % of its pages is hashed 1 %)."""
     pages, hasher, size = bytearray(), digest.new(), 0
-    older = open(like[0], "rb", buffering=0) if like is not None else None
-    with open(path, "rb", buffering=0) as f, concurrent.futures.ThreadPoolExecutor(_HASHERS) as pool:
+    known = memoryview(like[1]) if like is not None else memoryview(b"")
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(open(path, "rb", buffering=0))
+        older = stack.enter_context(open(like[0], "rb", buffering=0)) if like is not None else None
+        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(_HASHERS))
         pending: list[concurrent.futures.Future[bytes]] = []
         while data := f.read(_READ):
             hasher.update(data)  # BLAKE3 or CRC-32, beside the pages' SHA-256s (both let go of the GIL)
-            at = size
+            first = size // PAGE * DIGEST
             size += len(data)
             if len(data) % PAGE:
                 data += bytes(PAGE - len(data) % PAGE)
-            if older is not None and like is not None:
-                same = older.read(_READ)
-                pending.append(pool.submit(_page_digests, data, same, like[1][at // PAGE * DIGEST:]))
-                continue
-            pending.append(pool.submit(_page_digests, data))
-            while len(pending) > _HASHERS:
+            same = older.read(_READ) if older is not None else b""
+            pending.append(pool.submit(_page_digests, data, same, known[first:]))
+            while len(pending) > 2 * _HASHERS:  # a few chunks in memory at most
                 pages += pending.pop(0).result()
         for done in pending:
             pages += done.result()
-    if older is not None:
-        older.close()
     return bytes(pages), size, hasher.hexdigest()
 
 
-def _page_digests(data: bytes, same: bytes = b"", known: bytes = b"") -> bytes:
+def _page_digests(data: bytes, same: bytes = b"", known: bytes | memoryview = b"") -> bytes:
     """The digests of ``data``'s pages; those equal to ``same``'s at their offset taken from
     ``known`` (``same``'s digests, from its first page)."""
     view = memoryview(data)
     if same[:len(data)] == data and len(known) >= len(data) // PAGE * DIGEST:
-        return known[:len(data) // PAGE * DIGEST]
+        return bytes(known[:len(data) // PAGE * DIGEST])
     out = bytearray()
     for at in range(0, len(data), PAGE):
         i = at // PAGE * DIGEST
@@ -165,15 +156,14 @@ def image_digests(files: EpochStore, n: int, m: Manifest, image: str, seg: int, 
 
 
 class Places:
-    """Where each page digest of segment ``seg`` is now, for an epoch of that segment numbered
-    ``newer_than``: see the module's docstring for the order.  ``index``: digest -> place number
+    """Where each page digest of segment ``seg`` is now, for an epoch of that segment older than
+    the ``plain`` ones (:func:`plain_places`): see the module's docstring for the order.  ``index``: digest -> place number
     << 32 | page; ``refs``: each place's name ("@<N>/<image>" or "<seg>/<N>-<rnd>")."""
 
-    def __init__(self, files: EpochStore, seg: int, newer_than: int, committed: list[int],
-                 plain: tuple[tuple[int, tuple[str, ...]], ...] | None = None) -> None:
+    def __init__(self, files: EpochStore, seg: int, plain: tuple[tuple[int, tuple[str, ...]], ...]) -> None:
         self.refs: list[str] = []
         self.index: dict[bytes, int] = {}
-        for k, images in plain if plain is not None else plain_places(files, newer_than, committed):
+        for k, images in plain:
             for image in images:
                 try:
                     got_seg, pages = read_digests(files.epoch_dir(k) / digests_name(image), "")

@@ -158,14 +158,6 @@ class JobFiles:
         numbers += [int(m.group(1)) for n in names if (m := re.match(r"^\.trash-([0-9]+)-", n))]
         return max(numbers, default=0) + 1
 
-    def listing(self) -> tuple[list[int], dict[int, Manifest]]:
-        """The committed epochs, and the manifests of those that can be read."""
-        committed, found = self.committed(), {}
-        for n in committed:
-            with contextlib.suppress(CorruptEpoch):
-                found[n] = self.read_manifest(n)
-        return committed, found
-
     def read_manifest(self, n: int) -> Manifest:
         path = self.epoch_dir(n) / MANIFEST
         try:
@@ -207,7 +199,8 @@ class JobFiles:
         started = clock()
         sealed_now: imagesum.Sums = {}
         if staging is not None:
-            staged = _image_names(staging) + _job_file_names(staging)
+            images = _image_names(staging)
+            staged = images + _job_file_names(staging)
             for sub in (FILES_DIR, PREDUMP_DIR):
                 if (staging / sub).is_dir():
                     (tmp / sub).mkdir(mode=0o700, exist_ok=True)
@@ -215,7 +208,7 @@ class JobFiles:
             if self.seals:  # images encrypted on their way (agent/storage/sealed.py), digested as stored
                 key, manifest.data_key = sealed.job_key(self.keys, self.dir, self.job)  # type: ignore[arg-type]
                 manifest.encryption = sealed.ALGORITHM
-                sealed_now = sealed.seal_all(staging, tmp, sealed.names(staged), key, self.digest)
+                sealed_now = sealed.seal_all(staging, tmp, images, key, self.digest)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 list(pool.map(lambda n: _copy_file(staging / n, tmp / n), [n for n in staged if n not in sealed_now]))
         elif self.seals:

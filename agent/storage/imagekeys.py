@@ -37,6 +37,7 @@ from typing import Protocol
 
 import blake3
 
+from revenant.agent.storage.private import write_atomic
 from revenant.common.errors import ConfigError
 
 KEYED = "blake3-keyed"
@@ -165,14 +166,7 @@ def write(path: Path, rotate: bool = False) -> tuple[ImageKeys, bool]:
     if existing is not None and not rotate:
         return existing, False
     text = path.read_text() if existing is not None else ""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + new_line(existing))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, (text + new_line(existing)).encode())
     return load(path), True
 
 

@@ -62,7 +62,6 @@ __all__ = ["STEPS", "ConvertResult", "convert", "converted", "gc", "materialize"
 
 # The points of a conversion a crash test stops at (convert's on_step), in order.
 STEPS = ("digests", "pack", "packed", "recipes", "manifest", "committed", "unlinking")
-_PAGES_RE = re.compile(r"^pages-[0-9]+\.img$")
 _SEG_RE = re.compile(r"^[0-9]{1,9}$")
 _EPOCH_OF = re.compile(r"^[0-9]{1,9}-")
 
@@ -83,7 +82,7 @@ class ConvertResult:
 
 def is_pages(name: str) -> bool:
     """Whether an epoch's file is criu's page data (``pages-<id>.img``)."""
-    return bool(_PAGES_RE.match(name))
+    return bool(contents.PAGES_RE.match(name))
 
 
 def segment_of(n: int, full_every: int) -> int:
@@ -170,38 +169,40 @@ def pack_dir(files: EpochStore, seg: int) -> Path:
 
 
 def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], None] | None = None,
-            codec: str = "") -> ConvertResult:
+            codec: str = "", account: bool = True) -> ConvertResult:
     """Store epoch ``n``'s pages-*.img as content recipes (agent/storage/contents.py): their digest
     lists, and the pages no place of their segment holds in one new pack, compressed with
     ``codec`` (packfile.CODECS; "": not).  See the module's docstring for the order; ``on_step``
-    is called at each of STEPS (crash tests)."""
+    is called at each of STEPS (crash tests).  Not ``account``: the result's storage and own
+    bytes are left 0, for a caller that takes the job's usage once after its conversions."""
     started = time.monotonic()
     step = on_step or (lambda _: None)
     try:
         m = files.read_manifest(n)
     except CorruptEpoch as exc:
-        return _result(files, n, False, 0, started, note=str(exc))
-    images = sorted(name for name in m.files if _PAGES_RE.match(name))
+        return _result(files, n, False, 0, started, account, note=str(exc))
+    images = sorted(name for name in m.files if contents.PAGES_RE.match(name))
     if converted(m) or not images or m.checksum not in ("crc32", imagekeys.KEYED) or m.encryption:
         why = ("already converted" if converted(m) else "no pages to convert" if not images
                else "encrypted: kept whole" if m.encryption else "not CRC-32")
-        return _result(files, n, False, 0, started, note=why)
+        return _result(files, n, False, 0, started, account, note=why)
     seg = segment_of(n, full_every)
     try:
         digest = files.digest_of(m)
         lists = {name: contents.image_digests(files, n, m, name, seg, digest) for name in images}
-        committed, manifests = files.listing()
+        manifests, _ = readable_manifests(files)
+        committed = files.committed()
         for k in (k for k in committed if k > n and segment_of(k, full_every) == seg):  # newer plain ones: places
             if (mk := manifests.get(k)) is not None and not converted(mk) and not mk.encryption:
-                for image in (name for name in mk.files if _PAGES_RE.match(name)):
+                for image in (name for name in mk.files if contents.PAGES_RE.match(name)):
                     like = (files.epoch_dir(n) / image, lists[image]) if lists.get(image) else None
                     contents.image_digests(files, k, mk, image, seg, files.digest_of(mk), like)
     except CorruptEpoch as exc:
-        return _result(files, n, False, 0, started, note=str(exc))
+        return _result(files, n, False, 0, started, account, note=str(exc))
     if bad := [name for name, pages in lists.items() if pages is None]:
-        return _result(files, n, False, 0, started, note=f"epoch {n}: {bad[0]} fails its checksum")
+        return _result(files, n, False, 0, started, account, note=f"epoch {n}: {bad[0]} fails its checksum")
     step("digests")
-    places = contents.Places(files, seg, n, committed)
+    places = contents.Places(files, seg, contents.plain_places(files, n, committed))
     d = pack_dir(files, seg)
     stem = f"{n}-{secrets.token_hex(4)}"
     ref = f"{seg}/{stem}"
@@ -209,7 +210,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
     try:
         new = _pack_missing(files, n, lists, places, ref, tmp_pack, tmp_idx, codec)
         if isinstance(new, str):
-            return _result(files, n, False, 0, started, note=new)
+            return _result(files, n, False, 0, started, account, note=new)
         if new:
             step("pack")
             os.rename(tmp_idx, pack_path(files, ref, ".idx"))
@@ -221,14 +222,14 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
             leftover.unlink(missing_ok=True)
     new_bytes = sum(os.stat(pack_path(files, ref, s)).st_size for s in (".pack", ".idx")) if new else 0
     try:
-        converted_m, refs = _content_manifest(files, m, seg, lists, places, digest)
+        converted_m = _content_manifest(files, m, seg, lists, places, digest)
     except CorruptEpoch as exc:  # a place that does not hold what its digests say: the epoch stays plain
         for suffix in (".pack", ".idx"):
             pack_path(files, ref, suffix).unlink(missing_ok=True)
         log.warning("job %s: epoch %d stays plain: %s", files.job, n, exc)
-        return _result(files, n, False, 0, started, note=str(exc))
+        return _result(files, n, False, 0, started, account, note=str(exc))
     added = _commit(files, n, converted_m, images, step) + new_bytes
-    return _result(files, n, True, added, started, pages=sum(len(p) // DIGEST for p in lists.values()),
+    return _result(files, n, True, added, started, account, pages=sum(len(p) // DIGEST for p in lists.values()),
                    new_pages=new)
 
 
@@ -263,9 +264,9 @@ def _pack_missing(files: JobFiles, n: int, lists: dict[str, bytes], places: cont
 
 
 def _content_manifest(files: JobFiles, m: Manifest, seg: int, lists: dict[str, bytes], places: contents.Places,
-                      digest: Digest) -> tuple[Manifest, list[str]]:
+                      digest: Digest) -> Manifest:
     """Epoch ``m`` as content recipes, each image rebuilt from its places and checked against its
-    digest first (CorruptEpoch if one is not); and the packs it reads now."""
+    digest first (CorruptEpoch if one is not), listing the packs it reads now (for gc)."""
     recipes: dict[str, RecipeEntry] = {}
     files_now = {k: v for k, v in m.files.items() if k not in lists}
     used: set[str] = set()
@@ -280,8 +281,7 @@ def _content_manifest(files: JobFiles, m: Manifest, seg: int, lists: dict[str, b
         hasher = digest.new()
         hasher.update(listed.read_bytes())
         files_now[contents.digests_name(name)] = FileEntry(size=listed.stat().st_size, checksum=hasher.hexdigest())
-    new = msgspec.structs.replace(m, files=files_now, recipes=recipes, packs=sorted(used), segment=seg)
-    return new, sorted(used)
+    return msgspec.structs.replace(m, files=files_now, recipes=recipes, packs=sorted(used), segment=seg)
 
 
 def _commit(files: JobFiles, n: int, new: Manifest, images: list[str], step: Callable[[str], None]) -> int:
@@ -303,9 +303,10 @@ def _commit(files: JobFiles, n: int, new: Manifest, images: list[str], step: Cal
     return sum(new.files[contents.digests_name(name)].size for name in images)
 
 
-def _result(files: JobFiles, n: int, done: bool, added: int, started: float, **kw) -> ConvertResult:
+def _result(files: JobFiles, n: int, done: bool, added: int, started: float, account: bool = True,
+            **kw) -> ConvertResult:
     seconds = time.monotonic() - started  # the conversion's own, not the accounting's after it
-    storage, own = usage(files)
+    storage, own = usage(files) if account else (0, {})
     return ConvertResult(epoch=n, converted=done, added_bytes=added, own_bytes=own.get(n, 0), storage_bytes=storage,
                          seconds=seconds, **kw)
 
@@ -366,7 +367,7 @@ def gc(files: JobFiles) -> int:
         d = files.epoch_dir(n)
         with os.scandir(d) as entries:
             doomed = [e.name for e in entries if e.name not in m.files and e.is_file(follow_symlinks=False) and (
-                _PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name)
+                contents.PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name)
                 or contents.is_digests_tmp(e.name))]
         freed += sum(_unlink(d / name) for name in doomed)
     referenced = {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -43,6 +44,26 @@ def private_dir(path: Path) -> Path:
                               f"of uid {os.geteuid()}", str(path))
     _own(path, st, PRIVATE_DIR)
     return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` whole or not at all: a private (0600) file under a unique temporary
+    name (``.<name>.<rnd>.tmp``), fsynced, renamed over ``path``, the directory fsynced."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def trusted(path: Path) -> bool:

@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from revenant.agent.storage.imagekeys import Digest, ImageKeys, derive
 from revenant.agent.storage.manifest import CorruptEpoch, EpochError, Manifest
-from revenant.agent.storage.private import PRIVATE_FILE, private_dir
+from revenant.agent.storage.private import PRIVATE_FILE, private_dir, write_atomic
 
 ALGORITHM = "aes-256-gcm"
 MAGIC = b"rvnseal1"
@@ -112,13 +112,7 @@ def job_key(keys: ImageKeys, job_dir: Path, job: str) -> tuple[bytes, str]:
     except (OSError, SealError):
         key = secrets.token_bytes(32)
     wrapped = wrap(keys, job, key)
-    tmp = path.with_name(f".{DATA_KEY}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE)
-    with os.fdopen(fd, "w") as f:
-        f.write(wrapped + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, (wrapped + "\n").encode())
     return key, wrapped
 
 
