@@ -401,6 +401,15 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _versus(summary: list[dict], key: str, title: str, header: list[str], cells) -> list[str]:
+    """A side-against-side table: a row per round that measured ``key`` (none: no table)."""
+    rounds = [s for s in summary if key in s]
+    if not rounds:
+        return []
+    return (["", title, "", "| round | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+            + [f"| {s['round']} | " + " | ".join(cells(s)) + " |" for s in rounds])
+
+
 def report(summary: list[dict], meta: dict) -> str:
     lines = [f"{meta['mib']} MiB job, best of {meta['runs']} alternating runs per side, {len(summary)} round(s); "
              f"storage {meta['storage_fs']}; revenant from {meta['revenant_source']}", "",
@@ -422,28 +431,22 @@ def report(summary: list[dict], meta: dict) -> str:
                      f"{_f(b['crc_after_criu'])} ({_f(b['mib_read_after_criu'], '{:.0f}')}) | "
                      f"{_f(b['rest_crc'], '{:.3f}')} | {_f(b['durable'])} ({'/'.join(s['durable_how'])}) | "
                      f"{_f(b['commit'])} | {_f(b['control'])} | {'/'.join(s['crc32'])} |")
-    if any("mac_vs_crc32_wall" in s for s in summary):
-        lines += ["", "Integrity: revenant (keyed BLAKE3, signed manifest) against revenant with image_integrity = crc32",
-                  "", "| round | mac best s | crc32 best s | wall ratio (goal <= 1.05) | mac freeze s | crc32 freeze s "
-                  "| freeze ratio (goal <= 1.05) | commit ratio |", "|---" * 8 + "|"]
-        for s in summary:
-            if "mac_vs_crc32_wall" in s:
-                lines.append(f"| {s['round']} | {_f(s['revenant_best_s'])} | {_f(s['crc32_best_s'])} | "
-                             f"**{_f(s['mac_vs_crc32_wall'], '{:.3f}')}** | {_f(s['revenant_freeze_median_s'], '{:.3f}')} | "
-                             f"{_f(s['crc32_freeze_median_s'], '{:.3f}')} | **{_f(s['mac_vs_crc32_freeze'], '{:.3f}')}** | "
-                             f"{_f(s['mac_vs_crc32_commit'], '{:.3f}')} |")
-    if any("aead_best_s" in s for s in summary):
-        lines += ["", "Encryption at rest: revenant with image_encryption = aead (staged in /dev/shm, AES-256-GCM on the "
-                  "way to the storage) against revenant (mac)", "",
-                  "| round | aead best s | mac best s | wall ratio | aead freeze s | mac freeze s | freeze ratio "
-                  "| aead criu s | aead commit s | mac commit s |", "|---" * 10 + "|"]
-        for s in summary:
-            if "aead_best_s" in s:
-                lines.append(f"| {s['round']} | {_f(s['aead_best_s'])} | {_f(s['revenant_best_s'])} | "
-                             f"**{_f(s['aead_vs_mac_wall'], '{:.3f}')}** | {_f(s['aead_freeze_median_s'], '{:.3f}')} | "
-                             f"{_f(s['revenant_freeze_median_s'], '{:.3f}')} | "
-                             f"**{_f(s['aead_vs_mac_freeze'], '{:.3f}')}** | {_f(s['aead_criu_median_s'])} | "
-                             f"{_f(s['aead_commit_median_s'])} | {_f(s['revenant_breakdown_median_s']['commit'])} |")
+    lines += _versus(summary, "mac_vs_crc32_wall", "Integrity: revenant (keyed BLAKE3, signed manifest) against "
+                     "revenant with image_integrity = crc32",
+                     ["mac best s", "crc32 best s", "wall ratio (goal <= 1.05)", "mac freeze s", "crc32 freeze s",
+                      "freeze ratio (goal <= 1.05)", "commit ratio"],
+                     lambda s: [_f(s['revenant_best_s']), _f(s['crc32_best_s']),
+                                f"**{_f(s['mac_vs_crc32_wall'], '{:.3f}')}**", _f(s['revenant_freeze_median_s'], '{:.3f}'),
+                                _f(s['crc32_freeze_median_s'], '{:.3f}'), f"**{_f(s['mac_vs_crc32_freeze'], '{:.3f}')}**",
+                                _f(s['mac_vs_crc32_commit'], '{:.3f}')])
+    lines += _versus(summary, "aead_best_s", "Encryption at rest: revenant with image_encryption = aead (staged in "
+                     "/dev/shm, AES-256-GCM on the way to the storage) against revenant (mac)",
+                     ["aead best s", "mac best s", "wall ratio", "aead freeze s", "mac freeze s", "freeze ratio",
+                      "aead criu s", "aead commit s", "mac commit s"],
+                     lambda s: [_f(s['aead_best_s']), _f(s['revenant_best_s']), f"**{_f(s['aead_vs_mac_wall'], '{:.3f}')}**",
+                                _f(s['aead_freeze_median_s'], '{:.3f}'), _f(s['revenant_freeze_median_s'], '{:.3f}'),
+                                f"**{_f(s['aead_vs_mac_freeze'], '{:.3f}')}**", _f(s['aead_criu_median_s']),
+                                _f(s['aead_commit_median_s']), _f(s['revenant_breakdown_median_s']['commit'])])
     lines += ["", "durable runs alongside the digests after criu and ends within commit; control = revenant wall - "
               "(agent criu + commit): CLI start-up, bus, coordinator, reply."]
     return "\n".join(lines)
