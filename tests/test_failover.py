@@ -240,8 +240,15 @@ def test_standby_coordinator_finishes_a_failover_when_the_leader_dies(make_clust
         assert output(cluster, job) == counter_reference(tmp_path, LINES)
     finally:
         standby.terminate()
-        standby.wait(timeout=15)
-        log.close()
+        try:
+            assert standby.wait(timeout=15) == 0, "the standby failed to stop cleanly"
+        except subprocess.TimeoutExpired:
+            standby.kill()
+            standby.wait()
+            raise AssertionError("the standby did not stop within 15 s of SIGTERM:\n" +
+                                 (cluster.dir / "logs" / "standby.log").read_text()[-3000:]) from None
+        finally:
+            log.close()
 
 
 def test_an_operator_holds_failover_then_resumes_it(make_cluster, tmp_path):

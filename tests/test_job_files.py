@@ -86,7 +86,11 @@ async def test_files_opened_w_and_a_come_back_exact_after_a_failover(tmp_path, n
     # Its own checkpoint, closed at the dump and renamed over after it, is put back as at the epoch.
     assert f"files of {wd} as they were at epoch 1" in notes and "ckpt.json" in notes, notes
     assert json.loads((wd / "ckpt.json").read_text())["step"] <= at_dump
-    assert not (wd / "revenant-after-epoch-1").exists()
+    # Only what a kill can leave half-way appears after the epoch: SQLite's hot journal, or the
+    # job's checkpoint not yet renamed. It is moved aside, never left for the restored job.
+    aside = wd / "revenant-after-epoch-1"
+    left = sorted(p.name for p in aside.iterdir()) if aside.exists() else []
+    assert set(left) <= {"steps.db-journal", "ckpt.json.tmp"}, left
     n = steps_in(out)
     await until(lambda: steps_in(out) >= n + 20)
     await n2.kill("1", 2, "test over")

@@ -111,3 +111,31 @@ async def test_spawn_outside_a_run_is_refused():
 
     with pytest.raises(RuntimeError, match="not running"):
         s.spawn(nothing(), "late")
+
+
+async def test_a_background_task_that_loses_its_cancellation_is_cancelled_again(caplog):
+    """Python 3.11's wait_for returns what it awaited when that finished as the cancellation came:
+    a loop around it carries on. The stop cancels it again rather than waiting for ever."""
+
+    class Swallower(Service):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lost = 0
+
+        async def _start(self) -> None:
+            async def loop() -> None:
+                while True:
+                    try:
+                        await asyncio.sleep(3600)
+                    except asyncio.CancelledError:
+                        if self.lost:
+                            raise
+                        self.lost += 1  # the first one lost, as that wait_for would lose it
+
+            self.spawn(loop(), "swallower")
+
+    s = Swallower()
+    async with s:
+        pass
+    assert s.status is ServiceStatus.STOPPED and s.lost == 1
+    assert "background task swallower still running after its cancellation" in caplog.text

@@ -254,13 +254,12 @@ class RawSubscriber:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # already logged by its done callback
-                pass
+            task = self._task
+            while not task.done():  # again if a cancellation was lost (a 3.11 wait_for finishing as it came)
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+            if not task.cancelled():
+                task.exception()  # already logged by its done callback
             self._task = None
         if self._conn is not None and self._conn.transport is not None:
             self._conn.transport.close()

@@ -99,6 +99,7 @@ class Service:
                 await self._stop_requested.wait()
                 self.status = ServiceStatus.STOPPING
                 self._cancel_background()
+                await self._background_ended()
         except BaseExceptionGroup as group_error:
             # A background task failed: raise its own error, not the group.
             raise _first(group_error, type(self).__name__) from None
@@ -114,6 +115,18 @@ class Service:
     def _cancel_background(self) -> None:
         for task in list(self._background):
             task.cancel()
+
+    async def _background_ended(self, every_s: float = 1.0) -> None:
+        """Wait for the cancelled background tasks, cancelling again any still running after
+        ``every_s``: a cancellation can be lost (Python 3.11's ``asyncio.wait_for`` returns the
+        result of what it awaited when that finished as the cancellation came), and a loop that
+        lost one would otherwise hold the stop for ever."""
+        while self._background:
+            _, running = await asyncio.wait(set(self._background), timeout=every_s)
+            for task in running:
+                log.warning("%s: background task %s still running after its cancellation; cancelling it again",
+                            type(self).__name__, task.get_name())
+                task.cancel()
 
     async def __aenter__(self: T) -> T:
         assert isinstance(self, Service)
