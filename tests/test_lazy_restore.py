@@ -134,3 +134,53 @@ async def test_a_lazy_pages_daemon_killed_mid_fetch_kills_the_job_never_leaves_i
     await sup.restore(spec, 3)  # eagerly this time (a daemon's failure must not repeat)
     await _until(lambda: _output(sup, "l4").count(b"ok") >= 3)
     assert len(_events(events, "restore_completed")) == 0 and b"BAD" not in _output(sup, "l4")
+
+
+async def test_a_delta_epoch_is_served_lazily_from_its_recipes_and_a_corrupt_page_evicts_it(tmp_path, supervisors):
+    """restart --epoch N of a delta: the job runs at once, its pages served from the packs and the
+    newest epoch's image (agent/lazyrestore/deltaserve.py), output byte-exact; a corrupt page of
+    its pack, met as served, kills it and deletes that epoch, naming the pack and page."""
+    from revenant.agent.storage import chain, packs
+
+    events: list = []
+    sup = _lazy(supervisors(scratch={}, events=events))
+    spec = JobSpec(id="l5", argv=[sys.executable, str(MEMDIRTY), "48", "0.05", "0", "0.05"], workdir=str(tmp_path),
+                   max_epochs=5)
+    await sup.start(spec, 1)
+    files = JobFiles(sup.storage, "l5")
+    for n in (1, 2, 3):
+        await _until(lambda: _output(sup, "l5").count(b"ok") >= 3 * n)
+        await sup.checkpoint("l5", 1, stop=n == 3)
+    for n in (1, 2):
+        assert packs.convert(files, n, 10).converted
+    m1 = files.read_manifest(1)
+    assert packs.converted(m1) and {r for r in chain.read_recipe(files, m1, next(iter(m1.recipes))).packs
+                                    if r.startswith("@")}  # it reads the newest image too
+    at_1 = _output(sup, "l5").count(b"ok")
+    reply = await sup.restore(spec, 2, epoch=1)
+    assert reply.epoch.n == 1
+    await _until(lambda: _events(events, "restore_completed"))
+    assert _events(events, "restore_completed")[0].epoch == 1
+    await _until(lambda: _output(sup, "l5").count(b"ok") >= at_1 + 3)  # every page checked each step
+    assert b"BAD" not in _output(sup, "l5")
+    assert not list(files.epochs_dir.glob(".tmp-*"))  # the scratch images went with the fetch
+
+    await sup.checkpoint("l5", 2, stop=True)  # epoch 4; epoch 3 is the newest delta
+    assert packs.convert(files, 3, 10).converted
+    m2 = files.read_manifest(2)
+    own = [(ref, first + i) for name in m2.recipes for ref, first, count in
+           chain.runs_of(chain.read_recipe(files, m2, name)) if ref.split("/")[-1].startswith("2-")
+           for i in range(count)]
+    assert own, "epoch 2 reads no page of its own pack"
+    ref, page = own[-1]  # the job's dirtied memory, which criu serves lazily
+    with open(chain.pack_path(files, ref), "r+b") as f:
+        f.seek(page * 4096 + 9)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    await sup.restore(spec, 3, epoch=2)
+    await _until(lambda: _events(events, "evicted"))
+    (ev,) = _events(events, "evicted")
+    assert "lazy restore of epoch 2 failed" in ev.reason and f"(page {page} of pack {ref}) does not match its " \
+        "digest" in ev.reason and "epoch 2 deleted" in ev.reason, ev.reason
+    assert 2 not in files.committed() and "l5" not in sup.jobs

@@ -309,10 +309,10 @@ class Engine:
         """Restore ``job`` from its newest verified epoch (``ask.epoch``: exactly that one) as our
         child; returns (pid, manifest, notes, fetch, criu's statistics).  ``ask.leave_workdir``: why
         the job's working directory must be left as it is (it is shared).  An epoch stored as a delta
-        (agent/storage/packs.py) is rebuilt first, into a temporary directory next to the epochs.
+        (agent/storage/packs.py) gets a temporary directory of images next to the epochs.
 
-        With ``self.lazy`` a plain epoch is restored lazily: its page data is not read before
-        criu starts the job; ``fetch`` (else None) is the rest of the restore, to be awaited:
+        With ``self.lazy`` an epoch is restored lazily: its page data is not read before criu
+        starts the job (a delta's is served from its recipes: agent/lazyrestore/deltaserve.py); ``fetch`` (else None) is the rest of the restore, to be awaited:
         every page fetched and its page data verified (agent/lazyrestore/lazy.py)."""
         files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
@@ -346,16 +346,16 @@ class Engine:
             if manifest.encryption:  # its images decrypted into node-local scratch (agent/storage/sealed.py)
                 ctx.images = images = self._new_dir(self.work_roots, f"images-{files.job}")
                 await asyncio.to_thread(files.open_sealed, manifest, images)
-            elif packs.converted(manifest):  # restored eagerly (its pages were checked through the packs)
-                images = files.new_tmp(self.node)
-                await asyncio.to_thread(packs.materialize, files, manifest, images)
-                ctx.images = images
+            elif packs.converted(manifest):  # served from its recipes lazily, else rebuilt
+                ctx.images = images = files.new_tmp(self.node)
+                ctx.lazy = await lazy.delta_images(self.criu, files, manifest, images, workdir, lazy_here)
             elif lazy_here:
                 ctx.lazy = await lazy.LazyPages.start(self.criu, ctx.epoch_dir, workdir)
             pid, manifest, notes, stats = await self._restore(ctx)
-            if ctx.lazy is not None:  # the page server and its work directory live on until the last page
+            if ctx.lazy is not None:  # the page server and its directories live on until the last page
                 keep = functools.partial(self._keep_log, files, "lazy-pages", generation)
-                fetch, workdir = lazy.LazyFetch(ctx.lazy, manifest, ctx.epoch_dir, workdir, keep), None
+                fetch = lazy.LazyFetch(ctx.lazy, manifest, ctx.images or ctx.epoch_dir, workdir, keep, images)
+                workdir = images = None
             return pid, manifest, notes, fetch, stats
         finally:
             if ctx.lazy is not None and fetch is None:

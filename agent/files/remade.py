@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 
 from revenant.agent.files import beneath
-from revenant.agent.network import criuimages
+from revenant.agent.pipeline import criuproto
 from revenant.agent.processes.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
 from revenant.messages import JobResource
 
@@ -149,7 +149,7 @@ def made_again_by_path(root: int) -> list[tuple[str, str, int]]:
 def _packet(entry: bytes) -> tuple[bool, int]:
     """An sk_packet_entry (protobuf): whether it has ``scm`` (field 4), and its ``length`` (field 2)."""
     scm, length = False, 0
-    for number, value in criuimages.fields(entry):
+    for number, value in criuproto.fields(entry):
         if number == 2 and isinstance(value, int):
             length = value
         scm = scm or number == 4

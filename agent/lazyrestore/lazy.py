@@ -28,8 +28,11 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 from pathlib import Path
 
+from revenant.agent.lazyrestore.deltaserve import DeltaServer
+from revenant.agent.lazyrestore import deltaserve
 from revenant.agent.pipeline import criu
 from revenant.agent.processes import procs
+from revenant.agent.storage import packs
 from revenant.agent.storage.imagekeys import KEYED
 from revenant.agent.storage.epochs import PREDUMP_DIR, EpochError, JobFiles, Manifest, checksum_file
 from revenant.common.errors import CriuError
@@ -52,10 +55,11 @@ EAGER_NEXT = "restore-eagerly"
 
 
 def served_lazily(m: Manifest) -> bool:
-    """Whether an epoch is restored lazily where the node can: not one stored as a delta (rebuilt
-    first), nor an encrypted one (opened first), nor a GPU job's (resuming CUDA copies device
-    memory back from host memory that would still be arriving)."""
-    return not m.recipes and not m.gpus and not m.encryption
+    """Whether an epoch is restored lazily where the node can: not an encrypted one (opened
+    first), nor a GPU job's (resuming CUDA copies device memory back from host memory that would
+    still be arriving), nor a delta with a pre-dump (rebuilt first); a delta is served from its
+    recipes (agent/lazyrestore/deltaserve.py)."""
+    return not m.gpus and not m.encryption and (not m.recipes or deltaserve.servable(m))
 
 
 def lazy_serves(m: Manifest, name: str) -> bool:
@@ -178,8 +182,10 @@ def judge_log(text: str, returncode: int) -> tuple[str, int]:
 class LazyPages:
     """One criu lazy-pages daemon, serving one lazy restore from a local images dir."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], out, workdir: Path, started: float) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], out, workdir: Path, started: float,
+                 server: DeltaServer | None = None) -> None:
         self._proc = proc
+        self.server = server  # a delta's pages come from it, not from the images dir
         self._out = out  # its console output (a failure before its log opened), read once it exited
         self._console = ""
         self._started = started
@@ -196,9 +202,21 @@ class LazyPages:
         return self._proc.returncode
 
     @classmethod
-    async def start(cls, criu_path: str, images: Path, workdir: Path, timeout_s: float = 30) -> "LazyPages":
+    async def start(cls, criu_path: str, images: Path, workdir: Path, timeout_s: float = 30,
+                    server: DeltaServer | None = None) -> "LazyPages":
         """Start the daemon and wait until it listens; raises CriuError (and leaves nothing
-        running) if it fails to, or takes longer than ``timeout_s``."""
+        running) if it fails to, or takes longer than ``timeout_s``.  ``server``: the daemon asks
+        it for the pages (a delta epoch), over a socket only the two of them hold."""
+        try:
+            return await cls._start(criu_path, images, workdir, timeout_s, server)
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+
+    @classmethod
+    async def _start(cls, criu_path: str, images: Path, workdir: Path, timeout_s: float,
+                     server: DeltaServer | None) -> "LazyPages":
         started = time.monotonic()
         if not (images / "pstree.img").is_file():
             what = "holds no criu images (no pstree.img)" if images.is_dir() else "is not a directory"
@@ -212,13 +230,18 @@ class LazyPages:
         out = tempfile.TemporaryFile()
         r, w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(r, False)
+        argv = lazy_pages_argv(criu_path, images=images, workdir=workdir, status_fd=w)
+        fds = (w,)
+        if server is not None:
+            argv += ["--page-server", "--ps-socket", str(server.theirs.fileno())]
+            fds += (server.theirs.fileno(),)
+            server.start()
         try:
             # Not killed with the agent: the job it serves outlives an agent that dies (until its
             # dead man's switch freezes it) and must not read zeros meanwhile; the daemon ends
             # by itself once every page is in or the job is gone.
-            proc = procs.spawn(lazy_pages_argv(criu_path, images=images, workdir=workdir, status_fd=w),
-                               stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                               pass_fds=(w,), close_fds=True)
+            proc = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                               pass_fds=fds, close_fds=True)
         except BaseException as exc:
             os.close(r)
             out.close()
@@ -227,7 +250,9 @@ class LazyPages:
             raise
         finally:
             os.close(w)
-        lp = cls(proc, out, workdir, started)
+            if server is not None:
+                server.handed_over()
+        lp = cls(proc, out, workdir, started, server)
         try:
             status = await lp._status(r, timeout_s)
         except BaseException:
@@ -274,7 +299,8 @@ class LazyPages:
         the daemon still running), or the daemon dead or ended short (its missing pages read as
         zeros): the caller kills the job, then calls abort()."""
         stop = threading.Event()
-        crc = asyncio.ensure_future(asyncio.to_thread(check_pages, images, manifest, stop))
+        crc = asyncio.ensure_future(asyncio.to_thread(check_pages, images, manifest, stop) if self.server is None
+                                    else asyncio.to_thread(self.server.outcome, stop))  # each page as served
         try:
             done, _ = await asyncio.wait({crc, self._waiter}, return_when=asyncio.FIRST_COMPLETED)
             if crc in done and (bad := crc.result())[0]:
@@ -282,6 +308,9 @@ class LazyPages:
             code = await asyncio.shield(self._waiter)
             text = await asyncio.to_thread(criu.read_log, self.log_path, self._console)
             why, moved = judge_log(text, code)
+            if why and self.server is not None and (bad := await crc)[0]:
+                why = bad[0]  # the daemon failed because the server refused: the page at fault named
+                return LazyResult(ok=False, seconds=self._elapsed(), bytes=moved, error=why, corrupt=bad[1])
             if why:
                 return LazyResult(ok=False, seconds=self._elapsed(), bytes=moved, error=why)
             bad = await crc  # the daemon served every page: the check must still pass
@@ -294,6 +323,8 @@ class LazyPages:
 
     async def abort(self) -> None:
         """SIGKILL the daemon and reap it (idempotent)."""
+        if self.server is not None:
+            self.server.close()
         if self._proc.returncode is None:
             try:
                 os.kill(self._proc.pid, signal.SIGKILL)
@@ -315,6 +346,18 @@ class LazyPages:
         return time.monotonic() - self._started
 
 
+async def delta_images(criu_path: str, files: JobFiles, m: Manifest, dest: Path, workdir: Path,
+                       lazily: bool) -> LazyPages | None:
+    """Delta epoch ``m``'s images in ``dest`` (private, on the storage): with ``lazily``, what criu
+    restore reads itself and a daemon started to serve the rest from the recipes (returned), or,
+    where it cannot be served so or without ``lazily``, every image rebuilt (None)."""
+    server = await asyncio.to_thread(deltaserve.prepare, files, m, dest) if lazily else None
+    if server is None:
+        await asyncio.to_thread(packs.materialize, files, m, dest)
+        return None
+    return await LazyPages.start(criu_path, dest, workdir, server=server)
+
+
 @dataclass
 class LazyFetch:
     """The rest of a lazy restore: its page server, until the last page is in (or it fails)."""
@@ -324,6 +367,7 @@ class LazyFetch:
     images: Path
     workdir: Path
     keep_log: Callable[[str], Awaitable[str]]  # the daemon's log kept beside criu's: a pointer to it
+    scratch: Path | None = None  # a delta's scratch images, removed with the work directory
 
     async def wait(self) -> LazyResult:
         """Every page fetched and the page data verified, or why not: the caller kills the job at
@@ -341,4 +385,6 @@ class LazyFetch:
         await self.close()
 
     async def close(self) -> None:
-        await asyncio.to_thread(shutil.rmtree, self.workdir, ignore_errors=True)
+        for path in (self.workdir, self.scratch):
+            if path is not None:
+                await asyncio.to_thread(shutil.rmtree, path, ignore_errors=True)

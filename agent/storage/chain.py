@@ -80,45 +80,65 @@ def runs_of(recipe: Recipe) -> Iterator[tuple[str, int, int]]:
         yield recipe.packs[r[i]], r[i + 1], r[i + 2]
 
 
-def _open_pack(files: EpochStore, ref: str, fds: dict[str, int]) -> int:
-    if ref not in fds:
-        try:
-            fds[ref] = os.open(pack_path(files, ref), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise _unreadable(exc, f"pack {ref} is unreadable") from None
-    return fds[ref]
+class PageReader:
+    """Pages of packs and plain images (refs, as recipes name them) read by number: each file
+    opened once (an open one stays readable whatever retention deletes meanwhile), a compressed
+    pack's last frame kept (runs mostly go on in it).  Close it when done."""
+
+    def __init__(self, files: EpochStore) -> None:
+        self.files = files
+        self._fds: dict[str, int] = {}
+        self._layouts: dict[str, Layout] = {}
+        self._frame: tuple[str, int, bytes] = ("", -1, b"")
+
+    def open(self, ref: str) -> int:
+        if ref not in self._fds:
+            try:
+                fd = os.open(pack_path(self.files, ref), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError as exc:
+                raise _unreadable(exc, f"pack {ref} is unreadable") from None
+            self._fds[ref] = fd
+            self._layouts[ref] = read_layout(self.files, ref) if is_compressed(self.files, ref) else Layout(b"")
+        return self._fds[ref]
+
+    def read(self, ref: str, page: int, count: int) -> bytes:
+        """Pages ``page``.. of ``ref``: ``count`` of them, or fewer (at most a batch, or to the end
+        of a compressed frame), never none; CorruptEpoch if the file is short."""
+        fd = self.open(ref)
+        layout = self._layouts[ref]
+        if not layout.codec:
+            want = min(BATCH, count)
+            data = os.pread(fd, want * PAGE, page * PAGE)
+            if ref.startswith("@") and len(data) < want * PAGE:  # an image's last page, as packs pad it
+                data += bytes(want * PAGE - len(data))
+        else:
+            no, at = divmod(page, FRAME_PAGES)
+            want = min(FRAME_PAGES - at, count)
+            if self._frame[:2] != (ref, no):
+                self._frame = (ref, no, _frame(fd, layout, no, ref))
+            data = self._frame[2][at * PAGE:(at + want) * PAGE]
+        if len(data) != want * PAGE:
+            raise CorruptEpoch(f"pack {ref} is short: page {page + len(data) // PAGE} is missing")
+        return data
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _pages(files: EpochStore, recipe: Recipe) -> Iterator[tuple[str, int, bytes]]:
     """(pack, first page, data) for every batch of pages the recipe reads, in image order."""
-    fds: dict[str, int] = {}
-    layouts: dict[str, Layout] = {}
-    frame: tuple[str, int, bytes] = ("", -1, b"")  # the last one decompressed: runs mostly go on in it
+    reader = PageReader(files)
     try:
         for ref, first, count in runs_of(recipe):
-            fd = _open_pack(files, ref, fds)
-            if ref not in layouts:
-                layouts[ref] = read_layout(files, ref) if is_compressed(files, ref) else Layout(b"")
-            layout, page, end = layouts[ref], first, first + count
+            page, end = first, first + count
             while page < end:
-                if not layout.codec:
-                    want = min(BATCH, end - page)
-                    data = os.pread(fd, want * PAGE, page * PAGE)
-                    if ref.startswith("@") and len(data) < want * PAGE:  # an image's last page, as packs pad it
-                        data += bytes(want * PAGE - len(data))
-                else:
-                    no, at = divmod(page, FRAME_PAGES)
-                    want = min(FRAME_PAGES - at, end - page)
-                    if frame[:2] != (ref, no):
-                        frame = (ref, no, _frame(fd, layout, no, ref))
-                    data = frame[2][at * PAGE:(at + want) * PAGE]
-                if len(data) != want * PAGE:
-                    raise CorruptEpoch(f"pack {ref} is short: page {page + len(data) // PAGE} is missing")
+                data = reader.read(ref, page, end - page)
                 yield ref, page, data
-                page += want
+                page += len(data) // PAGE
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        reader.close()
 
 
 def _culprit(files: EpochStore, recipe: Recipe) -> str:

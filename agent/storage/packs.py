@@ -319,6 +319,16 @@ def materialize(files: JobFiles, m: Manifest, dest: Path) -> None:
     storage, e.g. ``files.new_tmp(node)``): its other files hardlinked, every image streamed from
     the packs with its size and CRC-32 checked (CorruptEpoch names the pack and page at fault).
     A plain epoch (``not converted(m)``) needs none of this: restore from ``files.epoch_dir(n)``."""
+    link_plain(files, m, dest)
+    for name in m.recipes:
+        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, PRIVATE_FILE)
+        with open(fd, "wb", buffering=BATCH * PAGE) as out:
+            rebuild(files, m, name, out)
+
+
+def link_plain(files: JobFiles, m: Manifest, dest: Path) -> None:
+    """Converted epoch ``m``'s files other than its recipes, in ``dest`` (made private): hardlinked,
+    or copied where the storage cannot link; its pre-dump's ``parent`` link made again."""
     src = files.epoch_dir(m.epoch)
     check_trusted(files, m)
     private_dir(dest)
@@ -335,10 +345,6 @@ def materialize(files: JobFiles, m: Manifest, dest: Path) -> None:
             shutil.copyfile(src / name, target)
             os.chmod(target, PRIVATE_FILE)
     link_predump(dest, m.files)  # a pre-dumped epoch's pages in parent/ (agent/checkpointing/predump.py)
-    for name in m.recipes:
-        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, PRIVATE_FILE)
-        with open(fd, "wb", buffering=BATCH * PAGE) as out:
-            rebuild(files, m, name, out)
 
 
 # ------------------------------------------------------------------ collection, accounting
