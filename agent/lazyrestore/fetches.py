@@ -11,7 +11,8 @@ alongside (agent/lazyrestore/lazy.py).  Here, per job:
   corrupt epoch, with its ``pruned`` event), so that restore falls back to the next older one;
   after any other failure the job's next restore is eager.  The check reads whole files: a page
   read before its file's check ends was served unchecked, and the restore that follows rolls
-  back whatever the job wrote meanwhile;
+  back whatever the job wrote meanwhile (a delta's pages are each checked before they are
+  served: agent/lazyrestore/deltaserve.py);
 * the job's exit is held back until then (one on zero pages is the fetch's failure), and a
   checkpoint waits for the fetch (a dump of a half-fetched job would hold zero pages);
 * the job's storage lock is held, so no conversion or purge touches the epoch being served.
