@@ -12,7 +12,10 @@ For each workload, on a one-node local cluster (``revenant up``; its agent allow
    back (``packfile._decompress``) and time that too.
 
 Workloads: ``numpy`` bench/workloads/numpy_train.py (an MLP trained by SGD on a synthetic data
-set of --mib MiB of float32, with momentum, in a python3 that has numpy: PATH's, the system's), ``random``
+set of --mib MiB of float32, with momentum, in a python3 that has numpy: PATH's, the system's),
+``torch`` bench/workloads/torch_train.py (a deep MLP trained by Adam: weights, gradients and the
+optimiser's moments, --mib MiB in all, in a python3 that has torch: Debian's python3-torch, or
+the PyTorch tier's venv), ``random``
 bench/workloads/hold_memory.py (--mib MiB of pseudo-random, page-distinct memory) and
 ``python`` tests/jobs/memhog.py-like objects: a dict of --mib MiB of short strings and ints
 (what an interpreter's heap holds).  Prints a table and writes JSON (bench/results/).
@@ -51,16 +54,24 @@ PYOBJECTS = ("import sys, time\n"
              "while True:\n    time.sleep(1)\n")
 
 
-def numpy_python() -> str:
-    """A python3 that has numpy (PATH's first, the system's, this one's); "" if none has."""
-    for python in dict.fromkeys(filter(None, [shutil.which("python3"), "/usr/bin/python3", sys.executable])):
-        if subprocess.run([python, "-c", "import numpy"], capture_output=True).returncode == 0:
+def python_with(module: str) -> str:
+    """A python3 that has ``module`` (PATH's first, the system's, this one's, the PyTorch tier's:
+    deploy/scripts/setup-torch.sh); "" if none has."""
+    for python in dict.fromkeys(filter(None, [shutil.which("python3"), "/usr/bin/python3", sys.executable,
+                                              "/opt/revenant/torch-venv/bin/python"])):
+        if os.path.exists(python) and \
+                subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0:
             return python
     return ""
 
 
+MISSING = {"numpy": "numpy (pip install numpy)",
+           "torch": "torch (apt-get install python3-torch, or deploy/scripts/setup-torch.sh)"}
+
+
 def workloads(mib: int) -> dict[str, list[str]]:
-    return {"numpy": [numpy_python(), str(REPO / "bench" / "workloads" / "numpy_train.py"), str(mib)],
+    return {"numpy": [python_with("numpy"), str(REPO / "bench" / "workloads" / "numpy_train.py"), str(mib)],
+            "torch": [python_with("torch"), str(REPO / "bench" / "workloads" / "torch_train.py"), str(mib)],
             "random": [sys.executable, str(REPO / "bench" / "workloads" / "hold_memory.py"), str(mib)],
             "python": ["/usr/bin/python3", "-c", PYOBJECTS, str(mib)]}
 
@@ -140,7 +151,7 @@ def report(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256, help="each job's memory, MiB (256)")
-    p.add_argument("--workloads", default="numpy,random,python", help="which (numpy,random,python)")
+    p.add_argument("--workloads", default="numpy,torch,random,python", help="which (numpy,torch,random,python)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds a job runs after ready, before its dump (3)")
     p.add_argument("--dir", default="/var/tmp", help="where the cluster (its storage) goes (/var/tmp)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "pack_compression.json")
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster_up(cluster, 1)
         for name in chosen:
             if not known[name][0]:
-                print(f"{name}: left out: no python3 here has numpy (pip install numpy)", file=sys.stderr)
+                print(f"{name}: left out: no python3 here has {MISSING[name]}", file=sys.stderr)
                 continue
             rows.append(run_workload(cluster, name, known[name], args.warm))
             print(f"{name}: " + ", ".join(f"{x['codec']} {x['ratio']:.3f}" for x in rows[-1]["results"]), flush=True)

@@ -184,3 +184,21 @@ def test_pages_in_a_parent_or_a_pre_dump_are_rebuilt_instead(tmp_path):
 
 def msgspec_fields(obj) -> dict:
     return {f: getattr(obj, f) for f in obj.__struct_fields__}
+
+
+def test_a_corrupt_page_shared_with_the_newest_image_is_named_there(tmp_path):
+    files, images = three_epochs(tmp_path)
+    with open(files.epoch_dir(3) / "pages-1.img", "r+b") as f:  # page 30: unchanged since epoch 1
+        f.seek(30 * PAGE + 99)
+        f.write(b"\x00\x01\x02")
+    for n in (1, 2):  # both read it from there
+        server, sock = serving(files, n, tmp_path / f"r{n}")
+        data, vaddr = b"", LAZY_AT
+        while vaddr < LAZY_AT + (30 - NONLAZY) * PAGE:  # pages 8-29: whole
+            got, more = ask(sock, vaddr, (LAZY_AT + (30 - NONLAZY) * PAGE - vaddr) // PAGE)
+            data, vaddr = data + more, vaddr + got * PAGE
+        assert data == images[n][NONLAZY * PAGE:30 * PAGE]
+        sock.sendall(HEADER.pack(PS_IOV_GET, 1, LAZY_AT + (30 - NONLAZY) * PAGE, PID))
+        assert sock.recv(HEADER.size) == b""
+        assert server.outcome() == (f"epoch {n}: pages-1.img: page 30 (page 30 of image @3/pages-1.img) does not "
+                                    "match its digest", True)
