@@ -182,9 +182,11 @@ def release_half(hog: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def busy_loops(n: int):
-    """``n`` processes spinning on a core each until the block ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+def busy_loops(n: int, nice: int = 0):
+    """``n`` processes spinning on a core each until the block ends; ``nice`` below 0 (tests run as
+    root) gives them more CPU weight than the agent, so its wake-ups wait their turn rather than
+    preempting them at once, as they often can against equals."""
+    procs = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
         yield procs
     finally:

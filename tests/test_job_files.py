@@ -106,6 +106,35 @@ async def test_files_opened_w_and_a_come_back_exact_after_a_failover(tmp_path, n
     assert rows == list(range(len(rows))) and final - 1 <= len(rows) <= final + 1
 
 
+async def test_a_log_rotated_after_the_epoch_comes_back_from_its_copy(tmp_path, nodes):
+    """An append-mode file held open at the dump, renamed away and replaced by a shorter one since
+    (a rotated log, a file a tool moved and wrote again): it cannot be cut back, so the failover
+    puts back the epoch's copy of it rather than falling back to an older epoch."""
+    n1, n2 = nodes("n1"), nodes("n2")
+    wd = tmp_path / "wd"
+    spec = await run_writer(n1, wd, "100000", "0.02", "7", max_epochs=2)
+    out = JobFiles(n1.storage, "1").output
+    await until(lambda: steps_in(out) >= 10)
+    await n1.checkpoint("1", 1, stop=False)
+    await until(lambda: steps_in(out) >= 20)
+    reply = await n1.checkpoint("1", 1, stop=False)
+    await until(lambda: steps_in(out) >= 35)
+    (wd / "train.log").rename(wd / "train.log.1")  # the job's handler writes on into the renamed file
+    (wd / "train.log").write_text("step 0\n")
+    node_dies(n1)
+    await until(lambda: "1" not in n1.jobs or n1.jobs["1"].exited.is_set())
+
+    restored = await n2.restore(spec, 2)
+    assert restored.epoch.n == reply.epoch.n, restored.notes
+    notes = " | ".join(restored.notes)
+    assert f"restored {wd / 'train.log'} from epoch {reply.epoch.n}'s copy" in notes, notes
+    n = steps_in(out)
+    await until(lambda: steps_in(out) >= n + 10)
+    await n2.kill("1", 2, "test over")
+    final = exact_steps(out)
+    assert final - 1 <= exact_steps(wd / "train.log") <= final + 1
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 async def test_vacate_then_restart_elsewhere_changes_nothing(tmp_path, nodes, staged):
     # Staged: criu and the file copies go to node-local staging, moved to the storage after.
@@ -119,9 +148,11 @@ async def test_vacate_then_restart_elsewhere_changes_nothing(tmp_path, nodes, st
     os.chown(wd / "train.log", 65534, 65534)
     vacated = await n1.checkpoint("1", 1, stop=True)
     m = JobFiles(n1.storage, "1").read_manifest(vacated.epoch.n)
-    copied = {Path(p).name for p, f in m.job_files.items() if f.copy}
+    copied = {Path(p).name for p, f in m.job_files.items() if f.copy and not f.append}
     # metrics.csv, state.bin, steps.db (and SQLite's journal if the dump caught a transaction)
     assert copied - {"steps.db-journal"} == {"metrics.csv", "state.bin", "steps.db"}, copied
+    # The append-mode ones are cut back on restore, and copied as well while they are small.
+    assert {Path(p).name for p, f in m.job_files.items() if f.copy and f.append} == {"train.log", "output.log"}
     assert all((JobFiles(n1.storage, "1").epoch_dir(vacated.epoch.n) / f.copy).is_file()
                for f in m.job_files.values() if f.copy)
     names = ("metrics.csv", "train.log", "state.bin", "steps.db")  # not SQLite's passing journal

@@ -194,8 +194,8 @@ def test_a_flapping_node_checkpoints_a_job_once_per_cooldown(make_cluster, extra
 
 
 def test_a_busy_node_is_not_sick(make_cluster):
-    """Both cores saturated for 20 s, the loop-lag thresholds hair-trigger low (the lag such load
-    causes is a few milliseconds): the node looks unwell (loop_lag), which predicts no failure, so
+    """Both cores saturated for 20 s by spinners weighted above the agent, the loop-lag thresholds
+    hair-trigger low (the lag such load causes is a few milliseconds): the node looks unwell (loop_lag), which predicts no failure, so
     no move is even tried and no epoch taken."""
     cluster = make_cluster(2, env={"REVENANT_AGENT_LOOP_STALL_THRESHOLD_S": "0.001",
                                    "REVENANT_AGENT_LOOP_LAG_RED_S": "0.004"})
@@ -204,7 +204,7 @@ def test_a_busy_node_is_not_sick(make_cluster):
     job.wait_lines(20)
     busy = node(cluster, "node-1")
     findings: set[str] = set()
-    with busy_loops(2):
+    with busy_loops(2, nice=-10):
         end = time.monotonic() + 20
         while time.monotonic() < end:
             health = agent_health(busy)

@@ -12,7 +12,9 @@ regular file any process of the job holds open for writing:
   (rewritten in place: ``"w"``, ``"r+"``, a database): a reflink where the
   filesystem clones (instant, whatever the size), else a copy in the kernel for
   files up to ``file_snapshot_max_bytes``.  A larger file is recorded "not
-  copied" with a fingerprint of its content (:func:`fingerprint`);
+  copied" with a fingerprint of its content (:func:`fingerprint`).  An append-mode
+  file is cut back on restore, and copied as well up to ``APPEND_COPY_MAX_BYTES``
+  (or reflinked), for when it was renamed away or replaced since;
 * a listing of the job's working directory (inode, size, mtime of every
   entry, at most ``workdir_scan_max_entries``), so a restore can move aside
   what appeared or changed after the epoch (``agent/files/jobfiles_restore.py``).
@@ -58,6 +60,10 @@ SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", 
 # Caches the workdir may hold that are nobody's output.
 UNTRACKED = frozenset({"__pycache__"})
 _SAMPLE = 64 * 1024
+# An append-mode file is cut back to its size on restore; one this small is copied as well (a
+# reflink whatever its size), so that it comes back even if it was renamed away or replaced since
+# the dump (a rotated log, a file a tool moved and wrote again).
+APPEND_COPY_MAX_BYTES = 64 * 1024
 _SAMPLE_BLOCKS = 16
 _BLOCK = 4096
 
@@ -310,25 +316,24 @@ class Snapshot:
                         ino=st.st_ino, mtime_ns=st.st_mtime_ns, append=of.append)
         src = os.open(of.source, os.O_RDONLY)
         try:
-            if of.append:
-                entry.no_copy = "append-only: cut back to its size on restore"
+            if of.append:  # cut back on restore; a small one copied too, for when it was rotated away
                 entry.sample = fingerprint(src, st.st_size)
-                return entry
             copies.mkdir(exist_ok=True, mode=0o700)
             name = f"{FILES_DIR}/{i}"
             dst = os.open(self.epoch_tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 if reflink(src, dst):
                     entry.copy = name
-                elif st.st_size <= self.max_bytes:
+                elif st.st_size <= (min(APPEND_COPY_MAX_BYTES, self.max_bytes) if of.append else self.max_bytes):
                     copy_bytes(src, dst, st.st_size)
                     entry.copy = name
             finally:
                 os.close(dst)
             if not entry.copy:
                 os.unlink(self.epoch_tmp / name)
-                entry.no_copy = (f"{st.st_size} bytes, over file_snapshot_max_bytes ({self.max_bytes}), "
-                                 "on a filesystem without reflinks")
+                entry.no_copy = "append-only: cut back to its size on restore" if of.append else (
+                    f"{st.st_size} bytes, over file_snapshot_max_bytes ({self.max_bytes}), "
+                    "on a filesystem without reflinks")
                 entry.sample = fingerprint(src, st.st_size)
             return entry
         finally:

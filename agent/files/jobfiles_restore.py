@@ -111,6 +111,9 @@ def _check(path: str, e: JobFile, n: int, epoch_dir: Path, workdir: str) -> PutB
 def _decide(path: str, e: JobFile, n: int, epoch_dir: Path, workdir: str) -> PutBack:
     st = _stat(path, n)
     unchanged = st is not None and (st.st_ino, st.st_size, st.st_mtime_ns) == (e.ino, e.size, e.mtime_ns)
+    if e.copy and e.append and st is not None and st.st_ino == e.ino and st.st_size >= e.size and (
+            not e.sample or _sample(path, e.size) == e.sample):
+        return _cut_back(path, e, n, epoch_dir, st)  # the log only grew: cut back, not copied
     if e.copy:
         note = "" if unchanged else f"restored {path} from epoch {n}'s copy ({_how(st, e)} since the dump)"
         parent = os.path.dirname(path)
@@ -129,6 +132,10 @@ def _decide(path: str, e: JobFile, n: int, epoch_dir: Path, workdir: str) -> Put
     if e.sample and _sample(path, e.size) != e.sample:
         raise FilesChanged(f"{path} was rewritten in place since epoch {n} (its first {e.size} bytes "
                            f"differ) and {why}")
+    return _cut_back(path, e, n, epoch_dir, st)
+
+
+def _cut_back(path: str, e: JobFile, n: int, epoch_dir: Path, st: os.stat_result) -> PutBack:
     grown = st.st_size - e.size
     note = f"cut {path} back {grown} bytes to its size at epoch {n}" if grown else ""
     return PutBack(path, e.size, path, e, note, _in_storage(path, epoch_dir))
