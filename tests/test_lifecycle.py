@@ -183,6 +183,18 @@ def test_a_restart_announces_what_it_listens_on_and_which_connections_it_kept_or
     assert lc.transition(asked, lc.Restored(3, 42, epoch), 2.0).events == []  # a failover announces its own
 
 
+def test_a_restore_of_a_delta_keeps_the_storage_its_conversion_reported():
+    """The agent's reply does not count a delta's storage (it would wait for every delta to be
+    resolved): the table keeps what it knew; a plain epoch's reply counts its own."""
+    asked = lc.transition(record("vacated", 2, node="", epochs=[1, 2]), lc.RestartAsked("node-1", epoch=1), 1.0).record
+    asked.epochs = [EpochInfo(n=1, own_bytes=5, packed_bytes=4, newer_bytes=90, incremental=True), EpochInfo(n=2)]
+    told = EpochInfo(n=1, bytes=100, incremental=True, freeze_s=0.5)
+    one = lc.transition(asked, lc.Restored(3, 42, told), 2.0).record.epochs[0]
+    assert (one.bytes, one.freeze_s, one.own_bytes, one.packed_bytes, one.newer_bytes) == (100, 0.5, 5, 4, 90)
+    plain = EpochInfo(n=1, bytes=100, own_bytes=100, plain_bytes=100)
+    assert lc.transition(asked, lc.Restored(3, 42, plain), 2.0).record.epochs[0] == plain
+
+
 def test_a_submit_chooses_what_a_move_does_to_its_connections():
     from revenant.common.settings.config import CheckpointConfig
     from revenant.common.settings.limits import BadRequest, check_submit

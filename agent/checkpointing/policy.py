@@ -155,19 +155,17 @@ class PolicyRunner:
         return out, storage
 
     async def described(self, files: JobFiles, m: Manifest) -> EpochInfo:
-        """Epoch ``m``'s info with its own bytes, as a listing has it (a restore's reply).  A plain
-        epoch's (a failover's: the newest) are its files, read from its manifest: the whole listing
-        resolves every delta's pages, which would delay the reply by a second per GiB."""
-        if not packs.converted(m):
-            info = files.info(m)
-            info.own_bytes = sum(f.size for f in m.files.values())
-            info.plain_bytes = sum(f.size for name, f in m.files.items() if packs.is_pages(name))
+        """Epoch ``m``'s info with its own bytes, as a listing has it (a restore's reply), from its
+        manifest: the whole listing resolves every delta's pages, which would delay the reply by a
+        second or so per GiB-epoch.  A plain epoch's (a failover's: the newest) are its files; a
+        delta's are not counted (0), and the job table keeps what its conversion reported."""
+        info = files.info(m)
+        if packs.converted(m):
+            info.incremental = True
             return info
-        try:
-            kept, _ = await asyncio.to_thread(self.listing, files)
-        except OSError:
-            kept = []
-        return next((e for e in kept if e.n == m.epoch), files.info(m))
+        info.own_bytes = sum(f.size for f in m.files.values())
+        info.plain_bytes = sum(f.size for name, f in m.files.items() if packs.is_pages(name))
+        return info
 
     async def _convert(self, files: JobFiles, generation: int, full_every: int, compression: str) -> None:
         done = []

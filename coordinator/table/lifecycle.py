@@ -211,7 +211,7 @@ def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
                 output=inp.output or rec.output)
     new.restored_from = inp.epoch.n if inp.epoch is not None else 0  # none: a requeue's fresh start
     if inp.epoch is not None:  # a restore's reply describes its epoch in full (an event only numbers it)
-        new.epochs = [inp.epoch if e.n == inp.epoch.n else e for e in rec.epochs]
+        new.epochs = [_described(e, inp.epoch) if e.n == inp.epoch.n else e for e in rec.epochs]
     if not inp.announce:
         return Decision(new)
     e = inp.epoch or EpochInfo(n=0)
@@ -219,6 +219,15 @@ def _restored(rec: JobRecord, inp: Restored, now: float) -> Decision:
         "pid": inp.pid, "epoch": inp.epoch.n if inp.epoch else None, "listening": list(e.listening),
         "reason": inp.announce if isinstance(inp.announce, str) else "", "kept": list(inp.kept),
         "closed": [c for c in e.connections if c not in inp.kept]})])
+
+
+def _described(known: EpochInfo, told: EpochInfo) -> EpochInfo:
+    """A restore's reply on its epoch, but for the storage a delta's leaves uncounted (own bytes 0):
+    what the table knew of that (its conversion's report)."""
+    if told.own_bytes or not known.own_bytes:
+        return told
+    return msgspec.structs.replace(told, own_bytes=known.own_bytes, plain_bytes=known.plain_bytes,
+                                   packed_bytes=known.packed_bytes, newer_bytes=known.newer_bytes)
 
 
 def _restart_failed(rec: JobRecord, inp: RestartFailed, now: float) -> Decision:
