@@ -138,4 +138,4 @@ async def test_a_background_task_that_loses_its_cancellation_is_cancelled_again(
     async with s:
         pass
     assert s.status is ServiceStatus.STOPPED and s.lost == 1
-    assert "background task swallower still running after its cancellation" in caplog.text
+    assert "task swallower still running after its cancellation" in caplog.text

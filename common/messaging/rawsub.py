@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 
+from revenant.common.cancelling import cancel_until_done
 from revenant.common.errors import BusError, described
 from revenant.common.messaging.handshake import signed_connect
 
@@ -255,9 +256,7 @@ class RawSubscriber:
     async def close(self) -> None:
         if self._task is not None:
             task = self._task
-            while not task.done():  # again if a cancellation was lost (a 3.11 wait_for finishing as it came)
-                task.cancel()
-                await asyncio.wait({task}, timeout=1.0)
+            await cancel_until_done([task], f"nats ({self.name})")
             if not task.cancelled():
                 task.exception()  # already logged by its done callback
             self._task = None

@@ -23,6 +23,8 @@ import enum
 import logging
 from typing import Any, Coroutine, TypeVar
 
+from revenant.common.cancelling import cancel_until_done
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -98,8 +100,7 @@ class Service:
                     self.ready.set()
                 await self._stop_requested.wait()
                 self.status = ServiceStatus.STOPPING
-                self._cancel_background()
-                await self._background_ended()
+                await cancel_until_done(list(self._background), type(self).__name__)
         except BaseExceptionGroup as group_error:
             # A background task failed: raise its own error, not the group.
             raise _first(group_error, type(self).__name__) from None
@@ -111,22 +112,6 @@ class Service:
                 await self._shutdown()
             finally:
                 self.status = ServiceStatus.STOPPED
-
-    def _cancel_background(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-
-    async def _background_ended(self, every_s: float = 1.0) -> None:
-        """Wait for the cancelled background tasks, cancelling again any still running after
-        ``every_s``: a cancellation can be lost (Python 3.11's ``asyncio.wait_for`` returns the
-        result of what it awaited when that finished as the cancellation came), and a loop that
-        lost one would otherwise hold the stop for ever."""
-        while self._background:
-            _, running = await asyncio.wait(set(self._background), timeout=every_s)
-            for task in running:
-                log.warning("%s: background task %s still running after its cancellation; cancelling it again",
-                            type(self).__name__, task.get_name())
-                task.cancel()
 
     async def __aenter__(self: T) -> T:
         assert isinstance(self, Service)
