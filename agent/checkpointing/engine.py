@@ -85,7 +85,7 @@ def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
         kept = ", ".join(map(str, files.committed())) or "none"
         raise NoEpoch(f"job {files.job} has no epoch {epoch} (it keeps: {kept})")
     try:
-        m = files.verify(epoch, skip, pages=False)  # a delta's pages: checked as it is rebuilt (materialize)
+        m = files.verify(epoch, skip, pages=False)  # a delta's pages: checked as rebuilt or served
         check(m)
     except (CorruptEpoch, FilesChanged) as exc:
         raise NoEpoch(f"job {files.job}: epoch {epoch} cannot be restored: {exc}") from None
@@ -311,9 +311,9 @@ class Engine:
         the job's working directory must be left as it is (it is shared).  An epoch stored as a delta
         (agent/storage/packs.py) gets a temporary directory of images next to the epochs.
 
-        With ``self.lazy`` an epoch is restored lazily: its page data is not read before criu
-        starts the job (a delta's is served from its recipes: agent/lazyrestore/deltaserve.py); ``fetch`` (else None) is the rest of the restore, to be awaited:
-        every page fetched and its page data verified (agent/lazyrestore/lazy.py)."""
+        With ``self.lazy`` an epoch is restored lazily (a delta's pages served from its recipes:
+        agent/lazyrestore/deltaserve.py): ``fetch`` (else None) is the rest of the restore, to be
+        awaited: every page fetched and its page data verified (agent/lazyrestore/lazy.py)."""
         files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
         try:

@@ -316,8 +316,6 @@ class Snapshot:
                         ino=st.st_ino, mtime_ns=st.st_mtime_ns, append=of.append)
         src = os.open(of.source, os.O_RDONLY)
         try:
-            if of.append:  # cut back on restore; a small one copied too, for when it was rotated away
-                entry.sample = fingerprint(src, st.st_size)
             copies.mkdir(exist_ok=True, mode=0o700)
             name = f"{FILES_DIR}/{i}"
             dst = os.open(self.epoch_tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -334,6 +332,7 @@ class Snapshot:
                 entry.no_copy = "append-only: cut back to its size on restore" if of.append else (
                     f"{st.st_size} bytes, over file_snapshot_max_bytes ({self.max_bytes}), "
                     "on a filesystem without reflinks")
+            if of.append or not entry.copy:  # what a cut back, or a restore without a copy, checks
                 entry.sample = fingerprint(src, st.st_size)
             return entry
         finally:

@@ -82,10 +82,8 @@ class ImagePages:
 
     def __init__(self, files: JobFiles, m: Manifest, name: str, reader: chain.PageReader, cache: dict) -> None:
         self.what = f"epoch {m.epoch}: {name}"
-        entry = m.recipes[name]
-        _, self.digests = contents.read_digests(files.epoch_dir(m.epoch) / entry.recipe, f"{self.what}'s digest list")
-        self.size = entry.size
-        recipe = chain.read_recipe(files, m, name, cache)
+        self.size = m.recipes[name].size
+        self.digests, recipe = chain.content_recipe(files, m, name, cache)
         self.runs = list(chain.runs_of(recipe))
         self.starts, at = [], 0
         for ref, _, count in self.runs:
@@ -113,8 +111,7 @@ class ImagePages:
 
 @dataclass
 class _Task:
-    extents: list[Extent]
-    starts: list[int]  # each extent's vaddr, for bisect
+    extents: list[Extent]  # by vaddr, as the pagemap lists them
     pages: ImagePages
 
 
@@ -191,7 +188,7 @@ class DeltaServer:
 
     def _pages(self, pid: int, vaddr: int, nr: int) -> bytes:
         task = self.tasks.get(pid)
-        k = bisect.bisect_right(task.starts, vaddr) - 1 if task is not None else -1
+        k = bisect.bisect_right(task.extents, vaddr, key=lambda e: e.vaddr) - 1 if task is not None else -1
         e = task.extents[k] if k >= 0 else None
         if e is None or not e.flags & PE_PRESENT or vaddr >= e.vaddr + e.pages * PAGE or vaddr % PAGE:
             raise ValueError(f"criu lazy-pages asked for page {vaddr:#x} of pid {pid}, which the epoch does not hold")
@@ -226,8 +223,7 @@ def prepare(files: JobFiles, m: Manifest, dest: Path) -> DeltaServer | None:
                     if e.flags & PE_PRESENT and (shared or not e.flags & PE_LAZY):
                         _copy(pages, e, outs[image])
                 if not shared:
-                    tasks[int(_PAGEMAP_RE.match(name).group(2))] = _Task(  # type: ignore[union-attr]
-                        extents, [e.vaddr for e in extents], pages)
+                    tasks[int(_PAGEMAP_RE.match(name).group(2))] = _Task(extents, pages)  # type: ignore[union-attr]
         finally:
             for fd in outs.values():
                 os.close(fd)

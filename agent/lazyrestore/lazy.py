@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 from pathlib import Path
 
-from revenant.agent.lazyrestore.deltaserve import DeltaServer
 from revenant.agent.lazyrestore import deltaserve
 from revenant.agent.pipeline import criu
 from revenant.agent.processes import procs
@@ -183,7 +182,7 @@ class LazyPages:
     """One criu lazy-pages daemon, serving one lazy restore from a local images dir."""
 
     def __init__(self, proc: subprocess.Popen[bytes], out, workdir: Path, started: float,
-                 server: DeltaServer | None = None) -> None:
+                 server: deltaserve.DeltaServer | None = None) -> None:
         self._proc = proc
         self.server = server  # a delta's pages come from it, not from the images dir
         self._out = out  # its console output (a failure before its log opened), read once it exited
@@ -203,7 +202,7 @@ class LazyPages:
 
     @classmethod
     async def start(cls, criu_path: str, images: Path, workdir: Path, timeout_s: float = 30,
-                    server: DeltaServer | None = None) -> "LazyPages":
+                    server: deltaserve.DeltaServer | None = None) -> "LazyPages":
         """Start the daemon and wait until it listens; raises CriuError (and leaves nothing
         running) if it fails to, or takes longer than ``timeout_s``.  ``server``: the daemon asks
         it for the pages (a delta epoch), over a socket only the two of them hold."""
@@ -216,7 +215,7 @@ class LazyPages:
 
     @classmethod
     async def _start(cls, criu_path: str, images: Path, workdir: Path, timeout_s: float,
-                     server: DeltaServer | None) -> "LazyPages":
+                     server: deltaserve.DeltaServer | None) -> "LazyPages":
         started = time.monotonic()
         if not (images / "pstree.img").is_file():
             what = "holds no criu images (no pstree.img)" if images.is_dir() else "is not a directory"

@@ -48,22 +48,10 @@ class Recipe(msgspec.Struct, array_like=True):
 
 def read_recipe(files: EpochStore, m: Manifest, name: str, cache: dict | None = None) -> Recipe:
     """The recipe of image ``name`` of converted epoch ``m``, checked for consistency: a content
-    recipe's resolved where its pages are now (agent/storage/contents.py); ``cache``: the places
-    found so far, for a caller that reads many while nothing changes."""
+    recipe's resolved where its pages are now (:func:`content_recipe`)."""
     entry = m.recipes[name]
     if entry.recipe.endswith(contents.DIGESTS_SUFFIX):
-        what = f"epoch {m.epoch}: {name}"
-        seg, digests = contents.read_digests(files.epoch_dir(m.epoch) / entry.recipe, f"{what}'s digest list")
-        if seg != m.segment or len(digests) // DIGEST != -(-entry.size // PAGE):
-            raise CorruptEpoch(f"{what}'s digest list does not describe it")
-        plain = contents.plain_places(files, m.epoch, files.committed())
-        places = cache.get((seg, plain)) if cache is not None else None
-        if places is None:  # the same for every epoch older than the same plain ones: built once
-            places = contents.Places(files, seg, plain)
-            if cache is not None:
-                cache[(seg, plain)] = places
-        refs, runs = contents.resolve_runs(digests, places, what)
-        return Recipe(packs=refs, runs=runs)
+        return content_recipe(files, m, name, cache)[1]
     try:
         recipe = msgspec.msgpack.decode((files.epoch_dir(m.epoch) / entry.recipe).read_bytes(), type=Recipe)
     except (OSError, msgspec.DecodeError) as exc:
@@ -72,6 +60,26 @@ def read_recipe(files: EpochStore, m: Manifest, name: str, cache: dict | None = 
         raise CorruptEpoch(f"epoch {m.epoch}: recipe of {name} reads packs the epoch does not list")
     check_runs(recipe, entry.size, f"epoch {m.epoch}: recipe of {name}")
     return recipe
+
+
+def content_recipe(files: EpochStore, m: Manifest, name: str, cache: dict | None = None) -> tuple[bytes, Recipe]:
+    """Image ``name`` of converted epoch ``m`` as a content recipe (agent/storage/contents.py): its
+    digest list (the epoch's digest of each page) and the recipe that reads those pages where they
+    are now.  ``cache``: the listings and places found so far, for a caller that reads many while
+    nothing changes (every epoch older than the same plain ones has the same places)."""
+    what = f"epoch {m.epoch}: {name}"
+    seg, digests = contents.read_digests(files.epoch_dir(m.epoch) / m.recipes[name].recipe, f"{what}'s digest list")
+    if seg != m.segment or len(digests) // DIGEST != -(-m.recipes[name].size // PAGE):
+        raise CorruptEpoch(f"{what}'s digest list does not describe it")
+    cache = cache if cache is not None else {}
+    if (plain := cache.get(("plain", m.epoch))) is None:
+        if "committed" not in cache:
+            cache["committed"] = files.committed()
+        plain = cache[("plain", m.epoch)] = contents.plain_places(files, m.epoch, cache["committed"])
+    if (places := cache.get((seg, plain))) is None:
+        places = cache[(seg, plain)] = contents.Places(files, seg, plain)
+    refs, runs = contents.resolve_runs(digests, places, what)
+    return digests, Recipe(packs=refs, runs=runs)
 
 
 def runs_of(recipe: Recipe) -> Iterator[tuple[str, int, int]]:

@@ -181,7 +181,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         m = files.read_manifest(n)
     except CorruptEpoch as exc:
         return _result(files, n, False, 0, started, account, note=str(exc))
-    images = sorted(name for name in m.files if contents.PAGES_RE.match(name))
+    images = sorted(name for name in m.files if is_pages(name))
     if converted(m) or not images or m.checksum not in ("crc32", imagekeys.KEYED) or m.encryption:
         why = ("already converted" if converted(m) else "no pages to convert" if not images
                else "encrypted: kept whole" if m.encryption else "not CRC-32")
@@ -194,7 +194,7 @@ def convert(files: JobFiles, n: int, full_every: int, on_step: Callable[[str], N
         committed = files.committed()
         for k in (k for k in committed if k > n and segment_of(k, full_every) == seg):  # newer plain ones: places
             if (mk := manifests.get(k)) is not None and not converted(mk) and not mk.encryption:
-                for image in (name for name in mk.files if contents.PAGES_RE.match(name)):
+                for image in (name for name in mk.files if is_pages(name)):
                     like = (files.epoch_dir(n) / image, lists[image]) if lists.get(image) else None
                     contents.image_digests(files, k, mk, image, seg, files.digest_of(mk), like)
     except CorruptEpoch as exc:
@@ -373,7 +373,7 @@ def gc(files: JobFiles) -> int:
         d = files.epoch_dir(n)
         with os.scandir(d) as entries:
             doomed = [e.name for e in entries if e.name not in m.files and e.is_file(follow_symlinks=False) and (
-                contents.PAGES_RE.match(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name)
+                is_pages(e.name) or e.name.endswith(RECIPE_SUFFIX) or is_manifest_tmp(e.name)
                 or contents.is_digests_tmp(e.name))]
         freed += sum(_unlink(d / name) for name in doomed)
     referenced = {ref for m in manifests.values() for ref in (*m.packs, *m.workdir_packs)}

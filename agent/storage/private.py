@@ -17,6 +17,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from revenant.agent.storage.fileio import fsync_path
+
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 # criu's umask while it dumps (agent/procs.run): its images are created 0600 from the start.
@@ -59,11 +61,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent, directory=True)
 
 
 def trusted(path: Path) -> bool:
