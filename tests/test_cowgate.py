@@ -4,6 +4,7 @@ write after that (the job, resumed) waiting for their copy.  Real fanotify, as r
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from revenant.agent.files.cowgate import CowGate
 pytestmark = pytest.mark.criu  # needs root and fanotify's permission events, not criu
 
 
-def _slow_copy(src: int, dest: str) -> None:
+def _slow_copy(src: int, dest: str, size: int) -> None:
     with open(dest, "wb") as out:
         os.lseek(src, 0, os.SEEK_SET)
         while chunk := os.read(src, 1 << 20):
@@ -42,7 +43,7 @@ def test_a_file_opened_to_be_written_after_the_gate_is_copied_first(tmp_path):
 def test_a_file_truncated_by_path_while_copied_is_reported(tmp_path):
     p = tmp_path / "f"
     p.write_bytes(b"x" * 4096)
-    gate = CowGate(lambda src, dest: (os.truncate(p, 0), open(dest, "wb").close()))  # no open: not gated
+    gate = CowGate(lambda src, dest, size: (os.truncate(p, 0), open(dest, "wb").close()))  # no open: not gated
     gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
     [error] = gate.run()
     assert "changed size while it was copied" in error
@@ -103,7 +104,7 @@ def test_an_agent_killed_with_files_gated_leaves_no_open_waiting(tmp_path):
     pid = os.fork()
     if pid == 0:  # the agent
         try:
-            gate = CowGate(lambda src, dest: time.sleep(60))  # the copy never ends before the kill
+            gate = CowGate(lambda src, dest, size: time.sleep(60))  # the copy never ends before the kill
             gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
             os.write(w, b"armed")
             time.sleep(60)
@@ -148,3 +149,144 @@ def test_a_packed_files_writer_waits_until_its_pages_as_at_the_epoch_are_in_the_
         stream(files, workdir_recipe(m, rec, "db"), rec.size, rec.crc, "db", f)
     assert out.read_bytes() == at_epoch
     assert taken.copied == 2 * (4096 + 16) + 4  # two distinct pages (the tail padded), their digests, the CRC
+
+
+# ------------------------------------------------------------------ never the host's wait (issue 44)
+
+OPENER = "import os, sys, time; t = time.monotonic(); os.close(os.open(sys.argv[1], int(sys.argv[2]))); " \
+         "print(time.monotonic() - t)"
+
+
+def _timed_open(path, flags=os.O_RDONLY, timeout=30) -> float:
+    """Seconds a process outside the job waited to open ``path``."""
+    out = subprocess.run([sys.executable, "-c", OPENER, str(path), str(flags)], capture_output=True, text=True,
+                         timeout=timeout, check=True)
+    return float(out.stdout)
+
+
+def _blocking_copy(release):
+    def copy(src: int, dest: str, size: int) -> None:
+        release.wait(60)
+        with open(dest, "wb") as out:
+            out.write(os.pread(src, size, 0))
+    return copy
+
+
+def test_an_outsider_waits_half_a_second_at_most_and_a_copy_it_did_not_change_still_counts(tmp_path):
+    import threading
+    p = tmp_path / "big"
+    p.write_bytes(b"at the epoch" * 1000)
+    release = threading.Event()
+    gate = CowGate(_blocking_copy(release), root=os.getpid() + 10**6)  # a job nobody here belongs to
+    assert gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
+    waited = _timed_open(p)  # a reader outside the job, its copy not made yet
+    assert 0.3 < waited < 1.0, waited
+    release.set()
+    assert gate.run() == []  # only read: its ctime is the dump's, the copy is the dump's
+    assert (tmp_path / "big.copy").read_bytes() == b"at the epoch" * 1000
+    assert _timed_open(p) < 0.5  # copied: no longer gated
+
+
+def test_a_file_an_outsider_writes_before_its_copy_is_not_kept_never_kept_wrong(tmp_path):
+    import threading
+    p = tmp_path / "db"
+    p.write_bytes(b"at the epoch" * 1000)
+    release = threading.Event()
+    gate = CowGate(_blocking_copy(release), root=os.getpid() + 10**6)
+    gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
+    writer = subprocess.run([sys.executable, "-c", f"open({str(p)!r}, 'r+b').write(b'AFTER')"], timeout=30)
+    assert writer.returncode == 0
+    release.set()
+    assert gate.run() == []  # not the job's doing (its own opens wait for the copy): the epoch stands,
+    assert gate.unkept() == [f"{p}.copy"]  # that file recorded by identity only
+
+
+def test_one_gate_serves_every_checkpoint_and_holds_a_bounded_number_of_files(tmp_path, monkeypatch):
+    from revenant.agent.files import cowgate
+    monkeypatch.setattr(cowgate, "MAX_GATED", 8)
+    a, b = CowGate(_slow_copy), CowGate(_slow_copy)
+    assert a._gate is b._gate  # one fanotify group, one answering thread, whatever the checkpoints
+    armed = []
+    for i in range(12):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(b"x")
+        fd = os.open(p, os.O_RDONLY)
+        ok = (a if i % 2 else b).arm(fd, f"{p}.copy")
+        armed.append(ok)
+        if not ok:
+            os.close(fd)  # the caller copies it now
+    assert armed == [True] * 8 + [False] * 4
+    a.close()
+    b.close()
+    assert not a._gate._files  # every descriptor let go
+
+
+def test_a_gate_whose_answering_thread_raises_lets_every_open_through_and_fails_its_epoch(tmp_path):
+    import threading
+    from revenant.agent.files import cowgate
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 4096)
+    release = threading.Event()
+    gate = CowGate(_blocking_copy(release), root=1)  # pid 1's descendants: every process here waits 60 s
+    gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
+
+    def fault() -> None:
+        raise RuntimeError("injected")
+    gate._gate.fault = fault
+    waited = _timed_open(p, os.O_RDWR)  # would wait for the copy: the thread raises on its event
+    assert waited < 1.0, waited
+    release.set()
+    [error] = gate.run()
+    assert "the file gate failed" in error and "injected" in error
+    assert _timed_open(p) < 0.5
+    again = CowGate(_slow_copy)  # the next checkpoint gets a gate of its own
+    assert again._gate is not gate._gate and not again._gate.broken
+    cowgate.close_shared()
+
+
+def test_a_stopped_agent_never_holds_an_open_past_a_second_and_a_killed_one_lets_all_through(tmp_path):
+    """The agent SIGSTOPped mid-copy (its gate armed, a copy that never ends): its keeper answers
+    every open; then SIGKILLed: the group goes, and nothing waits at all."""
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 4096)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the agent
+        try:
+            gate = CowGate(lambda src, dest, size: time.sleep(600), root=1)  # every opener is "the job"
+            gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
+            os.write(w, b"armed")
+            gate.run()
+        finally:
+            os._exit(1)
+    try:
+        assert os.read(r, 5) == b"armed"
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        waits = [_timed_open(p, os.O_RDWR) for _ in range(3)]
+        assert max(waits) < 1.0, waits
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pid = 0
+        assert _timed_open(p, os.O_RDWR) < 0.5
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def test_a_file_grown_after_the_dump_is_copied_to_its_size_at_the_dump_only(tmp_path):
+    import resource
+    from revenant.agent.files import workdir
+    from revenant.agent.storage.epochs import EpochError
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "small").write_bytes(b"abc")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    taken = _taken(wd, tmp_path / "e")
+    os.truncate(wd / "small", 100 * 2**30)  # by path, after the freeze: no open for the gate to see
+    with pytest.raises(EpochError, match="changed size while it was copied"):
+        workdir.finish(taken)
+    copies = list((tmp_path / "e" / "files").iterdir())
+    assert all(c.stat().st_size <= 3 for c in copies), [(c, c.stat().st_size) for c in copies]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB

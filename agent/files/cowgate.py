@@ -1,45 +1,80 @@
-"""Copy files as they were at a moment, after that moment, without letting anyone change them first.
+"""Copy files as they were at a moment, after that moment, without letting the job change them first,
+and without ever making anyone else wait for long.
 
 A job's working directory goes into its epoch as it was at the dump (agent/files/workdir.py), but
 copying a large file while the job is frozen lengthens the freeze.  On a filesystem without reflinks
 (ext4), this gate lets the copy happen after the job resumes:
 
-* while the job is frozen, :meth:`CowGate.arm` opens each file to be copied (read-only, through
-  a descriptor the caller made without following links) and marks its inode with fanotify's
-  ``FAN_OPEN_PERM``: from then on, any open of it, by any process, waits for the gate's answer;
-* after the job resumes, :meth:`CowGate.run` copies each file from the descriptor it holds, in
-  the background; an open of a file not yet copied has that file copied first, then allowed:
-  whoever opens it (to write it, say) can change it only once its copy is done;
-* a file is changed without an open only by ``truncate(2)`` on its path, or through a mapping
-  or descriptor taken before the dump (the caller copies the files the job holds while it is
-  frozen; a process outside the job writing the job's files is not the job's consistency): the
-  copy is checked against the inode's size afterwards, and one that changed is reported (the
-  epoch then fails: never a copy that is not the dump's).  Its times are no guide: a rename,
-  chmod or utime (git "freshens" existing objects) changes them and not a byte.
+* while the job is frozen, :meth:`CowGate.arm` takes a descriptor of each file to be copied
+  (read-only, made by the caller without following links), notes its size and ctime, and marks
+  its inode with fanotify's ``FAN_OPEN_PERM``: from then on, an open of it waits for the gate;
+* after the job resumes, :meth:`CowGate.run` copies each file, its size at the dump and no more,
+  from the descriptor; an open of a file not yet copied has that file copied first (by a copier
+  thread, never by the thread that answers), then allowed, and its mark removed.
 
-If the agent dies meanwhile, its fanotify group goes with it and the kernel lets every waiting
-open through.  fanotify's permission events need CAP_SYS_ADMIN and a kernel with
+Nothing outside the job waits for long.  There is one gate per agent (:func:`shared`), with one
+fanotify group, one answering thread that only looks and answers (it never copies and never
+opens a file), and one copier; every checkpoint's files are a batch of it.  An open by a process
+of the job waits for the copy (up to ``JOB_WAIT_S``); any other process waits ``OUTSIDER_WAIT_S``
+at most and is then let through.  An open let through before its copy ended makes that copy
+prove itself: the file's ctime must be what it was at the dump once copied (a write, a truncate,
+a write through a mapping change it), or the epoch fails; never a copy that is not the dump's.
+
+Whatever happens to the agent, the host goes on:
+
+* the answering thread raising: every pending open is allowed, the group is closed (the kernel
+  lets the rest through), every batch fails, and the next checkpoint makes a new gate;
+* the agent stopped or hung (SIGSTOP, a debugger, the thread stuck): the keeper
+  (agent/files/gatekeeper.py), a small process holding the same group, answers every event that
+  waited ``gatekeeper.STALE_S`` without the thread beating, and counts it for the agent;
+* the agent killed (SIGKILL, the OOM killer): the keeper's pipe closes, the keeper exits with
+  the group's last descriptor, and the kernel lets every waiting open through.
+
+A file is changed without an open only by ``truncate(2)`` on its path, or through a mapping or
+descriptor taken before the dump (the caller copies the files the job holds while it is frozen):
+the copy is checked against the inode's size afterwards, and one that changed fails the epoch.
+Its times are otherwise no guide: a rename, chmod or utime (git "freshens" existing objects)
+changes them and not a byte.
+
+fanotify's permission events need CAP_SYS_ADMIN and a kernel with
 CONFIG_FANOTIFY_ACCESS_PERMISSIONS (Debian's have it; :func:`available` says why not).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
 import os
 import select
 import struct
+import subprocess
+import sys
 import threading
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
+from revenant.agent.files import gatekeeper
+
+log = logging.getLogger(__name__)
+
 FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_CONTENT = 0x1, 0x2, 0x4
-FAN_MARK_ADD = 0x1
+FAN_MARK_ADD, FAN_MARK_REMOVE = 0x1, 0x2
 FAN_OPEN_PERM = 0x10000
 FAN_ALLOW = 0x1
 _EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
 _RESPONSE = struct.Struct("=iI")  # struct fanotify_response
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+
+# How long an open of a file not yet copied waits for its copy: a process of the job (whose
+# writes the copy must precede), anyone else (then let through: the copy proves itself).
+JOB_WAIT_S = 60.0
+OUTSIDER_WAIT_S = 0.5
+# Files gated at once by the whole agent (one descriptor each): past it, the caller copies now.
+MAX_GATED = 512
 
 
 def available() -> str:
@@ -59,124 +94,345 @@ def _check(ret: int) -> int:
     return ret
 
 
-@dataclass
+@dataclass(eq=False)
 class _File:
     src: int  # our read-only descriptor of it
+    key: tuple[int, int]  # its (device, inode)
     dest: str
-    size: int  # when armed
-    done: bool = False  # copied (or failed): set under the gate's lock (an Event each costs the freeze 12 µs)
+    size: int  # at the dump: what is copied, and what it must still be once copied
+    ctime_ns: int  # at the dump: what it must still be if an open went through before the copy ended
+    name: str
+    batch: "CowGate"
+    answered: int  # the keeper's count when it was armed: more once copied, an open may have gone through
+    done: bool = False  # copied, failed or let go: set under the gate's lock
+    early: bool = False  # an open was let through before its copy ended
     error: str = ""
-    name: str = ""  # what messages call it
+    # Changed by another process (let through before its copy ended): its copy is not the dump's,
+    # and the epoch keeps it by identity only (agent/files/workdir_taken.py), the job's consistency
+    # untouched (the job's own opens waited for the copy).
+    unkept: bool = False
+    waiters: list[tuple[int, float]] = field(default_factory=list)  # (event fd, deadline) waiting for it
+    copying: threading.Lock = field(default_factory=threading.Lock)  # one copy of it at a time
+
+
+class _Gate:
+    """The agent's one gate (see the module): its fanotify group, answering thread, copier and keeper."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._fan = _check(_libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY))
+        self._lock = threading.Lock()  # the tables below; never held through a copy or a wait
+        self._files: dict[tuple[int, int], _File] = {}
+        self._waiting: set[_File] = set()  # files with opens waiting for their copy
+        self._urgent: deque[_File] = deque()  # files an open waits for: the copier's work, first come
+        self._work = threading.Condition(self._lock)
+        self.broken = ""  # why it failed open: it answers nothing more, a new gate is made
+        self.fault: Callable[[], None] | None = None  # tests: raised in the answering thread
+        shm = os.memfd_create("revenant-gate", os.MFD_CLOEXEC)
+        os.ftruncate(shm, gatekeeper.BEAT.size)
+        self._page = mmap.mmap(shm, gatekeeper.BEAT.size)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        keeper_r, self._keeper_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._keeper = subprocess.Popen(
+                [sys.executable, "-I", "-S", gatekeeper.__file__, str(self._fan), str(shm), str(keeper_r)],
+                pass_fds=(self._fan, shm, keeper_r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True)
+        finally:
+            os.close(keeper_r)
+            os.close(shm)
+        self._beat()
+        self._threads = [threading.Thread(target=self._answer, name="cowgate-answer", daemon=True),
+                         threading.Thread(target=self._copier, name="cowgate-copy", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ what batches call
+
+    def answered(self) -> int:
+        """Opens the keeper let through so far."""
+        return gatekeeper.BEAT.unpack_from(self._page, 0)[1]
+
+    def arm(self, batch: "CowGate", fd: int, dest: str, name: str, st: os.stat_result) -> bool:
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            if self.broken or key in self._files or len(self._files) >= MAX_GATED:
+                return False
+            _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))
+            f = _File(fd, key, dest, st.st_size, st.st_ctime_ns, name or dest, batch, self.answered())
+            self._files[key] = f
+        batch.files.append(f)
+        return True
+
+    def copy(self, f: _File) -> None:
+        """Copy ``f`` (once: a second call waits for the first), then let its waiters through."""
+        with f.copying:
+            if f.done:
+                return
+            error = ""
+            try:
+                f.batch.copy_fn(f.src, f.dest, f.size)
+            except OSError as exc:
+                error = f"{f.name}: {exc.strerror or exc}"
+                try:
+                    if os.fstat(f.src).st_size < f.size:  # the short copy's cause: _settle says which
+                        error = ""
+                except OSError:
+                    pass
+            except Exception as exc:  # noqa: BLE001 - a copy that fails any way fails the epoch, never the gate
+                error = f"{f.name}: {exc}"
+            self._settle(f, error, check=True)
+
+    def let_go(self, f: _File, error: str = "") -> None:
+        """``f`` uncopied: its waiters through, its mark and descriptor gone."""
+        with f.copying:
+            if not f.done:
+                self._settle(f, error or f.error, check=False)
+
+    def _settle(self, f: _File, error: str, check: bool) -> None:
+        with self._lock:
+            if check and not error:
+                try:
+                    st = os.fstat(f.src)  # before anyone waiting is let through: what the copy read
+                except OSError as exc:
+                    error = f"{f.name}: {exc.strerror or exc}"
+                else:
+                    early = f.early or self.answered() != f.answered
+                    if early and (st.st_ctime_ns != f.ctime_ns or st.st_size != f.size):
+                        f.unkept = True  # another process wrote it: not the job's to keep
+                    elif st.st_size != f.size:  # its size only: times change without a byte (git's utime)
+                        error = f"{f.name} changed size while it was copied (truncated by path)"
+            f.error, f.done = error or f.error, True
+            waiters, f.waiters = f.waiters, []
+            self._waiting.discard(f)
+            if self._files.get(f.key) is f:
+                del self._files[f.key]
+                if not self.broken:  # its later opens are nobody's business
+                    _libc.fanotify_mark(self._fan, FAN_MARK_REMOVE, FAN_OPEN_PERM, f.src, None)
+            os.close(f.src)
+            f.src = -1
+            for fd, _ in waiters:
+                self._allow(fd)
+
+    # ------------------------------------------------------------------ the threads
+
+    def _beat(self) -> None:
+        struct.pack_into("=q", self._page, 0, time.monotonic_ns())
+
+    def _allow(self, fd: int) -> None:
+        try:
+            os.write(self._fan, _RESPONSE.pack(fd, FAN_ALLOW))
+        except OSError:
+            pass  # the group is gone: the kernel let it through
+        os.close(fd)
+
+    def _answer(self) -> None:
+        """Answer every open of a gated file: at once if it is copied (or not ours), else once its
+        copy ends or its wait is up.  Looks and answers only: it never copies, never opens a file,
+        never logs while the group stands (a traceback reads source files, which may be gated)."""
+        try:
+            poller = select.poll()
+            poller.register(self._fan, select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+            while True:
+                with self._lock:
+                    deadline = min((d for f in self._waiting for _, d in f.waiters), default=None)
+                timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+                ready = {fd for fd, _ in poller.poll(timeout)}
+                self._beat()
+                if self.fault is not None:
+                    self.fault()
+                if self._fan in ready:
+                    self._read_events()
+                self._expire()
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 64)
+                    except BlockingIOError:
+                        pass
+                    if self.broken:
+                        return
+        except BaseException as exc:  # noqa: BLE001 - never the host's opens: fail open, then say why
+            self.fail_open(f"its answering thread failed: {exc!r}")
+            log.error("the file gate failed open: %r; the epochs it gated fail", exc)
+
+    def _read_events(self) -> None:
+        try:
+            buf = os.read(self._fan, 256 * _EVENT.size)
+        except BlockingIOError:
+            return
+        i = 0
+        while i + _EVENT.size <= len(buf):
+            length, _, _, _, _, fd, pid = _EVENT.unpack_from(buf, i)
+            i += max(length, _EVENT.size)
+            if fd < 0:
+                continue
+            f = None
+            if pid != self.pid:
+                try:
+                    st = os.fstat(fd)
+                except OSError:
+                    st = None
+                if st is not None:
+                    with self._lock:
+                        f = self._files.get((st.st_dev, st.st_ino))
+                        if f is not None and not f.done:
+                            wait = JOB_WAIT_S if f.batch.holds(pid) else OUTSIDER_WAIT_S
+                            f.waiters.append((fd, time.monotonic() + wait))
+                            self._waiting.add(f)
+                            if f not in self._urgent:
+                                self._urgent.append(f)
+                                self._work.notify()
+                            continue
+            self._allow(fd)
+
+    def _expire(self) -> None:
+        """Let through every open whose wait is up: its file's copy must then prove itself."""
+        now = time.monotonic()
+        with self._lock:
+            for f in list(self._waiting):
+                late = [w for w in f.waiters if w[1] <= now]
+                if not late:
+                    continue
+                f.early = True
+                f.waiters = [w for w in f.waiters if w[1] > now]
+                if not f.waiters:
+                    self._waiting.discard(f)
+                for fd, _ in late:
+                    self._allow(fd)
+
+    def _copier(self) -> None:
+        while True:
+            with self._lock:
+                while not self._urgent and not self.broken:
+                    self._work.wait()
+                if self.broken:
+                    return
+                f = self._urgent.popleft()
+            self.copy(f)
+
+    # ------------------------------------------------------------------ failing open
+
+    def fail_open(self, why: str) -> None:
+        """Let every open through from now on, for good: the waiting ones answered, the keeper
+        told to go, the group closed (the kernel allows what is pending); every batch fails."""
+        with self._lock:
+            if self.broken:
+                return
+            self.broken = why
+            self._work.notify_all()
+            for f in list(self._files.values()):
+                f.error = f.error or f"{f.name}: the file gate failed ({why})"
+                for fd, _ in f.waiters:
+                    self._allow(fd)
+                f.waiters = []
+            self._waiting.clear()
+            self._urgent.clear()
+        for fd in (self._keeper_w, self._fan):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def reap(self) -> None:
+        """The keeper's exit status, once it went (after a failure, its pipe closed)."""
+        self._keeper.poll()
+
+    def close(self) -> None:
+        """For tests and the agent's exit: fail open, and wait for the threads and the keeper."""
+        self.fail_open("closed")
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(5)
+        try:
+            self._keeper.wait(5)
+        except subprocess.TimeoutExpired:
+            self._keeper.kill()
+            self._keeper.wait()
+
+
+_shared: _Gate | None = None
+_shared_lock = threading.Lock()
+
+
+def shared() -> _Gate:
+    """The agent's one gate: made on first use, and again after it failed open (or a fork)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared.broken or _shared.pid != os.getpid():
+            if _shared is not None and _shared.pid == os.getpid():
+                _shared.reap()
+            _shared = _Gate()
+        return _shared
+
+
+def close_shared() -> None:
+    global _shared
+    with _shared_lock:
+        gate, _shared = _shared, None
+    if gate is not None and gate.pid == os.getpid():
+        gate.close()
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class CowGate:
-    """Files copied as they were when the gate was armed (see the module docstring)."""
+    """One checkpoint's files, copied as they were when armed (see the module docstring)."""
 
-    def __init__(self, copy: Callable[[int, str], None]) -> None:
-        # copy(src_fd, dest): the copy itself (a plain copy, or one into packs).
-        self._copy = copy
-        self._fan = _check(_libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY))
-        self._files: dict[tuple[int, int], _File] = {}
-        self._lock = threading.Lock()
-        self._closing = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        self._events: threading.Thread | None = None
-        # Answering from the start: an open of a gated file (by the agent itself, through a second
-        # link to it, or by another job's snapshot) never waits for an answer nobody gives.
-        self.start()
+    def __init__(self, copy: Callable[[int, str, int], None], root: int = 0) -> None:
+        # copy(src_fd, dest, size): the copy itself (a plain copy, or one into packs), size bytes.
+        self.copy_fn = copy
+        self.root = root  # the job's first process: it and its descendants are the job (0: nobody)
+        self.files: list[_File] = []
+        self._gate = shared()
+
+    def holds(self, pid: int) -> bool:
+        """``pid`` is a process of the job (a descendant of its root)."""
+        for _ in range(64):
+            if pid == self.root and pid > 0:
+                return True
+            if pid <= 1:
+                return False
+            pid = _parent(pid)
+        return False
 
     def arm(self, fd: int, dest: str, name: str = "", st: os.stat_result | None = None) -> bool:
         """Gate the file behind ``fd`` (a descriptor of the caller's, read-only, kept by the gate
         once this returns True; ``st``: its fstat, if the caller has it) to be copied to ``dest``;
         call while nothing can change it (the job frozen).  False: the file is gated already (a
-        second link to it), the caller copies."""
-        st = st if st is not None else os.fstat(fd)
-        if (st.st_dev, st.st_ino) in self._files:
-            return False
-        _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))
-        self._files[(st.st_dev, st.st_ino)] = _File(fd, dest, st.st_size, name=name or dest)
-        return True
-
-    def start(self) -> None:
-        """Answer opens of the gated files from now on (each copied first), while the caller
-        goes on (criu writing the images, say)."""
-        if self._events is None:
-            self._events = threading.Thread(target=self._answer, name="cowgate", daemon=True)
-            self._events.start()
+        second link to it, another checkpoint's), or the gate is full or failed: the caller copies."""
+        return self._gate.arm(self, fd, dest, name, st if st is not None else os.fstat(fd))
 
     @property
     def gated(self) -> int:
-        return len(self._files)
-
-    def _copy_once(self, f: _File) -> None:
-        with self._lock:
-            if f.done:
-                return
-            try:
-                self._copy(f.src, f.dest)
-                # Its size only: a rename, chmod, link or utime (git "freshens" objects) is no change.
-                if os.fstat(f.src).st_size != f.size:
-                    f.error = f"{f.name} changed size while it was copied (truncated by path)"
-            except OSError as exc:
-                f.error = f"{f.name}: {exc.strerror or exc}"
-            except Exception as exc:  # noqa: BLE001 - a copy that fails any way fails the epoch, never the gate
-                f.error = f"{f.name}: {exc}"
-            finally:
-                f.done = True
-
-    def _answer(self) -> None:
-        """Answer every open of a gated file: copy it first if it is not yet, then allow."""
-        poller = select.poll()
-        poller.register(self._fan, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        while True:
-            ready = {fd for fd, _ in poller.poll()}
-            if self._fan in ready:
-                try:
-                    buf = os.read(self._fan, 4096 * _EVENT.size)
-                except BlockingIOError:
-                    buf = b""
-                i = 0
-                while i + _EVENT.size <= len(buf):
-                    length, _, _, _, mask, fd, pid = _EVENT.unpack_from(buf, i)
-                    i += length
-                    if fd < 0:
-                        continue
-                    try:
-                        st = os.fstat(fd)
-                        f = self._files.get((st.st_dev, st.st_ino))
-                        if f is not None and pid != os.getpid():
-                            self._copy_once(f)
-                    finally:
-                        os.write(self._fan, _RESPONSE.pack(fd, FAN_ALLOW))
-                        os.close(fd)
-            if self._wake_r in ready:
-                return
+        return len(self.files)
 
     def run(self) -> list[str]:
         """Copy every gated file (opens of them answered meanwhile); the errors, one per file."""
-        self.start()
         try:
-            for f in list(self._files.values()):
-                self._copy_once(f)
+            for f in self.files:
+                self._gate.copy(f)
         finally:
             self.close()
-        return [f.error for f in self._files.values() if f.error]
+        return [f.error for f in self.files if f.error]
+
+    def unkept(self) -> list[str]:
+        """The copies (``dest``) of files another process changed before they were copied."""
+        return [f.dest for f in self.files if f.unkept]
 
     def close(self) -> None:
-        """Let every open through from now on (the marks go with the group), and let go; once."""
-        with self._closing:
-            if self._fan < 0:
-                return
-            self._close()
+        """Let every file not yet copied go (the dump failed, or the copies are done)."""
+        for f in self.files:
+            self._gate.let_go(f, "" if f.done else f"{f.name}: not copied")
 
-    def _close(self) -> None:
-        os.write(self._wake_w, b"x")
-        if self._events is not None:
-            self._events.join()
-        os.close(self._fan)  # pending permission events are allowed by the kernel
-        self._fan = -1
-        for f in self._files.values():
-            os.close(f.src)
-        os.close(self._wake_r)
-        os.close(self._wake_w)

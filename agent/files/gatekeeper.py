@@ -1,0 +1,85 @@
+"""The gate's keeper: a small process that answers the agent's fanotify permission events when
+the agent cannot (agent/files/cowgate.py).
+
+The agent's gate makes any open of a file it must still copy wait for that copy.  fanotify has no
+timeout: an event nobody answers makes the opener wait for ever, and a stopped agent (SIGSTOP,
+a debugger, a hung thread) answers nothing.  The keeper holds the same fanotify group (a
+descriptor inherited from the agent) and watches the agent's answering thread beat (a
+monotonic time in a shared page): an event pending for ``STALE_S`` with no beat since is
+answered here, FAN_ALLOW, and counted in the page, so the agent knows that an open went through
+before its copy (agent/files/cowgate.py then checks each copy against the file's ctime).
+
+It exits when the agent's end of its pipe closes (the agent died, was killed, or let the gate
+go): the group's last descriptor goes with it, and the kernel lets every pending open through.
+
+Standard library only, run with ``python -I -S`` before anything is gated: it never opens a
+file a gate could hold.
+"""
+
+import mmap
+import os
+import select
+import struct
+import sys
+import time
+
+STALE_S = 0.4  # an event pending this long, with no beat of the answering thread since: answered here
+_EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
+_RESPONSE = struct.Struct("=iI")  # struct fanotify_response
+FAN_ALLOW = 0x1
+BEAT = struct.Struct("=qq")  # the shared page: the last beat (CLOCK_MONOTONIC ns), opens answered here
+
+
+def answer_all(fan: int) -> int:
+    """Allow every event pending on ``fan``; how many."""
+    n = 0
+    while True:
+        try:
+            buf = os.read(fan, 256 * _EVENT.size)
+        except (BlockingIOError, InterruptedError):
+            return n
+        if not buf:
+            return n
+        i = 0
+        while i + _EVENT.size <= len(buf):
+            length, _, _, _, _, fd, _ = _EVENT.unpack_from(buf, i)
+            i += max(length, _EVENT.size)
+            if fd < 0:
+                continue
+            try:
+                os.write(fan, _RESPONSE.pack(fd, FAN_ALLOW))
+            except OSError:
+                pass
+            os.close(fd)
+            n += 1
+
+
+def keep(fan: int, shm: int, pipe: int, stale_s: float = STALE_S) -> None:
+    page = mmap.mmap(shm, BEAT.size)
+    poller = select.poll()
+    poller.register(pipe, select.POLLIN | select.POLLHUP)
+    poller.register(fan, select.POLLIN)
+    seen_ns = 0  # when pending events were first seen (0: none)
+    while True:
+        ready = dict(poller.poll(50))
+        if pipe in ready:
+            return  # the agent is gone, or let the gate go
+        now = time.monotonic_ns()
+        if fan not in ready:
+            seen_ns = 0
+            continue
+        beat, answered = BEAT.unpack_from(page, 0)
+        if seen_ns == 0 or beat > seen_ns:
+            seen_ns = now  # the agent answers: give it its time from here
+        elif now - seen_ns >= stale_s * 1e9:
+            n = answer_all(fan)
+            if n:
+                # Counted before any later beat: the agent reads it after its copies.
+                struct.pack_into("=q", page, 8, answered + n)
+            seen_ns = 0
+            continue
+        time.sleep(0.02)  # the events are the agent's to read while it beats
+
+
+if __name__ == "__main__":
+    keep(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
