@@ -147,3 +147,44 @@ def changeable(path: str, root_fd: int, private: frozenset[int] | set[int] = fro
         return None
     finally:
         os.close(fd)
+
+
+class Dirs:
+    """Descriptors of a tree's directories by relative path ("" the top), each walked to from the
+    top without following a link, and a few kept open: the agent's descriptors never grow with
+    the tree (the most recently used are kept; a walk again costs one ``openat`` a component)."""
+
+    KEEP = 128
+
+    def __init__(self, top: str) -> None:
+        self.top = top
+        self._top = open_dir(top)
+        self._open: dict[str, int] = {}
+
+    def get(self, head: str) -> int:
+        """A descriptor of ``head`` (the tree's, not the caller's to close)."""
+        if not head:
+            return self._top
+        fd = self._open.pop(head, None)
+        if fd is None:
+            parts = head.split("/")
+            base, k = self._top, 0
+            for k in range(len(parts) - 1, 0, -1):  # from the nearest open ancestor
+                near = self._open.get("/".join(parts[:k]))
+                if near is not None:
+                    base = near
+                    break
+            else:
+                k = 0
+            path = os.path.join(self.top, head)
+            fd = _open_in(base, parts[k], path) if k == len(parts) - 1 else walk(base, parts[k:], path)
+            if len(self._open) >= self.KEEP:
+                os.close(self._open.pop(next(iter(self._open))))
+        self._open[head] = fd  # the newest last
+        return fd
+
+    def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+        os.close(self._top)

@@ -10,8 +10,9 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from revenant.agent.files import aside, jobfiles_restore, remade, workdir, workdir_packs, workdir_restore
-from revenant.agent.files.jobfiles import Snapshot, SnapshotResult
+from revenant.agent.files import (aside, jobfiles_restore, remade, workdir, workdir_packs, workdir_restore,
+                                  workdir_scan)
+from revenant.agent.files.jobfiles import Snapshot, SnapshotResult, eligible_workdir
 from revenant.agent.network import criuimages, netstate
 from revenant.agent.pipeline.steps import BaseStep, DumpContext, RestoreContext
 from revenant.agent.storage import packs
@@ -71,6 +72,27 @@ def prepare_workdir(files: JobFiles, job_workdir: str, full_every: int) -> tuple
     return prev, workdir_packs.Packer(files, n, seg, base)
 
 
+def _always(rel: str, st: os.stat_result) -> bool:
+    return True
+
+
+def _scan_before(job_workdir: str, storage: Path, max_entries: int,
+                 taking: workdir.Taker) -> workdir_scan.Scan | None:
+    """The working directory listed before the freeze, split into what the freeze takes as it is
+    and what it stats again, and the records of the files never written made (None: listed in
+    full while frozen)."""
+    if eligible_workdir(job_workdir, storage) is not None:
+        return None
+    try:
+        pre = workdir_scan.scan(job_workdir, max_entries)
+    except OSError:
+        return None
+    if pre is not None:
+        taking.prepare(pre.stats)
+        workdir_scan.split(pre, taking.fresh)
+    return pre
+
+
 class JobFilesStep(BaseStep):
     name = "job-files"
 
@@ -84,19 +106,26 @@ class JobFilesStep(BaseStep):
         self.workdir_gate = workdir_gate  # False: changed files copied while frozen (bench/file_freeze.py)
 
     async def before_dump(self, ctx: DumpContext) -> None:
-        taker = None
+        taker = pre = None
+        fresh = _always
         if self.workdir_max_bytes > 0 and ctx.job_workdir:
             full_every = ctx.policy.full_every if ctx.policy is not None else CheckpointPolicy().full_every
             prev, packer = await asyncio.to_thread(prepare_workdir, ctx.files, ctx.job_workdir, full_every)
             ctx.state[_PACKER] = packer
-            taker = workdir.Taker(ctx.job_workdir, ctx.epoch_tmp, ctx.shared_tmp, prev,
-                                  workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes,
-                                  self.workdir_gate, packer=packer).take
+            since = workdir.since_of(prev, ctx.pid)
+            ctx.manifest.workdir_since_ns = since
+            taking = workdir.Taker(ctx.job_workdir, ctx.epoch_tmp, ctx.shared_tmp, prev,
+                                   workdir.users_uid(ctx.manifest.user), self.workdir_max_bytes,
+                                   self.workdir_gate, packer=packer, since_ns=since, root=ctx.pid)
+            taker, fresh = taking.take, taking.fresh
+            # Listed now, while the job runs: the freeze visits its directories only.
+            pre = await asyncio.to_thread(_scan_before, ctx.job_workdir, self.storage, self.max_entries, taking)
         snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
                         max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
-                        taker=taker)
+                        taker=taker, pre=pre, fresh=fresh)
         ctx.post_dump_script += snap.script_lines()
         ctx.why_failed.append(snap.why_failed)
+        ctx.job_caused.append(lambda: snap.result.job_caused)
         ctx.state[self.name] = (snap, _in_thread(snap, f"snapshot-{ctx.job}"))
 
     async def _finish(self, ctx: DumpContext) -> SnapshotResult | None:
@@ -131,6 +160,7 @@ class JobFilesStep(BaseStep):
         if taken is not None:  # the job runs again: its changed files' copies, its unchanged ones' links
             await asyncio.to_thread(workdir.finish, taken)
             m.workdir_files, m.workdir_copied, m.workdir_linked = len(taken.files), taken.copied, taken.linked
+            m.workdir_recorded = taken.recorded
             m.workdir_packs = taken.table
             m.files = {n: FileEntry(size=size, checksum=crc) for n, (size, crc) in taken.known.items()}
         try:  # as criu recorded them: read from its images, the job no longer frozen

@@ -42,13 +42,13 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent.files import beneath, remade
+from revenant.agent.files import beneath, remade, workdir_scan
+from revenant.agent.files.workdir_scan import ASIDE_PREFIX, UNTRACKED  # noqa: F401 - known here
 from revenant.agent.files.remade import REMADE
 from revenant.agent.processes.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
 from revenant.agent.storage.epochs import FILES_DIR, LISTING, EpochError, JobFile
 from revenant.agent.storage.fileio import copy_bytes, reflink
 
-ASIDE_PREFIX = "revenant-after-epoch-"
 # In an epoch: every path the job held at the dump (held_paths), what its restore may open.
 HELD = "held.json"
 # Its key saying that every descriptor is in it (not only those of paths), with its format.
@@ -57,8 +57,6 @@ HELD_FORMAT = "format"
 SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/media", "/mnt",
                          "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
                          "/var/tmp", "/var/lib"})
-# Caches the workdir may hold that are nobody's output.
-UNTRACKED = frozenset({"__pycache__"})
 _SAMPLE = 64 * 1024
 # An append-mode file is cut back to its size on restore; one this small is copied as well (a
 # reflink whatever its size), so that it comes back even if it was renamed away or replaced since
@@ -117,47 +115,12 @@ def scan_workdir(workdir: str, max_entries: int, skip: frozenset[str] = frozense
     directory's); None if there are more than ``max_entries``.  Walked through descriptors, from ``/``, never
     through a link (agent/files/beneath.py): a working directory, or a directory in it, swapped for a
     link is never listed (the walk raises OSError, or leaves the entry out)."""
-    top = beneath.open_dir(workdir)
-    listing: dict[str, list[int]] = {}
-    try:
-        dev = os.fstat(top).st_dev
-        todo: list[tuple[str, int]] = [("", os.dup(top))]
-        while todo:
-            rel, fd = todo.pop()
-            try:
-                entries = list(os.scandir(fd))
-            except OSError:
-                entries = []
-            try:
-                for entry in entries:
-                    name = f"{rel}/{entry.name}" if rel else entry.name
-                    if (not rel and entry.name.startswith(ASIDE_PREFIX)) or os.path.join(workdir, name) in skip \
-                            or entry.name in UNTRACKED or entry.name.startswith(".nfs"):
-                        continue
-                    try:
-                        st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if st.st_dev != dev:
-                        continue  # a mount point: another filesystem, never listed nor moved
-                    is_dir = stat.S_ISDIR(st.st_mode)
-                    listing[name] = [st.st_ino, st.st_size, st.st_mtime_ns, int(is_dir)]
-                    if stats is not None and not is_dir:
-                        stats[name] = st
-                    if len(listing) > max_entries:
-                        for _, left in todo:
-                            os.close(left)
-                        return None
-                    if is_dir:
-                        try:
-                            todo.append((name, beneath.walk(fd, [entry.name], name)))
-                        except OSError:
-                            pass  # swapped for a link, or gone, since: not entered
-            finally:
-                os.close(fd)
-    finally:
-        os.close(top)
-    return listing
+    found = workdir_scan.scan(workdir, max_entries, skip)
+    if found is None:
+        return None
+    if stats is not None:
+        stats.update(found.stats)
+    return found.listing
 
 
 # ------------------------------------------------------------------ the snapshot, while frozen
@@ -172,6 +135,7 @@ class SnapshotResult:
     ran: bool = False  # the action script said "frozen"
     done: bool = False  # serve() has answered
     taken: object = None  # the working directory's snapshot (agent/files/workdir.py Taken), if one was taken
+    job_caused: bool = False  # the error is the job's own doing (manifest.JobCaused)
 
 
 class Snapshot:
@@ -186,9 +150,15 @@ class Snapshot:
 
     def __init__(self, root: int, epoch_tmp: Path, scratch: Path, *, workdir: str, storage: Path,
                  max_bytes: int, max_entries: int, timeout_s: float = 120.0,
-                 taker: Callable[[dict[str, os.stat_result], frozenset[str]], object] | None = None) -> None:
+                 taker: Callable[[dict[str, os.stat_result], frozenset[str], set[str] | None], object] | None = None,
+                 pre: workdir_scan.Scan | None = None,
+                 fresh: Callable[[str, os.stat_result], bool] = lambda rel, st: True) -> None:
         self.root = root
         self.taker = taker  # the working directory's snapshot (agent/files/workdir.py Taker.take), or None
+        # The working directory listed before the freeze (agent/files/workdir_scan.py), and which of
+        # its files the freeze stats again (the rest are checked once the job runs: workdir_taken.py).
+        self.pre = pre
+        self.fresh = fresh
         self.epoch_tmp = epoch_tmp
         self.workdir = workdir
         self.storage = storage
@@ -203,6 +173,7 @@ class Snapshot:
         self._out = os.open(self.fifo_out, os.O_RDWR | os.O_NONBLOCK)
         self._released = threading.Event()
         self.result = SnapshotResult()
+        self._later: list[tuple[str, object]] = []  # written once the job runs again: (name, value)
 
     def script_lines(self) -> list[str]:
         """Shell for the post-dump action: say "frozen", wait (bounded) for the answer; anything
@@ -244,6 +215,7 @@ class Snapshot:
             self.result.done = True
             try:
                 os.write(self._out, word.encode() + b"\n")
+                self._write_later()
                 self._released.wait()  # the script may still be on its way to read the answer
             finally:
                 os.close(self._in)
@@ -276,7 +248,9 @@ class Snapshot:
             except OSError as exc:
                 self.result.error = f"cannot snapshot {path}: {exc.strerror or exc}"
                 raise
-        held = held_paths(self.root)
+        # Mapped shared and writable: written with no open the gate would see, nor any write(2).
+        writable: set[str] = set()
+        held = held_paths(self.root, writable=writable)
         self._write(HELD, {HELD_FORMAT: "2", **held})
         self.result.workdir = self.workdir
         why = eligible_workdir(self.workdir, self.storage)
@@ -284,9 +258,21 @@ class Snapshot:
             why = f"the working directory {self.workdir} leads through a link now: its changes are not tracked"
         listing = None
         stats: dict[str, os.stat_result] = {}
+        changed: set[str] | None = None  # the directories listed anew while frozen (None: all of them)
         if why is None:
             try:
-                listing = scan_workdir(self.workdir, self.max_entries, frozenset(files), stats)
+                if self.pre is not None and self.pre.workdir == self.workdir:
+                    top = self.workdir.rstrip("/") + "/"
+                    held_rel = frozenset(p[len(top):] for p in writable if p.startswith(top))
+                    fresh = self.fresh
+                    found = workdir_scan.rescan(self.pre, self.max_entries, frozenset(files),
+                                                lambda rel, st: rel in held_rel or fresh(rel, st), held_rel)
+                    if found is not None:
+                        listing = found.listing
+                        stats.update(found.stats)
+                        changed = found.changed
+                else:
+                    listing = scan_workdir(self.workdir, self.max_entries, frozenset(files), stats)
             except OSError as exc:
                 why = f"cannot list the working directory: {exc.strerror}"
             else:
@@ -294,16 +280,27 @@ class Snapshot:
                     why = f"the working directory has more than {self.max_entries} entries (workdir_scan_max_entries)"
         self.result.workdir_note = why or ""
         if listing is not None:
-            self._write(LISTING, listing)
+            self._later.append((LISTING, listing))
             if self.taker is not None:
                 try:
-                    self.result.taken = self.taker(stats, frozenset(held.values()))
+                    self.result.taken = self.taker(stats, frozenset(writable), changed)
                 except OSError as exc:
                     self.result.error = f"cannot snapshot the working directory: {exc.strerror or exc}"
                     raise
                 except EpochError as exc:
                     self.result.error = str(exc)
+                    self.result.job_caused = getattr(exc, "job_caused", False)
                     raise
+
+    def _write_later(self) -> None:
+        """What the snapshot took that need not be written while the job is frozen (the listing:
+        thousands of entries), written once it was answered; a failure fails the dump."""
+        try:
+            for name, value in self._later:
+                self._write(name, value)
+        except OSError as exc:
+            self.result.error = self.result.error or f"cannot write the job's file listing: {exc.strerror or exc}"
+        self._later = []
 
     def _write(self, name: str, value: object) -> None:
         """``value`` as JSON in the epoch, private as the images are (agent/storage/private.py)."""

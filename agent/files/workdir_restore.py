@@ -33,6 +33,9 @@ class Plan:
     todo: list[PutBack] = field(default_factory=list)
     files: int = 0  # files in the snapshot
     unchanged: int = 0
+    # Files recorded by identity (never written since the job started, or written by another
+    # process as the epoch was taken) that changed since: left as they are now (no copy holds them).
+    left: list[str] = field(default_factory=list)
 
 
 def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile], files: EpochStore) -> Plan:
@@ -42,22 +45,26 @@ def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile], 
     workdir, n = manifest.workdir, manifest.epoch
     out = Plan(workdir, n, files=len(snapshot))
     keep_setgid = _setgid_rule(manifest.user)
-    dirs: dict[str, int | None] = {"": beneath.open_dir(workdir)}  # each directory walked to once (None: gone)
+    dirs = beneath.Dirs(workdir)  # each directory walked to once, a few kept open
+    gone: set[str] = set()
     try:
         for rel, rec in sorted(snapshot.items()):
             head, _, name = rel.rpartition("/")
-            if head not in dirs:
+            parent = None
+            if head not in gone:
                 try:
-                    dirs[head] = beneath.walk(dirs[""], head.split("/"), rel)  # type: ignore[arg-type]
+                    parent = dirs.get(head)
                 except FileNotFoundError:
-                    dirs[head] = None
+                    gone.add(head)
                 except OSError as exc:
                     raise EpochError(f"cannot put back {os.path.join(workdir, rel)}: {exc.strerror or exc}") \
                         from None
-            parent = dirs[head]
             st = beneath.lstat_in(parent, name) if parent is not None else None
             if st is not None and stat.S_ISREG(st.st_mode) and rec.same(st):
                 out.unchanged += 1
+                continue
+            if not rec.copy:
+                out.left.append(rel)
                 continue
             path = os.path.join(workdir, rel)
             mode = rec.mode if keep_setgid(rec.gid) else rec.mode & ~stat.S_ISGID
@@ -69,9 +76,7 @@ def plan(manifest: Manifest, epoch_dir: Path, snapshot: dict[str, WorkdirFile], 
             out.todo.append(PutBack(path, rec.size, str(epoch_dir / rec.copy), entry, "",
                                     make_parent=st is None, workdir=workdir, mtime_ns=rec.mtime_ns, fill=fill))
     finally:
-        for fd in dirs.values():
-            if fd is not None:
-                os.close(fd)
+        dirs.close()
     return out
 
 
@@ -102,9 +107,17 @@ def apply(p: Plan, on_step: Callable[[str], None] = lambda step: None) -> list[s
             put_back(todo)
         except OSError as exc:
             raise EpochError(f"cannot put back {todo.path}: {exc.strerror or exc}") from None
-    if not p.todo:
-        return []
-    names = [os.path.relpath(t.path, p.workdir) for t in p.todo]
-    named = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
-    return [f"put back {len(p.todo)} of the {p.files} files of {p.workdir} as they were at epoch {p.epoch} "
-            f"({size_text(sum(t.size for t in p.todo))}; changed or gone since): {named}"]
+    notes = []
+    if p.todo:
+        notes.append(f"put back {len(p.todo)} of the {p.files} files of {p.workdir} as they were at epoch {p.epoch} "
+                     f"({size_text(sum(t.size for t in p.todo))}; changed or gone since): "
+                     f"{_named([os.path.relpath(t.path, p.workdir) for t in p.todo])}")
+    if p.left:
+        notes.append(f"left {len(p.left)} files of {p.workdir} as they are now: changed or gone since epoch {p.epoch}, "
+                     f"and not kept by it (not written since the job started, or written by another process as it was "
+                     f"taken): {_named(p.left)}")
+    return notes
+
+
+def _named(names: list[str]) -> str:
+    return ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")

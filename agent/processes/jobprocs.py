@@ -209,7 +209,7 @@ def _watches(pid: int, fd: str) -> str:
     return "".join(" " + m for m in sorted(marks))
 
 
-def held_paths(root: int, links: dict[str, str] | None = None) -> dict[str, str]:
+def held_paths(root: int, links: dict[str, str] | None = None, writable: set[str] | None = None) -> dict[str, str]:
     """Everything the job's processes hold, by what holds it: ``"<pid> fd <n>"`` (every
     descriptor, whatever it leads to: _kind; an inotify or fanotify one with its watches),
     ``"<pid> map <path>"`` (a mapping needs the right
@@ -217,7 +217,8 @@ def held_paths(root: int, links: dict[str, str] | None = None) -> dict[str, str]
     ``"<pid> root"``, ``"<pid> exe"`` (pids as the job's namespace numbers them).  criu opens
     each again, by path, when it restores: each must lead where it did at the dump (a path
     merely held elsewhere in the job proves nothing: an O_PATH descriptor of a file the job may
-    not read would put its path in the set).  ``links``: filled with each key's /proc link."""
+    not read would put its path in the set).  ``links``: filled with each key's /proc link;
+    ``writable``: with the paths mapped shared and writable (written without any open or write)."""
     held: dict[str, str] = {}
     for pid in job_pids(root):
         try:
@@ -245,6 +246,8 @@ def held_paths(root: int, links: dict[str, str] | None = None) -> dict[str, str]
                     # criu's restorer maps /dev/zero of its own (agent/files/remade.py checks ghosts).
                     if path.startswith("/") and not path.endswith(" (deleted)"):
                         held[f"{ns} map {path}"] = path
+                        if writable is not None and fields[1][1] == "w" and fields[1][3] == "s":
+                            writable.add(path)
         except OSError:
             pass
     return held

@@ -49,6 +49,14 @@ class NoEpoch(EpochError):
     code = "no_epoch"
 
 
+class JobCaused(EpochError):
+    """A checkpoint the job failed by itself (its working directory over the budget, a file it
+    truncated by path as it was copied): counted against the job, never the node's health."""
+
+    code = "job_caused"
+    job_caused = True
+
+
 class FilesChanged(EpochError):
     """The job's files changed since the epoch in a way it cannot put back (agent/files/jobfiles_restore.py)."""
 
@@ -150,6 +158,10 @@ class Manifest(msgspec.Struct, kw_only=True):
     workdir_files: int = 0
     workdir_copied: int = 0
     workdir_linked: int = 0
+    # The job's start (wall clock ns, less a margin): a file whose ctime is older, never written by the
+    # job before, is recorded by identity (its bytes here), not copied.  0: every file is copied.
+    workdir_since_ns: int = 0
+    workdir_recorded: int = 0
     # The packs its larger files' pages are in (agent/files/workdir_packs.py): "<segment>/<N>-<rnd>".
     workdir_packs: list[str] = []
     checksum: str = "crc32"
