@@ -256,6 +256,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if not cfg.node:
         raise RevenantError("agent needs a node name: --node NAME")
     setup_logging("agent", cfg.node, args.log_level)
+    from revenant.agent.processes import procs
+    procs.raise_nofile()  # a margin over what it holds, bounded; its jobs keep the limit it had
     return run_service(Agent(cfg))
 
 

@@ -53,3 +53,19 @@ async def test_at_least_one_epoch_is_kept(tmp_path):
     await book.committed(files, 1, _committed(files, 2), max_epochs=0)
     assert files.committed() == [2]
     assert [(m.kind, m.n) for m in events] == [("created", 2), ("pruned", 1)]
+
+
+def test_a_failure_the_job_caused_itself_is_the_jobs_never_the_nodes_health():
+    """Issue 44: a user's own failed checkpoints (a workdir over the budget, a file they truncate
+    as it is copied) must not turn their node RED and evict other users' jobs."""
+    from revenant.agent.files.workdir import OverBudget
+    from revenant.agent.storage.manifest import JobCaused
+    events = []
+    book = CheckpointBook("n1", lambda subject, msg: events.append(msg))
+    for _ in range(5):
+        book.failed("7", 1, OverBudget("the working directory's changes since the last epoch are 5.0 GiB"))
+        book.failed("7", 1, JobCaused("the working directory changed while its snapshot was copied"))
+    assert book.failures == 0
+    assert [m.kind for m in events] == ["failed"] * 10  # still the job's failed events, each with its error
+    book.failed("8", 1, CriuError("criu dump failed: no space"))
+    assert book.failures == 1

@@ -477,3 +477,27 @@ def test_up_insecure_is_open_and_says_so(make_cluster):
     # Anyone may connect: no credential at all.
     out = revenant_cli("nodes", "--nats", doc["nats_url"], "--json", env={"REVENANT_CREDS": ""}, check=True)
     assert json.loads(out.stdout)[0]["name"] == "node-1"
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(300)
+async def test_a_reply_after_more_than_two_minutes_still_reaches_the_requester(nats_url):
+    """Issue 44: nats-server expires a response grant after 2 minutes by default, so a checkpoint
+    or restore that took longer committed and its reply was refused.  The real server, with the
+    authorization block revenant renders: the coordinator answers an admin's request 125 s late."""
+    from helpers import connect_as as connect
+    subject = subjects.coordinator("slow-operation")
+    coordinator = await connect(nats_url, security.COORDINATOR)
+    admin = await connect(nats_url, security.ADMIN)
+    try:
+        async def answer(msg) -> None:
+            await asyncio.sleep(125)
+            await msg.respond(b"done after 125 s")
+        sub = await coordinator.subscribe(subject, cb=answer)
+        await coordinator.flush()
+        reply = await admin.request(subject, b"checkpoint a large job", timeout=200)
+        assert reply.data == b"done after 125 s"
+        await sub.unsubscribe()
+    finally:
+        await coordinator.close()
+        await admin.close()

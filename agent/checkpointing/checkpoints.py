@@ -37,8 +37,9 @@ class CheckpointBook:
                   EpochEvent(job=job, kind=kind, at=self.wall_clock(), node=self.node, generation=generation, **kw))
 
     def failed(self, job: str, generation: int, error: Exception, cause: str = "", reasons: Sequence[str] = ()) -> None:
-        # A job criu cannot carry (agent/pipeline/blockers.py) says nothing about the node's health.
-        if getattr(error, "code", "") != "not_checkpointable":
+        # A job criu cannot carry (agent/pipeline/blockers.py), or one that failed its checkpoint by
+        # itself (its working directory over the budget, say: JobCaused), says nothing of the node.
+        if getattr(error, "code", "") != "not_checkpointable" and not getattr(error, "job_caused", False):
             self.failures += 1
         if self.metrics is not None:
             self.metrics.observe_checkpoint(ok=False, duration_s=0.0)

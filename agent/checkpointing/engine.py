@@ -40,6 +40,7 @@ from typing import Callable
 from revenant.agent.checkpointing.guard import resident_bytes
 from revenant.agent.files.filestep import JobFilesStep
 from revenant.agent.files.relink import RelinkStep
+from revenant.agent.checkpointing.slots import FairSlots, Slot
 from revenant.agent.lazyrestore import lazy
 from revenant.agent.pipeline import blockers, criu, criustats, progress
 from revenant.agent.pipeline.handshake import Handshake
@@ -47,6 +48,7 @@ from revenant.agent.pipeline.steps import DumpContext, RestoreAsk, RestoreContex
 from revenant.agent.processes import procs
 from revenant.agent.storage import packs
 from revenant.agent.storage.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch
+from revenant.agent.storage.manifest import JobCaused
 from revenant.agent.storage.fileio import Durable
 from revenant.agent.storage.imagekeys import ImageKeys
 from revenant.agent.storage.imagesum import Follower
@@ -129,7 +131,7 @@ class Engine:
         self.staging = staging
         self.steps: list[Step] = steps if steps is not None else [
             job_files or JobFilesStep(storage), RelinkStep()]
-        self.slots = asyncio.Semaphore(concurrency)
+        self.slots = FairSlots(concurrency)  # shared fairly between users (agent/checkpointing/slots.py)
         self.criu_timeout_s = criu_timeout_s
         # Durations (monotonic) and the manifest's creation time (wall clock).
         self.clock, self.wall_clock = clock, wall_clock
@@ -169,16 +171,17 @@ class Engine:
         files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
         try:
-            async with self.slots:
+            async with await self.slots.acquire(user or "root") as slot:
                 resume = resume or functools.partial(procs.signal_tree, pid, signal.SIGCONT)
-                return await self._checkpoint(files, job, generation, pid, stop, workdir, user, policy, spoiled, resume)
+                return await self._checkpoint(files, job, generation, pid, stop, workdir, user, policy, spoiled, resume,
+                                              slot)
         finally:
             self.pending -= 1
 
     async def _checkpoint(self, files: JobFiles, job: str, generation: int, pid: int, stop: bool,
                           job_workdir: str, user: str, policy: CheckpointPolicy | None,
-                          spoiled: Callable[[], str],
-                          resume: Callable[[], None]) -> tuple[Manifest, list[str], dict[str, float]]:
+                          spoiled: Callable[[], str], resume: Callable[[], None],
+                          slot: Slot | None = None) -> tuple[Manifest, list[str], dict[str, float]]:
         workdir = self._new_dir(self.work_roots, job)
         # Encrypted images (agent/storage/sealed.py) are staged node-local: none is written plain to the storage.
         roots = [self.staging] if self.staging is not None else self.work_roots if files.seals else []
@@ -206,6 +209,8 @@ class Engine:
             for step in self.steps:
                 await step.before_dump(ctx)
             output = await self._dump(ctx, ctx.epoch_tmp, undo)
+            if slot is not None:  # criu is done with the job: its copies and the commit hold no slot
+                slot.release()
             watch.op = "commit"
             stats = criustats.read(ctx.workdir / criustats.DUMP_FILE)
             manifest.freeze_s = criu.frozen_time_s(output)
@@ -263,7 +268,8 @@ class Engine:
             kept = await self._keep_log(ctx.files, "dump", ctx.generation, text)
             own = next((why for ask in ctx.why_failed if (why := ask())), "")
             if own:
-                raise EpochError(f"checkpoint of {ctx.job} failed: {own}{kept}")
+                cls = JobCaused if any(caused() for caused in ctx.job_caused) else EpochError
+                raise cls(f"checkpoint of {ctx.job} failed: {own}{kept}")
             raise CriuError(f"criu dump failed: {criu.error_line(text)}{kept}")
         return done.output
 
@@ -317,7 +323,7 @@ class Engine:
         files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
         try:
-            async with self.slots:
+            async with await self.slots.acquire(ask.user or "root"):
                 checked: dict[str, object] = {}
 
                 def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first

@@ -42,8 +42,10 @@ class DumpContext:
     notes: list[str] = field(default_factory=list)
     # A step's own state for this dump, by step name.
     state: dict[str, Any] = field(default_factory=dict)
-    # Asked when criu fails: a step's own reason for the failure (its action script's, say), or "".
+    # Asked when criu fails: a step's own reason for the failure (its action script's, say), or "";
+    # and whether that reason is the job's own doing (manifest.JobCaused: not the node's health).
     why_failed: list[Callable[[], str]] = field(default_factory=list)
+    job_caused: list[Callable[[], bool]] = field(default_factory=list)
     # The job's checkpoint policy (JobSpec.policy; None: the defaults), and arguments a step adds
     # to criu's dump command line (a pre-dump's --prev-images-dir).
     policy: CheckpointPolicy | None = None
@@ -64,6 +66,7 @@ class RestoreAsk:
     leave_workdir: str = ""
     gpus: tuple[str, ...] = ()
     criu_args: tuple[str, ...] = ()
+    user: str = ""  # the job's: the node's restore slots are shared fairly between users
 
 
 @dataclass

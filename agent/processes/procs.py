@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import tempfile
@@ -38,9 +39,30 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+# The descriptor limit the agent was started with: what its jobs get (raise_nofile raises the agent's).
+_JOB_NOFILE: tuple[int, int] | None = None
+
+
+def raise_nofile(want: int = 65536) -> int:
+    """Raise this process's soft limit of open descriptors towards ``want`` (at most its hard
+    limit), a margin for what the agent holds (bounded: agent/files/cowgate.py MAX_GATED,
+    agent/files/beneath.py Dirs.KEEP); its jobs keep the limit it had (die_with_parent).  The soft limit now."""
+    global _JOB_NOFILE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _JOB_NOFILE is None:
+        _JOB_NOFILE = (soft, hard)
+    target = min(want, hard) if hard != resource.RLIM_INFINITY else want
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
+
+
 def die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the agent dies."""
+    """preexec_fn: SIGKILL this child when the agent dies; the descriptor limit the agent started with."""
     prctl(PR_SET_PDEATHSIG, 9)
+    if _JOB_NOFILE is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, _JOB_NOFILE)
 
 
 def decode_status(status: int) -> int:

@@ -97,6 +97,12 @@ def client_credentials(creds_file: str) -> dict[str, str | None]:
     return credentials(identity_of(creds_file), creds_file)
 
 
+# How long an identity that answers requests may still answer one (nats-server's allow_responses
+# expires, 2 minutes by default): past the longest operation an agent or the coordinator answers
+# (a checkpoint or restore of a large job on slow storage: hours, not minutes).
+RESPONSE_EXPIRES = "24h"
+
+
 @dataclass(frozen=True)
 class Permissions:
     publish_allow: tuple[str, ...]
@@ -288,7 +294,9 @@ def render_user(identity: str, public: str) -> str:
         f"        subscribe: {_permission_map(p.subscribe_allow, p.subscribe_deny)}",
     ]
     if p.allow_responses:
-        lines.append("        allow_responses: true")
+        # nats-server lets a response through for 2 minutes unless told otherwise: a checkpoint,
+        # restore or drain that takes longer would commit and never be answered.
+        lines.append(f'        allow_responses: {{max: 1, expires: "{RESPONSE_EXPIRES}"}}')
     lines += ["      }", "    }"]
     return "\n".join(lines)
 
