@@ -212,8 +212,8 @@ def make_project(wd: Path, dataset_gib: int, model_mib: int) -> tuple[Path, Path
     data, model = wd / "data.bin", wd / "model.bin"
     for path, mib in ((data, dataset_gib * 1024), (model, model_mib)):
         with open(path, "wb") as f:
-            for i in range(mib):
-                f.write(i.to_bytes(8, "little") + base[8:])
+            for i in range(mib):  # the dataset's MiB alike but for their number; the model's all distinct
+                f.write(i.to_bytes(8, "little") + base[8:] if path == data else os.urandom(2**20))
             os.fsync(f.fileno())
     return data, model
 
