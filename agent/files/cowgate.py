@@ -63,9 +63,8 @@ log = logging.getLogger(__name__)
 FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_CONTENT = 0x1, 0x2, 0x4
 FAN_MARK_ADD, FAN_MARK_REMOVE = 0x1, 0x2
 FAN_OPEN_PERM = 0x10000
-FAN_ALLOW = 0x1
-_EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
-_RESPONSE = struct.Struct("=iI")  # struct fanotify_response
+FAN_ALLOW = gatekeeper.FAN_ALLOW
+_EVENT, _RESPONSE = gatekeeper.EVENT, gatekeeper.RESPONSE  # fanotify_event_metadata, fanotify_response
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
 

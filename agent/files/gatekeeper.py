@@ -24,8 +24,8 @@ import sys
 import time
 
 STALE_S = 0.4  # an event pending this long, with no beat of the answering thread since: answered here
-_EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
-_RESPONSE = struct.Struct("=iI")  # struct fanotify_response
+EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
+RESPONSE = struct.Struct("=iI")  # struct fanotify_response
 FAN_ALLOW = 0x1
 BEAT = struct.Struct("=qq")  # the shared page: the last beat (CLOCK_MONOTONIC ns), opens answered here
 
@@ -35,19 +35,19 @@ def answer_all(fan: int) -> int:
     n = 0
     while True:
         try:
-            buf = os.read(fan, 256 * _EVENT.size)
+            buf = os.read(fan, 256 * EVENT.size)
         except (BlockingIOError, InterruptedError):
             return n
         if not buf:
             return n
         i = 0
-        while i + _EVENT.size <= len(buf):
-            length, _, _, _, _, fd, _ = _EVENT.unpack_from(buf, i)
-            i += max(length, _EVENT.size)
+        while i + EVENT.size <= len(buf):
+            length, _, _, _, _, fd, _ = EVENT.unpack_from(buf, i)
+            i += max(length, EVENT.size)
             if fd < 0:
                 continue
             try:
-                os.write(fan, _RESPONSE.pack(fd, FAN_ALLOW))
+                os.write(fan, RESPONSE.pack(fd, FAN_ALLOW))
             except OSError:
                 pass
             os.close(fd)

@@ -157,63 +157,11 @@ def split(pre: Scan, fresh: Callable[[str, os.stat_result], bool]) -> Scan:
 def rescan(pre: Scan, max_entries: int, skip: frozenset[str], fresh: Callable[[str, os.stat_result], bool],
            again: frozenset[str] = frozenset()) -> Scan | None:
     """The listing now, from ``pre`` (see the module): the directories visited, those unchanged
-    taken from ``pre`` but for the files ``fresh`` names (or :func:`split` named), and ``again``
-    (relative paths), which are stat'ed again."""
-    if pre.settled:
-        return _rescan_split(pre, max_entries, skip, again)
-    walk = _Walk(pre.workdir, max_entries, skip)
-    workdir, out = pre.workdir, walk.out
-    top = walk.tree.get("")
-    try:
-        stack = [""]
-        while stack:
-            rel = stack.pop()
-            names = pre.kids.get(rel)
-            if names is not None:
-                # Looked at by its path from the top, one call: an unchanged key proves nothing was
-                # swapped on its way (a rename changes its parent's, which is then listed anew).
-                try:
-                    st = os.stat(rel or ".", dir_fd=top, follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISDIR(st.st_mode) or st.st_dev != walk.dev:
-                    continue
-                if pre.dirs.get(rel) != _key(st):
-                    names = None
-            if names is None:  # new or changed: entered without following a link, listed anew
-                fd = walk.enter(rel)
-                if fd is not None:
-                    walk.list_dir(rel, fd, stack)
-                continue
-            out.dirs[rel] = _key(st)
-            kids = out.kids[rel] = []
-            listing, stats, pre_listing, pre_stats = out.listing, out.stats, pre.listing, pre.stats
-            for child in names:
-                if skip and os.path.join(workdir, child) in skip:
-                    continue
-                st = pre_stats.get(child)
-                if st is None:  # a directory: entered
-                    stack.append(child)
-                elif fresh(child, st):
-                    try:
-                        st = os.stat(child, dir_fd=top, follow_symlinks=False)
-                    except OSError:
-                        continue
-                    kids.append(child)
-                    if walk.add(child, st):  # a file made a directory with its parent unchanged: entered
-                        stack.append(child)
-                    continue
-                else:
-                    stats[child] = st
-                kids.append(child)
-                listing[child] = pre_listing[child]
-            if len(listing) > max_entries:
-                raise TooMany
-    except TooMany:
-        return None
-    finally:
-        walk.tree.close()
-    return out
+    taken from ``pre`` but for the files :func:`split` named (with ``fresh``, if ``pre`` was not
+    split before the freeze) and ``again`` (relative paths), which are stat'ed again."""
+    if not pre.settled:
+        split(pre, fresh)
+    return _rescan_split(pre, max_entries, skip, again)
 
 
 def _rescan_split(pre: Scan, max_entries: int, skip: frozenset[str], again: frozenset[str]) -> Scan | None:
