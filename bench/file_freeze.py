@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset-gib", type=int, default=5, help="--project: the dataset's size, GiB (5)")
     p.add_argument("--model-mib", type=int, default=1024, help="--project: model.bin's size, MiB (1024)")
     p.add_argument("--no-gate", action="store_true",
-                   help="copy changed files while the job is frozen, not after it resumes (agent/files/cowgate.py)")
+                   help="copy changed files while the job is frozen, not after it resumes (agent/files/gate/cowgate.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.workdir and args.rounds < 2:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file-kib", type=int, default=104)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    p.add_argument("--no-gate", action="store_true", help="copy changed files while frozen (agent/files/cowgate.py)")
+    p.add_argument("--no-gate", action="store_true", help="copy changed files while frozen (agent/files/gate/cowgate.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.out = args.out or REPO / "bench" / "results" / f"workdir_take{'_nogate' if args.no_gate else ''}.json"

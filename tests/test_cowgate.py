@@ -1,4 +1,4 @@
-"""agent/files/cowgate.py: files copied as they were when the gate was armed, whoever opens them to
+"""agent/files/gate/cowgate.py: files copied as they were when the gate was armed, whoever opens them to
 write after that (the job, resumed) waiting for their copy.  Real fanotify, as root."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from revenant.agent.files.cowgate import CowGate
+from revenant.agent.files.gate.cowgate import CowGate
 
 pytestmark = pytest.mark.criu  # needs root and fanotify's permission events, not criu
 
@@ -202,8 +202,8 @@ def test_a_file_an_outsider_writes_before_its_copy_is_not_kept_never_kept_wrong(
 
 
 def test_one_gate_serves_every_checkpoint_and_holds_a_bounded_number_of_files(tmp_path, monkeypatch):
-    from revenant.agent.files import cowgate
-    monkeypatch.setattr(cowgate, "MAX_GATED", 8)
+    from revenant.agent.files.gate import group
+    monkeypatch.setattr(group, "MAX_GATED", 8)
     a, b = CowGate(_slow_copy), CowGate(_slow_copy)
     assert a._gate is b._gate  # one fanotify group, one answering thread, whatever the checkpoints
     armed = []
@@ -223,7 +223,7 @@ def test_one_gate_serves_every_checkpoint_and_holds_a_bounded_number_of_files(tm
 
 def test_a_gate_whose_answering_thread_raises_lets_every_open_through_and_fails_its_epoch(tmp_path):
     import threading
-    from revenant.agent.files import cowgate
+    from revenant.agent.files.gate import cowgate
     p = tmp_path / "f"
     p.write_bytes(b"x" * 4096)
     release = threading.Event()

@@ -54,7 +54,8 @@ def older_than_the_job(*paths: Path) -> None:
 class Outsider:
     """A process that is no part of any job, opening files of the project in a loop, timed; and
     every process of the host but the jobs' (whose opens of their own files wait for their copy)
-    watched for state D in fanotify (waiting on a gate)."""
+    watched for state D in fanotify (waiting on a gate): ``in_d``, those seen waiting for more than
+    a second on end (an outsider may wait half a second)."""
 
     def __init__(self, paths: list[Path], jobs: Callable[[], list[int]] = lambda: []) -> None:
         self.paths = paths
@@ -69,7 +70,9 @@ class Outsider:
         self._thread.start()
 
     def _watch(self) -> None:
+        since: dict[str, float] = {}  # pid: when first seen waiting, this time
         while not self._stop.wait(0.05):
+            now, seen = time.monotonic(), set()
             ours = set()
             for root in self.jobs():
                 try:
@@ -82,12 +85,13 @@ class Outsider:
                 try:
                     text = (d / "stat").read_text()
                     state = text[text.rindex(")") + 2]
-                    if state == "D":
-                        wchan = (d / "wchan").read_text()
-                        if "fanotify" in wchan:
-                            self.in_d.add(f"{d.name} {text[:text.rindex(')') + 1]} {wchan}")
+                    if state == "D" and "fanotify" in (d / "wchan").read_text():
+                        seen.add(d.name)
+                        if now - since.setdefault(d.name, now) > 1.0:
+                            self.in_d.add(f"{d.name} {text[:text.rindex(')') + 1]}")
                 except (OSError, ValueError):
                     continue
+            since = {pid: t for pid, t in since.items() if pid in seen}
 
     def stop(self) -> None:
         self._stop.set()

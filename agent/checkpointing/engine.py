@@ -40,6 +40,7 @@ from typing import Callable
 from revenant.agent.checkpointing.guard import resident_bytes
 from revenant.agent.files.filestep import JobFilesStep
 from revenant.agent.files.relink import RelinkStep
+from revenant.agent.checkpointing import choice
 from revenant.agent.checkpointing.slots import FairSlots, Slot
 from revenant.agent.lazyrestore import lazy
 from revenant.agent.pipeline import blockers, criu, criustats, progress
@@ -47,7 +48,7 @@ from revenant.agent.pipeline.handshake import Handshake
 from revenant.agent.pipeline.steps import DumpContext, RestoreAsk, RestoreContext, Step, check_before_resume
 from revenant.agent.processes import procs
 from revenant.agent.storage import packs
-from revenant.agent.storage.epochs import CorruptEpoch, EpochError, FilesChanged, JobFiles, Manifest, NoEpoch
+from revenant.agent.storage.epochs import EpochError, JobFiles, Manifest
 from revenant.agent.storage.manifest import JobCaused
 from revenant.agent.storage.fileio import Durable
 from revenant.agent.storage.imagekeys import ImageKeys
@@ -63,35 +64,6 @@ Restored = tuple[int, Manifest, list[str], "lazy.LazyFetch | None", dict[str, fl
 
 class NoSpace(RevenantError):
     code = "no_space"
-
-
-@functools.cache
-def cpu_flags() -> list[str]:
-    """The host's CPU flags (read once: they do not change while the agent runs)."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return []
-    return sorted(flags.split(":", 1)[1].split()) if flags else []
-
-
-def _chosen(files: JobFiles, epoch: int, check: Callable[[Manifest], None],
-            skip: Callable[[Manifest, str], bool] | None = None) -> tuple[Manifest, list[str]]:
-    """The newest epoch that verifies and ``check`` accepts (notes on the newer ones refused),
-    or with ``epoch``, exactly that one (no fallback: an operator asked for it).  ``skip``: the
-    files a lazy restore checks as it serves them."""
-    if not epoch:
-        return files.newest_verified(check, skip)
-    files.check_trusted()
-    if epoch not in files.committed():
-        kept = ", ".join(map(str, files.committed())) or "none"
-        raise NoEpoch(f"job {files.job} has no epoch {epoch} (it keeps: {kept})")
-    try:
-        m = files.verify(epoch, skip, pages=False)  # a delta's pages: checked as rebuilt or served
-        check(m)
-    except (CorruptEpoch, FilesChanged) as exc:
-        raise NoEpoch(f"job {files.job}: epoch {epoch} cannot be restored: {exc}") from None
-    return m, []
 
 
 def _remove(*paths: Path | None) -> None:
@@ -187,7 +159,7 @@ class Engine:
         roots = [self.staging] if self.staging is not None else self.work_roots if files.seals else []
         staging = self._new_dir(roots, job) if roots else None
         manifest = Manifest(job=job, epoch=0, generation=generation, node=self.node, created_at=self.wall_clock(),
-                            criu_version=self.criu_version, kernel=platform.release(), cpu_flags=cpu_flags(),
+                            criu_version=self.criu_version, kernel=platform.release(), cpu_flags=procs.cpu_flags(),
                             user=user)
         ctx = DumpContext(job=job, generation=generation, pid=pid, files=files, workdir=workdir, stop=stop,
                           manifest=manifest, job_workdir=job_workdir, policy=policy)
@@ -331,7 +303,7 @@ class Engine:
                                    for s in self.steps)
 
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
-                manifest, notes = await asyncio.to_thread(_chosen, files, ask.epoch, check,
+                manifest, notes = await asyncio.to_thread(choice.chosen, files, ask.epoch, check,
                                                           lazy.lazy_serves if lazy_here else None)
                 lazy_here, notes = lazy_here and lazy.served_lazily(manifest), notes + (
                     ["restored eagerly: its images are encrypted"] if self.lazy and manifest.encryption else [])

@@ -42,7 +42,7 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent.files import beneath, remade, workdir_scan
+from revenant.agent.files import remade, workdir_scan
 from revenant.agent.files.workdir_scan import ASIDE_PREFIX, UNTRACKED  # noqa: F401 - known here
 from revenant.agent.files.remade import REMADE
 from revenant.agent.processes.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing

@@ -16,7 +16,7 @@ expects their content as of the epoch, and only the epoch can give it.  So:
   a hard link to the previous epoch's copy where the file is unchanged since (same inode, size,
   mtime and ctime: ctime cannot be set back by a program), made once the job runs again
   (:func:`finish`); else a copy (a reflink where the filesystem clones), made after the job
-  resumes behind agent/files/cowgate.py's gate (an open of the file by the job waits for its
+  resumes behind agent/files/gate/cowgate.py's gate (an open of the file by the job waits for its
   copy; anyone else's waits half a second at most), or while it is frozen for a file the job
   holds (a descriptor or a mapping writes without an open), for a file with other links (which
   may lie outside the working directory: never gated), and where fanotify cannot gate.  What
@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import msgspec
-
-from revenant.agent.files import beneath, cowgate, jobfiles_restore, workdir_packs, workdir_taken
-from revenant.agent.storage.epochs import FILES_DIR, WORKDIR_FILES, EpochError, Manifest
+from revenant.agent.files import beneath, jobfiles_restore, workdir_packs, workdir_taken
+from revenant.agent.files.gate import cowgate
+from revenant.agent.storage.epochs import FILES_DIR, EpochError, Manifest
 from revenant.agent.storage.manifest import JobCaused
 from revenant.agent.storage.fileio import copy_bytes, reflink
 from revenant.agent.storage.manifest import WorkdirFile

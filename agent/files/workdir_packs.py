@@ -2,7 +2,7 @@
 
 A database of 2 GiB that changed 1 % of its blocks since the last epoch should cost that epoch
 about 1 %, not 2 GiB.  So a changed file of at least ``PACK_MIN`` bytes is not stored whole: as
-the gate copies it after the job resumes (agent/files/cowgate.py), or, for one copied whole while the
+the gate copies it after the job resumes (agent/files/gate/cowgate.py), or, for one copied whole while the
 job was frozen (one it holds), from that copy once the job runs again, :meth:`Packer.pack` cuts it into
 4 KiB pages, hashes each, and stores only the pages that neither the previous epoch's packs nor
 this epoch's new pack hold yet, into one new pack per epoch (``packs/<seg>/<N>-<rnd>.pack`` and

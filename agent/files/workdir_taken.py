@@ -12,7 +12,8 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent.files import beneath, cowgate, workdir_packs
+from revenant.agent.files import beneath, workdir_packs
+from revenant.agent.files.gate import cowgate
 from revenant.agent.storage.epochs import FILES_DIR, WORKDIR_FILES, EpochError
 from revenant.agent.storage.manifest import JobCaused, WorkdirFile
 
@@ -35,7 +36,7 @@ class Taken:
     links: list[tuple[str, str]] = field(default_factory=list)
     link_from: Path = Path()
     link_to: Path = Path()
-    # The changed files copied after the job resumes (agent/files/cowgate.py), or None.
+    # The changed files copied after the job resumes (agent/files/gate/cowgate.py), or None.
     gate: cowgate.CowGate | None = None
     # Packed files' runs by copy (agent/files/workdir_packs.py): those kept from the previous epoch here,
     # the new ones from the packer once the gate has copied them.

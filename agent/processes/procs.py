@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import resource
 import signal
@@ -39,13 +40,23 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+@functools.cache
+def cpu_flags() -> list[str]:
+    """The host's CPU flags (read once: they do not change while the agent runs)."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted(flags.split(":", 1)[1].split()) if flags else []
+
+
 # The descriptor limit the agent was started with: what its jobs get (raise_nofile raises the agent's).
 _JOB_NOFILE: tuple[int, int] | None = None
 
 
 def raise_nofile(want: int = 65536) -> int:
     """Raise this process's soft limit of open descriptors towards ``want`` (at most its hard
-    limit), a margin for what the agent holds (bounded: agent/files/cowgate.py MAX_GATED,
+    limit), a margin for what the agent holds (bounded: agent/files/gate/cowgate.py MAX_GATED,
     agent/files/beneath.py Dirs.KEEP); its jobs keep the limit it had (die_with_parent).  The soft limit now."""
     global _JOB_NOFILE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

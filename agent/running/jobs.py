@@ -271,8 +271,7 @@ class Supervisor(JobExits):
         launch.stamp = files.stamp
         async with self.policies.lock(files):  # never while its older epochs are being converted
             cgroup, limits = self.cgroups.make(spec.id, generation, spec.resources)
-            ask = RestoreAsk(epoch, leave_workdir, tuple(gpus), tuple(cgroup.criu_args() if cgroup else ()),
-                             spec.user)
+            ask = RestoreAsk(epoch, leave_workdir, tuple(gpus), tuple(cgroup.criu_args() if cgroup else ()), spec.user)
             try:
                 pid, manifest, notes, fetch, stats = await self.engine.restore(spec.id, generation, ask)
             except BaseException:

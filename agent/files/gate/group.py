@@ -1,44 +1,7 @@
-"""Copy files as they were at a moment, after that moment, without letting the job change them first,
-and without ever making anyone else wait for long.
-
-A job's working directory goes into its epoch as it was at the dump (agent/files/workdir.py), but
-copying a large file while the job is frozen lengthens the freeze.  On a filesystem without reflinks
-(ext4), this gate lets the copy happen after the job resumes:
-
-* while the job is frozen, :meth:`CowGate.arm` takes a descriptor of each file to be copied
-  (read-only, made by the caller without following links), notes its size and ctime, and marks
-  its inode with fanotify's ``FAN_OPEN_PERM``: from then on, an open of it waits for the gate;
-* after the job resumes, :meth:`CowGate.run` copies each file, its size at the dump and no more,
-  from the descriptor; an open of a file not yet copied has that file copied first (by a copier
-  thread, never by the thread that answers), then allowed, and its mark removed.
-
-Nothing outside the job waits for long.  There is one gate per agent (:func:`shared`), with one
-fanotify group, one answering thread that only looks and answers (it never copies and never
-opens a file), and one copier; every checkpoint's files are a batch of it.  An open by a process
-of the job waits for the copy (up to ``JOB_WAIT_S``); any other process waits ``OUTSIDER_WAIT_S``
-at most and is then let through.  An open let through before its copy ended makes that copy
-prove itself: the file's ctime must be what it was at the dump once copied (a write, a truncate,
-a write through a mapping change it), or the epoch fails; never a copy that is not the dump's.
-
-Whatever happens to the agent, the host goes on:
-
-* the answering thread raising: every pending open is allowed, the group is closed (the kernel
-  lets the rest through), every batch fails, and the next checkpoint makes a new gate;
-* the agent stopped or hung (SIGSTOP, a debugger, the thread stuck): the keeper
-  (agent/files/gatekeeper.py), a small process holding the same group, answers every event that
-  waited ``gatekeeper.STALE_S`` without the thread beating, and counts it for the agent;
-* the agent killed (SIGKILL, the OOM killer): the keeper's pipe closes, the keeper exits with
-  the group's last descriptor, and the kernel lets every waiting open through.
-
-A file is changed without an open only by ``truncate(2)`` on its path, or through a mapping or
-descriptor taken before the dump (the caller copies the files the job holds while it is frozen):
-the copy is checked against the inode's size afterwards, and one that changed fails the epoch.
-Its times are otherwise no guide: a rename, chmod or utime (git "freshens" existing objects)
-changes them and not a byte.
-
-fanotify's permission events need CAP_SYS_ADMIN and a kernel with
-CONFIG_FANOTIFY_ACCESS_PERMISSIONS (Debian's have it; :func:`available` says why not).
-"""
+"""The agent's one fanotify group for its file gate (agent/files/gate/cowgate.py says what the gate
+is for): the group, its answering thread (it looks and answers, never copies nor opens a file),
+its copier thread, and its keeper process (agent/files/gate/keeper.py), with the bounded waits and
+the fail-open the module above describes."""
 
 from __future__ import annotations
 
@@ -54,9 +17,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
-from revenant.agent.files import gatekeeper
+from revenant.agent.files.gate import keeper as gatekeeper
+
+
+class Batch(Protocol):
+    """One checkpoint's files (agent/files/gate/cowgate.py CowGate): how to copy, who is the job."""
+
+    copy_fn: Callable[[int, str, int], None]
+
+    def holds(self, pid: int) -> bool: ...
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +65,14 @@ def _check(ret: int) -> int:
 
 
 @dataclass(eq=False)
-class _File:
+class File:
     src: int  # our read-only descriptor of it
     key: tuple[int, int]  # its (device, inode)
     dest: str
     size: int  # at the dump: what is copied, and what it must still be once copied
     ctime_ns: int  # at the dump: what it must still be if an open went through before the copy ended
     name: str
-    batch: "CowGate"
+    batch: Batch
     answered: int  # the keeper's count when it was armed: more once copied, an open may have gone through
     done: bool = False  # copied, failed or let go: set under the gate's lock
     early: bool = False  # an open was let through before its copy ended
@@ -114,16 +85,16 @@ class _File:
     copying: threading.Lock = field(default_factory=threading.Lock)  # one copy of it at a time
 
 
-class _Gate:
+class Group:
     """The agent's one gate (see the module): its fanotify group, answering thread, copier and keeper."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._fan = _check(_libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY))
         self._lock = threading.Lock()  # the tables below; never held through a copy or a wait
-        self._files: dict[tuple[int, int], _File] = {}
-        self._waiting: set[_File] = set()  # files with opens waiting for their copy
-        self._urgent: deque[_File] = deque()  # files an open waits for: the copier's work, first come
+        self._files: dict[tuple[int, int], File] = {}
+        self._waiting: set[File] = set()  # files with opens waiting for their copy
+        self._urgent: deque[File] = deque()  # files an open waits for: the copier's work, first come
         self._work = threading.Condition(self._lock)
         self.broken = ""  # why it failed open: it answers nothing more, a new gate is made
         self.fault: Callable[[], None] | None = None  # tests: raised in the answering thread
@@ -152,18 +123,18 @@ class _Gate:
         """Opens the keeper let through so far."""
         return gatekeeper.BEAT.unpack_from(self._page, 0)[1]
 
-    def arm(self, batch: "CowGate", fd: int, dest: str, name: str, st: os.stat_result) -> bool:
+    def arm(self, batch: Batch, fd: int, dest: str, name: str, st: os.stat_result) -> bool:
         key = (st.st_dev, st.st_ino)
         with self._lock:
             if self.broken or key in self._files or len(self._files) >= MAX_GATED:
                 return False
             _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))
-            f = _File(fd, key, dest, st.st_size, st.st_ctime_ns, name or dest, batch, self.answered())
+            f = File(fd, key, dest, st.st_size, st.st_ctime_ns, name or dest, batch, self.answered())
             self._files[key] = f
         batch.files.append(f)
         return True
 
-    def copy(self, f: _File) -> None:
+    def copy(self, f: File) -> None:
         """Copy ``f`` (once: a second call waits for the first), then let its waiters through."""
         with f.copying:
             if f.done:
@@ -182,13 +153,13 @@ class _Gate:
                 error = f"{f.name}: {exc}"
             self._settle(f, error, check=True)
 
-    def let_go(self, f: _File, error: str = "") -> None:
+    def let_go(self, f: File, error: str = "") -> None:
         """``f`` uncopied: its waiters through, its mark and descriptor gone."""
         with f.copying:
             if not f.done:
                 self._settle(f, error or f.error, check=False)
 
-    def _settle(self, f: _File, error: str, check: bool) -> None:
+    def _settle(self, f: File, error: str, check: bool) -> None:
         with self._lock:
             if check and not error:
                 try:
@@ -352,86 +323,3 @@ class _Gate:
         except subprocess.TimeoutExpired:
             self._keeper.kill()
             self._keeper.wait()
-
-
-_shared: _Gate | None = None
-_shared_lock = threading.Lock()
-
-
-def shared() -> _Gate:
-    """The agent's one gate: made on first use, and again after it failed open (or a fork)."""
-    global _shared
-    with _shared_lock:
-        if _shared is None or _shared.broken or _shared.pid != os.getpid():
-            if _shared is not None and _shared.pid == os.getpid():
-                _shared.reap()
-            _shared = _Gate()
-        return _shared
-
-
-def close_shared() -> None:
-    global _shared
-    with _shared_lock:
-        gate, _shared = _shared, None
-    if gate is not None and gate.pid == os.getpid():
-        gate.close()
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class CowGate:
-    """One checkpoint's files, copied as they were when armed (see the module docstring)."""
-
-    def __init__(self, copy: Callable[[int, str, int], None], root: int = 0) -> None:
-        # copy(src_fd, dest, size): the copy itself (a plain copy, or one into packs), size bytes.
-        self.copy_fn = copy
-        self.root = root  # the job's first process: it and its descendants are the job (0: nobody)
-        self.files: list[_File] = []
-        self._gate = shared()
-
-    def holds(self, pid: int) -> bool:
-        """``pid`` is a process of the job (a descendant of its root)."""
-        for _ in range(64):
-            if pid == self.root and pid > 0:
-                return True
-            if pid <= 1:
-                return False
-            pid = _parent(pid)
-        return False
-
-    def arm(self, fd: int, dest: str, name: str = "", st: os.stat_result | None = None) -> bool:
-        """Gate the file behind ``fd`` (a descriptor of the caller's, read-only, kept by the gate
-        once this returns True; ``st``: its fstat, if the caller has it) to be copied to ``dest``;
-        call while nothing can change it (the job frozen).  False: the file is gated already (a
-        second link to it, another checkpoint's), or the gate is full or failed: the caller copies."""
-        return self._gate.arm(self, fd, dest, name, st if st is not None else os.fstat(fd))
-
-    @property
-    def gated(self) -> int:
-        return len(self.files)
-
-    def run(self) -> list[str]:
-        """Copy every gated file (opens of them answered meanwhile); the errors, one per file."""
-        try:
-            for f in self.files:
-                self._gate.copy(f)
-        finally:
-            self.close()
-        return [f.error for f in self.files if f.error]
-
-    def unkept(self) -> list[str]:
-        """The copies (``dest``) of files another process changed before they were copied."""
-        return [f.dest for f in self.files if f.unkept]
-
-    def close(self) -> None:
-        """Let every file not yet copied go (the dump failed, or the copies are done)."""
-        for f in self.files:
-            self._gate.let_go(f, "" if f.done else f"{f.name}: not copied")
-

@@ -1,5 +1,5 @@
 """The gate's keeper: a small process that answers the agent's fanotify permission events when
-the agent cannot (agent/files/cowgate.py).
+the agent cannot (agent/files/gate/cowgate.py).
 
 The agent's gate makes any open of a file it must still copy wait for that copy.  fanotify has no
 timeout: an event nobody answers makes the opener wait for ever, and a stopped agent (SIGSTOP,
@@ -7,7 +7,7 @@ a debugger, a hung thread) answers nothing.  The keeper holds the same fanotify 
 descriptor inherited from the agent) and watches the agent's answering thread beat (a
 monotonic time in a shared page): an event pending for ``STALE_S`` with no beat since is
 answered here, FAN_ALLOW, and counted in the page, so the agent knows that an open went through
-before its copy (agent/files/cowgate.py then checks each copy against the file's ctime).
+before its copy (agent/files/gate/cowgate.py then checks each copy against the file's ctime).
 
 It exits when the agent's end of its pipe closes (the agent died, was killed, or let the gate
 go): the group's last descriptor goes with it, and the kernel lets every pending open through.
