@@ -185,14 +185,8 @@ async def run_workdir(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             changed = {kind: change(paths[kind], args.pattern, r) for kind in kinds} if r else {}
             for kind in (kinds if r % 2 == 0 else reversed(list(kinds))):
-                files = JobFiles(base / "storage", kind)
-                before = copies(files)
-                reply = await sups[kind].checkpoint(kind, 1, stop=False)
-                m = files.read_manifest(reply.epoch.n)
-                samples[kind].append({"freeze_s": m.freeze_s, "files_s": m.files_s, "dump_s": m.dump_s,
-                                      "copied": m.workdir_copied, "linked": m.workdir_linked,
-                                      "added": added(files, m, before),
-                                      "changed": changed.get(kind, 0), "files": m.workdir_files})
+                m, sample = await checkpointed(sups[kind], JobFiles(base / "storage", kind))
+                samples[kind].append({**sample, "linked": m.workdir_linked, "changed": changed.get(kind, 0)})
                 print(f"round {r + 1}/{args.rounds} {kind}: freeze {m.freeze_s:.3f} s (files {m.files_s * 1000:.1f} "
                       f"ms), copied {m.workdir_copied / 2**20:.1f} MiB (on disk {samples[kind][-1]['added'] / 2**20:.1f}"
                       f" MiB), linked {m.workdir_linked / 2**20:.1f} MiB", file=sys.stderr)
@@ -249,14 +243,9 @@ async def run_project(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             changed = change(model_paths, "blocks", r) if r else 0
             for kind in (kinds if r % 2 == 0 else tuple(reversed(kinds))):
-                files = JobFiles(base / "storage", kind)
-                before = copies(files)
-                reply = await sups[kind].checkpoint(kind, 1, stop=False)
-                m = files.read_manifest(reply.epoch.n)
-                samples[kind].append({"freeze_s": m.freeze_s, "files_s": m.files_s, "dump_s": m.dump_s,
-                                      "copied": m.workdir_copied, "recorded": m.workdir_recorded,
-                                      "added": added(files, m, before), "changed": changed if kind == "project" else 0,
-                                      "files": m.workdir_files})
+                m, sample = await checkpointed(sups[kind], JobFiles(base / "storage", kind))
+                samples[kind].append({**sample, "recorded": m.workdir_recorded,
+                                      "changed": changed if kind == "project" else 0})
                 print(f"round {r + 1}/{args.rounds} {kind}: freeze {m.freeze_s:.3f} s (files {m.files_s * 1000:.1f} "
                       f"ms), stored {samples[kind][-1]['added'] / 2**20:.2f} MiB, recorded "
                       f"{m.workdir_recorded / 2**30:.2f} GiB", file=sys.stderr)
@@ -300,6 +289,16 @@ def table_project(s: dict) -> str:
               f"{s['stored_share']:.2%} of the file (goal <= 2 %)",
               f"goals {'met' if s['goal_met'] else 'NOT met'}"]
     return "\n".join(lines)
+
+
+async def checkpointed(sup: Supervisor, files: JobFiles) -> tuple[object, dict]:
+    """A checkpoint of the job ``files`` holds: its manifest, and its sample (the freeze, the
+    workdir bytes it copied and added to the storage on disk)."""
+    before = copies(files)
+    reply = await sup.checkpoint(files.job, 1, stop=False)
+    m = files.read_manifest(reply.epoch.n)
+    return m, {"freeze_s": m.freeze_s, "files_s": m.files_s, "dump_s": m.dump_s, "copied": m.workdir_copied,
+               "added": added(files, m, before), "files": m.workdir_files}
 
 
 def copies(files: JobFiles) -> set[int]:
