@@ -34,8 +34,10 @@ the epoch, which is what failover does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +147,7 @@ class Taker:
         self.on_step: Callable[[str], None] = lambda step: None  # crash tests stop here
         self.racy_ns = racy_ns  # a file changed this close to the dump is never trusted by its times
         # Copy changed files after the job resumes, behind a gate, where fanotify allows it.
-        self.gate = gate and not gate_unavailable()
+        self.gate = gate and not gate_unavailable()  # (the agent's gate started now, never while frozen)
         self.packer = packer  # changed files of its pack_min or more go into its pack (agent/files/workdir_packs.py)
         self._packed: dict[str, str] = {}  # their copies' paths (what the gate copies to): their copy names
         # A file whose ctime is older than this, and which no earlier epoch kept the content of,
@@ -251,7 +253,9 @@ class Taker:
             else:
                 todo.append((rel, rec))
         self._check_budget(todo)
-        gate = cowgate.CowGate(self._gate_copy, self.root) if todo and self.gate else None
+        gate = None
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # else copied while frozen
+            gate = cowgate.CowGate(self._gate_copy, self.root) if todo and self.gate else None
         try:
             if todo:
                 self._copy_all(todo, held, gate, taken)
@@ -383,15 +387,9 @@ class Taker:
         return src, st
 
 
-_GATE_WHY: str | None = None
-
-
 def gate_unavailable() -> str:
     """Why changed files are copied while the job is frozen here ("" if they need not be)."""
-    global _GATE_WHY
-    if _GATE_WHY is None:
-        _GATE_WHY = cowgate.available()
-    return _GATE_WHY
+    return cowgate.unavailable()
 
 
 def _arm(gate: cowgate.CowGate, src: int, dest: str, rel: str, st: os.stat_result) -> bool:

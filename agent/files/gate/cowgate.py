@@ -42,6 +42,7 @@ CONFIG_FANOTIFY_ACCESS_PERMISSIONS (Debian's have it; :func:`available` says why
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from typing import Callable
 
@@ -61,6 +62,24 @@ def shared() -> _group.Group:
                 _shared.reap()
             _shared = _group.Group()
         return _shared
+
+
+_WHY: str | None = None
+
+
+def unavailable() -> str:
+    """Why files cannot be gated here ("" if they can): fanotify's permission events (asked once),
+    and the agent's gate up (its keeper process started: call it before a freeze, never in one)."""
+    global _WHY
+    if _WHY is None:
+        _WHY = available()
+    if _WHY:
+        return _WHY
+    try:
+        shared()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the file gate cannot start: {exc}"
+    return ""
 
 
 def close_shared() -> None:
