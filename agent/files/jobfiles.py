@@ -264,9 +264,7 @@ class Snapshot:
                 if self.pre is not None and self.pre.workdir == self.workdir:
                     top = self.workdir.rstrip("/") + "/"
                     held_rel = frozenset(p[len(top):] for p in writable if p.startswith(top))
-                    fresh = self.fresh
-                    found = workdir_scan.rescan(self.pre, self.max_entries, frozenset(files),
-                                                lambda rel, st: rel in held_rel or fresh(rel, st), held_rel)
+                    found = workdir_scan.rescan(self.pre, self.max_entries, frozenset(files), self.fresh, held_rel)
                     if found is not None:
                         listing = found.listing
                         stats.update(found.stats)
