@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -237,6 +238,32 @@ async def test_the_job_s_tmp_and_shm_are_its_own_and_come_back_intact_on_another
     assert [p.exists() for p in host_files] == [False, False]
     # And it dumps again from its new node.
     assert (await n2.checkpoint("1", 2, stop=False)).epoch.n == reply.epoch.n + 1
+
+
+@pytest.mark.criu
+async def test_a_network_namespace_the_host_lets_go_after_the_job_started_does_not_spoil_its_epochs(base, nodes):
+    """``ip netns add`` (a CNI plugin's, a container's: an nsfs mount at /run/netns/NAME) before
+    the job starts, deleted after its epoch: the job's namespace never held it, so criu recorded no
+    mount the restoring node lacks ("Can't stat mountpoint" otherwise)."""
+    if shutil.which("ip") is None:
+        pytest.fail("ip (iproute2) is missing: make setup installs it")
+    name = f"rv-test-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        n1, n2 = nodes("n1"), nodes("n2")
+        (base / "wd").mkdir()
+        spec = await start(n1, base / "wd", [PYTHON, "-c", SCRATCH_JOB, "ns"])
+        await until(lambda: sum(ln.startswith("tick") for ln in lines_of(n1)) >= 3)
+        assert "nsfs" not in {fstype for fstype, _, _ in mounts(n1.jobs["1"].pid).values()}
+        await n1.checkpoint("1", 1, stop=True)
+        await until(lambda: "1" not in n1.jobs)
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+    ticks = len(lines_of(n1))
+    await n2.restore(spec, 2)
+    await until(lambda: len(lines_of(n2)) >= ticks + 5)
+    count = [int(ln.split()[1]) for ln in lines_of(n2) if ln.startswith("tick")]
+    assert count == list(range(len(count)))  # one unbroken count, on from the vacate
 
 
 @pytest.mark.criu

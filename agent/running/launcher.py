@@ -155,7 +155,7 @@ DEFAULT_SCRATCH: dict[str, str] = AgentConfig().job_scratch()
 # user's would run the user's code as root).  Its tools are named by absolute paths (:func:`tools`).
 ROOT_ENV = {"PATH": SYS_PATH, "LC_ALL": "C"}
 # The tools of a launch's root part, found on SYS_PATH once per agent (never on a job's PATH).
-TOOLS = ("unshare", "setsid", "setpriv", "mount")
+TOOLS = ("unshare", "setsid", "setpriv", "mount", "umount")
 
 
 def tools(path: str = SYS_PATH) -> dict[str, str]:
@@ -191,13 +191,31 @@ def scratch_plan(scratch: Mapping[str, str], needed: list[str]) -> tuple[dict[st
     return mounts, shared
 
 
-def scratch_script(mounts: Mapping[str, str], output: str, proc: bool = False, mount: str = "/bin/mount") -> str:
-    """revenant-scratch: mounts (with the tool ``mount``) the job's tmpfs (mountpoint -> size), with
-    ``proc`` a /proc of its PID namespace's, and ``exec``s its arguments (revenant-init); why it
-    failed goes to the job's ``output``."""
+# The host's namespace handles (``ip netns``'s /run/netns/NAME, a container runtime's, a CNI
+# plugin's: nsfs mounts) are not the job's, and its private copy of them would outlive them: it
+# keeps each namespace alive while the job runs, and criu records each as a mount of the host's
+# to bind again at a restore, which fails once the host has let it go ("Can't stat mountpoint").
+# The scratch unmounts them from the job's namespace before anything else (a mountpoint as
+# mountinfo escapes it, \040 for a space, is unescaped by printf %b; no glob is expanded); one that
+# will not go stays.
+DROP_NSFS = """set -f
+drop_nsfs() { %(umount)s -l -- "$(printf '%%b' "$5")" 2>/dev/null || :; }
+while IFS= read -r entry; do
+    case "$entry" in *" - nsfs "*) drop_nsfs $entry ;; esac
+done < /proc/self/mountinfo
+set +f"""
+
+
+def scratch_script(mounts: Mapping[str, str], output: str, proc: bool = False, mount: str = "/bin/mount",
+                   umount: str = "/bin/umount") -> str:
+    """revenant-scratch: drops (with the tool ``umount``) the namespace handles its copy of the
+    host's mounts holds (:data:`DROP_NSFS`), mounts (with the tool ``mount``) the job's tmpfs
+    (mountpoint -> size), with ``proc`` a /proc of its PID namespace's, and ``exec``s its arguments
+    (revenant-init); why it failed goes to the job's ``output``."""
     q = shlex.quote
     lines = [f"exec 2>>{q(output)}",
-             'fail() { echo "revenant: cannot set up this job\'s private $1" >&2; exit %d; }' % SCRATCH_EXIT]
+             'fail() { echo "revenant: cannot set up this job\'s private $1" >&2; exit %d; }' % SCRATCH_EXIT,
+             DROP_NSFS % {"umount": q(umount)}]
     for mountpoint, size in mounts.items():
         name = "revenant-" + (os.path.basename(mountpoint.rstrip("/")) or "root")
         lines.append(f"{q(mount)} -t tmpfs -o {q(f'size={size},mode=1777,nosuid,nodev')} {name} "
@@ -365,7 +383,7 @@ class Launcher:
             log.warning("job %s: %s", job, why)
         if not (mounts or unprivileged):
             return None
-        return scratch_script(mounts, str(output), proc=True, mount=self._tool("mount"))
+        return scratch_script(mounts, str(output), proc=True, mount=self._tool("mount"), umount=self._tool("umount"))
 
     async def _namespace_init(self, wrapper: subprocess.Popen[bytes]) -> int | None:
         """The host pid of the namespace's init, or None if the whole job has already exited."""
