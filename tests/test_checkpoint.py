@@ -107,7 +107,7 @@ def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_pat
     data is read, so the corruption is found as the pages are checked alongside; the restored copy
     is killed at once (evicted), the epoch set aside, and the coordinator restores epoch 1."""
     cluster = make_cluster(2, env={"REVENANT_AGENT_RESTORE_MODE": mode, "REVENANT_AGENT_IMAGE_INTEGRITY": integrity})
-    job = submit_counter(cluster, "--max-epochs", "2", count=100)
+    job = submit_counter(cluster, "--max-epochs", "2", count=200)
     wait_lines(cluster, job, 10)
     cluster.cli("checkpoint", "create", job)
     wait_lines(cluster, job, 25)
