@@ -10,7 +10,7 @@ import msgspec
 
 from revenant.common.gpufit import describe
 from revenant.common.settings.intervals import format_interval
-from revenant.common.settings.resources import describe as describe_ask, size_text
+from revenant.common.settings.resources import describe as describe_ask, limits_line, size_text
 from revenant.messages import CheckpointPolicy, EpochInfo, JobRecord, JobResource
 
 
@@ -89,6 +89,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("on sick", rec.spec.on_sick or "the cluster's default"),
         ("asks", describe_ask(rec.spec.resources) + (f" (GPUs {', '.join(rec.assigned_gpus)})"
                                                      if rec.assigned_gpus and rec.node else "")),
+        *([("limits", limits_line(rec.spec.resources))] if limits_line(rec.spec.resources) else []),
         *([("gpus", describe(rec.gpus, rec.gpu_driver) + ": a restore needs the same")] if rec.gpus else []),
         ("storage", _storage_cell(rec)),
         *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),

@@ -200,6 +200,16 @@ class JobResources(_Body):
     cpus: float = 0.0
     memory_bytes: int = 0
     gpus: int = 0
+    # The memory limit of a job that reserves none (``memory_bytes`` 0): the cluster's
+    # ``[resources] memory_limit``, never reserved (0: none).  A reservation is its own limit.
+    memory_limit_bytes: int = 0
+    # The most processes (and threads) the job may have at once: ``[resources] pids`` (0: the node's
+    # ``job_pids_max`` alone; a node applies the smaller of the two).
+    pids: int = 0
+
+    def memory_cap(self) -> int:
+        """The memory the job may use at most (0: no limit)."""
+        return self.memory_bytes or self.memory_limit_bytes
 
 
 class JobSpec(_Body):

@@ -50,10 +50,22 @@ def test_a_size_that_is_no_size_is_one_line_naming_it(text):
 def test_the_clusters_defaults_fill_what_a_submit_leaves_out():
     cfg = load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_RESOURCES_CPUS": "1",
                                                                  "REVENANT_RESOURCES_MEMORY": "2G"})
-    assert cfg.resources.ask(SubmitRequest(argv=["x"])) == JobResources(cpus=1, memory_bytes=2 << 30, gpus=0)
+    assert cfg.resources.ask(SubmitRequest(argv=["x"])) == JobResources(cpus=1, memory_bytes=2 << 30, gpus=0,
+                                                                         pids=4096)
+    # Every job gets a memory limit and a process limit: leaving out --mem (or asking 0) reserves
+    # nothing, and gets the cluster's memory_limit, never reserved.
     assert cfg.resources.ask(SubmitRequest(argv=["x"], cpus=4, gpus=1, memory_bytes=0)) == \
-        JobResources(cpus=4, memory_bytes=0, gpus=1)
-    assert CoordinatorConfig().resources.ask(SubmitRequest(argv=["x"])) == JobResources()
+        JobResources(cpus=4, memory_bytes=0, gpus=1, memory_limit_bytes=8 << 30, pids=4096)
+    default = CoordinatorConfig().resources.ask(SubmitRequest(argv=["x"]))
+    assert default == JobResources(memory_limit_bytes=8 << 30, pids=4096) and default.memory_cap() == 8 << 30
+    limited = load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_RESOURCES_MEMORY_LIMIT": "512M",
+                                                                     "REVENANT_RESOURCES_PIDS": "64"})
+    assert limited.resources.ask(SubmitRequest(argv=["x"])) == JobResources(memory_limit_bytes=512 << 20, pids=64)
+    assert limited.resources.ask(SubmitRequest(argv=["x"], memory_bytes=1 << 30)).memory_cap() == 1 << 30
+    with pytest.raises(ConfigError, match=r"\[resources\] memory_limit '8X' is not a size"):
+        load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_RESOURCES_MEMORY_LIMIT": "8X"})
+    with pytest.raises(ConfigError, match=r"\[resources\] pids must be a whole number from 0"):
+        load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_RESOURCES_PIDS": "-1"})
     with pytest.raises(ConfigError, match=r"\[resources\] memory '4Q' is not a size"):
         load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_RESOURCES_MEMORY": "4Q"})
     with pytest.raises(ConfigError, match=r"\[resources\] gpus must be a whole number"):
@@ -258,6 +270,15 @@ def test_the_cgroup_layout_is_read_from_the_mounts():
         "memory.limit_in_bytes": str(1 << 30), "cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "150000",
         "pids.max": "100"}
     assert cg.limits(JobResources(), 0)["cpu.cfs_quota_us"] == "-1"
+    # The cluster's limits for every job: its memory where it reserved none; the fewer processes
+    # of the job's and the node's.
+    assert cg.limits(JobResources(memory_limit_bytes=8 << 30, pids=4096), 65536) == {
+        "memory.limit_in_bytes": str(8 << 30), "cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "-1",
+        "pids.max": "4096"}
+    assert cg.limits(JobResources(memory_bytes=1 << 30, memory_limit_bytes=8 << 30, pids=4096), 100)[
+        "memory.limit_in_bytes"] == str(1 << 30)
+    assert cg.limits(JobResources(pids=4096), 100)["pids.max"] == "100"
+    assert cg.limits(JobResources(pids=4096), 0)["pids.max"] == "4096"
     v2 = JobCgroup(Layout(2, layout.hierarchies[:1]), "revenant/n/7-g2")
     assert v2.limits(JobResources(cpus=0.25, memory_bytes=4096), 0) == {"memory.max": "4096", "cpu.max": "25000 100000",
                                                                        "pids.max": "max"}

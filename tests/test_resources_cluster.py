@@ -87,9 +87,11 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     a, a_port = _counter(cluster, fake, tmp_path, "a", "--node", "node-1", "--gpus", "1", "--mem", "256M",
                          "--cpus", "0.5")
     info = _wait(cluster, a, lambda j: j["state"] == "running", "start of A")
-    assert info["assigned_gpus"] == [GPU1] and info["resources"] == {"cpus": 0.5, "memory_bytes": 256 << 20, "gpus": 1}
+    assert info["assigned_gpus"] == [GPU1] and info["resources"] == {"cpus": 0.5, "memory_bytes": 256 << 20, "gpus": 1,
+                                                                  "memory_limit_bytes": 0, "pids": 4096}
     assert _environ(info["program_pid"])["CUDA_VISIBLE_DEVICES"] == GPU1
-    assert _limits(info["program_pid"]) == (f"/revenant/node-1/{a}-g1", str(256 << 20), "50000", "65536")
+    # Its processes: the cluster's limit for every job (4096), under the node's (65536).
+    assert _limits(info["program_pid"]) == (f"/revenant/node-1/{a}-g1", str(256 << 20), "50000", "4096")
     assert counter_request(a_port, "inc", timeout=30) == "101"
     assert _on_gpu(fake, {info["program_pid"]}) == {GPU1}
 
@@ -97,7 +99,8 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     b, _ = _counter(cluster, fake, tmp_path, "b", "--node", "node-1", "--gpus", "1")
     info_b = _wait(cluster, b, lambda j: j["state"] == "running", "start of B")
     assert info_b["assigned_gpus"] == [GPU2] and _environ(info_b["program_pid"])["CUDA_VISIBLE_DEVICES"] == GPU2
-    assert _cgroup(info_b["program_pid"], "memory") == f"/revenant/node-1/{b}-g1"  # its own, with no memory limit
+    # Its own cgroup: no --mem, so nothing reserved, and the cluster's memory limit for every job.
+    assert _limits(info_b["program_pid"]) == (f"/revenant/node-1/{b}-g1", str(8 << 30), "-1", "4096")
     # What node-1's jobs took, as `revenant nodes` shows it.
     node1 = next(n for n in cluster.json("nodes", "--json") if n["name"] == "node-1")
     assert node1["jobs"] == 2 and node1["allocated"] == {"cpus": 0.5, "memory_bytes": 256 << 20, "gpus": 2}
@@ -131,7 +134,7 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     moved = _wait(cluster, a, lambda j: j["state"] == "running" and j["node"] == "node-2", "restart of A")
     assert moved["assigned_gpus"] == [GPU2]
     assert _limits(moved["program_pid"]) == (f"/revenant/node-2/{a}-g{moved['generation']}", str(256 << 20),
-                                             "50000", "65536")
+                                             "50000", "4096")
     assert counter_request(a_port, "inc", timeout=30) == "102"
     assert _on_gpu(fake, {moved["program_pid"]}) == {GPU2}
     events = [e for e in cluster.events() if e.get("job") == a and e.get("kind") == "restored"]

@@ -6,6 +6,7 @@ user and the number; a repeat of a submit that made a job still gets its job bac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pwd
 import random
@@ -15,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from conftest import VENV_BIN, revenant_cli
@@ -27,9 +29,9 @@ from revenant.common.settings.config import CoordinatorConfig, load_config
 from revenant.coordinator.coordinator import Coordinator
 from revenant.coordinator.table.requests import ClientRequests
 from revenant.coordinator.table.store import KvJobStore
-from revenant.coordinator.table.userlimits import (BUCKETS_KEPT, JobTable, SubmitRate, SubmitRateExceeded, TooManyJobs,
-                                             UserLimits)
-from revenant.messages import JobRecord, JobReply, JobSpec, SubmitRequest, subjects
+from revenant.coordinator.table.userlimits import (BUCKETS_KEPT, JobTable, OverUserTotal, SubmitRate, SubmitRateExceeded,
+                                             TooManyJobs, UserLimits)
+from revenant.messages import JobRecord, JobReply, JobResources, JobSpec, SubmitRequest, subjects
 from test_lifecycle import shell
 
 STATES = ("pending", "running", "checkpointing", "vacated", "restoring", "completed", "failed")
@@ -150,6 +152,56 @@ def test_past_the_limits_a_submit_is_refused_with_one_line_naming_it():
     for _ in range(100):
         with unlimited.admitting("nobody", table):
             pass
+
+
+def holding(job: str, user: str, state: str, **res) -> JobRecord:
+    rec = record(job, user, state)
+    return msgspec.structs.replace(rec, spec=msgspec.structs.replace(rec.spec, resources=JobResources(**res)))
+
+
+@pytest.mark.unit
+def test_a_users_unfinished_jobs_hold_no_more_than_the_per_user_totals():
+    config = load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_COORDINATOR_MAX_MEMORY_PER_USER": "16G",
+                                                                    "REVENANT_COORDINATOR_MAX_CPUS_PER_USER": "8",
+                                                                    "REVENANT_COORDINATOR_MAX_GPUS_PER_USER": "2"})
+    ask = config.resources.ask  # every job gets a memory limit (8G): leaving out --mem escapes nothing
+    table = JobTable({"1": holding("1", "alice", "running", memory_limit_bytes=8 << 30, cpus=4),
+                      "2": holding("2", "alice", "vacated", memory_bytes=4 << 30, gpus=2),
+                      "3": holding("3", "alice", "completed", memory_bytes=100 << 30, cpus=64)})
+    assert dataclasses.astuple(table.held("alice")) == (12 << 30, 4.0, 2)
+    limits = UserLimits.of(config)
+    with pytest.raises(OverUserTotal) as refused:
+        with limits.admitting("alice", table, ask=ask(SubmitRequest(argv=["x"]))):
+            pass
+    assert str(refused.value) == ("user alice's unfinished jobs hold 12 GiB of memory; this one's 8 GiB would "
+                                  "pass max_memory_per_user (16 GiB)") and refused.value.code == "over_user_total"
+    with pytest.raises(OverUserTotal, match="max_memory_per_user"):  # --mem 0 is no way out
+        with limits.admitting("alice", table, ask=ask(SubmitRequest(argv=["x"], memory_bytes=0))):
+            pass
+    with pytest.raises(OverUserTotal, match=r"hold 4 CPUs; this one's 5 would pass max_cpus_per_user \(8\)"):
+        with limits.admitting("alice", table, ask=ask(SubmitRequest(argv=["x"], memory_bytes=1 << 20, cpus=5))):
+            pass
+    with pytest.raises(OverUserTotal, match=r"hold 2 GPUs; this one's 1 would pass max_gpus_per_user \(2\)"):
+        with limits.admitting("alice", table, ask=ask(SubmitRequest(argv=["x"], memory_bytes=1 << 20, gpus=1))):
+            pass
+    # What fits, fits; a submit under way counts until its job is in the table; another user and
+    # root have room of their own.
+    with limits.admitting("alice", table, "r1", ask(SubmitRequest(argv=["x"], memory_bytes=2 << 30))):
+        with pytest.raises(OverUserTotal, match="hold 14 GiB"):
+            with limits.admitting("alice", table, ask=ask(SubmitRequest(argv=["x"], memory_bytes=4 << 30))):
+                pass
+        for user in ("bob", "root"):
+            with limits.admitting(user, table, ask=ask(SubmitRequest(argv=["x"], memory_bytes=16 << 30))):
+                pass
+    del table["1"]  # it ended: its 8 GiB are free again
+    assert dataclasses.astuple(table.held("alice")) == (4 << 30, 0.0, 2)
+    with limits.admitting("alice", table, ask=ask(SubmitRequest(argv=["x"]))):
+        pass
+    unlimited = UserLimits.of(load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_COORDINATOR_MAX_MEMORY_PER_USER": ""}))
+    with unlimited.admitting("alice", table, ask=JobResources(memory_bytes=1 << 50)):
+        pass
+    with pytest.raises(ConfigError, match="max_memory_per_user '1Q' is not a size"):
+        load_config(CoordinatorConfig, "coordinator", environ={"REVENANT_COORDINATOR_MAX_MEMORY_PER_USER": "1Q"})
 
 
 @pytest.mark.unit
@@ -302,6 +354,13 @@ async def test_a_coordinator_refuses_a_user_past_the_limits_with_one_line_and_ma
                     for n in (1, 2)]
             assert [r.job.spec.id for r in made] == ["1", "2"]
             await wait_for(lambda: _ended(coord, "1", "2"), timeout=20)
+            # A job holding more memory than a user may hold in all is refused before the rate
+            # is looked at (it takes no token).
+            refused = await _refused(nobody, "nobody", SubmitRequest(argv=["true"], workdir=nobodys_dir,
+                                                                     request_id="big", memory_bytes=2 << 40))
+            assert (refused.code, str(refused)) == ("over_user_total", (
+                "user nobody's unfinished jobs hold 0 B of memory; this one's 2 TiB would pass "
+                "max_memory_per_user (1 TiB)"))
             # ... the third is past the rate, though nobody has no job left unfinished.
             refused = await _refused(nobody, "nobody",
                                      SubmitRequest(argv=["true"], workdir=nobodys_dir, request_id="n3"))

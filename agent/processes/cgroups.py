@@ -1,4 +1,7 @@
-"""A cgroup per job: what it asked for (``--mem``, ``--cpus``) as its limits, and a pids limit.
+"""A cgroup per job: what it asked for (``--mem``, ``--cpus``) as its limits, and the limits every
+job gets from its spec whatever it asked (its memory limit where it reserved none, its processes:
+``JobResources.memory_limit_bytes`` and ``pids``, the cluster's ``[resources]``), the processes
+capped by the node's own ``job_pids_max`` as well.
 
 Each start or restore of a job gets ``revenant/<node>/<job>-g<generation>`` in the memory, cpu and
 pids controllers: on cgroup v2 (one hierarchy with those three controllers) ``memory.max``,
@@ -145,11 +148,13 @@ class JobCgroup:
     def limits(self, asked: JobResources, pids_max: int) -> dict[str, str]:
         """Each control file and the value it gets."""
         quota = max(round(asked.cpus * PERIOD_US), 1000) if asked.cpus else 0  # the kernel's least: 1 ms
-        pids = str(pids_max) if pids_max else "max"
+        most = min((n for n in (pids_max, asked.pids) if n > 0), default=0)  # the node's and the job's
+        pids = str(most) if most else "max"
+        memory = asked.memory_cap()  # its reservation, else the cluster's limit for every job
         if self.layout.version == 2:
-            return {"memory.max": str(asked.memory_bytes) if asked.memory_bytes else "max",
+            return {"memory.max": str(memory) if memory else "max",
                     "cpu.max": f"{quota or 'max'} {PERIOD_US}", "pids.max": pids}
-        return {"memory.limit_in_bytes": str(asked.memory_bytes) if asked.memory_bytes else "-1",
+        return {"memory.limit_in_bytes": str(memory) if memory else "-1",
                 "cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(quota or -1), "pids.max": pids}
 
     def _file(self, name: str) -> Path:

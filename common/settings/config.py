@@ -21,7 +21,7 @@ import msgspec
 from revenant.common.settings.checkpoint_config import (GUIDE_NAMES, CheckpointConfig, bare_guide_values,  # noqa: F401
                                                guide_spellings, yes_no)
 from revenant.common.errors import ConfigError
-from revenant.common.settings.resources import ResourcesConfig, tmpfs_size
+from revenant.common.settings.resources import ResourcesConfig, check_per_user, tmpfs_size
 from revenant.common.settings.thresholds import AnomalySettings, GpuThresholds, HealthThresholds
 from revenant.messages import FINDING_CODES, SubmitRequest
 
@@ -308,6 +308,11 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # ... and a token bucket per user: this many submits a second, up to the burst at once.
     submit_rate_per_user: float = 10.0
     submit_burst_per_user: int = 50
+    # ... and what a user's unfinished jobs may hold at once, summed: memory (each job's --mem, else
+    # its [resources] memory_limit; "": no cap), CPUs and GPUs (0: no cap).
+    max_memory_per_user: str = "1T"
+    max_cpus_per_user: float = 0.0
+    max_gpus_per_user: int = 0
 
     def on_sick_for(self, req: SubmitRequest) -> str:
         """A job's policy on a sick node: the submit's, else the default for a job with a schedule."""
@@ -334,12 +339,7 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              "or every tick would count as a stall and no node would ever be declared dead")
         _port(self.http_port)
         _replicas(self.nats_replicas)
-        for name in ("max_jobs_per_user", "submit_rate_per_user", "submit_burst_per_user"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be a finite number, 0 or more, got {getattr(self, name)!r}")
-        if self.submit_rate_per_user and self.submit_burst_per_user < 1:
-            raise ValueError("submit_burst_per_user must be at least 1 while submit_rate_per_user is set "
-                             f"(0 would refuse every submit), got {self.submit_burst_per_user}")
+        check_per_user(self)
 
 
 def _port(port: int) -> None:

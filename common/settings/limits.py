@@ -176,6 +176,8 @@ def check_submit(req: SubmitRequest, user: str | None = None) -> None:
 MAX_CPUS = 1 << 16
 MAX_GPUS = 1024
 MAX_MEMORY = 1 << 60
+# The most processes a job limit may name (the kernel's own ceiling, PID_MAX_LIMIT).
+MAX_PIDS = 1 << 22
 
 
 def check_asked(cpus: float | None, memory_bytes: int | None, gpus: int | None) -> None:

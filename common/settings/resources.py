@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import msgspec
 
 from revenant.common.gpufit import gpu_fit
-from revenant.common.settings.limits import MAX_MEMORY, BadRequest, check_asked
+from revenant.common.settings.limits import MAX_MEMORY, MAX_PIDS, BadRequest, check_asked
 from revenant.messages import Capabilities, JobGpu, JobResources, SubmitRequest
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -69,6 +69,15 @@ def describe(ask: JobResources) -> str:
     parts = ([_count(ask.cpus, "CPU")] if ask.cpus else []) + ([size_text(ask.memory_bytes)] if ask.memory_bytes
                                                               else []) + ([_count(ask.gpus, "GPU")] if ask.gpus else [])
     return ", ".join(parts) or "nothing"
+
+
+def limits_line(res: JobResources) -> str:
+    """The limits a job runs under: "memory 8 GiB (the cluster's, for a job without --mem), 4096
+    processes" ("" for none)."""
+    parts = ([f"memory {size_text(res.memory_bytes)}"] if res.memory_bytes else
+             [f"memory {size_text(res.memory_limit_bytes)} (the cluster's, for a job without --mem)"]
+             if res.memory_limit_bytes else [])
+    return ", ".join(parts + ([f"{res.pids} processes"] if res.pids else []))
 
 
 def check_ask(ask: JobResources) -> None:
@@ -150,19 +159,31 @@ class ResourcesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cpus: float = 0.0
     memory: str = ""  # a size: "4G"
     gpus: int = 0
+    # Every job's limits, whatever it asks: the memory of a job that reserves none (--mem omitted,
+    # or 0), enforced by its node's cgroup but not reserved ("": none), and its processes.
+    memory_limit: str = "8G"
+    pids: int = 4096
 
     def __post_init__(self) -> None:
         try:
             check_ask(self.ask(SubmitRequest(argv=["-"])))
+            if self.memory_limit:
+                parse_size(self.memory_limit, "memory_limit")
         except BadRequest as exc:
             raise ValueError(str(exc).replace("--mem", "memory").replace("--", "")) from None
+        if isinstance(self.pids, bool) or not 0 <= self.pids <= MAX_PIDS:
+            raise ValueError(f"pids must be a whole number from 0 (no limit but the node's) to {MAX_PIDS}, "
+                             f"got {self.pids!r}")
 
     def ask(self, req: SubmitRequest) -> JobResources:
-        """A job's resources: what ``req`` asks for, else these defaults."""
+        """A job's resources: what ``req`` asks for, else these defaults; and the limits every
+        job gets (a submit cannot leave them out: an ask of no memory gets ``memory_limit``)."""
         memory = req.memory_bytes if req.memory_bytes is not None else \
             parse_size(self.memory, "memory") if self.memory else 0
+        limit = 0 if memory or not self.memory_limit else parse_size(self.memory_limit, "memory_limit")
         return JobResources(cpus=self.cpus if req.cpus is None else req.cpus, memory_bytes=memory,
-                            gpus=self.gpus if req.gpus is None else req.gpus)
+                            gpus=self.gpus if req.gpus is None else req.gpus, memory_limit_bytes=limit,
+                            pids=self.pids)
 
 
 def check_resources(ask: JobResources, nodes: Sequence[tuple[str, Capabilities]]) -> None:
@@ -171,3 +192,20 @@ def check_resources(ask: JobResources, nodes: Sequence[tuple[str, Capabilities]]
     why = beyond(ask, nodes)
     if why:
         raise BadRequest(why)
+
+
+def check_per_user(cfg) -> None:
+    """The coordinator's per-user limits (coordinator/table/userlimits.py), each a ValueError naming it."""
+    for name in ("max_jobs_per_user", "submit_rate_per_user", "submit_burst_per_user", "max_cpus_per_user",
+                 "max_gpus_per_user"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number, 0 or more, got {value!r}")
+    if cfg.max_memory_per_user:
+        try:
+            parse_size(cfg.max_memory_per_user, "max_memory_per_user")
+        except BadRequest as exc:
+            raise ValueError(str(exc)) from None
+    if cfg.submit_rate_per_user and cfg.submit_burst_per_user < 1:
+        raise ValueError("submit_burst_per_user must be at least 1 while submit_rate_per_user is set "
+                         f"(0 would refuse every submit), got {cfg.submit_burst_per_user}")

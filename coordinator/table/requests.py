@@ -196,8 +196,9 @@ class ClientRequests:
         leader changed, and the client asked again) is answered with that job, never a second.
         Only a submit that is not such a repeat meets its user's limits: a repeat is never
         refused, and takes no token."""
+        ask = self.jobs.config.resources.ask(req)  # what the job would hold, for the per-user totals
         if not req.request_id:
-            with self.limits.admitting(user, self.jobs.jobs):
+            with self.limits.admitting(user, self.jobs.jobs, ask=ask):
                 return await self.jobs.submit(req, user=user)
         key = (user, req.request_id)
         while (first := self._submitting.get(key)) is not None:
@@ -213,7 +214,7 @@ class ClientRequests:
             return made
         self._submitting[key] = done = asyncio.Event()
         try:
-            with self.limits.admitting(user, self.jobs.jobs, req.request_id):
+            with self.limits.admitting(user, self.jobs.jobs, req.request_id, ask):
                 return await self.jobs.submit(req, user=user)
         finally:
             del self._submitting[key]

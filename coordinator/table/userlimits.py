@@ -5,6 +5,9 @@ written, nothing started), each refusal one line naming the limit, the user and 
   the ended ones (completed, failed: :data:`lifecycle.ENDED`).  A vacated job counts: it holds
   its checkpoints and comes back with one ``restart``.
 - ``submit_rate_per_user`` with ``submit_burst_per_user``: a token bucket per user.
+- ``max_memory_per_user``, ``max_cpus_per_user``, ``max_gpus_per_user``: what those unfinished
+  jobs hold at once, summed (:class:`Held`); a job's memory is its reservation, else the limit
+  every job gets (``[resources] memory_limit``), so leaving out ``--mem`` escapes nothing.
 
 Both count the user a job is recorded as (and runs as): the asking user, or the one admin names
 with ``revenant submit --user``.  Root's jobs (admin's own submits) and records from before jobs
@@ -21,17 +24,19 @@ Nothing here does I/O or reads a clock of its own: :class:`SubmitRate` takes a m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections import ChainMap
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 from revenant.common.errors import RevenantError
 from revenant.common.settings.config import CoordinatorConfig
 from revenant.common.settings.limits import ROOT_USERS
-from revenant.common.settings.resources import Usage
+from revenant.common.settings.resources import Usage, parse_size, size_text
 from revenant.coordinator.table import lifecycle as lc
-from revenant.messages import JobRecord
+from revenant.messages import JobRecord, JobResources
 
 # Past this many buckets, those of users idle long enough to be full again are dropped.
 BUCKETS_KEPT = 1024
@@ -52,6 +57,25 @@ class SubmitRateExceeded(UserLimitReached):
     retriable = True
 
 
+class OverUserTotal(UserLimitReached):
+    code = "over_user_total"
+
+
+@dataclass
+class Held:
+    """What unfinished jobs hold, summed: memory (each one's :meth:`JobResources.memory_cap`),
+    CPUs and GPUs."""
+
+    memory_bytes: int = 0
+    cpus: float = 0.0
+    gpus: int = 0
+
+    def add(self, res: JobResources, step: int = 1) -> None:
+        self.memory_bytes += step * res.memory_cap()
+        self.cpus += step * res.cpus
+        self.gpus += step * res.gpus
+
+
 class JobTable(dict[str, JobRecord]):
     """The live job table, job id -> record, that also counts each user's jobs that are not
     finished, and each node's jobs that may have a copy there (:data:`lifecycle.ACTIVE`) with
@@ -67,12 +91,17 @@ class JobTable(dict[str, JobRecord]):
         self._unfinished: dict[str, int] = {}
         self.per_node: dict[str, int] = {}  # node -> its ACTIVE jobs
         self._usage: dict[str, Usage] = {}  # node -> what they asked for, the GPUs they were given
+        self._held: dict[str, Held] = {}  # user -> what their unfinished jobs hold
         if records:
             self.update(records)
 
     def unfinished(self, user: str) -> int:
         """``user``'s jobs in the table that are not finished."""
         return self._unfinished.get(user, 0)
+
+    def held(self, user: str) -> Held:
+        """What ``user``'s jobs in the table that are not finished hold."""
+        return self._held.get(user) or Held()
 
     def usage(self, but: str = "") -> Mapping[str, Usage]:
         """What each node's ACTIVE jobs asked for, but job ``but``'s (a restore's own)."""
@@ -98,8 +127,10 @@ class JobTable(dict[str, JobRecord]):
         user = rec.spec.user
         if n := self._unfinished.get(user, 0) + step:
             self._unfinished[user] = n
+            self._held.setdefault(user, Held()).add(rec.spec.resources, step)
         else:
             del self._unfinished[user]
+            self._held.pop(user, None)
 
     def __setitem__(self, job: str, rec: JobRecord) -> None:
         self._count(self.get(job), -1)
@@ -135,6 +166,7 @@ class JobTable(dict[str, JobRecord]):
     def clear(self) -> None:
         super().clear()
         self._unfinished.clear()
+        self._held.clear()
         self.per_node.clear()
         self._usage.clear()
 
@@ -182,38 +214,69 @@ class UserLimits:
     is the live job that submit made, if any (:meth:`JobService.made_by`)."""
 
     def __init__(self, max_jobs: int = 0, rate: float = 0.0, burst: int = 0, *,
-                 clock: Callable[[], float] = time.monotonic,
+                 most: Held | None = None, clock: Callable[[], float] = time.monotonic,
                  made: Callable[[str, str], JobRecord | None] = _never_made) -> None:
         self.max_jobs = max_jobs
         self.rate = SubmitRate(rate, burst, clock) if rate else None
+        self.most = most or Held()  # the per-user totals (0: no cap)
         self.made = made
-        # The request ids ("" for none) of each user's submits under way: admitted, not yet answered.
-        self._starting: dict[str, list[str]] = {}
+        # The request ids ("" for none) of each user's submits under way, admitted, not yet
+        # answered, with what each would hold.
+        self._starting: dict[str, list[tuple[str, JobResources]]] = {}
 
     @classmethod
     def of(cls, config: CoordinatorConfig, **kw) -> UserLimits:
-        return cls(config.max_jobs_per_user, config.submit_rate_per_user, config.submit_burst_per_user, **kw)
+        memory = parse_size(config.max_memory_per_user, "max_memory_per_user") if config.max_memory_per_user else 0
+        return cls(config.max_jobs_per_user, config.submit_rate_per_user, config.submit_burst_per_user,
+                   most=Held(memory, config.max_cpus_per_user, config.max_gpus_per_user), **kw)
 
     @contextlib.contextmanager
-    def admitting(self, user: str, table: JobTable, request_id: str = "") -> Iterator[None]:
-        """Refuse ``user``'s submit past a limit (:class:`TooManyJobs` first, which takes no
-        token; then :class:`SubmitRateExceeded`); else count it as under way until the block ends."""
+    def admitting(self, user: str, table: JobTable, request_id: str = "",
+                  ask: JobResources | None = None) -> Iterator[None]:
+        """Refuse ``user``'s submit (of a job holding ``ask``) past a limit (:class:`TooManyJobs`
+        and :class:`OverUserTotal` first, which take no token; then :class:`SubmitRateExceeded`);
+        else count it as under way until the block ends."""
         if user in ROOT_USERS:  # admin's: root's, and those from before jobs had users
             yield
             return
+        ask = ask or JobResources()
         self.check_jobs(user, table)
+        self.check_totals(user, table, ask)
         if self.rate is not None and (wait_s := self.rate.take(user)) > 0:
             raise SubmitRateExceeded(
                 f"user {user} submitted more than {self.rate.rate:g} jobs/s (submit_rate_per_user = "
                 f"{self.rate.rate:g}, burst {self.rate.burst}): try again in {math.ceil(wait_s * 10) / 10:g} s")
         starting = self._starting.setdefault(user, [])
-        starting.append(request_id)
+        entry = (request_id, ask)
+        starting.append(entry)
         try:
             yield
         finally:
-            starting.remove(request_id)
+            starting.remove(entry)
             if not starting:
                 del self._starting[user]
+
+    def check_totals(self, user: str, table: JobTable, ask: JobResources) -> None:
+        """Refuse a job that would take ``user``'s unfinished jobs past a per-user total.  The
+        submits under way count as well, but those whose job is in the table already."""
+        most = self.most
+        if not (most.memory_bytes or most.cpus or most.gpus):
+            return
+        held = Held(**dataclasses.asdict(table.held(user)))
+        for res in self._under_way(user):
+            held.add(res)
+        after = dataclasses.replace(held)
+        after.add(ask)
+        if most.memory_bytes and after.memory_bytes > most.memory_bytes and ask.memory_cap():
+            raise OverUserTotal(f"user {user}'s unfinished jobs hold {size_text(held.memory_bytes)} of memory; this "
+                                f"one's {size_text(ask.memory_cap())} would pass max_memory_per_user "
+                                f"({size_text(most.memory_bytes)})")
+        if most.cpus and after.cpus > most.cpus + 1e-9 and ask.cpus:
+            raise OverUserTotal(f"user {user}'s unfinished jobs hold {held.cpus:g} CPUs; this one's {ask.cpus:g} "
+                                f"would pass max_cpus_per_user ({most.cpus:g})")
+        if most.gpus and after.gpus > most.gpus and ask.gpus:
+            raise OverUserTotal(f"user {user}'s unfinished jobs hold {held.gpus} GPUs; this one's {ask.gpus} "
+                                f"would pass max_gpus_per_user ({most.gpus})")
 
     def check_jobs(self, user: str, table: JobTable) -> None:
         if not self.max_jobs:
@@ -225,8 +288,12 @@ class UserLimits:
             raise TooManyJobs(f"user {user} already has {held} jobs that are not finished "
                               f"(max_jobs_per_user = {self.max_jobs})")
 
+    def _under_way(self, user: str) -> list[JobResources]:
+        """What ``user``'s submits under way whose job is not in the table yet would hold.  One
+        without a request id cannot be told apart and counts: never too few."""
+        return [ask for rid, ask in self._starting.get(user, []) if not rid or self.made(user, rid) is None]
+
     def held(self, user: str, table: JobTable) -> int:
         """``user``'s unfinished jobs: those in ``table``, and their submits under way whose job
-        is not in it yet.  One without a request id cannot be told apart and counts: never too few."""
-        starting = self._starting.get(user, [])
-        return table.unfinished(user) + sum(1 for rid in starting if not rid or self.made(user, rid) is None)
+        is not in it yet."""
+        return table.unfinished(user) + len(self._under_way(user))
