@@ -43,6 +43,8 @@ _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ct
 # writes the copy must precede), anyone else (then let through: the copy proves itself).
 JOB_WAIT_S = 60.0
 OUTSIDER_WAIT_S = 0.5
+# How often the answering thread beats while files are gated (well within the keeper's STALE_S).
+BEAT_MS = 100
 # Files gated at once by the whole agent (one descriptor each): past it, the caller copies now.
 MAX_GATED = 512
 
@@ -105,7 +107,8 @@ class Group:
         keeper_r, self._keeper_w = os.pipe2(os.O_CLOEXEC)
         try:
             self._keeper = subprocess.Popen(
-                [sys.executable, "-I", "-S", gatekeeper.__file__, str(self._fan), str(shm), str(keeper_r)],
+                [sys.executable, "-I", "-S", gatekeeper.__file__, str(self._fan), str(shm), str(keeper_r),
+                 str(self.pid)],
                 pass_fds=(self._fan, shm, keeper_r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True)
         finally:
@@ -128,9 +131,13 @@ class Group:
         with self._lock:
             if self.broken or key in self._files or len(self._files) >= MAX_GATED:
                 return False
+            self._beat()  # its time runs from here: the answering thread beats often from its next wake
             _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))
             f = File(fd, key, dest, st.st_size, st.st_ctime_ns, name or dest, batch, self.answered())
             self._files[key] = f
+            self._note_gated()
+        if len(self._files) == 1:
+            self._wake()
         batch.files.append(f)
         return True
 
@@ -177,6 +184,7 @@ class Group:
             self._waiting.discard(f)
             if self._files.get(f.key) is f:
                 del self._files[f.key]
+                self._note_gated()
                 if not self.broken:  # its later opens are nobody's business
                     _libc.fanotify_mark(self._fan, FAN_MARK_REMOVE, FAN_OPEN_PERM, f.src, None)
             os.close(f.src)
@@ -188,6 +196,16 @@ class Group:
 
     def _beat(self) -> None:
         struct.pack_into("=q", self._page, 0, time.monotonic_ns())
+
+    def _note_gated(self) -> None:
+        """The files gated now, in the page: while there are, the keeper expects beats (under the lock)."""
+        struct.pack_into("=q", self._page, 16, len(self._files))
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
 
     def _allow(self, fd: int) -> None:
         try:
@@ -207,7 +225,11 @@ class Group:
             while True:
                 with self._lock:
                     deadline = min((d for f in self._waiting for _, d in f.waiters), default=None)
+                    gated = bool(self._files)
+                # While files are gated it beats every BEAT_MS: the keeper answers for a thread that does not.
                 timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+                if gated:
+                    timeout = BEAT_MS if timeout is None else min(timeout, BEAT_MS)
                 ready = {fd for fd, _ in poller.poll(timeout)}
                 self._beat()
                 if self.fault is not None:
@@ -303,10 +325,7 @@ class Group:
                 os.close(fd)
             except OSError:
                 pass
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._wake()
 
     def reap(self) -> None:
         """The keeper's exit status, once it went (after a failure, its pipe closed)."""
