@@ -246,7 +246,8 @@ def test_a_gate_whose_answering_thread_raises_lets_every_open_through_and_fails_
 
 def test_a_stopped_agent_never_holds_an_open_past_a_second_and_a_killed_one_lets_all_through(tmp_path):
     """The agent SIGSTOPped mid-copy (its gate armed, a copy that never ends): its keeper answers
-    every open; then SIGKILLed: the group goes, and nothing waits at all."""
+    every open, the one the agent had read and held when it stopped included; then SIGKILLed:
+    the group goes, and nothing waits at all."""
     p = tmp_path / "f"
     p.write_bytes(b"x" * 4096)
     r, w = os.pipe()
@@ -261,8 +262,15 @@ def test_a_stopped_agent_never_holds_an_open_past_a_second_and_a_killed_one_lets
             os._exit(1)
     try:
         assert os.read(r, 5) == b"armed"
+        # An open the agent has read and holds (for a copy that never ends) when it stops.
+        held = subprocess.Popen([sys.executable, "-c", OPENER, str(p), str(os.O_RDWR)], stdout=subprocess.PIPE,
+                                text=True)
         time.sleep(0.3)
+        assert held.poll() is None  # waiting for its copy
         os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        held.communicate(timeout=30)
+        assert held.returncode == 0 and time.monotonic() - stopped < 1.0
         waits = [_timed_open(p, os.O_RDWR) for _ in range(3)]
         assert max(waits) < 1.0, waits
         os.kill(pid, signal.SIGKILL)
