@@ -51,6 +51,38 @@ def test_an_agent_that_starts_lets_go_of_the_holds_an_earlier_one_noted(tmp_path
     asyncio.run(main())
 
 
+@pytest.mark.criu
+def test_an_agent_that_starts_removes_the_locks_of_a_vacate_an_earlier_one_died_in(tmp_path):
+    """The agent (and its criu with it) killed mid-vacate: no hold was noted, but the vacate noted
+    the tables there were before it; the next agent of the node removes those that appeared
+    since, and keeps those that were there, and those another agent of the host holds."""
+    from revenant.agent.storage.epochs import JobFiles, Manifest
+    from revenant.agent.pipeline.steps import DumpContext
+
+    m = Manifest(job="9", epoch=0, generation=1, node="n1", created_at=1.0, criu_version="4.2.1", kernel="k")
+    older, theirs, made = "CRIU-00000000-test-dead-old", "CRIU-00000000-test-dead-n2h", "CRIU-00000000-test-dead-new"
+
+    async def main() -> None:
+        assert await netlock.run(NFT, "add", "table", "inet", older) == ""
+        ctx = DumpContext(job="9", generation=1, pid=os.getpid(), files=JobFiles(tmp_path, "9"), workdir=tmp_path,
+                          stop=True, manifest=m, epoch_tmp=tmp_path)
+        await netlock.NetLockStep(NFT, "n1", tmp_path).before_dump(ctx)  # then the agent dies
+        assert ctx.keep_connections and (tmp_path / "netlock-dump-n1-9").exists()
+        for table in (made, theirs):  # its criu's; another agent's hold, made meanwhile
+            assert await netlock.run(NFT, "add", "table", "inet", table) == ""
+        (tmp_path / "netlock-held-n2").write_text(f"{theirs}\n")
+        assert await netlock.NetLockStep(NFT, "n1", tmp_path).sweep() == [made]
+        assert not (tmp_path / "netlock-dump-n1-9").exists()
+        assert "No such file" in await netlock.run(NFT, "list", "table", "inet", made)
+        for kept in (older, theirs):
+            assert await netlock.run(NFT, "list", "table", "inet", kept) == ""
+    try:
+        asyncio.run(main())
+    finally:
+        for table in (older, theirs, made):
+            asyncio.run(netlock.run(NFT, "delete", "table", "inet", table))
+
+
 HOLDER = r"""
 import socket, sys, time
 tcp4 = socket.create_server(("127.0.0.1", 0))

@@ -21,7 +21,9 @@ lock connections with nftables and this agent can remove such a lock (``nft``):
 * a hold that ends unused (the job went elsewhere, or nowhere) removes the table: the peers'
   next packets are answered with a reset, and they learn the connection is gone.  An agent that
   stops lets its holds go; one that starts removes the tables an earlier one noted
-  (``netlock-held-<node>``), so no lock outlives the agent that held it.
+  (``netlock-held-<node>``), and those that appeared during a vacate the earlier one died in
+  (``netlock-dump-<node>-<job>`` names the tables there were before it), so no lock outlives
+  the agent that held it.
 
 With ``close``, or where this is not possible, a vacate records its connections to be closed and
 its peers see them close when the job is killed.
@@ -109,6 +111,7 @@ class NetLockStep(BaseStep):
 
     def __init__(self, nft: str, node: str, scratch: Path, *, hold_s: float = 60.0) -> None:
         self.nft, self.node, self.hold_s = nft, node, hold_s
+        self.scratch = scratch
         self.held_file = scratch / f"netlock-held-{node}"
         self.holds: dict[str, Hold] = {}
         # Restored intact, by job: taken by the restore's reply (:meth:`take_kept`).
@@ -122,16 +125,49 @@ class NetLockStep(BaseStep):
         except OSError as exc:
             log.warning("cannot note the connection locks held: %s", exc)
 
+    def _dump_file(self, job: str) -> Path:
+        """Where a vacate under way names the tables there were before it (for :meth:`sweep`)."""
+        return self.scratch / f"netlock-dump-{self.node}-{job}"
+
     async def sweep(self) -> list[str]:
-        """Remove the tables an earlier agent noted as held: its holds died with it."""
+        """Remove the tables an earlier agent noted as held, and those its vacates under way made
+        (it died with them, and its criu with it): its holds died with it."""
         try:
             noted = self.held_file.read_text().split()
         except OSError:
-            return []
+            noted = []
         gone = [table for table in noted if not await run(self.nft, "delete", "table", "inet", table)]
+        gone += await self._sweep_dumps()
         if gone:
             log.info("let go of %d connection lock(s) an earlier agent held: %s", len(gone), ", ".join(gone))
         self._note_holds()
+        return gone
+
+    async def _sweep_dumps(self) -> list[str]:
+        """The tables that appeared during an earlier agent's vacates it never saw through: those
+        not there before them, and held by no other agent of this host."""
+        left = sorted(self.scratch.glob(f"netlock-dump-{self.node}-*"))
+        if not left:
+            return []
+        now = set(await tables(self.nft, CRIU_PREFIX))
+        others: set[str] = set()
+        for held in self.scratch.glob("netlock-held-*"):
+            if held != self.held_file:
+                try:
+                    others.update(held.read_text().split())
+                except OSError:
+                    continue
+        gone = []
+        for path in left:
+            try:
+                before = set(path.read_text().split())
+            except OSError:
+                continue
+            for table in sorted(now - before - others):
+                if not await run(self.nft, "delete", "table", "inet", table):
+                    gone.append(table)
+            now -= set(gone)
+            path.unlink(missing_ok=True)
         return gone
 
     async def _release(self, table: str) -> None:
@@ -162,13 +198,23 @@ class NetLockStep(BaseStep):
         ctx.keep_connections = (ctx.stop and self.hold_s > 0
                                 and (ctx.policy is None or ctx.policy.connections == "keep"))
         if ctx.keep_connections:  # criu's table is named only in an inventory a killed criu never writes
-            ctx.state[self.name] = set(await tables(self.nft, CRIU_PREFIX))
+            ctx.state[self.name] = before = set(await tables(self.nft, CRIU_PREFIX))
+            try:  # for the next agent, should this one die with the vacate under way
+                self._dump_file(ctx.job).write_text("".join(f"{t}\n" for t in sorted(before)))
+            except OSError as exc:
+                log.warning("cannot note the connection locks before job %s's vacate: %s", ctx.job, exc)
 
     async def after_dump(self, ctx: DumpContext) -> None:
         """criu left the job stopped, its connections locked by its table: hold it (its time
         starts once the vacate has committed: :meth:`arm`)."""
         if not ctx.keep_connections:
             return
+        try:
+            await self._after_dump(ctx)
+        finally:
+            self._dump_file(ctx.job).unlink(missing_ok=True)
+
+    async def _after_dump(self, ctx: DumpContext) -> None:
         table = await asyncio.to_thread(criu_table, ctx.epoch_tmp)
         if table is None:
             log.error("job %s: criu's connection lock is not named in its images: its connections go", ctx.job)
@@ -194,6 +240,7 @@ class NetLockStep(BaseStep):
             await self._release(table)
         else:
             await self._release_new(ctx)
+        self._dump_file(ctx.job).unlink(missing_ok=True)
 
     async def _release_new(self, ctx: DumpContext) -> None:
         """Remove criu's tables that appeared during this dump and no hold owns (criu killed
