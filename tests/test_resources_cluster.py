@@ -103,7 +103,8 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     assert _limits(info_b["program_pid"]) == (f"/revenant/node-1/{b}-g1", str(8 << 30), "-1", "4096")
     # What node-1's jobs took, as `revenant nodes` shows it.
     node1 = next(n for n in cluster.json("nodes", "--json") if n["name"] == "node-1")
-    assert node1["jobs"] == 2 and node1["allocated"] == {"cpus": 0.5, "memory_bytes": 256 << 20, "gpus": 2}
+    assert node1["jobs"] == 2 and node1["allocated"] == {"cpus": 0.5, "memory_bytes": 256 << 20, "gpus": 2,
+                                                     "memory_limit_bytes": 0, "pids": 0}
     assert "2 jobs, 0.5/" in cluster.cli("nodes").stdout and "2/2 gpu" in cluster.cli("nodes").stdout
 
     # node-1 is full: a third GPU job asked there is refused; one anywhere goes to node-2.
