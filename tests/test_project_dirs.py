@@ -319,3 +319,32 @@ async def test_a_user_can_neither_hang_other_processes_nor_fill_the_storage_nor_
     finally:
         shutil.rmtree(elsewhere, ignore_errors=True)
         shutil.rmtree(Path(workdir.parent) / f"{workdir.name}-other", ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+async def test_one_users_burst_of_checkpoints_does_not_queue_another_users_behind_it(
+        tmp_path, supervisors, test_user, workdir):
+    """One slot on the node: root's four checkpoints asked first, then the user's one.  The slot
+    goes round the users, so the user's dump is the second or third, never the fifth."""
+    n1 = supervisors("n1", concurrency=1)
+    ticker = "i=0; while :; do echo \"step $i\"; i=$((i+1)); sleep 0.05; done"
+    for n in range(1, 5):
+        wd = tmp_path / f"root{n}"
+        wd.mkdir()
+        await n1.start(JobSpec(id=str(n), workdir=str(wd), argv=["/bin/sh", "-c", ticker]), 1)
+    await n1.start(JobSpec(id="5", user=test_user.name, workdir=str(workdir), argv=["/bin/sh", "-c", ticker]), 1)
+    for n in range(1, 6):
+        await until(lambda: steps_in(JobFiles(n1.storage, str(n)).output) >= 3, timeout=60)
+    done: list[str] = []
+
+    async def checkpoint(job: str) -> None:
+        await n1.checkpoint(job, 1, stop=False)
+        done.append(job)
+
+    tasks = []
+    for job in ("1", "2", "3", "4", "5"):  # in this order, each queued before the next is asked
+        tasks.append(asyncio.create_task(checkpoint(job)))
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    assert sorted(done) == ["1", "2", "3", "4", "5"]
+    assert done.index("5") <= 2, done  # first come: it would be the last
