@@ -348,3 +348,30 @@ async def test_one_users_burst_of_checkpoints_does_not_queue_another_users_behin
     await asyncio.gather(*tasks)
     assert sorted(done) == ["1", "2", "3", "4", "5"]
     assert done.index("5") <= 2, done  # first come: it would be the last
+
+
+@pytest.mark.timeout(300)
+async def test_a_checkpoint_a_job_fails_itself_counts_against_the_job_not_the_nodes_health(tmp_path, supervisors):
+    """A job over its working directory's budget fails its own checkpoints: the node's count of
+    failed checkpoints (its health: YELLOW, then RED) stays 0.  A job criu cannot dump (it holds
+    /dev/fuse) counts, as before."""
+    n1 = supervisors("n1", workdir_max_bytes=1 << 20)
+    wd = tmp_path / "over"
+    wd.mkdir()
+    await n1.start(JobSpec(id="1", workdir=str(wd), argv=["/bin/sh", "-c", "head -c 4194304 /dev/urandom > big.bin; "
+                                                         "i=0; while :; do echo \"step $i\"; i=$((i+1)); sleep 0.05; done"]), 1)
+    await until(lambda: steps_in(JobFiles(n1.storage, "1").output) >= 3, timeout=60)
+    for _ in range(3):
+        with pytest.raises(Exception, match="workdir_snapshot_max_bytes"):
+            await n1.checkpoint("1", 1, stop=False)
+    assert n1.checkpoint_failures == 0
+    fuse = tmp_path / "fuse"
+    fuse.mkdir()
+    await n1.start(JobSpec(id="2", workdir=str(fuse), argv=[sys.executable, "-c", "import os, time\n"
+                                                            "fd = os.open('/dev/fuse', os.O_RDWR)\n"
+                                                            "while True:\n    print('step 1', flush=True)\n"
+                                                            "    time.sleep(0.05)\n"]), 1)
+    await until(lambda: steps_in(JobFiles(n1.storage, "2").output) >= 3, timeout=60)
+    with pytest.raises(Exception, match="criu dump failed"):
+        await n1.checkpoint("2", 1, stop=False)
+    assert n1.checkpoint_failures == 1
