@@ -175,7 +175,11 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
             sys.stdout.flush()
             await asyncio.sleep(args.interval)
     finally:
-        await nc.close()
+        # Ctrl-C ends the watch at once, whatever the connection is doing (a reconnect, a busy host).
+        try:
+            await asyncio.wait_for(nc.close(), 2.0)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - leaving anyway
+            pass
 
 
 # ---------------------------------------------------------------------- jobs

@@ -193,15 +193,25 @@ def test_user_errors_are_one_line(args, message):
 
 def test_nodes_watch_refreshes_in_place(cluster):
     doc = json.loads((cluster / "cluster.json").read_text())
-    proc = subprocess.Popen([str(VENV_BIN / "revenant"), "nodes", "--watch", "--interval", "0.3",
-                             "--nats", doc["nats_url"], "--creds", doc["creds"]],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
-    frames = out.split("\x1b[H\x1b[2J")[1:]
+    with subprocess.Popen([str(VENV_BIN / "revenant"), "nodes", "--watch", "--interval", "0.3",
+                           "--nats", doc["nats_url"], "--creds", doc["creds"]],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        # Three frames drawn (a busy machine takes its time to start the CLI), then Ctrl-C.
+        seen = ""
+        while seen.count("\x1b[H\x1b[2J") < 4:
+            line = proc.stdout.readline()
+            assert line, f"the watch ended: {proc.stderr.read()}"
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        out = seen + out
+    frames = out.split("\x1b[H\x1b[2J")[1:-1]  # the last one Ctrl-C may have cut
     assert len(frames) >= 3, out
-    assert all("node-1" in f and "NAME" in f for f in frames)
+    assert all("node-1" in f and "NAME" in f for f in frames), frames
     assert "Traceback" not in err
 
 
