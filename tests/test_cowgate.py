@@ -67,7 +67,7 @@ def test_the_workdirs_changed_files_are_copied_after_the_freeze_and_a_writer_wai
     wd.mkdir()
     (wd / "db").write_bytes(b"at the epoch" * 100_000)
     (wd / "mapped").write_bytes(b"mapped at the epoch")
-    taken = _taken(wd, tmp_path / "e", held=frozenset({str(wd / "mapped")}))
+    taken = _taken(wd, tmp_path / "e", held=frozenset({"mapped"}))
     copies = {rel: tmp_path / "e" / rec.copy for rel, rec in taken.files.items()}
     assert taken.gate is not None and taken.gate.gated == 1
     assert copies["mapped"].read_bytes() == b"mapped at the epoch"  # held by the job: copied while frozen

@@ -105,7 +105,7 @@ def test_a_file_changed_just_before_the_dump_or_held_by_the_job_is_never_trusted
     third, _ = take(wd, tmp_path / "epochs" / "3", previous(tmp_path / "epochs" / "2"))
     assert third.linked == 65536 + 8192 + 40 + 100_000
     fourth, _ = take(wd, tmp_path / "epochs" / "4", previous(tmp_path / "epochs" / "3"),
-                     held=frozenset({str(wd / "model.ckpt")}))
+                     held=frozenset({"model.ckpt"}))
     assert fourth.files["model.ckpt"].racy and fourth.linked == 65536 + 8192 + 40  # held: copied
     assert not workdir.WorkdirFile(**{**msgspec.structs.asdict(fourth.files["model.ckpt"])}).same(
         (wd / "model.ckpt").stat())  # and always put back

@@ -200,7 +200,7 @@ def test_a_file_copied_while_frozen_is_packed_from_its_copy_once_the_job_runs(tm
     files = JobFiles(tmp_path / "storage", "1")
     wd = make_workdir(tmp_path)
     rel = wd / "base" / "5" / "16384"
-    held = frozenset({str(rel)}) if how == "held" else frozenset()
+    held = frozenset({str(rel.relative_to(wd))}) if how == "held" else frozenset()
     m1 = checkpoint(files, wd, gate=how != "no gate", held=held)
     at_epoch1 = contents(wd)
     with open(rel, "r+b") as f:

@@ -259,11 +259,11 @@ class Snapshot:
         listing = None
         stats: dict[str, os.stat_result] = {}
         changed: set[str] | None = None  # the directories listed anew while frozen (None: all of them)
+        top = self.workdir.rstrip("/") + "/"
+        held_rel = frozenset(p[len(top):] for p in writable if p.startswith(top))  # relative, as the listing's
         if why is None:
             try:
                 if self.pre is not None and self.pre.workdir == self.workdir:
-                    top = self.workdir.rstrip("/") + "/"
-                    held_rel = frozenset(p[len(top):] for p in writable if p.startswith(top))
                     found = workdir_scan.rescan(self.pre, self.max_entries, frozenset(files), self.fresh, held_rel)
                     if found is not None:
                         listing = found.listing
@@ -281,7 +281,7 @@ class Snapshot:
             self._later.append((LISTING, listing))
             if self.taker is not None:
                 try:
-                    self.result.taken = self.taker(stats, frozenset(writable), changed)
+                    self.result.taken = self.taker(stats, held_rel, changed)
                 except OSError as exc:
                     self.result.error = f"cannot snapshot the working directory: {exc.strerror or exc}"
                     raise

@@ -197,7 +197,8 @@ class Taker:
 
     def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset(),
              changed: set[str] | None = None) -> Taken:
-        """``held``: paths the job maps shared and writable: copied while it is frozen, as a write
+        """``held``: the paths, relative to the workdir as the listing's, that the job maps shared
+        and writable: copied while it is frozen, as a write
         through a mapping needs no open the gate would see (files it holds open for writing are
         its job files, not listed here: agent/files/jobfiles.py).  ``changed``: the directories
         whose entries ``stats`` has afresh, the others' being those :meth:`prepare` saw (None:
@@ -209,8 +210,6 @@ class Taker:
         inodes: dict[tuple[int, int], WorkdirFile] = {}
         now = time.time_ns()
         coarse, fine = now - self.racy_ns[0], now - self.racy_ns[1]
-        top = self.workdir.rstrip("/") + "/"
-        held = frozenset(p[len(top):] for p in held if p.startswith(top))  # relative, as the listing's
         # Held through any of its links: every link of it is racy (decided before the first is linked).
         held_inodes = {(stats[rel].st_dev, stats[rel].st_ino) for rel in held if rel in stats}
         unchanged, uid, regular = self._unchanged, self.uid, stat.S_ISREG
