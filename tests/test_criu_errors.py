@@ -40,6 +40,14 @@ def test_the_user_sees_criu_s_first_specific_error_not_its_closing_line():
         "Error (criu/cr-dump.c:2111): Dumping FAILED."
     assert criu.error_line(f"{rlimit}\n") == "(no output)"
     assert criu.error_line("Looks good.\n") == "Looks good."
+    # A job that was gone when criu came to it: criu's own error, not libnftables' complaint as
+    # criu took its network lock down on the way out.
+    gone = ("Warn  (compel/src/lib/infect.c:132): Unable to interrupt task: 5315 (No such process)\n"
+            "Error: Could not process rule: No such file or directory\n"
+            "delete table inet CRIU-9a6ac76d-c7f0-485a-b0\n"
+            "Error (compel/src/lib/infect.c:417): Unable to detach from 5315: No such process\n"
+            "Error (criu/cr-dump.c:2049): Dumping FAILED.\n")
+    assert criu.error_line(gone) == "Error (compel/src/lib/infect.c:417): Unable to detach from 5315: No such process"
 
 
 def test_a_failed_run_s_log_is_kept_in_the_job_s_directory_newest_ten(tmp_path):

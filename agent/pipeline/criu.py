@@ -181,8 +181,11 @@ def error_line(output: str) -> str:
     rest = [ln for ln in lines if not any(h in ln for h in _HARMLESS)]
     errors = [ln for ln in rest if "Error" in ln]
     specific = [ln for ln in errors if not ln.endswith(_CLOSING)]
-    if specific:
-        return specific[0]
+    # criu's own ("Error (file:line): ...") before a library's it printed on its way out (libnftables'
+    # "Error: Could not process rule" as it takes its lock down): those follow the cause.
+    own = [ln for ln in specific if "Error (" in ln]
+    if own or specific:
+        return (own or specific)[0]
     if errors:
         return errors[-1]
     return rest[-1] if rest else "(no output)"
