@@ -156,7 +156,10 @@ class Taker:
         self.root = root  # the job's first process: its opens of a gated file wait for the copy
         self._written = frozenset(rel for rel, was in prev.files.items() if was.copy) if prev is not None \
             else frozenset()
-        self._settled: dict[str, tuple[os.stat_result, WorkdirFile]] = {}  # prepare()
+        # prepare(): the same records twice, on purpose: by path with the stat they came from
+        # (take() without a pre-scan compares it), and by directory (the freeze adds a whole
+        # unchanged directory with one dict.update).
+        self._settled: dict[str, tuple[os.stat_result, WorkdirFile]] = {}
         self._settled_in: dict[str, dict[str, WorkdirFile]] = {}
         # Before the freeze: what says each of the previous epoch's files is unchanged, for those
         # whose copy (or pages) this epoch can keep: the freeze compares, and decides nothing more.
