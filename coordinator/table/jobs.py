@@ -28,7 +28,7 @@ from revenant.coordinator.table.agents import AgentClient, LeaderGuard, NotLeade
 from revenant.coordinator.table.placement import (NoCapacity, NoNodeAvailable, node_address, own_node, place_job,
                                                   waived_notes, workdir_shared)
 from revenant.coordinator.table.store import JobStore, Unsettled, WriteConflict, patiently
-from revenant.messages import (EpochEvent, JobEvent, JobRecord, JobSpec, LocalJob, NodeStatus, PurgeJob, ReconcileReply,
+from revenant.messages import (EpochEvent, JobEvent, JobRecord, JobResources, JobSpec, LocalJob, NodeStatus, PurgeJob, ReconcileReply,
                                StaleJob, SubmitRequest, subjects)
 
 log = logging.getLogger(__name__)
@@ -171,13 +171,16 @@ class JobService:
                                ask=spec.resources, used=self.jobs.usage(but=spec.id), **kw)
         return node, tuple(gpus)
 
-    async def submit(self, req: SubmitRequest, user: str = "") -> JobRecord:
+    async def submit(self, req: SubmitRequest, user: str = "", ask: JobResources | None = None) -> JobRecord:
         """Start ``req`` as a job of ``user`` (who decided: coordinator/table/requests.py, which also answers
-        a repeat of a submit).  With no room now it waits, pending: coordinator/waiting.py starts it."""
+        a repeat of a submit).  With no room now it waits, pending: coordinator/waiting.py starts it.
+        ``ask``: its resources, as the cluster's ``[resources]`` fill in what ``req`` leaves out
+        (worked out here if not given)."""
         check_submit(req, user)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
-        defaults, ask = self.config.checkpoint, self.config.resources.ask(req)  # the cluster's, as the submit overrides
+        defaults = self.config.checkpoint
+        ask = ask or self.config.resources.ask(req)  # the cluster's, as the submit overrides
         check_resources(ask, [(n.name, n.capabilities) for n in self.nodes() if n.state != "left"])
         spec = JobSpec(id="(new)", argv=list(req.argv), name=req.name or req.argv[0].rsplit("/", 1)[-1],
                        workdir=req.workdir, env=dict(req.env), checkpoint_interval_s=req.checkpoint_interval_s,

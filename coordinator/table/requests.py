@@ -199,7 +199,7 @@ class ClientRequests:
         ask = self.jobs.config.resources.ask(req)  # what the job would hold, for the per-user totals
         if not req.request_id:
             with self.limits.admitting(user, self.jobs.jobs, ask=ask):
-                return await self.jobs.submit(req, user=user)
+                return await self.jobs.submit(req, user=user, ask=ask)
         key = (user, req.request_id)
         while (first := self._submitting.get(key)) is not None:
             await first.wait()  # the same submit is under way: its job is the answer
@@ -215,7 +215,7 @@ class ClientRequests:
         self._submitting[key] = done = asyncio.Event()
         try:
             with self.limits.admitting(user, self.jobs.jobs, req.request_id, ask):
-                return await self.jobs.submit(req, user=user)
+                return await self.jobs.submit(req, user=user, ask=ask)
         finally:
             del self._submitting[key]
             done.set()

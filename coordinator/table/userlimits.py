@@ -262,21 +262,18 @@ class UserLimits:
         most = self.most
         if not (most.memory_bytes or most.cpus or most.gpus):
             return
-        held = Held(**dataclasses.asdict(table.held(user)))
+        held = dataclasses.replace(table.held(user))
         for res in self._under_way(user):
             held.add(res)
-        after = dataclasses.replace(held)
-        after.add(ask)
-        if most.memory_bytes and after.memory_bytes > most.memory_bytes and ask.memory_cap():
-            raise OverUserTotal(f"user {user}'s unfinished jobs hold {size_text(held.memory_bytes)} of memory; this "
-                                f"one's {size_text(ask.memory_cap())} would pass max_memory_per_user "
-                                f"({size_text(most.memory_bytes)})")
-        if most.cpus and after.cpus > most.cpus + 1e-9 and ask.cpus:
-            raise OverUserTotal(f"user {user}'s unfinished jobs hold {held.cpus:g} CPUs; this one's {ask.cpus:g} "
-                                f"would pass max_cpus_per_user ({most.cpus:g})")
-        if most.gpus and after.gpus > most.gpus and ask.gpus:
-            raise OverUserTotal(f"user {user}'s unfinished jobs hold {held.gpus} GPUs; this one's {ask.gpus} "
-                                f"would pass max_gpus_per_user ({most.gpus})")
+        wanted = Held()
+        wanted.add(ask)
+        for field, limit, show, unit in (("memory_bytes", "max_memory_per_user", size_text, " of memory"),
+                                         ("cpus", "max_cpus_per_user", "{:g}".format, " CPUs"),
+                                         ("gpus", "max_gpus_per_user", str, " GPUs")):
+            cap, have, more = getattr(most, field), getattr(held, field), getattr(wanted, field)
+            if cap and more and have + more > cap + 1e-9:
+                raise OverUserTotal(f"user {user}'s unfinished jobs hold {show(have)}{unit}; this one's "
+                                    f"{show(more)} would pass {limit} ({show(cap)})")
 
     def check_jobs(self, user: str, table: JobTable) -> None:
         if not self.max_jobs:
