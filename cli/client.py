@@ -159,6 +159,7 @@ def nodes(args: argparse.Namespace) -> int:
 async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
     """Redraw the table in place (one connection for the whole watch)."""
     import asyncio
+    import contextlib
 
     from revenant.common.messaging import bus
 
@@ -176,10 +177,8 @@ async def _watch_nodes(url: str, args: argparse.Namespace) -> int:
             await asyncio.sleep(args.interval)
     finally:
         # Ctrl-C ends the watch at once, whatever the connection is doing (a reconnect, a busy host).
-        try:
+        with contextlib.suppress(Exception):  # leaving anyway (a timeout included)
             await asyncio.wait_for(nc.close(), 2.0)
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - leaving anyway
-            pass
 
 
 # ---------------------------------------------------------------------- jobs

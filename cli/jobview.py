@@ -89,7 +89,7 @@ def _print_job(rec: JobRecord, as_json: bool) -> None:
         ("on sick", rec.spec.on_sick or "the cluster's default"),
         ("asks", describe_ask(rec.spec.resources) + (f" (GPUs {', '.join(rec.assigned_gpus)})"
                                                      if rec.assigned_gpus and rec.node else "")),
-        *([("limits", limits_line(rec.spec.resources))] if limits_line(rec.spec.resources) else []),
+        *([("limits", limits)] if (limits := limits_line(rec.spec.resources)) else []),
         *([("gpus", describe(rec.gpus, rec.gpu_driver) + ": a restore needs the same")] if rec.gpus else []),
         ("storage", _storage_cell(rec)),
         *([("last failure", rec.last_checkpoint_error)] if rec.last_checkpoint_error else []),

@@ -121,6 +121,7 @@ def test_resources_are_given_limited_waited_for_and_carried_across_restores(make
     assert waiting["state"] == "pending" and not waiting["node"] and "waiting for room" in waiting["reason"]
     shown = cluster.cli("show", "job", d).stdout
     assert "waiting for room" in shown and "asks" in shown and "1 GPU" in shown
+    assert "memory 8 GiB (the cluster's, for a job without --mem), 4096 processes" in shown  # its limits line
     cluster.cli("cancel", c)
     started = _wait(cluster, d, lambda j: j["state"] == "running", "start of D once C ended", timeout=30)
     assert started["node"] == "node-2" and started["assigned_gpus"] == [GPU1]
