@@ -62,16 +62,18 @@ class Cluster:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
 
-    def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-        # Found through $REVENANT_NATS, so "-- CMD ARGS" can stay last.
+    def env(self) -> dict[str, str]:
+        """Where a CLI finds the cluster: $REVENANT_NATS (so "-- CMD ARGS" can stay last), and its
+        admin credential, $REVENANT_CREDS ("" for an --insecure cluster: none)."""
         import json
 
         doc = json.loads((self.dir / "cluster.json").read_text())
-        # And its admin credential through $REVENANT_CREDS ("" for an --insecure cluster: none).
-        env = {"REVENANT_NATS": doc["nats_url"], "REVENANT_CREDS": doc.get("creds", "")}
+        return {"REVENANT_NATS": doc["nats_url"], "REVENANT_CREDS": doc.get("creds", "")}
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         # From the cluster's own directory: a job submitted without --workdir works there, never in
         # the repository (a restore tracks its workdir's changes).
-        return revenant_cli(*args, check=check, timeout=timeout, env=env, cwd=self.dir)
+        return revenant_cli(*args, check=check, timeout=timeout, env=self.env(), cwd=self.dir)
 
     def json(self, *args: str):
         import json

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import revenant_cli, wait_until
+from conftest import wait_until
 from test_cowgate import _timed_open
 from test_project_dirs import Outsider
 
@@ -80,10 +80,9 @@ def test_an_agent_stopped_then_killed_mid_checkpoint_never_holds_an_outsiders_op
     agent = next(pid for name, pid in cluster.pids().items() if "node-1" in name)
     root = cluster.job(job)["pid"]  # the job's own opens may wait for their copy: not watched
     outsider = Outsider([big, project / "README", project / "ticks.log"], jobs=lambda: [root])
-    doc = (cluster.dir / "cluster.json").read_text()
     creating = subprocess.Popen([sys.executable, "-m", "revenant.cli", "checkpoint", "create", job],
                                 cwd=cluster.dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, **_cluster_env(doc)})
+                                env={**os.environ, **cluster.env()})
     stopped = killed = False
     keepers: list[int] = []
     try:
@@ -112,12 +111,4 @@ def test_an_agent_stopped_then_killed_mid_checkpoint_never_holds_an_outsiders_op
     assert wait_until(lambda: not any(psutil.pid_exists(k) and psutil.Process(k).status() != "zombie"
                                       for k in keepers), timeout=30), keepers
     # And the cluster takes commands again from its restarted agent.
-    assert wait_until(lambda: revenant_cli("nodes", "--json", env=_cluster_env(doc), cwd=cluster.dir).returncode == 0,
-                      timeout=60)
-
-
-def _cluster_env(doc: str) -> dict[str, str]:
-    import json
-
-    d = json.loads(doc)
-    return {"REVENANT_NATS": d["nats_url"], "REVENANT_CREDS": d.get("creds", "")}
+    assert wait_until(lambda: cluster.cli("nodes", "--json", check=False).returncode == 0, timeout=60)

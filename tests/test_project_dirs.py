@@ -33,6 +33,10 @@ from projectjob import CHUNK, chunk  # noqa: E402
 from test_job_user import PYTHON, test_user, workdir  # noqa: E402,F401 - fixtures: an unprivileged user, its workdir
 
 
+# A shell job printing "step N" every 50 ms.
+TICKER = "i=0; while :; do echo \"step $i\"; i=$((i+1)); sleep 0.05; done"
+
+
 def write_dataset(path: Path, size: int) -> None:
     """``size`` bytes of real content (every chunk written: never a sparse file)."""
     base = random.Random(7).randbytes(CHUNK)
@@ -327,12 +331,11 @@ async def test_one_users_burst_of_checkpoints_does_not_queue_another_users_behin
     """One slot on the node: root's four checkpoints asked first, then the user's one.  The slot
     goes round the users, so the user's dump is the second or third, never the fifth."""
     n1 = supervisors("n1", concurrency=1)
-    ticker = "i=0; while :; do echo \"step $i\"; i=$((i+1)); sleep 0.05; done"
     for n in range(1, 5):
         wd = tmp_path / f"root{n}"
         wd.mkdir()
-        await n1.start(JobSpec(id=str(n), workdir=str(wd), argv=["/bin/sh", "-c", ticker]), 1)
-    await n1.start(JobSpec(id="5", user=test_user.name, workdir=str(workdir), argv=["/bin/sh", "-c", ticker]), 1)
+        await n1.start(JobSpec(id=str(n), workdir=str(wd), argv=["/bin/sh", "-c", TICKER]), 1)
+    await n1.start(JobSpec(id="5", user=test_user.name, workdir=str(workdir), argv=["/bin/sh", "-c", TICKER]), 1)
     for n in range(1, 6):
         await until(lambda: steps_in(JobFiles(n1.storage, str(n)).output) >= 3, timeout=60)
     done: list[str] = []
@@ -359,7 +362,7 @@ async def test_a_checkpoint_a_job_fails_itself_counts_against_the_job_not_the_no
     wd = tmp_path / "over"
     wd.mkdir()
     await n1.start(JobSpec(id="1", workdir=str(wd), argv=["/bin/sh", "-c", "head -c 4194304 /dev/urandom > big.bin; "
-                                                         "i=0; while :; do echo \"step $i\"; i=$((i+1)); sleep 0.05; done"]), 1)
+                                                         + TICKER]), 1)
     await until(lambda: steps_in(JobFiles(n1.storage, "1").output) >= 3, timeout=60)
     for _ in range(3):
         with pytest.raises(Exception, match="workdir_snapshot_max_bytes"):
