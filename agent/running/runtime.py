@@ -57,10 +57,11 @@ def oom_note(rt: JobRuntime) -> str:
     """Why an ended job's processes died, if the OOM killer did it in its cgroup ("" if not)."""
     if not rt.oom_kills:
         return ""
-    res = rt.spec.resources
-    limit = (f" (its --mem is {size_text(res.memory_bytes)})" if res.memory_bytes else
-             f" (its memory limit is {size_text(res.memory_limit_bytes)}, the cluster's for a job without "
-             f"--mem)" if res.memory_limit_bytes else "")
+    res, limit = rt.spec.resources, ""
+    if res.memory_bytes:
+        limit = f" (its --mem is {size_text(res.memory_bytes)})"
+    elif res.memory_limit_bytes:
+        limit = f" (its memory limit is {size_text(res.memory_limit_bytes)}, the cluster's for a job without --mem)"
     return f"the kernel's OOM killer killed {rt.oom_kills} of its processes in its cgroup{limit}"
 
 
