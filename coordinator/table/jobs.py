@@ -174,8 +174,7 @@ class JobService:
     async def submit(self, req: SubmitRequest, user: str = "", ask: JobResources | None = None) -> JobRecord:
         """Start ``req`` as a job of ``user`` (who decided: coordinator/table/requests.py, which also answers
         a repeat of a submit).  With no room now it waits, pending: coordinator/waiting.py starts it.
-        ``ask``: its resources, as the cluster's ``[resources]`` fill in what ``req`` leaves out
-        (worked out here if not given)."""
+        ``ask``: its resources (:meth:`ResourcesConfig.ask`), worked out here if not given."""
         check_submit(req, user)  # before anything happens: a record that could not be stored or replied to
         if req.node:
             subjects.check_name(req.node)
