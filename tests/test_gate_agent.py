@@ -60,6 +60,19 @@ def gated_inodes(pid: int) -> set[int]:
     return found
 
 
+def keepers_of(pid: int) -> list[int]:
+    """The gate keepers among process ``pid``'s children (a child that just exited, a zombie not
+    reaped yet, has no command line: it is none)."""
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            if "keeper.py" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 @pytest.fixture
 def project():
     """A workdir outside /tmp (the job gets a /tmp of its own), removed afterwards."""
@@ -89,7 +102,7 @@ def test_an_agent_stopped_then_killed_mid_checkpoint_never_holds_an_outsiders_op
         # The gate holds the file the job wrote while its copy is made (after the thaw).
         assert wait_until(lambda: big.stat().st_ino in gated_inodes(agent), timeout=120, interval=0.005), \
             f"the agent never gated {big}: {creating.poll()}"
-        keepers = [c.pid for c in psutil.Process(agent).children() if "keeper.py" in " ".join(c.cmdline())]
+        keepers = keepers_of(agent)
         assert keepers, "the agent's gate has no keeper"
         os.kill(agent, signal.SIGSTOP)
         stopped = True
