@@ -201,6 +201,86 @@ def test_a_file_an_outsider_writes_before_its_copy_is_not_kept_never_kept_wrong(
     assert gate.unkept() == [f"{p}.copy"]  # that file recorded by identity only
 
 
+_TRUNCATE = "import os, sys; sys.stdin.readline(); os.truncate(sys.argv[1], 0); print('done', flush=True)"
+
+
+def _truncator(p):
+    return subprocess.Popen([sys.executable, "-c", _TRUNCATE, str(p)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _truncating_copy(proc):
+    """A copy during which ``proc`` truncates the file by path (no open for the gate to see)."""
+    def copy(src: int, dest: str, size: int) -> None:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "done\n"
+        with open(dest, "wb") as out:
+            out.write(os.pread(src, size, 0))
+    return copy
+
+
+@pytest.mark.parametrize("whose", ["job", "outsider"])
+def test_a_truncate_by_path_fails_the_epoch_if_the_job_made_it_and_unkeeps_the_file_if_not(tmp_path, whose):
+    """No open shows a truncate(2) by path: its event says who made it.  The job's own (resumed)
+    fails the epoch; another process's makes the file not the job's to keep, the epoch standing."""
+    p = tmp_path / "state.json"
+    p.write_bytes(b"x" * 4096)
+    with _truncator(p) as proc:
+        gate = CowGate(_truncating_copy(proc), root=proc.pid if whose == "job" else os.getpid() + 10**6)
+        assert gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
+        errors = gate.run()
+    if whose == "job":
+        assert len(errors) == 1 and "changed size while it was copied" in errors[0], errors
+    else:
+        assert errors == [] and gate.unkept() == [f"{p}.copy"], (errors, gate.unkept())
+
+
+_HOLDER = """import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY)  # opened before the gate: no open of it to wait
+print("open", flush=True)
+for line in sys.stdin:
+    os.ftruncate(fd, 0)
+    os.write(fd, line.encode() * 100)
+    print("wrote", flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["before the mark", "while copied"])
+def test_a_sharer_writing_through_a_descriptor_it_already_held_never_fails_the_epoch(tmp_path, when):
+    """Jobs sharing a project directory: another job rewrites its own state file through a
+    descriptor it opened before this job's freeze, between the freeze's look at the file and its
+    mark, or while it is copied.  Not this job's doing: the file is not its to keep, and its
+    epoch stands (it failed with "truncated by path")."""
+    p = tmp_path / "state-other.json"
+    p.write_bytes(b"at the epoch" * 100)
+    with subprocess.Popen([sys.executable, "-c", _HOLDER, str(p)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:
+        assert holder.stdout.readline() == "open\n"
+
+        def write() -> None:
+            holder.stdin.write("changed\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline() == "wrote\n"
+
+        def copy(src: int, dest: str, size: int) -> None:
+            if when == "while copied":
+                write()
+            with open(dest, "wb") as out:
+                out.write(os.pread(src, size, 0))
+
+        gate = CowGate(copy, root=os.getpid() + 10**6)  # a job the holder is not a process of
+        fd = os.open(p, os.O_RDONLY)
+        st = os.fstat(fd)  # the freeze's look at it
+        if when == "before the mark":
+            write()
+        assert gate.arm(fd, f"{p}.copy", "state-other.json", st)
+        assert gate.run() == []
+        assert gate.unkept() == [f"{p}.copy"]
+        assert p.read_bytes() == b"changed\n" * 100
+        holder.stdin.close()
+
+
 def test_one_gate_serves_every_checkpoint_and_holds_a_bounded_number_of_files(tmp_path, monkeypatch):
     from revenant.agent.files.gate import group
     monkeypatch.setattr(group, "MAX_GATED", 8)

@@ -31,10 +31,14 @@ Whatever happens to the agent, the host goes on:
   the group's last descriptor, and the kernel lets every waiting open through.
 
 A file is changed without an open only by ``truncate(2)`` on its path, or through a mapping or
-descriptor taken before the dump (the caller copies the files the job holds while it is frozen):
-the copy is checked against the inode's size afterwards, and one that changed fails the epoch.
-Its times are otherwise no guide: a rename, chmod or utime (git "freshens" existing objects)
-changes them and not a byte.
+descriptor taken before the dump (the caller copies the files the job holds while it is frozen;
+another process, say another job sharing the project directory, may hold one too).  Each change
+of a gated file is reported with the pid that made it (agent/files/gate/changes.py): one by a
+process outside the job makes the file not the job's to keep, as an early open does; the job's
+own is caught by checking the copy against the inode's size afterwards, and fails the epoch.
+A change between the freeze's look at a file and its marks (the job frozen: another process's)
+shows in its size or ctime when it is armed.  Its times are otherwise no guide: a rename, chmod
+or utime (git "freshens" existing objects) changes them and not a byte.
 
 fanotify's permission events need CAP_SYS_ADMIN and a kernel with
 CONFIG_FANOTIFY_ACCESS_PERMISSIONS (Debian's have it; :func:`available` says why not).

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from revenant.agent.files.gate import changes as gatechanges
 from revenant.agent.files.gate import keeper as gatekeeper
 
 
@@ -77,13 +78,14 @@ class File:
     batch: Batch
     answered: int  # the keeper's count when it was armed: more once copied, an open may have gone through
     done: bool = False  # copied, failed or let go: set under the gate's lock
-    early: bool = False  # an open was let through before its copy ended
+    early: bool = False  # an open was let through before its copy ended, or another process changed it
     error: str = ""
     # Changed by another process (let through before its copy ended): its copy is not the dump's,
     # and the epoch keeps it by identity only (agent/files/workdir_taken.py), the job's consistency
     # untouched (the job's own opens waited for the copy).
     unkept: bool = False
     waiters: list[tuple[int, float]] = field(default_factory=list)  # (event fd, deadline) waiting for it
+    handle: gatechanges.Handle | None = None  # as its change events name it (None: not watched)
     copying: threading.Lock = field(default_factory=threading.Lock)  # one copy of it at a time
 
 
@@ -98,6 +100,12 @@ class Group:
         self._waiting: set[File] = set()  # files with opens waiting for their copy
         self._urgent: deque[File] = deque()  # files an open waits for: the copier's work, first come
         self._work = threading.Condition(self._lock)
+        self._handles: dict[gatechanges.Handle, File] = {}  # the gated files, as change events name them
+        try:
+            self._changes: gatechanges.Changes | None = gatechanges.Changes()
+        except OSError as exc:  # then any change of size without an open fails its epoch
+            log.warning("the file gate cannot tell who changes a gated file: %s", exc)
+            self._changes = None
         self.broken = ""  # why it failed open: it answers nothing more, a new gate is made
         self.fault: Callable[[], None] | None = None  # tests: raised in the answering thread
         shm = os.memfd_create("revenant-gate", os.MFD_CLOEXEC)
@@ -134,6 +142,16 @@ class Group:
             self._beat()  # its time runs from here: the answering thread beats often from its next wake
             _check(_libc.fanotify_mark(self._fan, FAN_MARK_ADD, FAN_OPEN_PERM, fd, None))
             f = File(fd, key, dest, st.st_size, st.st_ctime_ns, name or dest, batch, self.answered())
+            if self._changes is not None:
+                try:
+                    f.handle = self._changes.mark(fd)
+                    self._handles[f.handle] = f
+                except OSError:
+                    pass
+            # Changed since ``st`` and before its marks (the job frozen): by another process, whose
+            # descriptor predates them; from the marks on, its changes come as events.
+            now = os.fstat(fd)
+            f.early = now.st_size != st.st_size or now.st_ctime_ns != st.st_ctime_ns
             self._files[key] = f
             self._note_gated()
         if len(self._files) == 1:
@@ -167,18 +185,24 @@ class Group:
                 self._settle(f, error or f.error, check=False)
 
     def _settle(self, f: File, error: str, check: bool) -> None:
+        st = None
+        if check and not error:
+            try:
+                st = os.fstat(f.src)  # before anyone waiting is let through: what the copy read
+            except OSError as exc:
+                error = f"{f.name}: {exc.strerror or exc}"
+            else:
+                for pause in (0.0, 0.02):  # who changed it: its writer's event may not be read yet
+                    if st.st_size == f.size or self._early(f):
+                        break
+                    time.sleep(pause)
+                    self._drain()
         with self._lock:
-            if check and not error:
-                try:
-                    st = os.fstat(f.src)  # before anyone waiting is let through: what the copy read
-                except OSError as exc:
-                    error = f"{f.name}: {exc.strerror or exc}"
-                else:
-                    early = f.early or self.answered() != f.answered
-                    if early and (st.st_ctime_ns != f.ctime_ns or st.st_size != f.size):
-                        f.unkept = True  # another process wrote it: not the job's to keep
-                    elif st.st_size != f.size:  # its size only: times change without a byte (git's utime)
-                        error = f"{f.name} changed size while it was copied (truncated by path)"
+            if st is not None:
+                if self._early(f) and (st.st_ctime_ns != f.ctime_ns or st.st_size != f.size):
+                    f.unkept = True  # another process wrote it: not the job's to keep
+                elif st.st_size != f.size:  # its size only: times change without a byte (git's utime)
+                    error = f"{f.name} changed size while it was copied (truncated by path)"
             f.error, f.done = error or f.error, True
             waiters, f.waiters = f.waiters, []
             self._waiting.discard(f)
@@ -187,12 +211,43 @@ class Group:
                 self._note_gated()
                 if not self.broken:  # its later opens are nobody's business
                     _libc.fanotify_mark(self._fan, FAN_MARK_REMOVE, FAN_OPEN_PERM, f.src, None)
+                    if f.handle is not None and self._changes is not None:
+                        self._changes.unmark(f.src)
+                if f.handle is not None and self._handles.get(f.handle) is f:
+                    del self._handles[f.handle]
             os.close(f.src)
             f.src = -1
             for fd, _ in waiters:
                 self._allow(fd)
 
     # ------------------------------------------------------------------ the threads
+
+    def _early(self, f: File) -> bool:
+        """Another process may have changed ``f`` since it was armed: it changed it (an event said
+        so), or an open of it went through before its copy ended (here or by the keeper)."""
+        return f.early or self.answered() != f.answered
+
+    def _drain(self) -> None:
+        """Read the changes pending now, from a thread other than the answering one."""
+        if not self.broken:
+            try:
+                self._read_changes()
+            except OSError:
+                pass  # the group failed open meanwhile
+
+    def _read_changes(self) -> None:
+        """Each gated file changed by a process outside its job (the agent aside) is not the job's
+        to keep; one changed by the job is left to its copy's size check."""
+        if self._changes is None:
+            return
+        changed, _ = self._changes.read()  # lost ones: the size check decides, as without the group
+        for handle, pid in changed:
+            if pid == self.pid:
+                continue
+            with self._lock:
+                f = self._handles.get(handle)
+            if f is not None and not f.done and not f.batch.holds(pid):
+                f.early = True
 
     def _beat(self) -> None:
         struct.pack_into("=q", self._page, 0, time.monotonic_ns())
@@ -222,6 +277,8 @@ class Group:
             poller = select.poll()
             poller.register(self._fan, select.POLLIN)
             poller.register(self._wake_r, select.POLLIN)
+            if self._changes is not None:
+                poller.register(self._changes.fd, select.POLLIN)
             while True:
                 with self._lock:
                     deadline = min((d for f in self._waiting for _, d in f.waiters), default=None)
@@ -232,18 +289,20 @@ class Group:
                     timeout = BEAT_MS if timeout is None else min(timeout, BEAT_MS)
                 ready = {fd for fd, _ in poller.poll(timeout)}
                 self._beat()
+                if self.broken:
+                    return  # failed open, or closed: its descriptors are gone
                 if self.fault is not None:
                     self.fault()
                 if self._fan in ready:
                     self._read_events()
+                if self._changes is not None and self._changes.fd in ready:
+                    self._read_changes()
                 self._expire()
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 64)
                     except BlockingIOError:
                         pass
-                    if self.broken:
-                        return
         except BaseException as exc:  # noqa: BLE001 - never the host's opens: fail open, then say why
             self.fail_open(f"its answering thread failed: {exc!r}")
             log.error("the file gate failed open: %r; the epochs it gated fail", exc)
@@ -325,6 +384,8 @@ class Group:
                 os.close(fd)
             except OSError:
                 pass
+        if self._changes is not None:
+            self._changes.close()
         self._wake()
 
     def reap(self) -> None:
