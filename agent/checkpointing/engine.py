@@ -342,6 +342,14 @@ class Engine:
                 await asyncio.to_thread(_remove, workdir, images)
 
     async def _restore(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str], dict[str, float]]:
+        try:
+            return await self._restore_steps(ctx)
+        finally:
+            for fd in ctx.pass_fds:  # criu's now, or nobody's
+                os.close(fd)
+            ctx.pass_fds.clear()
+
+    async def _restore_steps(self, ctx: RestoreContext) -> tuple[int, Manifest, list[str], dict[str, float]]:
         for step in self.steps:
             await step.before_restore(ctx)
         pidfile = ctx.workdir / "pid"
@@ -357,7 +365,7 @@ class Engine:
         verdict: list[BaseException | None] = []
         checking = asyncio.ensure_future(check_before_resume(self.steps, ctx, shake, verdict))
         try:
-            done = await procs.run(argv, self.criu_timeout_s)
+            done = await procs.run(argv, self.criu_timeout_s, pass_fds=tuple(ctx.pass_fds))
         finally:
             watch.stop()
             checking.cancel()

@@ -10,8 +10,10 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from revenant.agent.files import (aside, jobfiles_restore, remade, workdir, workdir_packs, workdir_restore,
-                                  workdir_scan)
+import msgspec
+
+from revenant.agent.files import (aside, jobfiles_restore, remade, usersockets, workdir, workdir_packs,
+                                  workdir_restore, workdir_scan)
 from revenant.agent.files.jobfiles import Snapshot, SnapshotResult, eligible_workdir
 from revenant.agent.network import criuimages, netstate
 from revenant.agent.pipeline.steps import BaseStep, DumpContext, RestoreContext
@@ -207,6 +209,7 @@ class JobFilesStep(BaseStep):
                 notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot, ctx.files))
             return notes
         ctx.notes += await asyncio.to_thread(put_back)
+        await _user_sockets(ctx)
 
     async def before_resume(self, ctx: RestoreContext) -> None:
         done = ctx.checked.get(self.name) or []
@@ -218,3 +221,26 @@ class JobFilesStep(BaseStep):
 
     def inspect(self, pid: int) -> list[JobResource]:
         return remade.inspect(pid)
+
+
+async def _user_sockets(ctx: RestoreContext) -> None:
+    """The epoch's listening sockets made again by the job's user, for criu to inherit, and its
+    images without their names (agent/files/usersockets.py): after the put-back, which moves
+    aside what appeared in the workdir since the epoch."""
+    try:
+        sockets = await asyncio.to_thread(usersockets.read, ctx.epoch_dir)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise EpochError(f"restore of job {ctx.job} refused: unreadable {usersockets.USER_SOCKETS}: {exc}") from None
+    if not sockets:
+        return
+    images = ctx.images or ctx.epoch_dir
+    shadow = ctx.workdir / "images-named-by-user"
+    try:
+        await asyncio.to_thread(usersockets.shadow, images, shadow, {sk.ino for sk in sockets})
+        fds = await asyncio.to_thread(usersockets.make, sockets)
+    except (OSError, IndexError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise EpochError(f"restore of job {ctx.job} refused: cannot make its socket again as its user: {why}") from None
+    ctx.pass_fds += fds
+    ctx.images = shadow
+    ctx.criu_args = (*ctx.criu_args, *usersockets.inherit_args(sockets, fds))

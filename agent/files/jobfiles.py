@@ -45,6 +45,7 @@ import msgspec
 from revenant.agent.files import remade, workdir_scan
 from revenant.agent.files.workdir_scan import ASIDE_PREFIX, UNTRACKED  # noqa: F401 - known here
 from revenant.agent.files.remade import REMADE
+from revenant.agent.files.usersockets import USER_SOCKETS
 from revenant.agent.processes.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
 from revenant.agent.storage.epochs import FILES_DIR, LISTING, EpochError, JobFile
 from revenant.agent.storage.fileio import copy_bytes, reflink
@@ -235,11 +236,13 @@ class Snapshot:
 
     def take(self) -> None:
         """The snapshot itself (the job is frozen): open files, their copies, the workdir listing."""
-        why, again = remade.refusal(self.root, self.epoch_tmp)
+        why, again, sockets = remade.refusal(self.root, self.epoch_tmp)
         if why:
             self.result.error = why
             raise EpochError(why)
         self._write(REMADE, again)
+        if sockets:
+            self._write(USER_SOCKETS, sockets)
         files = open_for_writing(self.root)
         copies = self.epoch_tmp / FILES_DIR
         for i, (path, of) in enumerate(sorted(files.items())):

@@ -15,7 +15,9 @@ not root's alone (:func:`refusal`): every directory from ``/`` to it must be roo
 by no one else; only the job's private ``/tmp`` and ``/dev/shm`` are exempt (nobody else reaches
 them while criu restores, as root, into the job's own mount namespace).  It refuses a job with
 descriptors in flight outright.  The paths go into the epoch (REMADE), and the restoring node
-checks them again before criu runs (:func:`recheck`): its directories are its own.
+checks them again before criu runs (:func:`recheck`): its directories are its own.  One
+exception: a listening socket of a user's process there is made again by that user instead
+(agent/files/usersockets.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent.files import beneath
+from revenant.agent.files import beneath, usersockets
 from revenant.agent.pipeline import criuproto
 from revenant.agent.processes.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
 from revenant.messages import JobResource
@@ -44,6 +46,7 @@ SK_QUEUES = "sk-queues.img"
 # and makes them again by their own means, never at a path.
 UNNAMED = ("/memfd:", "/SYSV")
 _DELETED = " (deleted)"
+SOCKET = "a unix socket bound to"
 _SIOCUNIXFILE = 0x89E0  # an O_PATH descriptor of the file a unix socket is bound to (Linux 6.0)
 
 
@@ -93,7 +96,7 @@ def _socket_file(pidfd: int, fd: int) -> str | None:
         os.close(mine)
 
 
-def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
+def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[int, str], int]) -> None:
     for name in ("cwd", "root", "exe"):
         try:
             gone = deleted_path(os.readlink(f"/proc/{pid}/{name}"))
@@ -123,7 +126,8 @@ def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
             if not target.startswith("socket:["):
                 found.append(("a named FIFO,", target, pid))
             elif unix and (bound := _socket_file(pidfd, int(fd))) is not None:
-                found.append(("a unix socket bound to", bound, pid))
+                found.append((SOCKET, bound, pid))
+                inos[(pid, bound)] = int(target[len("socket:["):-1])
     finally:
         os.close(pidfd)
     try:
@@ -137,12 +141,13 @@ def _in_process(pid: int, found: list[tuple[str, str, int]]) -> None:
         pass
 
 
-def made_again_by_path(root: int) -> list[tuple[str, str, int]]:
+def made_again_by_path(root: int, inos: dict[tuple[int, str], int] | None = None) -> list[tuple[str, str, int]]:
     """(what, path, pid) for each thing the job holds that criu makes again by path (module
-    docstring); paths as the holder's mount namespace sees them (``/proc/<pid>/root`` reaches them)."""
+    docstring); paths as the holder's mount namespace sees them (``/proc/<pid>/root`` reaches them).
+    ``inos``: filled with each socket's inode, by (pid, path)."""
     found: list[tuple[str, str, int]] = []
     for pid in job_pids(root):
-        _in_process(pid, found)
+        _in_process(pid, found, {} if inos is None else inos)
     return found
 
 
@@ -181,25 +186,41 @@ def _why(what: str, path: str, where: str) -> str:
             "the job's own /tmp, or (a socket) the abstract namespace")
 
 
-def refusal(root: int, images: Path) -> tuple[str, list[list[str]]]:
+def refusal(root: int, images: Path) -> tuple[str, list[list[str]], list[usersockets.UserSocket]]:
     """Why the job (its init ``root``, frozen, its dump in ``images``) cannot be restored safely
-    ("" if it can), and the paths to check again at the restore: [what, path] each."""
+    ("" if it can), the paths to check again at the restore ([what, path] each), and the
+    listening sockets of a user's process in a directory others than root may change, which the
+    restore makes as that user instead (agent/files/usersockets.py)."""
     n = queued_descriptors(images)
     if n:
         return (f"the job has descriptors in flight in a unix socket's queue ({n} message(s) carrying "
-                "SCM_RIGHTS): criu would open them again as root, by path, at a restore"), []
+                "SCM_RIGHTS): criu would open them again as root, by path, at a restore"), [], []
     private = private_devs(root)
     recheck: list[list[str]] = []
+    inos: dict[tuple[int, str], int] = {}
+    users: dict[int, tuple[str, int, int]] = {}
     try:
-        found = made_again_by_path(root)
+        found = made_again_by_path(root, inos)
     except Unreadable as exc:
-        return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", []
+        return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", [], []
     for what, path, pid, where in _judged(found, private):
-        if where is not None:
-            return _why(what, path, where), []
-        if not _on(path, pid, private):
+        if where is not None and what == SOCKET and (ids := _users(pid)) is not None:
+            users[inos[(pid, path)]] = (path, *ids)
+        elif where is not None:
+            return _why(what, path, where), [], []
+        elif not _on(path, pid, private):
             recheck.append([what, path])
-    return "", recheck
+    sockets, why = usersockets.planned(images, users) if users else ([], "")
+    return why, ([] if why else recheck), sockets
+
+
+def _users(pid: int) -> tuple[int, int] | None:
+    """(uid, gid) of ``pid`` if it is not root's (its sockets can be made by it), else None."""
+    try:
+        uid, gid = usersockets.holder_ids(pid)
+    except (OSError, ValueError):
+        return None
+    return (uid, gid) if uid > 0 and gid >= 0 else None
 
 
 def _judged(found: list[tuple[str, str, int]], private: set[int]) -> Iterator[tuple[str, str, int, str | None]]:
@@ -230,9 +251,13 @@ def inspect(root: int) -> list[JobResource]:
     except Unreadable as exc:
         return [JobResource(kind="socket", what=exc.strerror or "a socket", verdict="blocking",
                             reason="the agent cannot inspect it")]
-    for what, path, _, where in _judged(found, private):
+    for what, path, pid, where in _judged(found, private):
         kind = "socket" if "socket" in what else "file"
-        if where is not None:
+        if where is not None and what == SOCKET and _users(pid) is not None:
+            out.append(JobResource(kind=kind, what=f"{what} {path}", verdict="carried",
+                                   reason="made again at its path by the job's user at the restore, if it listens "
+                                          "(agent/files/usersockets.py)"))
+        elif where is not None:
             out.append(JobResource(kind=kind, what=f"{what.rstrip(',')} {path}", verdict="blocking",
                                    reason=f"{where} can be changed by a user other than root: criu would make it "
                                           "again there as root at a restore"))

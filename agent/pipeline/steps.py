@@ -92,6 +92,8 @@ class RestoreContext:
     keep_connections: bool = False
     # More of criu restore's arguments (RestoreAsk.criu_args).
     criu_args: tuple[str, ...] = ()
+    # Descriptors criu restore inherits (its --inherit-fd arguments, in criu_args): closed here once it ran.
+    pass_fds: list[int] = field(default_factory=list)
 
 
 class Step(Protocol):

@@ -262,13 +262,15 @@ class Completed:
 
 
 async def run(argv: list[str], timeout_s: float, *, cwd: str | None = None,
-              env: dict[str, str] | None = None, umask: int | None = None) -> Completed:
+              env: dict[str, str] | None = None, umask: int | None = None,
+              pass_fds: tuple[int, ...] = ()) -> Completed:
     """Run a command to completion, stdout and stderr merged; kill it on timeout or cancellation.
-    ``umask``: the child's (criu dumping private images), else the agent's own."""
+    ``umask``: the child's (criu dumping private images), else the agent's own.  ``pass_fds``:
+    descriptors it inherits (criu restore's --inherit-fd)."""
     with tempfile.TemporaryFile() as out:
         # die_with_parent: a criu must not outlive the agent that would commit or undo its work.
         proc = spawn(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                     cwd=cwd, env=env, close_fds=True, preexec_fn=die_with_parent,
+                     cwd=cwd, env=env, close_fds=True, pass_fds=pass_fds, preexec_fn=die_with_parent,
                      umask=-1 if umask is None else umask)
         waiter = asyncio.ensure_future(_waiter(proc))
         try:

@@ -7,17 +7,26 @@ checked with their own clients (docs/cli.md, "A job's own files"):
   server takes writes again.  Its relation files are written by its checkpointer and closed: only
   the working directory's snapshot brings them back as the epoch had them.
 
-PostgreSQL refuses to run as root, and criu cannot dump another user's job on hosts whose root
-lacks CAP_SYS_RESOURCE (these test machines: docs/security.md), so the server runs as root
-through tests/jobs/notroot.c, a preload that answers getuid/geteuid with the data directory's
-owner.  Once non-root jobs are checkpointable here, this runs as the `postgres` user instead.
+PostgreSQL runs as root here through tests/jobs/notroot.c (a preload that answers getuid/geteuid
+with the data directory's owner), on TCP; and as its own user, `postgres`, with its socket in its
+data directory, which the restore makes again as that user (agent/files/usersockets.py), psql
+reaching it there.
 """
 
 from __future__ import annotations
 
+import os
+import pwd
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import psutil
 import pytest
 
 from pgserver import Postgres
+from revenant.agent.storage.epochs import USER_SOCKETS
 from test_network_jobs import kill_node, running_on, show, submit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.workloads]
@@ -71,3 +80,50 @@ def test_postgres_holds_exactly_each_epochs_rows_after_a_move_a_failover_and_a_r
     for aside in pg.workdir.glob("revenant-after-epoch-*"):
         for path in aside.rglob("*"):
             assert not (path.is_file() and path.relative_to(aside).parts[:2] == ("data", "base")), path
+
+
+def test_postgres_as_its_own_user_with_its_socket_in_its_data_directory_survives_a_move_and_a_failover(
+        make_cluster):
+    """Issue 44's last refusal: the server as ``postgres``, listening on ``.s.PGSQL.<port>`` in its
+    data directory (the user's), through a create, a move and a failover, checked with psql over
+    that socket: the socket made again by the user each time, never by root."""
+    postgres = pwd.getpwnam("postgres")
+    base = Path(tempfile.mkdtemp(prefix="revenant-pg-", dir="/var/tmp"))  # the user searches its way
+    base.chmod(0o755)
+    try:
+        pg = Postgres(base, user="postgres")
+        sock = pg.data / f".s.PGSQL.{pg.port}"
+        cluster = make_cluster(2)
+        job = submit(cluster, *pg.argv(), extra=("--user", "postgres", "--workdir", str(pg.workdir),
+                                                 "--max-epochs", "5"))
+        running_on(cluster, job, "node-1")
+        pg.sql("create table t (id int primary key, v text)")
+        pg.insert(1, 1000)
+        pg.sql("checkpoint")
+        first = list(range(1, 1001))
+        cluster.cli("checkpoint", "create", job)  # epoch 1: refused before, for the socket
+        cluster.cli("checkpoint", "vacate", job)  # epoch 2
+        cluster.cli("checkpoint", "restart", job, "--node", "node-2")
+        running_on(cluster, job, "node-2")
+        check_restored(pg, first, 9001)
+        server = psutil.Process(show(cluster, job)["pid"]).children(recursive=True)
+        assert server and all(p.uids().effective == postgres.pw_uid for p in server), server
+        st = os.lstat(sock)
+        assert stat.S_ISSOCK(st.st_mode) and st.st_uid == postgres.pw_uid, st
+
+        pg.insert(2001, 3000)
+        pg.sql("checkpoint")
+        at_epoch = first + list(range(2001, 3001))
+        cluster.cli("checkpoint", "create", job)  # epoch 3
+        pg.insert(3001, 3001)
+        pg.sql("checkpoint")  # written after the epoch: the epoch's file must come back
+        kill_node(cluster, "node-2", show(cluster, job)["pid"])
+        running_on(cluster, job, "node-1", timeout=90)
+        check_restored(pg, at_epoch, 9002)
+        assert os.lstat(sock).st_uid == postgres.pw_uid
+        kinds = [(e.get("kind"), e.get("node")) for e in cluster.events() if e.get("job") == job]
+        assert ("restored", "node-2") in kinds and ("restored", "node-1") in kinds, kinds
+        made = sorted(p.parent.name for p in cluster.dir.rglob(f"jobs/{job}/epochs/*/{USER_SOCKETS}"))
+        assert made == ["1", "2", "3"], made  # each epoch's socket made by the user at its restore
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
