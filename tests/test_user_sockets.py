@@ -2,7 +2,8 @@
 checkpointed, and its socket made again at the restore by the user, never by root: a vacate and a
 restore on another node (two supervisors on one storage) answer on the same path, the socket
 file the user's with its mode; a directory on its way swapped for a link into root's directory
-makes the restore fail as the user would, creating nothing there; a connection waiting to be
+makes the restore fail as the user would, touching nothing there; a connection the job accepted
+from itself is carried (criu joins it to its peer, given no name); a connection waiting to be
 accepted at the dump (the job's own: one from outside the job is dropped, as criu drops it)
 fails that checkpoint only.  A root's job there is still refused
 (tests/test_security_remade.py)."""
@@ -21,29 +22,43 @@ import pytest
 from helpers import until
 from test_job_user import PYTHON, test_user  # noqa: F401 - the fixture: an unprivileged user
 
-from revenant.agent.storage.epochs import USER_SOCKETS, JobFiles
+from revenant.agent.files import usersockets
+from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec
 
 pytestmark = pytest.mark.criu
 
 SERVER = """import os, select, socket, sys, time
-path, accept = sys.argv[1], sys.argv[2] == "accept"
+path, mode = sys.argv[1], sys.argv[2]
 if os.path.lexists(path):
     os.unlink(path)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.bind(path)
 os.chmod(path, 0o770)
 s.listen(8)
-s.setblocking(False)
-if sys.argv[2] == "self":  # a connection of its own, never accepted
+pair = None
+if mode == "deleted":  # a first listener, its file deleted, then this one bound at the same path
+    old = s
+    os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.listen(8)
+if mode in ("self", "pair"):  # a connection of its own: never accepted, or accepted and used each step
     me = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     me.connect(path)
+    if mode == "pair":
+        pair, _ = s.accept()  # named as its listener: getsockname() says path
+s.setblocking(False)
 n = 0
 while True:
     n += 1
+    if pair is not None:
+        me.sendall(b"x")
+        if pair.recv(1) != b"x":
+            print("INCONSISTENT", flush=True)
     print(n, flush=True)
-    if accept and select.select([s], [], [], 0.02)[0]:
+    if mode in ("accept", "pair") and select.select([s], [], [], 0.02)[0]:
         c, _ = s.accept()
         c.setblocking(True)
         c.sendall(f"pong {os.getuid()}\\n".encode())
@@ -76,11 +91,13 @@ def ping(path: Path) -> str:
 
 
 def counts(out: Path) -> list[int]:
-    return [int(line) for line in out.read_text().split()]
+    text = out.read_text()
+    assert "INCONSISTENT" not in text
+    return [int(line) for line in text.split()]
 
 
-def _spec(place: Path, user, accept: str = "accept") -> JobSpec:
-    return JobSpec(id="1", argv=[PYTHON, str(place / "wd" / "server.py"), str(place / "run" / "sock"), accept],
+def _spec(place: Path, user, mode: str = "pair") -> JobSpec:
+    return JobSpec(id="1", argv=[PYTHON, str(place / "wd" / "server.py"), str(place / "run" / "sock"), mode],
                    workdir=str(place / "wd"), user=user.name)
 
 
@@ -94,7 +111,15 @@ async def test_a_users_listening_socket_comes_back_made_by_the_user_on_another_n
     await n1.checkpoint("1", 1, stop=True)
     await until(lambda: "1" not in n1.jobs)
     [epoch] = JobFiles(n1.storage, "1").committed()
-    assert (JobFiles(n1.storage, "1").epoch_dir(epoch) / USER_SOCKETS).is_file()
+    epoch_dir = JobFiles(n1.storage, "1").epoch_dir(epoch)
+    taken = usersockets.read(epoch_dir)
+    assert [sk.path for sk in taken.make] == [str(sock)] and len(taken.nameless) == 1, taken  # its accepted one
+    # What criu is given names neither the listener nor the connection it accepted: criu
+    # neither unlinks nor binds anything at that path.
+    usersockets.shadow(epoch_dir, place / "shadow", taken)
+    names = {usersockets._name(sk) for sk in usersockets._unix_sockets(epoch_dir).values()}
+    assert str(sock) in names  # the dump's own images
+    assert str(sock) not in {usersockets._name(sk) for sk in usersockets._unix_sockets(place / "shadow").values()}
     with pytest.raises(ConnectionRefusedError):  # the old socket file stays, with no one listening
         ping(sock)
     await n2.restore(spec, 2)
@@ -122,7 +147,11 @@ async def test_a_directory_swapped_for_a_link_to_roots_makes_the_restore_fail_as
     await until(lambda: len(counts(out)) >= 5)
     await n1.checkpoint("1", 1, stop=True)
     await until(lambda: "1" not in n1.jobs)
-    # What the user could do at any moment of a restore: its directory now leads into root's.
+    # What the user could do at any moment of a restore: its directory now leads into root's,
+    # where root has a socket of the same name.
+    roots = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    roots.bind(str(place / "root-only" / "sock"))
+    roots.close()
     os.rename(place / "run", place / "run.orig")
     os.symlink(place / "root-only", place / "run")
     with pytest.raises(RevenantError) as refused:
@@ -130,24 +159,31 @@ async def test_a_directory_swapped_for_a_link_to_roots_makes_the_restore_fail_as
     why = str(refused.value)
     assert "cannot make its socket again as its user" in why and "Permission denied" in why, why
     assert len(why.splitlines()) == 1
-    assert os.listdir(place / "root-only") == []  # nothing made there, and nothing unlinked
+    assert os.listdir(place / "root-only") == ["sock"]  # nothing made there, nothing unlinked
+    assert os.lstat(place / "root-only" / "sock").st_uid == 0
     os.unlink(place / "run")
     os.rename(place / "run.orig", place / "run")
     await n1.restore(spec, 3)
     assert ping(place / "run" / "sock") == f"pong {test_user.uid}"
 
 
-async def test_a_connection_of_the_jobs_own_waiting_to_be_accepted_fails_that_checkpoint_and_the_job_runs_on(
-        place, supervisors, test_user):
-    """criu would connect it again by the socket's name, which the restore no longer gives it."""
+@pytest.mark.parametrize("mode", ["self", "deleted"])
+async def test_what_criu_would_still_make_by_the_name_fails_that_checkpoint_and_the_job_runs_on(
+        place, supervisors, test_user, mode):
+    """A connection of the job's own waiting to be accepted (criu would connect it again by the
+    socket's name), or a listener deleted and another bound at its path (criu would bind the
+    first again there, as root)."""
     n1 = supervisors("n1", allow_root_jobs=False)
-    await n1.start(_spec(place, test_user, accept="self"), 1)
+    await n1.start(_spec(place, test_user, mode=mode), 1)
     out = JobFiles(n1.storage, "1").output
     await until(lambda: len(counts(out)) >= 5)
     with pytest.raises(RevenantError) as refused:
         await n1.checkpoint("1", 1, stop=True)
     why = str(refused.value)
-    assert f"a connection to the job's socket {place / 'run' / 'sock'} was waiting to be accepted" in why, why
+    sock = place / "run" / "sock"
+    want = (f"a connection to the job's socket {sock} was waiting to be accepted" if mode == "self"
+            else f"the job holds a unix socket bound to {sock}, deleted since")
+    assert want in why, why
     assert len(why.splitlines()) == 1
     assert JobFiles(n1.storage, "1").committed() == []
     at = len(counts(out))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -14,6 +15,7 @@ import msgspec
 
 from revenant.agent.files import (aside, jobfiles_restore, remade, usersockets, workdir, workdir_packs,
                                   workdir_restore, workdir_scan)
+from revenant.agent.files.gate import firstwrites
 from revenant.agent.files.jobfiles import Snapshot, SnapshotResult, eligible_workdir
 from revenant.agent.network import criuimages, netstate
 from revenant.agent.pipeline.steps import BaseStep, DumpContext, RestoreContext
@@ -122,6 +124,10 @@ class JobFilesStep(BaseStep):
             taker, fresh = taking.take, taking.fresh
             # Listed now, while the job runs: the freeze visits its directories only.
             pre = await asyncio.to_thread(_scan_before, ctx.job_workdir, self.storage, self.max_entries, taking)
+            if pre is not None:  # from now on a first write of the job's to one of them is journaled
+                cold = {rel: (st.st_ino, st.st_size) for rel, st in pre.stats.items()
+                        if stat.S_ISREG(st.st_mode) and st.st_ctime_ns < since}
+                await _watch(ctx.job, ctx.pid, ctx.files, ctx.job_workdir, cold)
         snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
                         max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
                         taker=taker, pre=pre, fresh=fresh)
@@ -206,12 +212,18 @@ class JobFilesStep(BaseStep):
             notes += aside.move_aside(m, ctx.epoch_dir, self.max_entries, leave=ctx.leave_workdir,
                                       snapshot=frozenset(snapshot or ()))
             if snapshot and os.path.isdir(m.workdir):  # after what appeared since went aside
-                notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot, ctx.files))
+                firsts = firstwrites.first_writes(ctx.files.dir / firstwrites.JOURNAL, m.created_at)
+                notes += workdir_restore.apply(workdir_restore.plan(m, ctx.epoch_dir, snapshot, ctx.files, firsts))
             return notes
         ctx.notes += await asyncio.to_thread(put_back)
         await _user_sockets(ctx)
 
     async def before_resume(self, ctx: RestoreContext) -> None:
+        m = ctx.manifest
+        if m.workdir_files and not m.workdir_note and m.workdir:  # before the job runs again: its first writes
+            snapshot = await asyncio.to_thread(workdir.read, ctx.epoch_dir)
+            cold = {rel: (rec.ino, rec.size) for rel, rec in (snapshot or {}).items() if not rec.copy and not rec.racy}
+            await _watch(ctx.job, ctx.pid, ctx.files, m.workdir, cold)
         done = ctx.checked.get(self.name) or []
         path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir,
                                        bool(ctx.manifest.job_files), str(ctx.workdir))
@@ -223,24 +235,32 @@ class JobFilesStep(BaseStep):
         return remade.inspect(pid)
 
 
+async def _watch(job: str, root: int, files: JobFiles, job_workdir: str, cold: dict[str, tuple[int, int]]) -> None:
+    """The job's first writes to ``cold`` journaled from now on (agent/files/gate/firstwrites.py)."""
+    watcher = firstwrites.shared()
+    if watcher is not None and cold:
+        await asyncio.to_thread(watcher.watch, job, root, files.dir / firstwrites.JOURNAL, job_workdir, cold)
+
+
 async def _user_sockets(ctx: RestoreContext) -> None:
-    """The epoch's listening sockets made again by the job's user, for criu to inherit, and its
-    images without their names (agent/files/usersockets.py): after the put-back, which moves
-    aside what appeared in the workdir since the epoch."""
+    """The epoch's sockets taken from the job's user: its listening ones made again by the user,
+    for criu to inherit, and its images without their names, nor those of the connections they
+    accepted (agent/files/usersockets.py); after the put-back, which moves aside what appeared in
+    the workdir since the epoch."""
     try:
-        sockets = await asyncio.to_thread(usersockets.read, ctx.epoch_dir)
+        taken = await asyncio.to_thread(usersockets.read, ctx.epoch_dir)
     except (OSError, msgspec.DecodeError) as exc:
         raise EpochError(f"restore of job {ctx.job} refused: unreadable {usersockets.USER_SOCKETS}: {exc}") from None
-    if not sockets:
+    if not taken.make and not taken.nameless:
         return
     images = ctx.images or ctx.epoch_dir
     shadow = ctx.workdir / "images-named-by-user"
     try:
-        await asyncio.to_thread(usersockets.shadow, images, shadow, {sk.ino for sk in sockets})
-        fds = await asyncio.to_thread(usersockets.make, sockets)
+        await asyncio.to_thread(usersockets.shadow, images, shadow, taken)
+        fds = await asyncio.to_thread(usersockets.make, taken.make)
     except (OSError, IndexError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise EpochError(f"restore of job {ctx.job} refused: cannot make its socket again as its user: {why}") from None
     ctx.pass_fds += fds
     ctx.images = shadow
-    ctx.criu_args = (*ctx.criu_args, *usersockets.inherit_args(sockets, fds))
+    ctx.criu_args = (*ctx.criu_args, *usersockets.inherit_args(taken.make, fds))

@@ -241,7 +241,7 @@ class Snapshot:
             self.result.error = why
             raise EpochError(why)
         self._write(REMADE, again)
-        if sockets:
+        if sockets.make or sockets.nameless:
             self._write(USER_SOCKETS, sockets)
         files = open_for_writing(self.root)
         copies = self.epoch_tmp / FILES_DIR

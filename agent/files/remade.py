@@ -96,7 +96,7 @@ def _socket_file(pidfd: int, fd: int) -> str | None:
         os.close(mine)
 
 
-def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[int, str], int]) -> None:
+def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[int, str], set[int]]) -> None:
     for name in ("cwd", "root", "exe"):
         try:
             gone = deleted_path(os.readlink(f"/proc/{pid}/{name}"))
@@ -127,7 +127,7 @@ def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[in
                 found.append(("a named FIFO,", target, pid))
             elif unix and (bound := _socket_file(pidfd, int(fd))) is not None:
                 found.append((SOCKET, bound, pid))
-                inos[(pid, bound)] = int(target[len("socket:["):-1])
+                inos.setdefault((pid, bound), set()).add(int(target[len("socket:["):-1]))
     finally:
         os.close(pidfd)
     try:
@@ -141,10 +141,10 @@ def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[in
         pass
 
 
-def made_again_by_path(root: int, inos: dict[tuple[int, str], int] | None = None) -> list[tuple[str, str, int]]:
+def made_again_by_path(root: int, inos: dict[tuple[int, str], set[int]] | None = None) -> list[tuple[str, str, int]]:
     """(what, path, pid) for each thing the job holds that criu makes again by path (module
     docstring); paths as the holder's mount namespace sees them (``/proc/<pid>/root`` reaches them).
-    ``inos``: filled with each socket's inode, by (pid, path)."""
+    ``inos``: filled with the sockets' inodes, by (pid, path)."""
     found: list[tuple[str, str, int]] = []
     for pid in job_pids(root):
         _in_process(pid, found, {} if inos is None else inos)
@@ -186,31 +186,35 @@ def _why(what: str, path: str, where: str) -> str:
             "the job's own /tmp, or (a socket) the abstract namespace")
 
 
-def refusal(root: int, images: Path) -> tuple[str, list[list[str]], list[usersockets.UserSocket]]:
+def refusal(root: int, images: Path) -> tuple[str, list[list[str]], usersockets.UserSockets]:
     """Why the job (its init ``root``, frozen, its dump in ``images``) cannot be restored safely
-    ("" if it can), the paths to check again at the restore ([what, path] each), and the
-    listening sockets of a user's process in a directory others than root may change, which the
-    restore makes as that user instead (agent/files/usersockets.py)."""
+    ("" if it can), the paths to check again at the restore ([what, path] each), and the sockets
+    of a user's processes in a directory others than root may change that the restore takes
+    from that user instead (listening: made by the user; connected within the job: nameless for
+    criu; agent/files/usersockets.py)."""
     n = queued_descriptors(images)
+    none = usersockets.UserSockets()
     if n:
         return (f"the job has descriptors in flight in a unix socket's queue ({n} message(s) carrying "
-                "SCM_RIGHTS): criu would open them again as root, by path, at a restore"), [], []
+                "SCM_RIGHTS): criu would open them again as root, by path, at a restore"), [], none
     private = private_devs(root)
     recheck: list[list[str]] = []
-    inos: dict[tuple[int, str], int] = {}
+    inos: dict[tuple[int, str], set[int]] = {}
     users: dict[int, tuple[str, int, int]] = {}
     try:
         found = made_again_by_path(root, inos)
     except Unreadable as exc:
-        return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", [], []
+        return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", [], none
     for what, path, pid, where in _judged(found, private):
         if where is not None and what == SOCKET and (ids := _users(pid)) is not None:
-            users[inos[(pid, path)]] = (path, *ids)
+            for ino in inos.get((pid, path), ()):  # every socket of the process bound there, by inode
+                if users.setdefault(ino, (path, *ids)) != (path, *ids):
+                    return f"the job's socket bound to {path} is held by processes of different users", [], none
         elif where is not None:
-            return _why(what, path, where), [], []
+            return _why(what, path, where), [], none
         elif not _on(path, pid, private):
             recheck.append([what, path])
-    sockets, why = usersockets.planned(images, users) if users else ([], "")
+    sockets, why = usersockets.planned(images, users) if users else (none, "")
     return why, ([] if why else recheck), sockets
 
 

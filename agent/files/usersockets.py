@@ -9,7 +9,8 @@ listening socket of a process that is not root's, revenant instead:
 
 * at the dump (the job frozen), records the socket from criu's own image (``files.img``): its
   inode, path, owner, mode, group, backlog and blocking mode (:func:`planned`); a socket that
-  does not listen, was deleted, or has a connection waiting to be accepted is still refused;
+  does not listen, was deleted, or has a connection of the job's own waiting to be accepted is
+  still refused, and so is any other socket the images name at that path;
 * at the restore, makes the socket with the job's user's credentials (:func:`make`: a thread of
   the agent's own, its credentials the user's, so every path is resolved, checked and created as
   that user: nothing the user could not do themselves), bound, its mode and group set,
@@ -18,9 +19,15 @@ listening socket of a process that is not root's, revenant instead:
 * gives criu images whose ``files.img`` names no path for it (:func:`shadow`): with no name, criu
   neither unlinks nor binds anything there.  The other images are the epoch's own, linked.
 
-What criu would also have set again for such a socket and does not for an inherited one: its
-owner for signals (``F_SETOWN``) and its socket options (buffer sizes, ``SO_PASSCRED``).
-Connections already accepted are the job's own sockets and come back as before.
+A connection the job accepted from one of its own processes keeps its listener's name (what
+``getsockname`` says on it), and criu would unlink that name too: it goes from the images as
+well, and criu joins the connection to its peer as before; after a restore ``getsockname`` on it
+says nothing.  One from outside the job is refused before the dump (agent/pipeline/blockers.py).
+
+What criu would also have set again for a listening socket and does not for an inherited one:
+its owner for signals (``F_SETOWN``) and its socket options (buffer sizes, ``SO_PASSCRED``).
+A thread's change of uid makes the whole process undumpable (the kernel's ``set_dumpable``):
+:func:`make` sets it back.
 """
 
 from __future__ import annotations
@@ -43,13 +50,16 @@ from revenant.agent.storage.epochs import USER_SOCKETS  # in an epoch: a list of
 FILES = "files.img"
 _UNIXSK, _USK = 5, 16  # fd_types.UNIXSK; file_entry.usk (images/fdinfo.proto)
 # unix_sk_entry (images/sk-unix.proto): ino, type, state, flags, backlog, peer, name, file_perms, deleted
-_INO, _TYPE, _STATE, _FLAGS, _BACKLOG, _PEER, _NAME, _PERMS, _DELETED = 2, 3, 4, 5, 7, 8, 11, 13, 15
+_INO, _TYPE, _STATE, _FLAGS, _BACKLOG, _PEER, _NAME, _PERMS, _NAME_DIR, _DELETED = 2, 3, 4, 5, 7, 8, 11, 13, 14, 15
 _LISTEN = 10
 _TYPES = {socket.SOCK_STREAM: "stream", socket.SOCK_SEQPACKET: "seqpacket"}
 # Raw system calls: glibc's setresuid and friends change every thread's credentials; the
 # system calls themselves only the caller's.
 _SYSCALLS = {"x86_64": (117, 119, 116), "aarch64": (147, 149, 159)}  # setresuid, setresgid, setgroups
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
+MAKE_S = 30.0  # how long making one socket may take (a bind on a hung filesystem never returns)
 
 
 class UserSocket(msgspec.Struct, frozen=True):
@@ -62,6 +72,15 @@ class UserSocket(msgspec.Struct, frozen=True):
     type: int  # socket.SOCK_STREAM or SOCK_SEQPACKET
     backlog: int
     nonblock: bool
+
+
+class UserSockets(msgspec.Struct, kw_only=True):
+    """What an epoch's restore takes from the job's user rather than root (``user-sockets.json``)."""
+
+    make: list[UserSocket] = []  # listening: made by the user
+    # Connected to a peer of the job's and named where a user may change things (an accepted
+    # connection keeps its listener's name): criu joins it to its peer; the name goes from the images.
+    nameless: list[int] = []
 
 
 def holder_ids(pid: int) -> tuple[int, int]:
@@ -89,44 +108,64 @@ def _unix_sockets(images: Path) -> dict[int, dict[int, int | bytes]]:
     return found
 
 
-def planned(images: Path, wanted: dict[int, tuple[str, int, int]]) -> tuple[list[UserSocket], str]:
-    """The sockets ``wanted`` ({inode: (path, uid, gid)}) as the dump in ``images`` recorded
-    them, or why one of them cannot be made again by its user ("" if all can)."""
+def _name(sk: dict[int, int | bytes]) -> str:
+    """The path a unix_sk_entry is bound to ("" if none, or abstract)."""
+    raw = sk.get(_NAME)
+    name = raw.rstrip(b"\0") if isinstance(raw, bytes) else b""
+    if not name or name.startswith(b"\0"):
+        return ""
+    text = os.fsdecode(name)
+    folder = sk.get(_NAME_DIR)
+    return os.path.join(os.fsdecode(folder), text) if isinstance(folder, bytes) and not text.startswith("/") else text
+
+
+def planned(images: Path, wanted: dict[int, tuple[str, int, int]]) -> tuple[UserSockets, str]:
+    """The sockets ``wanted`` ({inode: (path, uid, gid)}: every socket of a user's process bound
+    where a user may change things) as the dump in ``images`` recorded them, or why one of
+    them cannot be restored without root making it there ("" if all can)."""
     try:
         sockets = _unix_sockets(images)
     except (OSError, IndexError, ValueError) as exc:
-        return [], f"cannot read the dump's {FILES}: {exc}"
-    out = []
+        return UserSockets(), f"cannot read the dump's {FILES}: {exc}"
+    out = UserSockets()
     for ino, (path, uid, gid) in sorted(wanted.items()):
         sk = sockets.get(ino)
         what = f"the job holds a unix socket bound to {path}"
         if sk is None:
-            return [], f"{what}, which criu did not dump"
-        kind, state = sk.get(_TYPE), sk.get(_STATE)
-        if kind not in _TYPES or state != _LISTEN:
-            return [], f"{what} that does not listen"
+            return UserSockets(), f"{what}, which criu did not dump"
         if sk.get(_DELETED):
-            return [], f"{what}, deleted since"
-        if any(other.get(_PEER) == ino for other in sockets.values()):
-            return [], (f"a connection to the job's socket {path} was waiting to be accepted at the dump "
-                        "(criu could not carry it to a socket the job's user makes); the next checkpoint may not")
-        perms = sk.get(_PERMS)
-        perm = dict(fields(perms)) if isinstance(perms, bytes) else {}
-        flags, backlog = sk.get(_FLAGS, 0), sk.get(_BACKLOG, 0)
-        out.append(UserSocket(ino=ino, path=path, uid=uid, gid=gid, mode=int(perm.get(1, 0o755)) & 0o7777,
-                              group=int(perm.get(3, gid)), type=int(kind), backlog=int(backlog),  # type: ignore[arg-type]
-                              nonblock=bool(int(flags) & os.O_NONBLOCK)))  # type: ignore[arg-type]
+            return UserSockets(), f"{what}, deleted since (criu would bind it again there as root)"
+        kind, state, peer = sk.get(_TYPE), sk.get(_STATE), sk.get(_PEER)
+        if kind in _TYPES and state == _LISTEN:
+            if any(other.get(_PEER) == ino for other in sockets.values()):
+                return UserSockets(), (f"a connection to the job's socket {path} was waiting to be accepted at the "
+                                       "dump (criu could not carry it to a socket the job's user makes); the next "
+                                       "checkpoint may not")
+            perms = sk.get(_PERMS)
+            perm = dict(fields(perms)) if isinstance(perms, bytes) else {}
+            flags, backlog = int(sk.get(_FLAGS, 0)), int(sk.get(_BACKLOG, 0))  # type: ignore[arg-type]
+            out.make.append(UserSocket(ino=ino, path=path, uid=uid, gid=gid, mode=int(perm.get(1, 0o755)) & 0o7777,
+                                       group=int(perm.get(3, gid)), type=int(kind),  # type: ignore[arg-type]
+                                       backlog=backlog, nonblock=bool(flags & os.O_NONBLOCK)))
+        elif peer and peer in sockets:
+            out.nameless.append(ino)
+        else:
+            return UserSockets(), f"{what} that does not listen (criu would bind it again there as root)"
+    made = {m.path for m in out.make}
+    for ino, sk in sockets.items():  # what the agent did not see held, criu would make by name
+        if ino not in wanted and (name := _name(sk)) in made:
+            return UserSockets(), f"the job holds another unix socket bound to {name}, which criu would bind as root"
     return out, ""
 
 
-def read(epoch_dir: Path) -> list[UserSocket]:
-    """The epoch's sockets made by their user (none for an epoch without them); raises
-    msgspec.DecodeError if the list is malformed."""
+def read(epoch_dir: Path) -> UserSockets:
+    """The epoch's sockets taken from the job's user (none for an epoch without them); raises
+    msgspec.DecodeError if the file is malformed."""
     try:
         data = (epoch_dir / USER_SOCKETS).read_bytes()
     except FileNotFoundError:
-        return []
-    return msgspec.json.decode(data, type=list[UserSocket])
+        return UserSockets()
+    return msgspec.json.decode(data, type=UserSockets)
 
 
 # ------------------------------------------------------------------ criu's images, without their names
@@ -147,32 +186,45 @@ def _field(number: int, value: int | bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(value)) + value
 
 
-def _nameless(entry: bytes, inos: set[int]) -> bytes:
-    """A file_entry, its unix socket's name (and deleted mark) gone if the socket is one of ``inos``."""
+def _nameless(entry: bytes, inos: set[int], done: set[int], named: set[str]) -> bytes:
+    """A file_entry, its unix socket's name (and deleted mark) gone if the socket is one of
+    ``inos`` (added to ``done``); the name of any other, in ``named``."""
     top = list(fields(entry))
     usk = dict(top).get(_USK)
     if dict(top).get(1) != _UNIXSK or not isinstance(usk, bytes):
         return entry
     sk = list(fields(usk))
-    if dict(sk).get(_INO) not in inos:
+    ino = dict(sk).get(_INO)
+    if ino not in inos:
+        named.add(_name(dict(sk)))
         return entry
+    done.add(int(ino))  # type: ignore[arg-type]
     # Every field of these messages is a varint or length-delimited (no fixed-width ones).
     usk = b"".join(_field(n, b"" if n == _NAME else v) for n, v in sk if n != _DELETED)
     return b"".join(_field(n, usk if n == _USK else v) for n, v in top)
 
 
-def shadow(src: Path, dest: Path, inos: set[int]) -> None:
+def shadow(src: Path, dest: Path, taken: UserSockets) -> None:
     """``dest`` (new): the images of ``src`` for criu, ``files.img`` rewritten without the names
-    of the sockets ``inos``, every other image linked."""
+    of the sockets ``taken`` from the user, every other image linked.  Raises ValueError if one
+    of them is not in the images, or another socket there is named where one is made."""
+    inos = {sk.ino for sk in taken.make} | set(taken.nameless)
     dest.mkdir(mode=0o700)
     for name in os.listdir(src):
         if name != FILES:
             os.symlink(src / name, dest / name)
     data = (src / FILES).read_bytes()
     out = bytearray(data[:HEADER])
+    done: set[int] = set()
+    named: set[str] = set()
     for entry in entries(data):
-        entry = _nameless(entry, inos)
+        entry = _nameless(entry, inos, done, named)
         out += struct.pack("=I", len(entry)) + entry
+    if done != inos:
+        raise ValueError(f"its images hold no unix socket {min(inos - done)}")
+    for sk in taken.make:
+        if sk.path in named:
+            raise ValueError(f"its images hold another unix socket bound to {sk.path}")
     fd = os.open(dest / FILES, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with open(fd, "wb") as f:
         f.write(out)
@@ -188,12 +240,15 @@ def _check(ret: int, what: str) -> None:
 
 def _become(uid: int, gid: int, groups: list[int]) -> None:
     """This thread only: the user's groups, effective gid and uid (the saved ones stay root's, so
-    a thread could come back; this one never does: it ends)."""
+    a thread could come back; this one never does: it ends), and no capability in effect."""
     setresuid, setresgid, setgroups = _SYSCALLS[platform.machine()]
     arr = (ctypes.c_uint * max(len(groups), 1))(*groups)
     _check(_libc.syscall(setgroups, len(groups), arr), "setgroups")
     _check(_libc.syscall(setresgid, -1, gid, -1), "setresgid")
     _check(_libc.syscall(setresuid, -1, uid, -1), "setresuid")
+    with open("/proc/thread-self/status") as f:  # the kernel drops them with the uid, unless securebits keep them
+        if any(line.startswith("CapEff:") and int(line.split()[1], 16) for line in f):
+            raise OSError(0, "capabilities still in effect with the user's uid (securebits?): not made")
 
 
 def _made(sk: UserSocket, groups: list[int]) -> int:
@@ -219,10 +274,39 @@ def _made(sk: UserSocket, groups: list[int]) -> int:
         raise
 
 
+class _Making:
+    """One socket made in a thread of its own, waited for ``MAKE_S`` at most (a user's FUSE
+    directory may never answer): a descriptor that comes later is closed, never handed on."""
+
+    def __init__(self, sk: UserSocket, groups: list[int]) -> None:
+        self.lock = threading.Lock()
+        self.result: int | BaseException | None = None
+        self.abandoned = False
+        self.thread = threading.Thread(target=self._run, args=(sk, groups), name="user-socket", daemon=True)
+
+    def _run(self, sk: UserSocket, groups: list[int]) -> None:
+        try:
+            got: int | BaseException = _made(sk, groups)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            got = exc
+        with self.lock:
+            if self.abandoned and isinstance(got, int):
+                os.close(got)
+            self.result = got
+
+    def wait(self) -> int | BaseException | None:
+        self.thread.start()
+        self.thread.join(MAKE_S)
+        with self.lock:
+            self.abandoned = self.result is None
+            return self.result
+
+
 def make(sockets: list[UserSocket]) -> list[int]:
     """Blocking: each socket made by its user (:func:`_made`); our descriptors of them, to hand to
     criu.  Raises OSError naming the socket that could not be made (those made are closed)."""
     fds: list[int] = []
+    dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0)
     try:
         for sk in sockets:
             if sk.uid == 0:
@@ -231,18 +315,9 @@ def make(sockets: list[UserSocket]) -> list[int]:
                 name = pwd.getpwuid(sk.uid).pw_name
             except KeyError:
                 raise OSError(0, f"{sk.path}: its user (uid {sk.uid}) is unknown on this node") from None
-            groups = os.getgrouplist(name, sk.gid)
-            result: list[int | BaseException] = []
-
-            def run(sk: UserSocket = sk) -> None:
-                try:
-                    result.append(_made(sk, groups))
-                except BaseException as exc:  # noqa: BLE001 - reported by the caller
-                    result.append(exc)
-            t = threading.Thread(target=run, name="user-socket", daemon=True)
-            t.start()
-            t.join()
-            got = result[0]
+            got = _Making(sk, os.getgrouplist(name, sk.gid)).wait()
+            if got is None:
+                raise OSError(0, f"{sk.path}: not made within {MAKE_S:.0f} s")
             if isinstance(got, BaseException):
                 why = got.strerror if isinstance(got, OSError) and got.strerror else str(got)
                 raise OSError(getattr(got, "errno", 0) or 0, f"{sk.path}: {why}")
@@ -251,6 +326,11 @@ def make(sockets: list[UserSocket]) -> list[int]:
         for fd in fds:
             os.close(fd)
         raise
+    finally:
+        # A thread's change of effective uid makes the whole process undumpable (the kernel's
+        # set_dumpable): the agent's core dumps and /proc files are as they were.
+        if dumpable > 0:
+            _libc.prctl(_PR_SET_DUMPABLE, dumpable, 0, 0, 0)
     return fds
 
 

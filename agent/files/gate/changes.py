@@ -20,7 +20,7 @@ import os
 import struct
 
 FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_NOTIF, FAN_REPORT_FID = 0x1, 0x2, 0x0, 0x200
-FAN_MARK_ADD, FAN_MARK_REMOVE = 0x1, 0x2
+FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_MARK_DONT_FOLLOW = 0x1, 0x2, 0x4
 FAN_MODIFY, FAN_Q_OVERFLOW = 0x2, 0x4000
 FAN_EVENT_INFO_TYPE_FID = 1
 AT_EMPTY_PATH = 0x1000
@@ -32,6 +32,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
 _libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
                                     ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+_libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 
 Handle = tuple[int, bytes]  # (handle type, handle): a file, as its events name it
 
@@ -41,11 +42,13 @@ class _FileHandle(ctypes.Structure):
                 ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ)]
 
 
-def handle(fd: int) -> Handle:
-    """The handle of the file behind ``fd``, as a change event of it names it."""
+def handle(fd: int, name: str = "") -> Handle:
+    """The handle of the file behind ``fd`` (or of its entry ``name``, a link not followed), as a
+    change event of it names it."""
     h = _FileHandle(handle_bytes=MAX_HANDLE_SZ)
     mount = ctypes.c_int()
-    if _libc.name_to_handle_at(fd, b"", ctypes.byref(h), ctypes.byref(mount), AT_EMPTY_PATH) < 0:
+    if _libc.name_to_handle_at(fd, os.fsencode(name), ctypes.byref(h), ctypes.byref(mount),
+                               0 if name else AT_EMPTY_PATH) < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return h.handle_type, bytes(h.f_handle[:h.handle_bytes])
@@ -67,14 +70,34 @@ class Changes:
         self._mark(FAN_MARK_ADD, fd)
         return h
 
+    def mark_at(self, dirfd: int, name: str) -> Handle:
+        """Report the changes of the file ``name`` in the directory ``dirfd`` (a link is not
+        followed) from now on; its handle."""
+        h = handle(dirfd, name)
+        self._mark(FAN_MARK_ADD | FAN_MARK_DONT_FOLLOW, dirfd, name)
+        return h
+
     def unmark(self, fd: int) -> None:
         try:
             self._mark(FAN_MARK_REMOVE, fd)
         except OSError:
             pass  # never marked, or the group is closed
 
-    def _mark(self, how: int, fd: int) -> None:
-        if _libc.fanotify_mark(self.fd, how, FAN_MODIFY, fd, None) < 0:
+    def unmark_handle(self, mount_fd: int, h: Handle) -> None:
+        """No more changes of the file ``h`` on the filesystem of ``mount_fd`` (gone: nothing to do)."""
+        fh = _FileHandle(handle_bytes=len(h[1]), handle_type=h[0])
+        ctypes.memmove(fh.f_handle, h[1], len(h[1]))
+        # Not O_PATH: fanotify_mark takes no such descriptor (the handle names a regular file).
+        fd = _libc.open_by_handle_at(mount_fd, ctypes.byref(fh), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd >= 0:
+            try:
+                self.unmark(fd)
+            finally:
+                os.close(fd)
+
+    def _mark(self, how: int, fd: int, name: str | None = None) -> None:
+        path = None if name is None else os.fsencode(name)
+        if _libc.fanotify_mark(self.fd, how, FAN_MODIFY, fd, path) < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
 

@@ -103,6 +103,17 @@ def _parent(pid: int) -> int:
         return 0
 
 
+def descends(pid: int, root: int) -> bool:
+    """``pid`` is ``root`` or a descendant of it (``root`` 0: never)."""
+    for _ in range(64):
+        if pid == root and pid > 0:
+            return True
+        if pid <= 1:
+            return False
+        pid = _parent(pid)
+    return False
+
+
 class CowGate:
     """One checkpoint's files, copied as they were when armed (see the module docstring)."""
 
@@ -115,13 +126,7 @@ class CowGate:
 
     def holds(self, pid: int) -> bool:
         """``pid`` is a process of the job (a descendant of its root)."""
-        for _ in range(64):
-            if pid == self.root and pid > 0:
-                return True
-            if pid <= 1:
-                return False
-            pid = _parent(pid)
-        return False
+        return descends(pid, self.root)
 
     def arm(self, fd: int, dest: str, name: str = "", st: os.stat_result | None = None) -> bool:
         """Gate the file behind ``fd`` (a descriptor of the caller's, read-only, kept by the gate
