@@ -1,8 +1,9 @@
 """PostgreSQL through random failovers: rows lost or resurrected, against the epochs' truth.
 
 On a fresh `revenant up --nodes 2` under /var/tmp, PostgreSQL runs as the job (its data directory
-in the job's working directory; as root through tests/jobs/notroot.c, as
-tests/workloads/test_databases.py explains), driven with psql from outside.  Each round, with a
+in the job's working directory; as root through tests/jobs/notroot.c, on TCP, or with ``--user
+postgres`` as that user, its socket in its data directory, which each restore makes again as the
+user: agent/files/usersockets.py), driven with psql from outside.  Each round, with a
 seeded random choice of sizes:
 
 1. inserts and deletes rows in a few transactions, each acknowledged by psql, sometimes
@@ -19,6 +20,7 @@ Goal (the issue's): 0 rows lost or resurrected across 20 failovers.
 
     .venv/bin/python bench/pg_failover.py                 # 20 failovers
     .venv/bin/python bench/pg_failover.py --rounds 3      # a quick look
+    .venv/bin/python bench/pg_failover.py --user postgres # as its own user (pg_failover_user.json)
 
 Prints a table and writes bench/results/pg_failover.json (or --out).
 """
@@ -100,14 +102,15 @@ def writes(pg: Postgres, rnd: random.Random, present: set[int], next_id: list[in
 
 def run(args: argparse.Namespace) -> dict:
     d = Path(tempfile.mkdtemp(prefix="revenant-bench-pg-", dir=args.base))
+    d.chmod(0o755)  # the job's user searches its way to its data directory
     env = {**os.environ, "REVENANT_AGENT_ALLOW_ROOT_JOBS": "true"}
     rnd = random.Random(args.seed)
     rounds = []
     cluster_up(d / "cluster", 2, env=env)
     try:
-        pg = Postgres(d)
+        pg = Postgres(d, user=args.user)
         job = rv("submit", "--dir", str(d / "cluster"), "--node", "node-1", "--workdir", str(pg.workdir),
-                 "--max-epochs", "3", "--", *pg.argv()).stdout.strip()
+                 *(("--user", args.user) if args.user else ()), "--max-epochs", "3", "--", *pg.argv()).stdout.strip()
         pg.sql("create table t (id int primary key, v text)", timeout=120)
         present: set[int] = set()
         next_id = [1]
@@ -139,7 +142,8 @@ def run(args: argparse.Namespace) -> dict:
         subprocess.run(["rm", "-rf", str(d)], check=False)
     lost = sum(x["lost"] for x in rounds)
     resurrected = sum(x["resurrected"] for x in rounds)
-    return {"rounds": rounds, "failovers": len(rounds), "lost": lost, "resurrected": resurrected,
+    return {"rounds": rounds, "failovers": len(rounds), "user": args.user or "root", "lost": lost,
+            "resurrected": resurrected,
             "seconds_to_rows_median": round(statistics.median(x["seconds_to_rows"] for x in rounds), 2),
             "goal": "0 rows lost or resurrected", "goal_met": lost == 0 and resurrected == 0 and len(rounds) > 0}
 
@@ -149,8 +153,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seed", type=int, default=26)
     p.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "pg_failover.json")
+    p.add_argument("--user", default="", help="run the server as this user (its socket in its data directory)")
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.out is None:
+        args.out = REPO / "bench" / "results" / ("pg_failover_user.json" if args.user else "pg_failover.json")
     try:
         s = run(args)
     except (BenchError, AssertionError, OSError, subprocess.SubprocessError) as exc:
