@@ -266,3 +266,47 @@ async def test_a_daemon_not_ready_in_time_is_killed(tmp_path):
     with pytest.raises(CriuError, match=r"not ready after 0\.5 s"):
         await LazyPages.start(str(fake), tmp_path / "images", tmp_path / "wd", timeout_s=0.5)
     assert not procs.alive(int(pidfile.read_text()))
+
+
+AGENT = """import asyncio, sys
+from pathlib import Path
+from revenant.agent.lazyrestore.lazy import LazyPages
+from revenant.agent.pipeline import criu
+
+async def main():
+    lp = await LazyPages.start(criu.locate_criu(), Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[3] == "handed-over":
+        lp.handed_over()
+    print(lp.pid, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("when", ["before the job runs", "once it runs"])
+async def test_a_daemon_never_outlives_an_agent_that_dies_before_its_job_runs(dumped, when):
+    """The agent killed with a lazy restore's daemon started: before the restore has the job
+    running, nobody will ever connect, and the daemon goes with the agent (its tether,
+    agent/lazyrestore/tether.py); once the job runs, the daemon outlives the agent, serving it."""
+    d = await dumped(8)
+    with subprocess.Popen([sys.executable, "-c", AGENT, str(d.images), str(d.workdir),
+                           "handed-over" if when == "once it runs" else "waiting"],
+                          stdout=subprocess.PIPE, text=True) as agent:
+        try:
+            tether = psutil.Process(int(agent.stdout.readline()))
+            [daemon] = tether.children()
+            assert "lazy-pages" in daemon.cmdline()
+            agent.kill()
+            agent.wait(30)
+            if when == "before the job runs":
+                gone, _ = psutil.wait_procs([tether, daemon], timeout=5)
+                assert len(gone) == 2, "the daemon outlived its agent"
+            else:
+                time.sleep(1)
+                assert daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE
+                tether.kill()  # killing the tether kills the daemon
+                gone, _ = psutil.wait_procs([daemon], timeout=5)
+                assert gone == [daemon]
+        finally:
+            agent.kill()

@@ -331,6 +331,7 @@ class Engine:
                 ctx.lazy = await lazy.LazyPages.start(self.criu, ctx.epoch_dir, workdir)
             pid, manifest, notes, stats = await self._restore(ctx)
             if ctx.lazy is not None:  # the page server and its directories live on until the last page
+                ctx.lazy.handed_over()  # the job runs: its daemon outlives this agent from now on
                 keep = functools.partial(self._keep_log, files, "lazy-pages", generation)
                 fetch = lazy.LazyFetch(ctx.lazy, manifest, ctx.images or ctx.epoch_dir, workdir, keep, images)
                 workdir = images = None

@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 from pathlib import Path
 
-from revenant.agent.lazyrestore import deltaserve
+from revenant.agent.lazyrestore import deltaserve, tether
 from revenant.agent.pipeline import criu
 from revenant.agent.processes import procs
 from revenant.agent.storage import packs
@@ -191,9 +192,25 @@ class LazyPages:
         self._waiter = asyncio.ensure_future(self._wait())
         self.log_path = workdir / LAZY_LOG
         self.restore_args = ["--lazy-pages"]
+        self._hold = -1  # the tether's pipe: the daemon lives on without the agent once it is told
+
+    def handed_over(self) -> None:
+        """The restored job runs: its daemon outlives the agent from now on (agent/lazyrestore/tether.py)."""
+        if self._hold >= 0:
+            try:
+                os.write(self._hold, b"1")
+            except OSError:
+                pass  # the tether is gone: so is the daemon, which the fetch finds
+            self._let_go()
+
+    def _let_go(self) -> None:
+        if self._hold >= 0:
+            os.close(self._hold)
+            self._hold = -1
 
     @property
     def pid(self) -> int:
+        """Its tether's (agent/lazyrestore/tether.py): killing it kills the daemon."""
         return self._proc.pid
 
     @property
@@ -229,29 +246,35 @@ class LazyPages:
         out = tempfile.TemporaryFile()
         r, w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(r, False)
-        argv = lazy_pages_argv(criu_path, images=images, workdir=workdir, status_fd=w)
-        fds = (w,)
+        hold_r, hold_w = os.pipe2(os.O_CLOEXEC)  # the tether's: closed before the hand-over, the daemon dies
+        argv = [sys.executable, "-I", "-S", tether.__file__, str(hold_r), "--",
+                *lazy_pages_argv(criu_path, images=images, workdir=workdir, status_fd=w)]
+        fds = (w, hold_r)
         if server is not None:
             argv += ["--page-server", "--ps-socket", str(server.theirs.fileno())]
             fds += (server.theirs.fileno(),)
             server.start()
         try:
-            # Not killed with the agent: the job it serves outlives an agent that dies (until its
-            # dead man's switch freezes it) and must not read zeros meanwhile; the daemon ends
-            # by itself once every page is in or the job is gone.
+            # Through its tether (agent/lazyrestore/tether.py), not killed with the agent: the job
+            # it serves outlives an agent that dies (until its dead man's switch freezes it) and
+            # must not read zeros meanwhile; the daemon ends by itself once every page is in or
+            # the job is gone.  Until the job runs, the agent's death kills it.
             proc = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                pass_fds=fds, close_fds=True)
         except BaseException as exc:
             os.close(r)
+            os.close(hold_w)
             out.close()
             if isinstance(exc, OSError):
                 raise CriuError(f"cannot run {criu_path} lazy-pages: {exc.strerror or exc}") from None
             raise
         finally:
             os.close(w)
+            os.close(hold_r)
             if server is not None:
                 server.handed_over()
         lp = cls(proc, out, workdir, started, server)
+        lp._hold = hold_w
         try:
             status = await lp._status(r, timeout_s)
         except BaseException:
@@ -324,6 +347,7 @@ class LazyPages:
         """SIGKILL the daemon and reap it (idempotent)."""
         if self.server is not None:
             self.server.close()
+        self._let_go()  # not handed over: the tether kills the daemon (and is killed next)
         if self._proc.returncode is None:
             try:
                 os.kill(self._proc.pid, signal.SIGKILL)
