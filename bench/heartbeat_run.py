@@ -81,7 +81,7 @@ class Run:
         return {"nkeys_seed": c["nkey_seed"], "inbox_prefix": c["inbox_prefix"]} if c else {}
 
     def make_keys(self) -> Path:
-        """As ``revenant up`` does (cli/processes.py generate_identities): a seed per identity of the
+        """As ``revenant up`` does (cli/cluster/processes.py generate_identities): a seed per identity of the
         cluster (coordinator, admin, agent-<node> per simulated node) and the server configuration
         whose authorization block admits them alone, each with its permissions."""
         r = self.result

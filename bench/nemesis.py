@@ -52,7 +52,7 @@ from harness import REVENANT, ROOT_JOBS, machine, text_table, write_json  # noqa
 from netcluster.checker import RUNNING, heal_times  # noqa: E402
 from netcluster.nemesis import delay_supported  # noqa: E402
 from netcluster.run import Run  # noqa: E402
-from revenant.cli import netns  # noqa: E402
+from revenant.cli.cluster import netns  # noqa: E402
 
 HEAL_BOUND_S = 5.0  # the target: every copy frozen at a heal thawed, or killed with its job elsewhere
 TRIAL_STEPS = 250  # 25 s: each trial's job ends on its own

@@ -245,7 +245,7 @@ def _job_commands(sub: Any) -> None:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from revenant.agent.node.agent import Agent
-    from revenant.cli.service import run_service, setup_logging
+    from revenant.cli.cluster.service import run_service, setup_logging
     from revenant.common.settings.config import AgentConfig, load_config
 
     cfg = load_config(AgentConfig, "agent", args.config, {
@@ -262,7 +262,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from revenant.cli.service import run_service, setup_logging
+    from revenant.cli.cluster.service import run_service, setup_logging
     from revenant.common.settings.config import CoordinatorConfig, load_config
     from revenant.coordinator.coordinator import Coordinator
 
@@ -276,20 +276,20 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from revenant.cli.local import up
+    from revenant.cli.cluster.local import up
 
     return up(args.dir, _shape(args), detach=args.detach, timeout_s=args.timeout)
 
 
 def _shape(args: argparse.Namespace):
-    from revenant.cli.processes import Shape
+    from revenant.cli.cluster.processes import Shape
 
     return Shape(nodes=args.nodes, nats_servers=args.nats_servers, coordinators=args.coordinators, netns=args.netns,
                  external_nats=args.nats, insecure=args.insecure)
 
 
 def _cmd_supervise(args: argparse.Namespace) -> int:
-    from revenant.cli.supervise import supervise
+    from revenant.cli.cluster.supervise import supervise
 
     return supervise(args.dir, _shape(args), timeout_s=args.timeout, ready_fd=args.ready_fd)
 
@@ -301,7 +301,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from revenant.cli.local import down
+    from revenant.cli.cluster.local import down
 
     return down(args.dir, timeout_s=args.timeout)
 

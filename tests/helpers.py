@@ -96,14 +96,14 @@ TEST_USERS = ("alice", "bob", "daemon", "nobody", "root")
 
 class AuthBus:
     """The test's nats-server as ``revenant up`` runs it: the same keys directory, ``nats.conf``
-    and authorization block (cli/processes.py generate_identities), so that only the identities
+    and authorization block (cli/cluster/processes.py generate_identities), so that only the identities
     it admits connect, each with its production permissions; nothing passes because the bus is
     open.  Admitted: coordinator, admin, the agents of TEST_NODES and the users of TEST_USERS;
     another identity a test names is admitted on demand, as ``revenant keys --dir`` does it: its
     seed, the block written again, a SIGHUP."""
 
     def __init__(self, directory: Path, log_file: Path) -> None:
-        from revenant.cli.processes import generate_identities
+        from revenant.cli.cluster.processes import generate_identities
         from revenant.common.messaging.natsserver import start_nats_server
 
         self.dir, self.log_file = Path(directory), Path(log_file)
@@ -123,7 +123,7 @@ class AuthBus:
         return str(self.keyring.seed_path(identity))
 
     def _admit(self, identity: str) -> None:
-        from revenant.cli.processes import generate_identities
+        from revenant.cli.cluster.processes import generate_identities
 
         reloads = self._reloads()
         self.keyring.ensure(identity)
@@ -196,7 +196,7 @@ def external_nats(cluster_dir: Path, nodes: list[str], store: Path, **kw):
     docs/security.md asks: the cluster's identities made first (DIR/keys, which ``up`` keeps) and
     the server given their authorization block (DIR/nats.conf), so it admits them alone.
     ``kw``: start_nats_server's (port, log_file)."""
-    from revenant.cli.processes import generate_identities
+    from revenant.cli.cluster.processes import generate_identities
     from revenant.common.messaging.natsserver import start_nats_server
 
     generate_identities(Path(cluster_dir), nodes)

@@ -1,4 +1,4 @@
-"""`revenant up --netns`'s plan (cli/netns.py), pure: names, addresses, a subnet clear of the
+"""`revenant up --netns`'s plan (cli/cluster/netns.py), pure: names, addresses, a subnet clear of the
 host's routes; and the one-line refusal where namespaces cannot be made."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from revenant.cli import netns
+from revenant.cli.cluster import netns
 from revenant.common.errors import RevenantError
 
 pytestmark = pytest.mark.unit

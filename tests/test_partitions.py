@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import Cluster, revenant_cli
-from revenant.cli import netns
+from revenant.cli.cluster import netns
 from netcluster.checker import RUNNING
 from netcluster.run import Run
 

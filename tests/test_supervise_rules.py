@@ -1,4 +1,4 @@
-"""The supervisor's rules (cli/supervise.py), without processes: which exits are restarted, the
+"""The supervisor's rules (cli/cluster/supervise.py), without processes: which exits are restarted, the
 backoff and the crash-loop cap, the holds, and the argv that pins a port."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from revenant.cli.processes import describe_exit
-from revenant.cli.supervise import AGENT_HOLD_MAX_S, DEAD_FOR_S, RestartPolicy, failed, restart_hold
+from revenant.cli.cluster.processes import describe_exit
+from revenant.cli.cluster.supervise import AGENT_HOLD_MAX_S, DEAD_FOR_S, RestartPolicy, failed, restart_hold
 from revenant.common.messaging.natsserver import pin_option
 
 pytestmark = pytest.mark.unit

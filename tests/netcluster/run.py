@@ -14,8 +14,8 @@ import time
 from netcluster.checker import Job, check, slow_heals
 from netcluster.history import STEPPER, Collector, History, Sampler, TableWatch
 from netcluster.nemesis import Nemesis
-from revenant.cli import netns
-from revenant.cli.processes import nodes
+from revenant.cli.cluster import netns
+from revenant.cli.cluster.processes import nodes
 from revenant.common.errors import RevenantError
 from revenant.common.settings.cluster import read_cluster
 

@@ -8,7 +8,7 @@ session so that a Ctrl-C reaches ``up`` alone, which then stops them in order:
 the coordinator first, then the agents (each drains its jobs, which the next
 ``up`` on DIR restores), then NATS.  Until then ``up`` (or, with ``--detach``, the
 ``revenant supervise`` it leaves behind) restarts any of them that dies: see
-``cli/supervise.py``.  ``down`` stops that supervisor first, then the rest in the
+``cli/cluster/supervise.py``.  ``down`` stops that supervisor first, then the rest in the
 same order.
 """
 
@@ -26,10 +26,10 @@ from typing import BinaryIO
 
 import psutil
 
-from revenant.cli import netns
-from revenant.cli.processes import (INSECURE_WARNING, Shape, check_nats_servers, describe_exit, ours,
+from revenant.cli.cluster import netns
+from revenant.cli.cluster.processes import (INSECURE_WARNING, Shape, check_nats_servers, describe_exit, ours,
                                     refuse_running, start_cluster, stop_processes, tail, wait_gone)
-from revenant.cli.supervise import log_to, supervise_until_stopped
+from revenant.cli.cluster.supervise import log_to, supervise_until_stopped
 from revenant.common.errors import ClusterNotFound, RevenantError
 from revenant.common.settings.cluster import ProcessInfo, cluster_file, read_cluster
 

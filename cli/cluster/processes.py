@@ -1,6 +1,6 @@
 """The processes of a local cluster (``revenant up``, ``revenant supervise``): starting them in
 order with their identities, waiting for the nodes to be alive, recognising our own, and
-stopping them in order.  cli/local.py (``up``, ``down``) and cli/supervise.py (which restarts
+stopping them in order.  cli/cluster/local.py (``up``, ``down``) and cli/cluster/supervise.py (which restarts
 what dies) both build on it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from revenant.agent.storage import imagekeys
-from revenant.cli import netns
+from revenant.cli.cluster import netns
 from revenant.cli.keys import IMAGE_KEYS
 from revenant.cli.client import request_nodes
 from revenant.common.errors import ClusterNotFound, RevenantError
@@ -199,7 +199,7 @@ def start_cluster(root: Path, shape: Shape, *,
     """Start nats-server (unless ``shape.external_nats``; ``shape.nats_servers`` of them, one
     JetStream cluster, if more than one), the coordinators and the agents, as this
     process's children (with ``shape.netns``, each in a network namespace of its own:
-    cli/netns.py); wait until every node is alive; write cluster.json, naming this process
+    cli/cluster/netns.py); wait until every node is alive; write cluster.json, naming this process
     their supervisor and pinning the ports each one chose into its argv, so that a restart with
     that argv comes back on them.  Each process gets its own NATS identity (DIR/keys), and
     cluster.json the admin's; with ``insecure`` none does, and the bus is open to anyone.

@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from revenant.cli import netns
-from revenant.cli.processes import (INSECURE_WARNING, STOP_ORDER, check_nats_servers, describe_exit, nodes,
+from revenant.cli.cluster import netns
+from revenant.cli.cluster.processes import (INSECURE_WARNING, STOP_ORDER, check_nats_servers, describe_exit, nodes,
                                     refuse_running, spawn, start_cluster, stop_processes, Shape)
 from revenant.common.errors import RevenantError
 from revenant.common.settings.cluster import ClusterFile, ProcessInfo, cluster_file, write_cluster
