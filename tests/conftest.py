@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -105,6 +106,14 @@ class Cluster:
         return self.dir / "storage"
 
 
+@functools.lru_cache(maxsize=None)
+def _reads_other_users(criu_path: str) -> bool:
+    """Whether this criu dumps another user's job without CAP_SYS_RESOURCE (its patch, in its version)."""
+    from revenant.agent.pipeline.criu import RLIMITS_PATCH
+    out = subprocess.run([criu_path, "--version"], capture_output=True, text=True, timeout=60)
+    return RLIMITS_PATCH in out.stdout
+
+
 @pytest.fixture
 async def supervisors(tmp_path):
     """The agent's job supervisor and checkpoint engine in-process, with real criu: ``make(node,
@@ -126,7 +135,9 @@ async def supervisors(tmp_path):
         sink = events if events is not None else []
         sup_kw = {k: kw.pop(k) for k in ("scratch", "allow_root_jobs") if k in kw}
         files_kw = {k: kw.pop(k) for k in ("max_bytes", "max_entries", "timeout_s", "workdir_max_bytes") if k in kw}
-        engine = Engine(criu_path=kw.pop("criu_path", "") or locate_criu(), criu_version="4.1.1", node=node, storage=storage,
+        criu_path = kw.pop("criu_path", "") or locate_criu()
+        kw.setdefault("other_users", _reads_other_users(criu_path))  # as the agent learns it from its criu
+        engine = Engine(criu_path=criu_path, criu_version="4.1.1", node=node, storage=storage,
                         work_roots=[storage.parent / f"work-{node}"], job_files=JobFilesStep(storage, **files_kw), **kw)
         sup = Supervisor(node, storage, engine, lambda subject, msg: sink.append(msg), switch_timeout_s=3600,
                          **sup_kw)
