@@ -34,7 +34,7 @@ the epoch, which is what failover does.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import stat
 import subprocess
@@ -256,8 +256,11 @@ class Taker:
                 todo.append((rel, rec))
         self._check_budget(todo)
         gate = None
-        with contextlib.suppress(OSError, subprocess.SubprocessError):  # else copied while frozen
+        try:  # else copied while frozen
             gate = cowgate.CowGate(self._gate_copy, self.root) if todo and self.gate else None
+        except (OSError, subprocess.SubprocessError) as exc:
+            logging.getLogger(__name__).warning("the file gate cannot start (%s): %d files copied while frozen",
+                                                exc, len(todo))
         try:
             if todo:
                 self._copy_all(todo, held, gate, taken)
