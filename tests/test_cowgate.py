@@ -58,7 +58,8 @@ def _taken(wd, epoch, held=frozenset()):
     epoch.mkdir(parents=True, exist_ok=True)
     stats = {}
     scan_workdir(str(wd), 1000, stats=stats)
-    return workdir.Taker(str(wd), epoch, epoch, None, None, 2**30).take(stats, held)
+    # The writers of these tests are the job's (children of this process): they wait for the copy.
+    return workdir.Taker(str(wd), epoch, epoch, None, None, 2**30, root=os.getpid()).take(stats, held)
 
 
 def test_the_workdirs_changed_files_are_copied_after_the_freeze_and_a_writer_waits_for_its_copy(tmp_path):
@@ -105,7 +106,9 @@ def test_an_agent_killed_with_files_gated_leaves_no_open_waiting(tmp_path):
     pid = os.fork()
     if pid == 0:  # the agent
         try:
-            gate = CowGate(lambda src, dest, size: time.sleep(60))  # the copy never ends before the kill
+            # The copy never ends before the kill; the opener below is the job's (a child of the
+            # test's process): it waits for the copy, not half a second as an outsider would.
+            gate = CowGate(lambda src, dest, size: time.sleep(60), root=os.getppid())
             gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
             os.write(w, b"armed")
             time.sleep(60)
@@ -181,7 +184,10 @@ def test_an_outsider_waits_half_a_second_at_most_and_a_copy_it_did_not_change_st
     gate = CowGate(_blocking_copy(release), root=os.getpid() + 10**6)  # a job nobody here belongs to
     assert gate.arm(os.open(p, os.O_RDONLY), f"{p}.copy")
     waited = _timed_open(p)  # a reader outside the job, its copy not made yet
-    assert 0.3 < waited < 1.0, waited
+    assert waited < 1.0, waited
+    # It waited its half second, unless the agent's answering thread was too busy to beat (a
+    # loaded machine): then the keeper let it through at once, as it must (and counted it).
+    assert waited > 0.3 or gate._gate.answered() > 0, waited
     release.set()
     assert gate.run() == []  # only read: its ctime is the dump's, the copy is the dump's
     assert (tmp_path / "big.copy").read_bytes() == b"at the epoch" * 1000
