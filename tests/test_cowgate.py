@@ -34,11 +34,18 @@ def test_a_file_opened_to_be_written_after_the_gate_is_copied_first(tmp_path):
     # The job resumes and rewrites the last file in place at once: its open waits for the copy
     # (an outsider's would wait half a second at most: on a busy machine, not long enough).
     writer = subprocess.Popen([sys.executable, "-c", f"open({str(paths[2])!r}, 'r+b').write(b'AFTER')"])
-    assert gate.run() == [] and gate.unkept() == []
+    errors = gate.run()
     assert writer.wait(timeout=30) == 0
+    assert paths[2].read_bytes().startswith(b"AFTER")
+    assert gate.unkept() == []  # the job's own file: never kept by identity for the job's write
+    if gate._gate.answered() and errors:
+        # The agent's thread too busy to beat (a loaded machine): its keeper let the open through
+        # before the copy, and the job's write then fails the epoch, never a copy kept wrong.
+        assert len(errors) == 1 and "by the job" in errors[0], errors
+        return
+    assert errors == []
     for p in paths:
         assert (tmp_path / f"{p.name}.copy").read_bytes() == b"as at the epoch: " + p.name.encode()
-    assert paths[2].read_bytes().startswith(b"AFTER")
 
 
 def test_a_file_truncated_by_path_while_copied_is_reported(tmp_path):

@@ -17,8 +17,10 @@ fanotify group, one answering thread that only looks and answers (it never copie
 opens a file), and one copier; every checkpoint's files are a batch of it.  An open by a process
 of the job waits for the copy (up to ``JOB_WAIT_S``); any other process waits ``OUTSIDER_WAIT_S``
 at most and is then let through.  An open let through before its copy ended makes that copy
-prove itself: the file's ctime must be what it was at the dump once copied (a write, a truncate,
-a write through a mapping change it), or the epoch fails; never a copy that is not the dump's.
+prove itself: if the file's ctime is not what it was at the dump once copied (a write, a
+truncate, a write through a mapping change it), the copy is not the dump's, and is never kept:
+the file is kept by identity only when someone else changed it, and the epoch fails when the
+job did (below).
 
 Whatever happens to the agent, the host goes on:
 
@@ -34,8 +36,10 @@ A file is changed without an open only by ``truncate(2)`` on its path, or throug
 descriptor taken before the dump (the caller copies the files the job holds while it is frozen;
 another process, say another job sharing the project directory, may hold one too).  Each change
 of a gated file is reported with the pid that made it (agent/files/gate/changes.py): one by a
-process outside the job makes the file not the job's to keep, as an early open does; the job's
-own is caught by checking the copy against the inode's size afterwards, and fails the epoch.
+process outside the job makes the file not the job's to keep, as an early open does; one by the
+job before its copy was settled (a truncate by path, a write through an open its keeper let go
+while the agent was too slow to answer) fails the epoch, and so does a size change no event
+explains.
 A change between the freeze's look at a file and its marks (the job frozen: another process's)
 shows in its size or ctime when it is armed.  Its times are otherwise no guide: a rename, chmod
 or utime (git "freshens" existing objects) changes them and not a byte.

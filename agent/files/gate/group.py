@@ -79,6 +79,7 @@ class File:
     answered: int  # the keeper's count when it was armed: more once copied, an open may have gone through
     done: bool = False  # copied, failed or let go: set under the gate's lock
     early: bool = False  # an open was let through before its copy ended, or another process changed it
+    job_wrote: bool = False  # a process of the job changed it before its copy was settled (an event said so)
     error: str = ""
     # Changed by another process (let through before its copy ended): its copy is not the dump's,
     # and the epoch keeps it by identity only (agent/files/workdir_taken.py), the job's consistency
@@ -193,13 +194,17 @@ class Group:
                 error = f"{f.name}: {exc.strerror or exc}"
             else:
                 for pause in (0.0, 0.02):  # who changed it: its writer's event may not be read yet
-                    if st.st_size == f.size or self._early(f):
+                    if (st.st_ctime_ns == f.ctime_ns and st.st_size == f.size) or f.job_wrote or self._early(f):
                         break
                     time.sleep(pause)
                     self._drain()
         with self._lock:
             if st is not None:
-                if self._early(f) and (st.st_ctime_ns != f.ctime_ns or st.st_size != f.size):
+                changed = st.st_ctime_ns != f.ctime_ns or st.st_size != f.size
+                if f.job_wrote and changed:  # the job's own write came before the copy: never kept wrong
+                    error = (f"{f.name} changed {'size ' if st.st_size != f.size else ''}while it was copied, by the "
+                             "job (truncated by path, or written through an open let go before its copy)")
+                elif self._early(f) and changed:
                     f.unkept = True  # another process wrote it: not the job's to keep
                 elif st.st_size != f.size:  # its size only: times change without a byte (git's utime)
                     error = f"{f.name} changed size while it was copied (truncated by path)"
@@ -237,7 +242,7 @@ class Group:
 
     def _read_changes(self) -> None:
         """Each gated file changed by a process outside its job (the agent aside) is not the job's
-        to keep; one changed by the job is left to its copy's size check."""
+        to keep; one changed by the job before its copy was settled fails its epoch."""
         if self._changes is None:
             return
         changed, _ = self._changes.read()  # lost ones: the size check decides, as without the group
@@ -246,8 +251,11 @@ class Group:
                 continue
             with self._lock:
                 f = self._handles.get(handle)
-            if f is not None and not f.done and not f.batch.holds(pid):
-                f.early = True
+            if f is not None and not f.done:
+                if f.batch.holds(pid):
+                    f.job_wrote = True
+                else:
+                    f.early = True
 
     def _beat(self) -> None:
         struct.pack_into("=q", self._page, 0, time.monotonic_ns())
