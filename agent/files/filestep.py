@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 # DumpContext.state's key for the epoch's packer of working-directory files (agent/files/workdir_packs.py).
 _PACKER = "workdir-packer"
+# RestoreContext.state's key for the epoch's files recorded by identity (rel -> inode, size): watched
+# for the job's first writes before it resumes (agent/files/gate/firstwrites.py).
+_COLD = "workdir-cold"
 # Once criu has exited, the snapshot's thread has answered (or never started): this long at most.
 _SETTLE_S = 5.0
 
@@ -206,9 +209,12 @@ class JobFilesStep(BaseStep):
             notes = jobfiles_restore.apply(todo)
             ctx.checked[self.name] = todo  # with each file's inode: checked before the job resumes
             m = ctx.manifest
-            snapshot = None
-            if m.workdir_files and not (m.workdir_note or ctx.leave_workdir):
-                snapshot = workdir.read(ctx.epoch_dir)
+            snapshot = taken = None
+            if m.workdir_files and not m.workdir_note:  # read once: put back here, watched before it resumes
+                taken = workdir.read(ctx.epoch_dir)
+                ctx.state[_COLD] = {rel: (rec.ino, rec.size) for rel, rec in (taken or {}).items()
+                                    if not rec.copy and not rec.racy}
+                snapshot = None if ctx.leave_workdir else taken
             notes += aside.move_aside(m, ctx.epoch_dir, self.max_entries, leave=ctx.leave_workdir,
                                       snapshot=frozenset(snapshot or ()))
             if snapshot and os.path.isdir(m.workdir):  # after what appeared since went aside
@@ -219,11 +225,9 @@ class JobFilesStep(BaseStep):
         await _user_sockets(ctx)
 
     async def before_resume(self, ctx: RestoreContext) -> None:
-        m = ctx.manifest
-        if m.workdir_files and not m.workdir_note and m.workdir:  # before the job runs again: its first writes
-            snapshot = await asyncio.to_thread(workdir.read, ctx.epoch_dir)
-            cold = {rel: (rec.ino, rec.size) for rel, rec in (snapshot or {}).items() if not rec.copy and not rec.racy}
-            await _watch(ctx.job, ctx.pid, ctx.files, m.workdir, cold)
+        cold = ctx.state.get(_COLD)
+        if cold is not None and ctx.manifest.workdir:  # before the job runs again: its first writes
+            await _watch(ctx.job, ctx.pid, ctx.files, ctx.manifest.workdir, cold)
         done = ctx.checked.get(self.name) or []
         path = await asyncio.to_thread(jobfiles_restore.swapped, ctx.pid, done, ctx.epoch_dir,
                                        bool(ctx.manifest.job_files), str(ctx.workdir))

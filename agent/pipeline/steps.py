@@ -94,6 +94,8 @@ class RestoreContext:
     criu_args: tuple[str, ...] = ()
     # Descriptors criu restore inherits (its --inherit-fd arguments, in criu_args): closed here once it ran.
     pass_fds: list[int] = field(default_factory=list)
+    # A step's own state for this restore, by its own key.
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 class Step(Protocol):

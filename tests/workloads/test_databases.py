@@ -44,11 +44,9 @@ def check_restored(pg: Postgres, want: list[int], probe: int) -> None:
     pg.sql("checkpoint")
 
 
-def test_postgres_holds_exactly_each_epochs_rows_after_a_move_a_failover_and_a_restart_of_an_older_epoch(
-        make_cluster, tmp_path):
-    pg = Postgres(tmp_path)
-    cluster = make_cluster(2)
-    job = submit(cluster, *pg.argv(), extra=("--workdir", str(pg.workdir), "--max-epochs", "5"))
+def moved(cluster, pg: Postgres, job: str) -> list[int]:
+    """1000 rows written and checkpointed by the server; epoch 1 (create), epoch 2 (vacate), the
+    job restarted on node-2 with exactly those rows; the rows."""
     running_on(cluster, job, "node-1")
     pg.sql("create table t (id int primary key, v text)")
     pg.insert(1, 1000)
@@ -59,7 +57,11 @@ def test_postgres_holds_exactly_each_epochs_rows_after_a_move_a_failover_and_a_r
     cluster.cli("checkpoint", "restart", job, "--node", "node-2")
     running_on(cluster, job, "node-2")
     check_restored(pg, first, 9001)
+    return first
 
+
+def failed_over(cluster, pg: Postgres, job: str, first: list[int]) -> None:
+    """More rows and epoch 3, a row after it, node-2 killed: the job on node-1 with epoch 3's rows."""
     pg.insert(2001, 3000)
     pg.sql("checkpoint")  # the relation's file written and closed: after the epoch it is not open
     at_epoch = first + list(range(2001, 3001))
@@ -69,6 +71,15 @@ def test_postgres_holds_exactly_each_epochs_rows_after_a_move_a_failover_and_a_r
     kill_node(cluster, "node-2", show(cluster, job)["pid"])
     running_on(cluster, job, "node-1", timeout=90)
     check_restored(pg, at_epoch, 9002)
+
+
+def test_postgres_holds_exactly_each_epochs_rows_after_a_move_a_failover_and_a_restart_of_an_older_epoch(
+        make_cluster, tmp_path):
+    pg = Postgres(tmp_path)
+    cluster = make_cluster(2)
+    job = submit(cluster, *pg.argv(), extra=("--workdir", str(pg.workdir), "--max-epochs", "5"))
+    first = moved(cluster, pg, job)
+    failed_over(cluster, pg, job, first)
     restored = [e for e in cluster.events() if e.get("kind") == "restored"][-1]
     assert not any("revenant-after-epoch" in n and "base/" in n for n in restored.get("notes", [])), restored
 
@@ -96,30 +107,13 @@ def test_postgres_as_its_own_user_with_its_socket_in_its_data_directory_survives
         cluster = make_cluster(2)
         job = submit(cluster, *pg.argv(), extra=("--user", "postgres", "--workdir", str(pg.workdir),
                                                  "--max-epochs", "5"))
-        running_on(cluster, job, "node-1")
-        pg.sql("create table t (id int primary key, v text)")
-        pg.insert(1, 1000)
-        pg.sql("checkpoint")
-        first = list(range(1, 1001))
-        cluster.cli("checkpoint", "create", job)  # epoch 1: refused before, for the socket
-        cluster.cli("checkpoint", "vacate", job)  # epoch 2
-        cluster.cli("checkpoint", "restart", job, "--node", "node-2")
-        running_on(cluster, job, "node-2")
-        check_restored(pg, first, 9001)
+        first = moved(cluster, pg, job)  # its epoch 1 was refused before, for the socket
         server = psutil.Process(show(cluster, job)["pid"]).children(recursive=True)
         assert server and all(p.uids().effective == postgres.pw_uid for p in server), server
         st = os.lstat(sock)
         assert stat.S_ISSOCK(st.st_mode) and st.st_uid == postgres.pw_uid, st
 
-        pg.insert(2001, 3000)
-        pg.sql("checkpoint")
-        at_epoch = first + list(range(2001, 3001))
-        cluster.cli("checkpoint", "create", job)  # epoch 3
-        pg.insert(3001, 3001)
-        pg.sql("checkpoint")  # written after the epoch: the epoch's file must come back
-        kill_node(cluster, "node-2", show(cluster, job)["pid"])
-        running_on(cluster, job, "node-1", timeout=90)
-        check_restored(pg, at_epoch, 9002)
+        failed_over(cluster, pg, job, first)
         assert os.lstat(sock).st_uid == postgres.pw_uid
         kinds = [(e.get("kind"), e.get("node")) for e in cluster.events() if e.get("job") == job]
         assert ("restored", "node-2") in kinds and ("restored", "node-1") in kinds, kinds
