@@ -3,7 +3,7 @@
 On a fresh `revenant up --nodes 2` under /var/tmp, PostgreSQL runs as the job (its data directory
 in the job's working directory; as root through tests/jobs/notroot.c, on TCP, or with ``--user
 postgres`` as that user, its socket in its data directory, which each restore makes again as the
-user: agent/files/usersockets.py), driven with psql from outside.  Each round, with a
+user: agent/files/asuser/sockets.py), driven with psql from outside.  Each round, with a
 seeded random choice of sizes:
 
 1. inserts and deletes rows in a few transactions, each acknowledged by psql, sometimes

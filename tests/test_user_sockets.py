@@ -1,4 +1,4 @@
-"""A user's job listening on a unix socket in the user's own directory (agent/files/usersockets.py):
+"""A user's job listening on a unix socket in the user's own directory (agent/files/asuser/sockets.py):
 checkpointed, and its socket made again at the restore by the user, never by root: a vacate and a
 restore on another node (two supervisors on one storage) answer on the same path, the socket
 file the user's with its mode; a directory on its way swapped for a link into root's directory
@@ -22,7 +22,7 @@ import pytest
 from helpers import until
 from test_job_user import PYTHON, test_user  # noqa: F401 - the fixture: an unprivileged user
 
-from revenant.agent.files import usersockets
+from revenant.agent.files.asuser import sockets as usersockets
 from revenant.agent.storage.epochs import JobFiles
 from revenant.common.errors import RevenantError
 from revenant.messages import JobSpec

@@ -13,8 +13,10 @@ from typing import Sequence
 
 import msgspec
 
-from revenant.agent.files import (aside, jobfiles_restore, remade, usersockets, workdir, workdir_packs,
+from revenant.agent.files import (aside, jobfiles_restore, remade, workdir, workdir_packs,
                                   workdir_restore, workdir_scan)
+from revenant.agent.files.asuser import files as userfiles
+from revenant.agent.files.asuser import sockets as usersockets
 from revenant.agent.files.gate import firstwrites
 from revenant.agent.files.jobfiles import Snapshot, SnapshotResult, eligible_workdir
 from revenant.agent.network import criuimages, netstate
@@ -131,9 +133,13 @@ class JobFilesStep(BaseStep):
                 cold = {rel: (st.st_ino, st.st_size) for rel, st in pre.stats.items()
                         if stat.S_ISREG(st.st_mode) and st.st_ctime_ns < since}
                 await _watch(ctx.job, ctx.pid, ctx.files, ctx.job_workdir, cold)
+        # A user's FIFOs and deleted files where the user can change things: criu dumps them as
+        # external, the restore takes them from the user (agent/files/asuser/files.py).
+        held = await asyncio.to_thread(userfiles.held, ctx.pid)
+        ctx.dump_args += userfiles.external_args(held)
         snap = Snapshot(ctx.pid, ctx.epoch_tmp, ctx.workdir, workdir=ctx.job_workdir, storage=self.storage,
                         max_bytes=self.max_bytes, max_entries=self.max_entries, timeout_s=self.timeout_s,
-                        taker=taker, pre=pre, fresh=fresh)
+                        taker=taker, pre=pre, fresh=fresh, user_files=held)
         ctx.post_dump_script += snap.script_lines()
         ctx.why_failed.append(snap.why_failed)
         ctx.job_caused.append(lambda: snap.result.job_caused)
@@ -223,6 +229,7 @@ class JobFilesStep(BaseStep):
             return notes
         ctx.notes += await asyncio.to_thread(put_back)
         await _user_sockets(ctx)
+        await _user_files(ctx)
 
     async def before_resume(self, ctx: RestoreContext) -> None:
         cold = ctx.state.get(_COLD)
@@ -249,7 +256,7 @@ async def _watch(job: str, root: int, files: JobFiles, job_workdir: str, cold: d
 async def _user_sockets(ctx: RestoreContext) -> None:
     """The epoch's sockets taken from the job's user: its listening ones made again by the user,
     for criu to inherit, and its images without their names, nor those of the connections they
-    accepted (agent/files/usersockets.py); after the put-back, which moves aside what appeared in
+    accepted (agent/files/asuser/sockets.py); after the put-back, which moves aside what appeared in
     the workdir since the epoch."""
     try:
         taken = await asyncio.to_thread(usersockets.read, ctx.epoch_dir)
@@ -268,3 +275,21 @@ async def _user_sockets(ctx: RestoreContext) -> None:
     ctx.pass_fds += fds
     ctx.images = shadow
     ctx.criu_args = (*ctx.criu_args, *usersockets.inherit_args(taken.make, fds))
+
+
+async def _user_files(ctx: RestoreContext) -> None:
+    """The epoch's FIFOs and deleted files taken from the job's user: opened or made by the user,
+    for criu to inherit (agent/files/asuser/files.py); after the put-back."""
+    try:
+        files = await asyncio.to_thread(userfiles.read, ctx.epoch_dir)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise EpochError(f"restore of job {ctx.job} refused: unreadable {userfiles.USER_FILES}: {exc}") from None
+    if not files:
+        return
+    try:
+        fds = await asyncio.to_thread(userfiles.make, files, ctx.epoch_dir, ctx.manifest.workdir)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise EpochError(f"restore of job {ctx.job} refused: cannot open its file again as its user: {why}") from None
+    ctx.pass_fds += fds
+    ctx.criu_args = (*ctx.criu_args, *userfiles.inherit_args(files, fds))

@@ -43,11 +43,11 @@ from typing import Callable
 import msgspec
 
 from revenant.agent.files import remade, workdir_scan
+from revenant.agent.files.asuser import files as userfiles
 from revenant.agent.files.workdir_scan import ASIDE_PREFIX, UNTRACKED  # noqa: F401 - known here
 from revenant.agent.files.remade import REMADE
-from revenant.agent.files.usersockets import USER_SOCKETS
 from revenant.agent.processes.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
-from revenant.agent.storage.epochs import FILES_DIR, LISTING, EpochError, JobFile
+from revenant.agent.storage.epochs import FILES_DIR, LISTING, USER_FILES, USER_SOCKETS, EpochError, JobFile
 from revenant.agent.storage.fileio import copy_bytes, reflink
 
 # In an epoch: every path the job held at the dump (held_paths), what its restore may open.
@@ -153,8 +153,11 @@ class Snapshot:
                  max_bytes: int, max_entries: int, timeout_s: float = 120.0,
                  taker: Callable[[dict[str, os.stat_result], frozenset[str], set[str] | None], object] | None = None,
                  pre: workdir_scan.Scan | None = None,
-                 fresh: Callable[[str, os.stat_result], bool] = lambda rel, st: True) -> None:
+                 fresh: Callable[[str, os.stat_result], bool] = lambda rel, st: True,
+                 user_files: dict[str, userfiles.Held] | None = None) -> None:
         self.root = root
+        # The FIFOs and deleted files criu was told to dump as external (agent/files/asuser/files.py).
+        self.user_files = user_files or {}
         self.taker = taker  # the working directory's snapshot (agent/files/workdir.py Taker.take), or None
         # The working directory listed before the freeze (agent/files/workdir_scan.py), and which of
         # its files the freeze stats again (the rest are checked once the job runs: workdir_taken.py).
@@ -236,13 +239,21 @@ class Snapshot:
 
     def take(self) -> None:
         """The snapshot itself (the job is frozen): open files, their copies, the workdir listing."""
-        why, again, sockets = remade.refusal(self.root, self.epoch_tmp)
+        carried = frozenset(userfiles.dumped(self.epoch_tmp) & self.user_files.keys()) if self.user_files \
+            else frozenset()
+        why, again, sockets = remade.refusal(self.root, self.epoch_tmp, carried)
         if why:
             self.result.error = why
             raise EpochError(why)
         self._write(REMADE, again)
         if sockets.make or sockets.nameless:
             self._write(USER_SOCKETS, sockets)
+        if carried:
+            try:
+                self._write(USER_FILES, userfiles.taken(self.user_files, set(carried), self.epoch_tmp, self.max_bytes))
+            except EpochError as exc:
+                self.result.error = str(exc)
+                raise
         files = open_for_writing(self.root)
         copies = self.epoch_tmp / FILES_DIR
         for i, (path, of) in enumerate(sorted(files.items())):

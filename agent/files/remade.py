@@ -15,9 +15,10 @@ not root's alone (:func:`refusal`): every directory from ``/`` to it must be roo
 by no one else; only the job's private ``/tmp`` and ``/dev/shm`` are exempt (nobody else reaches
 them while criu restores, as root, into the job's own mount namespace).  It refuses a job with
 descriptors in flight outright.  The paths go into the epoch (REMADE), and the restoring node
-checks them again before criu runs (:func:`recheck`): its directories are its own.  One
-exception: a listening socket of a user's process there is made again by that user instead
-(agent/files/usersockets.py).
+checks them again before criu runs (:func:`recheck`): its directories are its own.  Exceptions,
+taken from the user instead of root: a listening socket of a user's process there is made again
+by that user (agent/files/asuser/sockets.py), and a FIFO or deleted file it holds open there is
+opened or made by that user and handed to criu (agent/files/asuser/files.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pathlib import Path
 
 import msgspec
 
-from revenant.agent.files import beneath, usersockets
+from revenant.agent.files import beneath
+from revenant.agent.files.asuser import sockets as usersockets
 from revenant.agent.pipeline import criuproto
 from revenant.agent.processes.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
 from revenant.messages import JobResource
@@ -47,6 +49,7 @@ SK_QUEUES = "sk-queues.img"
 UNNAMED = ("/memfd:", "/SYSV")
 _DELETED = " (deleted)"
 SOCKET = "a unix socket bound to"
+FIFO, DELETED, MAPPED = "a named FIFO,", "a deleted file,", "a mapped deleted file,"
 _SIOCUNIXFILE = 0x89E0  # an O_PATH descriptor of the file a unix socket is bound to (Linux 6.0)
 
 
@@ -96,7 +99,7 @@ def _socket_file(pidfd: int, fd: int) -> str | None:
         os.close(mine)
 
 
-def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[int, str], set[int]]) -> None:
+def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[int, str], set[int | str]]) -> None:
     for name in ("cwd", "root", "exe"):
         try:
             gone = deleted_path(os.readlink(f"/proc/{pid}/{name}"))
@@ -117,14 +120,16 @@ def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[in
                 if target.startswith("socket:["):  # only a unix socket is bound to a file
                     unix = os.getxattr(path, "system.sockprotoname").startswith(b"UNIX")
                 elif (gone := deleted_path(target)) is not None:
-                    found.append(("a deleted file,", gone, pid))
+                    found.append((DELETED, gone, pid))
+                    inos.setdefault((pid, gone), set()).add(_ext(pid, fd, path))
                     continue
                 elif not (target.startswith("/") and stat.S_ISFIFO(os.stat(path).st_mode)):
                     continue
             except OSError:
                 continue
             if not target.startswith("socket:["):
-                found.append(("a named FIFO,", target, pid))
+                found.append((FIFO, target, pid))
+                inos.setdefault((pid, target), set()).add(_ext(pid, fd, path))
             elif unix and (bound := _socket_file(pidfd, int(fd))) is not None:
                 found.append((SOCKET, bound, pid))
                 inos.setdefault((pid, bound), set()).add(int(target[len("socket:["):-1]))
@@ -136,15 +141,26 @@ def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[in
                 fields = line.split(maxsplit=5)
                 gone = deleted_path(fields[5].rstrip("\n")) if len(fields) == 6 else None
                 if gone is not None:
-                    found.append(("a deleted file,", gone, pid))
+                    found.append((MAPPED, gone, pid))
     except OSError:
         pass
 
 
-def made_again_by_path(root: int, inos: dict[tuple[int, str], set[int]] | None = None) -> list[tuple[str, str, int]]:
+def _ext(pid: int, fd: str, path: str) -> str:
+    """criu's external name for the file a descriptor holds (agent/files/asuser/files.py), or ""."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            mnt = next(int(line.split()[1]) for line in f if line.startswith("mnt_id:"))
+        return f"file[{mnt:x}:{os.stat(path).st_ino:x}]"
+    except (OSError, StopIteration, ValueError, IndexError):
+        return ""
+
+
+def made_again_by_path(root: int, inos: dict[tuple[int, str], set[int | str]] | None = None) -> list[tuple[str, str, int]]:
     """(what, path, pid) for each thing the job holds that criu makes again by path (module
     docstring); paths as the holder's mount namespace sees them (``/proc/<pid>/root`` reaches them).
-    ``inos``: filled with the sockets' inodes, by (pid, path)."""
+    ``inos``: filled with the sockets' inodes, and the FIFOs' and deleted files' criu names, by
+    (pid, path)."""
     found: list[tuple[str, str, int]] = []
     for pid in job_pids(root):
         _in_process(pid, found, {} if inos is None else inos)
@@ -186,12 +202,14 @@ def _why(what: str, path: str, where: str) -> str:
             "the job's own /tmp, or (a socket) the abstract namespace")
 
 
-def refusal(root: int, images: Path) -> tuple[str, list[list[str]], usersockets.UserSockets]:
+def refusal(root: int, images: Path, carried: frozenset[str] = frozenset()
+            ) -> tuple[str, list[list[str]], usersockets.UserSockets]:
     """Why the job (its init ``root``, frozen, its dump in ``images``) cannot be restored safely
     ("" if it can), the paths to check again at the restore ([what, path] each), and the sockets
     of a user's processes in a directory others than root may change that the restore takes
     from that user instead (listening: made by the user; connected within the job: nameless for
-    criu; agent/files/usersockets.py)."""
+    criu; agent/files/asuser/sockets.py).  ``carried``: the FIFOs and deleted files criu dumped
+    as external, which the restore takes from the user (agent/files/asuser/files.py)."""
     n = queued_descriptors(images)
     none = usersockets.UserSockets()
     if n:
@@ -199,15 +217,19 @@ def refusal(root: int, images: Path) -> tuple[str, list[list[str]], usersockets.
                 "SCM_RIGHTS): criu would open them again as root, by path, at a restore"), [], none
     private = private_devs(root)
     recheck: list[list[str]] = []
-    inos: dict[tuple[int, str], set[int]] = {}
+    inos: dict[tuple[int, str], set[int | str]] = {}
     users: dict[int, tuple[str, int, int]] = {}
     try:
         found = made_again_by_path(root, inos)
     except Unreadable as exc:
         return f"{exc.strerror}: {os.strerror(exc.errno) if exc.errno else 'unknown error'}", [], none
     for what, path, pid, where in _judged(found, private):
+        if where is not None and what in (FIFO, DELETED) and inos.get((pid, path), {""}) <= carried \
+                and _users(pid) is not None:
+            continue  # every descriptor of the process's there: the user's at the restore
         if where is not None and what == SOCKET and (ids := _users(pid)) is not None:
             for ino in inos.get((pid, path), ()):  # every socket of the process bound there, by inode
+                assert isinstance(ino, int)
                 if users.setdefault(ino, (path, *ids)) != (path, *ids):
                     return f"the job's socket bound to {path} is held by processes of different users", [], none
         elif where is not None:
@@ -260,7 +282,11 @@ def inspect(root: int) -> list[JobResource]:
         if where is not None and what == SOCKET and _users(pid) is not None:
             out.append(JobResource(kind=kind, what=f"{what} {path}", verdict="carried",
                                    reason="made again at its path by the job's user at the restore, if it listens "
-                                          "(agent/files/usersockets.py)"))
+                                          "(agent/files/asuser/sockets.py)"))
+        elif where is not None and what in (FIFO, DELETED) and _users(pid) is not None:
+            out.append(JobResource(kind=kind, what=f"{what.rstrip(',')} {path}", verdict="carried",
+                                   reason="opened (a FIFO) or made unnamed (a deleted file) by the job's user at the "
+                                          "restore (agent/files/asuser/files.py)"))
         elif where is not None:
             out.append(JobResource(kind=kind, what=f"{what.rstrip(',')} {path}", verdict="blocking",
                                    reason=f"{where} can be changed by a user other than root: criu would make it "

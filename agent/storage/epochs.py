@@ -114,15 +114,18 @@ def link_predump(directory: Path, names: Collection[str]) -> None:
 # The job's own files taken with an epoch (agent/files/jobfiles.py): copies, and the workdir's listing.
 FILES_DIR = "files"
 LISTING = "workdir.json"
-# The listening sockets its restore makes as the job's user (agent/files/usersockets.py): signed
+# The listening sockets its restore makes as the job's user (agent/files/asuser/sockets.py): signed
 # with the images, as it says as whom.
 USER_SOCKETS = "user-sockets.json"
+# The FIFOs and deleted files its restore takes from the job's user (agent/files/asuser/files.py):
+# signed too (a deleted file's content is a copy in FILES_DIR).
+USER_FILES = "user-files.json"
 
 
 def _job_file_names(directory: Path) -> list[str]:
     copies = directory / FILES_DIR
     names = sorted(f"{FILES_DIR}/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
-    return names + [n for n in (LISTING, WORKDIR_FILES, USER_SOCKETS) if (directory / n).is_file()]
+    return names + [n for n in (LISTING, WORKDIR_FILES, USER_SOCKETS, USER_FILES) if (directory / n).is_file()]
 
 
 class JobFiles:

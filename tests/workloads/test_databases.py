@@ -9,7 +9,7 @@ checked with their own clients (docs/cli.md, "A job's own files"):
 
 PostgreSQL runs as root here through tests/jobs/notroot.c (a preload that answers getuid/geteuid
 with the data directory's owner), on TCP; and as its own user, `postgres`, with its socket in its
-data directory, which the restore makes again as that user (agent/files/usersockets.py), psql
+data directory, which the restore makes again as that user (agent/files/asuser/sockets.py), psql
 reaching it there.
 """
 

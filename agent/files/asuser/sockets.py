@@ -11,9 +11,8 @@ listening socket of a process that is not root's, revenant instead:
   inode, path, owner, mode, group, backlog and blocking mode (:func:`planned`); a socket that
   does not listen, was deleted, or has a connection of the job's own waiting to be accepted is
   still refused, and so is any other socket the images name at that path;
-* at the restore, makes the socket with the job's user's credentials (:func:`make`: a thread of
-  the agent's own, its credentials the user's, so every path is resolved, checked and created as
-  that user: nothing the user could not do themselves), bound, its mode and group set,
+* at the restore, makes the socket with the job's user's credentials (:func:`make`,
+  agent/files/asuser/creds.py), bound, its mode and group set,
   listening; hands it to criu (``--inherit-fd``), which takes it as the job's socket and skips
   its bind;
 * gives criu images whose ``files.img`` names no path for it (:func:`shadow`): with no name, criu
@@ -26,24 +25,20 @@ says nothing.  One from outside the job is refused before the dump (agent/pipeli
 
 What criu would also have set again for a listening socket and does not for an inherited one:
 its owner for signals (``F_SETOWN``) and its socket options (buffer sizes, ``SO_PASSCRED``).
-A thread's change of uid makes the whole process undumpable (the kernel's ``set_dumpable``):
-:func:`make` sets it back.
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
-import platform
-import pwd
 import socket
 import stat
 import struct
-import threading
 from pathlib import Path
 
 import msgspec
 
+from revenant.agent.files.asuser import creds
 from revenant.agent.pipeline.criuproto import HEADER, entries, fields
 from revenant.agent.storage.epochs import USER_SOCKETS  # in an epoch: a list of UserSocket, signed
 
@@ -53,13 +48,6 @@ _UNIXSK, _USK = 5, 16  # fd_types.UNIXSK; file_entry.usk (images/fdinfo.proto)
 _INO, _TYPE, _STATE, _FLAGS, _BACKLOG, _PEER, _NAME, _PERMS, _NAME_DIR, _DELETED = 2, 3, 4, 5, 7, 8, 11, 13, 14, 15
 _LISTEN = 10
 _TYPES = {socket.SOCK_STREAM: "stream", socket.SOCK_SEQPACKET: "seqpacket"}
-# Raw system calls: glibc's setresuid and friends change every thread's credentials; the
-# system calls themselves only the caller's.
-_SYSCALLS = {"x86_64": (117, 119, 116), "aarch64": (147, 149, 159)}  # setresuid, setresgid, setgroups
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-_PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
-MAKE_S = 30.0  # how long making one socket may take (a bind on a hung filesystem never returns)
 
 
 class UserSocket(msgspec.Struct, frozen=True):
@@ -232,29 +220,9 @@ def shadow(src: Path, dest: Path, taken: UserSockets) -> None:
 
 # ------------------------------------------------------------------ made as the user
 
-def _check(ret: int, what: str) -> None:
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _become(uid: int, gid: int, groups: list[int]) -> None:
-    """This thread only: the user's groups, effective gid and uid (the saved ones stay root's, so
-    a thread could come back; this one never does: it ends), and no capability in effect."""
-    setresuid, setresgid, setgroups = _SYSCALLS[platform.machine()]
-    arr = (ctypes.c_uint * max(len(groups), 1))(*groups)
-    _check(_libc.syscall(setgroups, len(groups), arr), "setgroups")
-    _check(_libc.syscall(setresgid, -1, gid, -1), "setresgid")
-    _check(_libc.syscall(setresuid, -1, uid, -1), "setresuid")
-    with open("/proc/thread-self/status") as f:  # the kernel drops them with the uid, unless securebits keep them
-        if any(line.startswith("CapEff:") and int(line.split()[1], 16) for line in f):
-            raise OSError(0, "capabilities still in effect with the user's uid (securebits?): not made")
-
-
-def _made(sk: UserSocket, groups: list[int]) -> int:
-    """In a thread of its own with the user's credentials: the socket bound at its path (a stale
-    socket file there removed first, as criu would), its mode and group set, listening."""
-    _become(sk.uid, sk.gid, groups)
+def _made(sk: UserSocket) -> int:
+    """As the user (agent/files/asuser/creds.py): the socket bound at its path (a stale socket file
+    there removed first, as criu would), its mode and group set, listening."""
     try:
         if stat.S_ISSOCK(os.lstat(sk.path).st_mode):
             os.unlink(sk.path)
@@ -274,64 +242,10 @@ def _made(sk: UserSocket, groups: list[int]) -> int:
         raise
 
 
-class _Making:
-    """One socket made in a thread of its own, waited for ``MAKE_S`` at most (a user's FUSE
-    directory may never answer): a descriptor that comes later is closed, never handed on."""
-
-    def __init__(self, sk: UserSocket, groups: list[int]) -> None:
-        self.lock = threading.Lock()
-        self.result: int | BaseException | None = None
-        self.abandoned = False
-        self.thread = threading.Thread(target=self._run, args=(sk, groups), name="user-socket", daemon=True)
-
-    def _run(self, sk: UserSocket, groups: list[int]) -> None:
-        try:
-            got: int | BaseException = _made(sk, groups)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            got = exc
-        with self.lock:
-            if self.abandoned and isinstance(got, int):
-                os.close(got)
-            self.result = got
-
-    def wait(self) -> int | BaseException | None:
-        self.thread.start()
-        self.thread.join(MAKE_S)
-        with self.lock:
-            self.abandoned = self.result is None
-            return self.result
-
-
 def make(sockets: list[UserSocket]) -> list[int]:
     """Blocking: each socket made by its user (:func:`_made`); our descriptors of them, to hand to
     criu.  Raises OSError naming the socket that could not be made (those made are closed)."""
-    fds: list[int] = []
-    dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0)
-    try:
-        for sk in sockets:
-            if sk.uid == 0:
-                raise OSError(0, f"{sk.path}: a socket of root's is never made here")
-            try:
-                name = pwd.getpwuid(sk.uid).pw_name
-            except KeyError:
-                raise OSError(0, f"{sk.path}: its user (uid {sk.uid}) is unknown on this node") from None
-            got = _Making(sk, os.getgrouplist(name, sk.gid)).wait()
-            if got is None:
-                raise OSError(0, f"{sk.path}: not made within {MAKE_S:.0f} s")
-            if isinstance(got, BaseException):
-                why = got.strerror if isinstance(got, OSError) and got.strerror else str(got)
-                raise OSError(getattr(got, "errno", 0) or 0, f"{sk.path}: {why}")
-            fds.append(got)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    finally:
-        # A thread's change of effective uid makes the whole process undumpable (the kernel's
-        # set_dumpable): the agent's core dumps and /proc files are as they were.
-        if dumpable > 0:
-            _libc.prctl(_PR_SET_DUMPABLE, dumpable, 0, 0, 0)
-    return fds
+    return creds.as_user([(sk.path, sk.uid, sk.gid, functools.partial(_made, sk)) for sk in sockets])
 
 
 def inherit_args(sockets: list[UserSocket], fds: list[int]) -> list[str]:
