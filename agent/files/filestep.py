@@ -13,7 +13,7 @@ from typing import Sequence
 
 import msgspec
 
-from revenant.agent.files import (aside, jobfiles_restore, remade, workdir, workdir_packs,
+from revenant.agent.files import (aside, dirwatch, jobfiles_restore, remade, workdir, workdir_packs,
                                   workdir_restore, workdir_scan)
 from revenant.agent.files.asuser import files as userfiles
 from revenant.agent.files.asuser import sockets as usersockets
@@ -93,7 +93,7 @@ def _scan_before(job_workdir: str, storage: Path, max_entries: int,
     if eligible_workdir(job_workdir, storage) is not None:
         return None
     try:
-        pre = workdir_scan.scan(job_workdir, max_entries)
+        pre = workdir_scan.scan(job_workdir, max_entries, watch=dirwatch.shared())
     except OSError:
         return None
     if pre is not None:

@@ -42,7 +42,7 @@ from typing import Callable
 
 import msgspec
 
-from revenant.agent.files import remade, workdir_scan
+from revenant.agent.files import dirwatch, remade, workdir_scan
 from revenant.agent.files.asuser import files as userfiles
 from revenant.agent.files.workdir_scan import ASIDE_PREFIX, UNTRACKED  # noqa: F401 - known here
 from revenant.agent.files.remade import REMADE
@@ -278,7 +278,8 @@ class Snapshot:
         if why is None:
             try:
                 if self.pre is not None and self.pre.workdir == self.workdir:
-                    found = workdir_scan.rescan(self.pre, self.max_entries, frozenset(files), self.fresh, held_rel)
+                    found = workdir_scan.rescan(self.pre, self.max_entries, frozenset(files), self.fresh, held_rel,
+                                                dirwatch.shared() if self.pre.since >= 0 else None)
                     if found is not None:
                         listing = found.listing
                         stats.update(found.stats)

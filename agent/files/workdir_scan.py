@@ -5,11 +5,13 @@ A project directory is large (a checkout with its ``.venv``: 12,000 files in 1,7
 and almost all of it stands still.  The freeze must not grow with it, so:
 
 * :func:`scan` lists everything (each entry's ``lstat``), before the dump, while the job runs;
-* :func:`rescan`, while the job is frozen, visits each directory (one ``openat`` and ``fstat``):
-  a directory whose inode, mtime and ctime are those of the scan has the same entries (a create,
-  unlink or rename in it changes its mtime), whose stats are taken from the scan, except those
-  the caller wants fresh (``fresh``: files that may have been written since, which the snapshot
-  reads); a directory that changed is listed again, in full.
+* :func:`rescan`, while the job is frozen, takes each directory that did not change since the scan
+  as the scan found it, its files' stats too, except those the caller wants fresh (``fresh``:
+  files that may have been written since, which the snapshot reads); a directory that changed is
+  listed again, in full.  Which changed, the kernel says where it can (agent/files/dirwatch.py:
+  the scan watched each directory before reading it), with no system call for the others; else
+  each directory is looked at (one ``stat``): one whose inode, mtime and ctime are those of the
+  scan has the same entries (a create, unlink or rename in it changes its mtime).
 
 A file whose stat came from the scan may have changed between the scan and the freeze: the
 caller checks it once the job runs again (agent/files/workdir_taken.py), and a change fails the
@@ -26,7 +28,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Callable
 
-from revenant.agent.files import beneath
+from revenant.agent.files import beneath, dirwatch
 
 # Caches the workdir may hold that are nobody's output.
 UNTRACKED = frozenset({"__pycache__"})
@@ -52,6 +54,9 @@ class Scan:
     subdirs: dict[str, list[str]] = field(default_factory=dict)
     # From :func:`rescan` of a split scan: the directories listed anew (their entries' stats are fresh).
     changed: set[str] | None = None
+    # The directories' watches (-1: none), and where the scan began in the watch's changes (-1: not watched).
+    wds: dict[str, int] = field(default_factory=dict)
+    since: int = -1
 
 
 def _key(st: os.stat_result) -> tuple[int, int, int]:
@@ -59,12 +64,17 @@ def _key(st: os.stat_result) -> tuple[int, int, int]:
 
 
 class _Walk:
-    def __init__(self, workdir: str, max_entries: int, skip: frozenset[str]) -> None:
+    def __init__(self, workdir: str, max_entries: int, skip: frozenset[str],
+                 watch: dirwatch.DirWatch | None = None) -> None:
         self.out = Scan(workdir)
         self.max_entries = max_entries
         self.skip = skip  # absolute paths never listed
         self.tree = beneath.Dirs(workdir)
-        self.dev = os.fstat(self.tree.get("")).st_dev
+        top = self.tree.get("")
+        self.dev = os.fstat(top).st_dev
+        self.watch = watch if watch is not None and dirwatch.local(top) else None
+        if self.watch is not None:
+            self.out.since = self.watch.mark()
 
     def enter(self, rel: str) -> int | None:
         """``rel``'s descriptor (the walk's), and its key noted; None if it is no longer a directory there."""
@@ -78,6 +88,8 @@ class _Walk:
         if st.st_dev != self.dev or not stat.S_ISDIR(st.st_mode):
             return None
         self.out.dirs[rel] = _key(st)
+        if self.watch is not None:  # before its entries are read: a change after that is told
+            self.out.wds[rel] = self.watch.add(fd)
         if rel:
             self.out.listing[rel] = [st.st_ino, st.st_size, st.st_mtime_ns, 1]
         return fd
@@ -116,11 +128,12 @@ class _Walk:
                 stack.append(child)
 
 
-def scan(workdir: str, max_entries: int, skip: frozenset[str] = frozenset()) -> Scan | None:
+def scan(workdir: str, max_entries: int, skip: frozenset[str] = frozenset(),
+         watch: dirwatch.DirWatch | None = None) -> Scan | None:
     """Everything under ``workdir`` on its own filesystem, revenant's moved-aside folders, ``skip``
     (absolute paths), ``__pycache__`` and NFS's ``.nfs*`` placeholders excepted; None if there are
-    more than ``max_entries``."""
-    walk = _Walk(workdir, max_entries, skip)
+    more than ``max_entries``.  ``watch``: each directory watched for changes from now on."""
+    walk = _Walk(workdir, max_entries, skip, watch)
     try:
         stack = [""]
         while stack:
@@ -155,27 +168,36 @@ def split(pre: Scan, fresh: Callable[[str, os.stat_result], bool]) -> Scan:
 
 
 def rescan(pre: Scan, max_entries: int, skip: frozenset[str], fresh: Callable[[str, os.stat_result], bool],
-           again: frozenset[str] = frozenset()) -> Scan | None:
+           again: frozenset[str] = frozenset(), watch: dirwatch.DirWatch | None = None) -> Scan | None:
     """The listing now, from ``pre`` (see the module): the directories visited, those unchanged
     taken from ``pre`` but for the files :func:`split` named (with ``fresh``, if ``pre`` was not
-    split before the freeze) and ``again`` (relative paths), which are stat'ed again."""
+    split before the freeze) and ``again`` (relative paths), which are stat'ed again.  ``watch``:
+    the one ``pre`` was listed with, which says which directories changed since."""
     if not pre.settled:
         split(pre, fresh)
-    return _rescan_split(pre, max_entries, skip, again)
+    return _rescan_split(pre, max_entries, skip, again, watch)
 
 
-def _rescan_split(pre: Scan, max_entries: int, skip: frozenset[str], again: frozenset[str]) -> Scan | None:
+def _rescan_split(pre: Scan, max_entries: int, skip: frozenset[str], again: frozenset[str],
+                  watch: dirwatch.DirWatch | None) -> Scan | None:
     walk = _Walk(pre.workdir, max_entries, skip)
     workdir, out = pre.workdir, walk.out
     top = walk.tree.get("")
     listing, stats = out.listing, out.stats
     out.changed = set()
+    dirty = watch.dirty(pre.since) if watch is not None and pre.since >= 0 else None
+    if dirty is not None and os.fstat(top).st_ino != pre.dirs.get("", (-1,))[0]:
+        dirty = None  # the working directory itself is another now
     try:
         stack = [""]
         while stack:
             rel = stack.pop()
             settled = pre.settled.get(rel)
-            if settled is not None:
+            wd = pre.wds.get(rel, -1)
+            if settled is not None and dirty is not None and wd >= 0 and wd not in dirty \
+                    and (not rel or rel.rpartition("/")[0] not in out.changed):
+                pass  # unchanged, the kernel says; entered from a parent that was not listed anew
+            elif settled is not None:
                 try:  # by its path from the top, one call (see rescan)
                     st = os.stat(rel or ".", dir_fd=top, follow_symlinks=False)
                 except OSError:

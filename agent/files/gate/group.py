@@ -44,6 +44,7 @@ _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ct
 # writes the copy must precede), anyone else (then let through: the copy proves itself).
 JOB_WAIT_S = 60.0
 OUTSIDER_WAIT_S = 0.5
+ANSWER_NICE = -10  # the answering thread's niceness (Linux's are per thread)
 # How often the answering thread beats while files are gated (well within the keeper's STALE_S).
 BEAT_MS = 100
 # Files gated at once by the whole agent (one descriptor each): past it, the caller copies now.
@@ -280,7 +281,13 @@ class Group:
     def _answer(self) -> None:
         """Answer every open of a gated file: at once if it is copied (or not ours), else once its
         copy ends or its wait is up.  Looks and answers only: it never copies, never opens a file,
-        never logs while the group stands (a traceback reads source files, which may be gated)."""
+        never logs while the group stands (a traceback reads source files, which may be gated).
+        At ANSWER_NICE: starved on busy CPUs, it would stop beating, and the keeper let the job's
+        writes through before their copy (failing the epoch)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ANSWER_NICE)
+        except OSError:
+            pass  # without CAP_SYS_NICE: as the agent's other threads
         try:
             poller = select.poll()
             poller.register(self._fan, select.POLLIN)
