@@ -35,7 +35,7 @@ _IN_ONLYDIR = 0x01000000
 _IN_Q_OVERFLOW, _IN_IGNORED = 0x4000, 0x8000
 _IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
 _EVENT = struct.Struct("=iIII")  # wd, mask, cookie, len
-MAX_WATCHES = 100_000
+MAX_WATCHES = 50_000  # of the host's fs.inotify.max_user_watches, shared by every root process
 # statfs f_type of filesystems whose every change is made through this kernel.
 LOCAL = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630, 0xF2F52010, 0x2FC12FC1})
 
