@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import stat
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -130,9 +129,7 @@ class JobFilesStep(BaseStep):
             # Listed now, while the job runs: the freeze visits its directories only.
             pre = await asyncio.to_thread(_scan_before, ctx.job_workdir, self.storage, self.max_entries, taking)
             if pre is not None:  # from now on a first write of the job's to one of them is journaled
-                cold = {rel: (st.st_ino, st.st_size) for rel, st in pre.stats.items()
-                        if stat.S_ISREG(st.st_mode) and st.st_ctime_ns < since}
-                await _watch(ctx.job, ctx.pid, ctx.files, ctx.job_workdir, cold)
+                await _watch(ctx.job, ctx.pid, ctx.files, ctx.job_workdir, taking.recorded())
         # A user's FIFOs and deleted files where the user can change things: criu dumps them as
         # external, the restore takes them from the user (agent/files/asuser/files.py).
         held = await asyncio.to_thread(userfiles.held, ctx.pid)

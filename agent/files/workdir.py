@@ -185,9 +185,8 @@ class Taker:
             and (st.st_ctime_ns >= self.since_ns or rel in self._written)
 
     def prepare(self, stats: dict[str, os.stat_result]) -> None:
-        """Before the freeze, from the listing taken then (agent/files/workdir_scan.py): the records
-        of the files never written since the job started, which :meth:`take` keeps as they are
-        for each file whose stat the freeze took from that listing (the same object)."""
+        """Before the freeze, from its listing (agent/files/workdir_scan.py): the records of the files
+        never written since the job started, kept by :meth:`take` where the freeze's stat is that one."""
         uid, regular, since, written = self.uid, stat.S_ISREG, self.since_ns, self._written
         self._settled = {rel: (st, WorkdirFile(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                                                stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, ""))
@@ -197,6 +196,10 @@ class Taker:
         self._settled_in: dict[str, dict[str, WorkdirFile]] = {}  # the same, by directory
         for rel, (_, rec) in self._settled.items():
             self._settled_in.setdefault(rel.rpartition("/")[0], {})[rel] = rec
+
+    def recorded(self) -> dict[str, tuple[int, int]]:
+        """After :meth:`prepare`: (inode, size) of each file it recorded by identity."""
+        return {rel: (st.st_ino, st.st_size) for rel, (st, _) in self._settled.items()}
 
     def take(self, stats: dict[str, os.stat_result], held: frozenset[str] = frozenset(),
              changed: set[str] | None = None) -> Taken:
