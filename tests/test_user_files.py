@@ -144,3 +144,18 @@ async def test_a_directory_swapped_for_a_link_to_roots_makes_the_restore_fail_as
     at = len(counts(out))
     await n1.restore(spec, 3)
     await until(lambda: len(counts(out)) >= at + 10)
+
+
+async def test_a_users_job_checkpointed_through_node_local_staging_restores(place, supervisors, test_user, tmp_path):
+    """What the dump writes beside the images (what criu makes again by path, every path the job
+    held, what is taken from the user) goes from node-local staging to the storage with them,
+    signed: a user's epoch without ``remade.json`` is refused at a restore."""
+    n1 = supervisors("n1", allow_root_jobs=False, staging=tmp_path / "staging")
+    spec = _spec(place, test_user)
+    epoch_dir = await _vacated(n1, spec)
+    m = JobFiles(n1.storage, "1").read_manifest(int(epoch_dir.name))
+    assert {"remade.json", "held.json", "user-files.json"} <= set(m.files), sorted(m.files)
+    out = JobFiles(n1.storage, "1").output
+    at = len(counts(out))
+    await n1.restore(spec, 2)
+    await until(lambda: len(counts(out)) >= at + 10)

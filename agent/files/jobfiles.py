@@ -45,13 +45,12 @@ import msgspec
 from revenant.agent.files import dirwatch, remade, workdir_scan
 from revenant.agent.files.asuser import files as userfiles
 from revenant.agent.files.workdir_scan import ASIDE_PREFIX, UNTRACKED  # noqa: F401 - known here
-from revenant.agent.files.remade import REMADE
 from revenant.agent.processes.jobprocs import PSEUDO, OpenFile, held_paths, open_for_writing
-from revenant.agent.storage.epochs import FILES_DIR, LISTING, USER_FILES, USER_SOCKETS, EpochError, JobFile
+from revenant.agent.storage.epochs import (FILES_DIR, HELD, LISTING, REMADE, USER_FILES, USER_SOCKETS, EpochError,
+                                          JobFile)
 from revenant.agent.storage.fileio import copy_bytes, reflink
 
-# In an epoch: every path the job held at the dump (held_paths), what its restore may open.
-HELD = "held.json"
+# In an epoch (HELD): every path the job held at the dump (held_paths), what its restore may open.
 # Its key saying that every descriptor is in it (not only those of paths), with its format.
 HELD_FORMAT = "format"
 # Workdirs whose changes are never moved aside: shared by everything on the node.

@@ -38,10 +38,10 @@ from revenant.agent.files import beneath
 from revenant.agent.files.asuser import sockets as usersockets
 from revenant.agent.pipeline import criuproto
 from revenant.agent.processes.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
+from revenant.agent.storage.epochs import REMADE
 from revenant.messages import JobResource
 
-# In an epoch: [what, path] for each thing criu makes again by path, as the dump found them.
-REMADE = "remade.json"
+# In an epoch (REMADE): [what, path] for each thing criu makes again by path, as the dump found them.
 # criu's image of the unix sockets' queued packets (criu/image-desc.c).
 SK_QUEUES = "sk-queues.img"
 # Names the kernel gives what no directory holds (memfd_create, SysV shared memory): criu dumps

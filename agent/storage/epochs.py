@@ -111,21 +111,20 @@ def link_predump(directory: Path, names: Collection[str]) -> None:
         os.symlink(PREDUMP_DIR, directory / PARENT_LINK)
 
 
-# The job's own files taken with an epoch (agent/files/jobfiles.py): copies, and the workdir's listing.
-FILES_DIR = "files"
-LISTING = "workdir.json"
-# The listening sockets its restore makes as the job's user (agent/files/asuser/sockets.py): signed
-# with the images, as it says as whom.
-USER_SOCKETS = "user-sockets.json"
-# The FIFOs and deleted files its restore takes from the job's user (agent/files/asuser/files.py):
-# signed too (a deleted file's content is a copy in FILES_DIR).
-USER_FILES = "user-files.json"
+# Taken with an epoch, beside its images, signed with them (agent/files/): the job's own files'
+# copies and the workdir's listing; what its restore takes from the job's user, as it says as
+# whom (asuser/sockets.py, asuser/files.py); what criu makes again by path (remade.py) and every
+# path the job held (jobfiles.py), checked again at the restore.
+FILES_DIR, LISTING = "files", "workdir.json"
+USER_SOCKETS, USER_FILES = "user-sockets.json", "user-files.json"
+REMADE, HELD = "remade.json", "held.json"
 
 
 def _job_file_names(directory: Path) -> list[str]:
     copies = directory / FILES_DIR
     names = sorted(f"{FILES_DIR}/{p.name}" for p in copies.iterdir()) if copies.is_dir() else []
-    return names + [n for n in (LISTING, WORKDIR_FILES, USER_SOCKETS, USER_FILES) if (directory / n).is_file()]
+    return names + [n for n in (LISTING, WORKDIR_FILES, USER_SOCKETS, USER_FILES, REMADE, HELD)
+                    if (directory / n).is_file()]
 
 
 class JobFiles:
