@@ -167,8 +167,14 @@ def test_the_follower_takes_the_keyed_digest_as_the_file_grows(tmp_path):
             f.flush()
             time.sleep(0.002)
     got = follower.finish()
-    assert got == {"pages-1.img": imagesum.crc32_file(d / "pages-1.img", keys.digest())}
-    assert got["pages-1.img"][1] == blake3.blake3(data, key=keys.digest().file_key).hexdigest()
+    tables: dict[str, bytes] = {}
+    assert got == {"pages-1.img": imagesum.crc32_file(d / "pages-1.img", keys.digest(), tables)}
+    # A page image's digest: a MAC of each 64 KiB extent (and its number), and of their table.
+    macs = imagekeys.ExtentMacs(keys.digest().file_key)
+    macs.update(data)
+    assert got["pages-1.img"][1] == macs.hexdigest() != blake3.blake3(data, key=keys.digest().file_key).hexdigest()
+    assert follower.tables == tables == {"pages-1.img": macs.macs()}
+    assert len(macs.macs()) == -(-len(data) // imagekeys.EXTENT) * imagekeys.EXTENT_MAC
 
 
 # ------------------------------------------------------------------ real jobs, real criu

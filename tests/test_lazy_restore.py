@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from conftest import COUNTER, counter_reference
+from revenant.agent.storage import imagekeys
 from revenant.agent.storage.epochs import JobFiles
 from revenant.messages import EpochEvent, JobEvent, JobSpec
 
@@ -61,9 +62,12 @@ async def test_a_lazy_restore_runs_the_job_first_and_reports_when_every_page_is_
     await sup.checkpoint("l1", 2, stop=False)  # after the fetch: a normal epoch
 
 
-async def test_a_lazily_restored_counter_keeps_its_output_byte_exact(tmp_path, supervisors):
+@pytest.mark.parametrize("signed", [False, True], ids=["crc32", "signed"])
+async def test_a_lazily_restored_counter_keeps_its_output_byte_exact(tmp_path, supervisors, signed):
+    """Signed (image keys: the default), its pages are served by revenant, each extent checked."""
     events: list = []
-    sup = _lazy(supervisors(scratch={}, events=events))
+    keys = imagekeys.write(tmp_path / "image.keys")[0] if signed else None
+    sup = _lazy(supervisors(scratch={}, events=events, keys=keys))
     spec = JobSpec(id="l2", argv=[sys.executable, str(COUNTER), "120", "0.02", "32"], workdir=str(tmp_path))
     await sup.start(spec, 1)
     await _until(lambda: _output(sup, "l2").count(b"\n") >= 20)
@@ -103,6 +107,42 @@ async def test_corrupt_page_data_kills_the_restored_job_and_the_next_restore_fal
     await sup.restore(spec, 3)  # as the coordinator does on "evicted": now from epoch 1
     await _until(lambda: _events(events, "exited"), timeout=90)
     assert _output(sup, "l3") == counter_reference(tmp_path, 400)
+
+
+async def test_a_signed_epoch_served_lazily_checks_each_extent_and_a_corrupt_byte_evicts_it(tmp_path, supervisors):
+    """With image keys a lazy restore reads each page image's table of MACs, not the image, before
+    the job runs, and checks each extent as it serves it: one byte changed in a page image kills
+    the restored job when that extent is asked for, sets the epoch aside, and the next restore
+    comes back exact from the epoch before."""
+    events: list = []
+    keys = imagekeys.write(tmp_path / "image.keys")[0]
+    sup = _lazy(supervisors(scratch={}, events=events, keys=keys))
+    spec = JobSpec(id="l5", argv=[sys.executable, str(COUNTER), "400", "0.02", "32"], workdir=str(tmp_path),
+                   max_epochs=3)
+    await sup.start(spec, 1)
+    await _until(lambda: _output(sup, "l5").count(b"\n") >= 10)
+    await sup.checkpoint("l5", 1, stop=False)
+    await _until(lambda: _output(sup, "l5").count(b"\n") >= 30)
+    await sup.checkpoint("l5", 1, stop=True)
+    files = JobFiles(sup.storage, "l5", keys)
+    assert files.committed() == [1, 2]
+    m = files.read_signed(2)
+    pages = sorted(files.epoch_dir(2).glob("pages-*.img"), key=lambda p: p.stat().st_size)[-1]
+    assert imagekeys.by_extent(m.files, pages.name)  # its table beside it, signed with the rest
+    with open(pages, "r+b") as f:  # one byte in the middle of the page data
+        f.seek(pages.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    await sup.restore(spec, 2)  # not refused before it starts: the image itself is not read then
+    await _until(lambda: _events(events, "evicted"))
+    (ev,) = _events(events, "evicted")
+    assert "lazy restore of epoch 2 failed" in ev.reason and f"{pages.name}: bytes" in ev.reason, ev.reason
+    assert "fail their MAC" in ev.reason and "epoch 2 deleted" in ev.reason, ev.reason
+    assert files.committed() == [1] and "l5" not in sup.jobs
+    await sup.restore(spec, 3)  # from epoch 1
+    await _until(lambda: _events(events, "exited"), timeout=90)
+    assert _output(sup, "l5") == counter_reference(tmp_path, 400)
 
 
 async def test_a_lazy_pages_daemon_killed_mid_fetch_kills_the_job_never_leaves_it_on_zero_pages(tmp_path,

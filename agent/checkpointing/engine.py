@@ -42,7 +42,7 @@ from revenant.agent.files.filestep import JobFilesStep
 from revenant.agent.files.relink import RelinkStep
 from revenant.agent.checkpointing import choice
 from revenant.agent.checkpointing.slots import FairSlots, Slot
-from revenant.agent.lazyrestore import lazy
+from revenant.agent.lazyrestore import deltaserve, lazy
 from revenant.agent.pipeline import blockers, criu, criustats, progress
 from revenant.agent.pipeline.handshake import Handshake
 from revenant.agent.pipeline.steps import DumpContext, RestoreAsk, RestoreContext, Step, check_before_resume
@@ -324,7 +324,8 @@ class Engine:
             if manifest.encryption:  # its images decrypted into node-local scratch (agent/storage/sealed.py)
                 ctx.images = images = self._new_dir(self.work_roots, f"images-{files.job}")
                 await asyncio.to_thread(files.open_sealed, manifest, images)
-            elif packs.converted(manifest):  # served from its recipes lazily, else rebuilt
+            elif packs.converted(manifest) or (lazy_here and deltaserve.plain_servable(manifest)):
+                # served from its recipes (else rebuilt), or its page images checked by extent as served
                 ctx.images = images = files.new_tmp(self.node)
                 ctx.lazy = await lazy.delta_images(self.criu, files, manifest, images, workdir, lazy_here)
             elif lazy_here:

@@ -1,6 +1,10 @@
-"""A delta epoch restored lazily: revenant is criu's page server, reading each page where the
-epoch's content recipes say it is (agent/storage/contents.py: a newer epoch's plain image or a
-pack) and checking it against the epoch's own digest of that page before criu gets it.
+"""An epoch restored lazily with every page checked before criu gets it: revenant is criu's page
+server.  A delta epoch's pages are read where its content recipes say they are
+(agent/storage/contents.py: a newer epoch's plain image or a pack), each checked against the
+epoch's own digest of that page; a signed plain epoch's are read from its page images, each 64
+KiB extent checked against its MAC (agent/storage/imagekeys.py ExtentMacs), from a table read
+and checked once at the start: before the job runs, nothing of the page images is read but
+what criu restore reads itself.
 
 criu restores a job's lazy pages (private anonymous memory, PE_LAZY in its pagemap) from a
 ``criu lazy-pages`` daemon; given ``--page-server --ps-socket FD`` the daemon asks for them on
@@ -31,6 +35,7 @@ from pathlib import Path
 from revenant.agent.pipeline import criuproto
 from revenant.agent.storage import chain, contents
 from revenant.agent.storage.epochs import PREDUMP_DIR, CorruptEpoch, JobFiles, Manifest
+from revenant.agent.storage.imagekeys import EXTENT, EXTENT_MAC, KEYED, MACS_SUFFIX, by_extent, extent_table, table_digest
 from revenant.agent.storage.packfile import DIGEST, PAGE, page_hash
 from revenant.agent.storage.packs import link_plain
 from revenant.agent.storage.private import PRIVATE_FILE
@@ -109,10 +114,62 @@ class ImagePages:
         return data
 
 
+def plain_servable(m: Manifest) -> bool:
+    """Whether plain epoch ``m`` is served by revenant: signed, its page images digested by extent,
+    and no pre-dump (whose pages criu reads from the parent images itself)."""
+    return not m.recipes and m.checksum == KEYED and any(by_extent(m.files, n) for n in m.files) and \
+        not any(n.startswith(f"{PREDUMP_DIR}/") for n in m.files)
+
+
+class PlainPages:
+    """One page image of a signed plain epoch, read by page number, each extent read checked
+    against its MAC first (and what is served is what was checked: never read again)."""
+
+    def __init__(self, files: JobFiles, m: Manifest, name: str) -> None:
+        self.what = f"epoch {m.epoch}: {name}"
+        self.size = m.files[name].size
+        assert files.keys is not None
+        self.key, table_key = files.keys.extent_keys(m.key_id)
+        d = files.epoch_dir(m.epoch)
+        self.table = (d / f"{name}{MACS_SUFFIX}").read_bytes()
+        if table_digest(table_key, self.table) != m.files[name].checksum or \
+                len(self.table) != -(-self.size // EXTENT) * EXTENT_MAC:
+            raise CorruptEpoch(f"{self.what}: its table of MACs does not match the image's digest")
+        self.fd = os.open(d / name, os.O_RDONLY | os.O_CLOEXEC)
+
+    def read(self, page: int, count: int) -> bytes:
+        """Pages ``page``.. (``count``, or fewer: never none), their extents checked; CorruptEpoch names it."""
+        start, end = page * PAGE, min(self.size, (page + max(count, 1)) * PAGE)
+        if start >= self.size or count < 1:
+            raise CorruptEpoch(f"{self.what} has no page {page}")
+        first, last = start // EXTENT, -(-end // EXTENT)
+        data = os.pread(self.fd, min(self.size, last * EXTENT) - first * EXTENT, first * EXTENT)
+        if extent_table(self.key, data, first) != self.table[first * EXTENT_MAC:last * EXTENT_MAC]:
+            bad = next(i for i in range(first, last) if extent_table(self.key, data[(i - first) * EXTENT:
+                       (i - first + 1) * EXTENT], i) != self.table[i * EXTENT_MAC:(i + 1) * EXTENT_MAC])
+            raise CorruptEpoch(f"{self.what}: bytes {bad * EXTENT}..{(bad + 1) * EXTENT} (page {bad * EXTENT // PAGE} "
+                               "on) fail their MAC")
+        return data[start - first * EXTENT:end - first * EXTENT]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Closing:
+    """A plain epoch's images, closed as a delta's reader is."""
+
+    def __init__(self, images: dict[str, PlainPages]) -> None:
+        self.images = images
+
+    def close(self) -> None:
+        for pages in self.images.values():
+            pages.close()
+
+
 @dataclass
 class _Task:
     extents: list[Extent]  # by vaddr, as the pagemap lists them
-    pages: ImagePages
+    pages: ImagePages | PlainPages
 
 
 @dataclass
@@ -121,7 +178,7 @@ class DeltaServer:
 
     what: str
     tasks: dict[int, _Task]
-    reader: chain.PageReader
+    reader: chain.PageReader | _Closing
     served: int = 0  # bytes
     error: str = ""
     corrupt: bool = False
@@ -197,18 +254,27 @@ class DeltaServer:
 
 
 def prepare(files: JobFiles, m: Manifest, dest: Path) -> DeltaServer | None:
-    """Scratch images (``dest``) criu restores delta epoch ``m`` lazily from, and the server of
-    its lazy pages (not started); None where criu would read pages from a parent (rebuild it
-    instead), with nothing made.  CorruptEpoch: a page criu reads itself, or the recipes, named."""
+    """Scratch images (``dest``) criu restores delta epoch ``m``, or a plain one that
+    :func:`plain_servable`, lazily from, and the server of its lazy pages (not started); None where
+    criu would read pages from a parent (rebuild it instead), with nothing made.  CorruptEpoch: a
+    page criu reads itself, or the recipes or tables of MACs, named."""
     src = files.epoch_dir(m.epoch)
     maps = {name: read_pagemap(src / name) for name in sorted(m.files) if _PAGEMAP_RE.match(name)}
+    served = set(m.recipes) or {n for n in m.files if by_extent(m.files, n)}
     if any(e.flags & PE_PARENT for _, extents in maps.values() for e in extents) or \
-            {f"pages-{pages_id}.img" for pages_id, _ in maps.values()} != set(m.recipes):
+            {f"pages-{pages_id}.img" for pages_id, _ in maps.values()} != served:
         return None
-    link_plain(files, m, dest)
-    reader, cache = chain.PageReader(files), {}
+    link_plain(files, m, dest, leave=served)
+    plain: dict[str, PlainPages] = {}
+    reader: chain.PageReader | _Closing = chain.PageReader(files) if m.recipes else _Closing(plain)
+    cache: dict = {}
     try:
-        images = {name: ImagePages(files, m, name, reader, cache) for name in m.recipes}
+        if m.recipes:
+            images = {name: ImagePages(files, m, name, reader, cache) for name in m.recipes}
+        else:
+            for name in sorted(served):
+                plain[name] = PlainPages(files, m, name)
+            images = plain
         tasks: dict[int, _Task] = {}
         outs: dict[str, int] = {}
         try:

@@ -33,7 +33,7 @@ from revenant.agent.lazyrestore import deltaserve, tether
 from revenant.agent.pipeline import criu
 from revenant.agent.processes import procs
 from revenant.agent.storage import packs
-from revenant.agent.storage.imagekeys import KEYED
+from revenant.agent.storage.imagekeys import KEYED, by_extent
 from revenant.agent.storage.epochs import PREDUMP_DIR, EpochError, JobFiles, Manifest, checksum_file
 from revenant.common.errors import CriuError
 
@@ -66,7 +66,8 @@ def lazy_serves(m: Manifest, name: str) -> bool:
     """criu's page data (``pages-<id>.img``, a pre-dump's too) of an epoch restored lazily: what the
     lazy restore serves, and checks as it does (left out of the check before criu)."""
     base = name.rsplit("/", 1)[-1]
-    return served_lazily(m) and base.startswith("pages-") and base.endswith(".img")
+    return served_lazily(m) and base.startswith("pages-") and base.endswith(".img") and \
+        (not by_extent(m.files, name) or deltaserve.plain_servable(m))  # checked by extent as served
 
 
 def eager_next(files: JobFiles) -> bool:
@@ -375,6 +376,8 @@ async def delta_images(criu_path: str, files: JobFiles, m: Manifest, dest: Path,
     restore reads itself and a daemon started to serve the rest from the recipes (returned), or,
     where it cannot be served so or without ``lazily``, every image rebuilt (None)."""
     server = await asyncio.to_thread(deltaserve.prepare, files, m, dest) if lazily else None
+    if server is None and not m.recipes:  # a signed plain epoch (deltaserve.plain_servable) always is
+        raise EpochError(f"epoch {m.epoch}: its page images do not match its pagemaps")
     if server is None:
         await asyncio.to_thread(packs.materialize, files, m, dest)
         return None

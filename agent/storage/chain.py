@@ -27,7 +27,7 @@ from typing import BinaryIO, Iterator
 
 import msgspec
 
-from revenant.agent.storage.imagekeys import PLAIN, Digest
+from revenant.agent.storage.imagekeys import PLAIN, Digest, by_extent
 # (CODECS, FRAME_PAGES, read_layout: the chain's names for its callers and tests.)
 from revenant.agent.storage.packfile import (CODECS, DIGEST, FRAME_PAGES, PAGE, Layout, _frame,  # noqa: F401
                                              _unreadable, is_compressed, pack_path, page_hash, read_idx, read_layout)
@@ -173,14 +173,15 @@ def rebuild(files: EpochStore, m: Manifest, name: str, out: BinaryIO | None = No
     checking the size and CRC-32 the original had; CorruptEpoch names the pack and page at fault."""
     entry = m.recipes[name]
     recipe = recipe if recipe is not None else read_recipe(files, m, name)
-    stream(files, recipe, entry.size, entry.checksum, f"epoch {m.epoch}: {name}", out, files.digest_of(m))
+    stream(files, recipe, entry.size, entry.checksum, f"epoch {m.epoch}: {name}", out, files.digest_of(m),
+           by_extent(m.files, name))
 
 
 def stream(files: EpochStore, recipe: Recipe, size: int, checksum: str, what: str,
-           out: BinaryIO | None = None, digest: Digest = PLAIN) -> None:
+           out: BinaryIO | None = None, digest: Digest = PLAIN, extents: bool = False) -> None:
     """Stream the ``size`` bytes ``recipe`` rebuilds (into ``out``, if given), checking their
     CRC-32 (or ``digest``'s) against ``checksum``; CorruptEpoch (about ``what``) names the pack and page at fault."""
-    hasher, left = digest.new(), size
+    hasher, left = digest.new(extents), size
     try:
         for _, _, data in _pages(files, recipe):
             if len(data) > left:  # the last page of an image whose size is not a multiple of 4 KiB

@@ -36,7 +36,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from revenant.agent.storage.imagekeys import PLAIN, Digest
+from revenant.agent.storage.imagekeys import PLAIN, Digest, by_extent
 from revenant.agent.storage.manifest import CorruptEpoch, EpochStore, Manifest
 from revenant.agent.storage.packfile import DIGEST, PAGE, is_compressed, image_ref, pack_path, page_hash, read_idx
 from revenant.agent.storage.private import write_atomic
@@ -89,12 +89,13 @@ def is_digests_tmp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp") and DIGESTS_SUFFIX in name
 
 
-def hash_image(path: Path, digest: Digest, like: tuple[Path, bytes] | None = None) -> tuple[bytes, int, str]:
+def hash_image(path: Path, digest: Digest, like: tuple[Path, bytes] | None = None,
+               extents: bool = False) -> tuple[bytes, int, str]:
     """(page digests, size, ``digest`` of the whole file) of an image, in one read (its last page
     padded with zeros, as a pack stores it).  ``like``: an older image of the job and its digest
     list: where a page is the same, byte for byte at the same offset, its digest is taken from
     the list instead of being computed (an epoch that changed 1 % of its pages is hashed 1 %)."""
-    pages, hasher, size = bytearray(), digest.new(), 0
+    pages, hasher, size = bytearray(), digest.new(extents), 0
     known = memoryview(like[1]) if like is not None else memoryview(b"")
     with contextlib.ExitStack() as stack:
         f = stack.enter_context(open(path, "rb", buffering=0))
@@ -145,7 +146,7 @@ def image_digests(files: EpochStore, n: int, m: Manifest, image: str, seg: int, 
     except CorruptEpoch:
         pass
     try:
-        pages, size, whole = hash_image(files.epoch_dir(n) / image, digest, like)
+        pages, size, whole = hash_image(files.epoch_dir(n) / image, digest, like, by_extent(m.files, image))
     except OSError:
         return None
     entry = m.files.get(image)

@@ -19,6 +19,13 @@ core, faster than zlib's CRC-32 (3.5 GiB/s), and spreads a large buffer over the
 and manifest keys are derived from the cluster key with BLAKE3's key derivation, each for its
 own purpose, so that no file digest is ever a valid manifest MAC.
 
+A page image of criu's (``pages-<N>.img``, nearly all of an epoch) is digested in extents of
+``EXTENT`` bytes instead (:class:`ExtentMacs`): a keyed BLAKE3 of each extent and its number, and
+the file's digest a keyed BLAKE3 of that table, which the epoch keeps beside the image
+(``pages-<N>.img.macs``, digested as any other file).  One pass, as before; and a lazy restore
+checks each page against its extent's MAC as it serves it, having read only the table
+(agent/lazyrestore/deltaserve.py).
+
 The key file: one key per line, ``<id> <64 hex digits>``, oldest first; the last is the one new
 epochs are signed with.  ``revenant keys --rotate`` adds one: older epochs stay readable with the
 key they name until they are pruned (remove a key by hand once no epoch names it).
@@ -26,6 +33,8 @@ key they name until they are pruned (remove a key by hand once no epoch names it
 
 from __future__ import annotations
 
+import concurrent.futures
+import mmap
 import os
 import re
 import secrets
@@ -33,7 +42,7 @@ import stat
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Mapping, Protocol
 
 import blake3
 
@@ -47,6 +56,12 @@ _MANIFEST_CONTEXT = "revenant 2026-12-05 epoch manifest MAC"
 _LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,31}) ([0-9a-f]{64})$")
 # A buffer at least this large is digested on every CPU (BLAKE3's own threads).
 _THREADED = 4 * 1024 * 1024
+# A page image's digest: a MAC of each EXTENT bytes, kept in a table beside it (MACS_SUFFIX).
+EXTENT = 64 * 1024
+EXTENT_MAC = 16
+MACS_SUFFIX = ".macs"
+_EXTENT_CONTEXT = "revenant 2026-12-07 page image extent MAC"
+_TABLE_CONTEXT = "revenant 2026-12-07 page image extent MACs table"
 
 
 class Hasher(Protocol):
@@ -77,7 +92,10 @@ class Digest:
     key_id: str = ""
     file_key: bytes = b""
 
-    def new(self) -> Hasher:
+    def new(self, extents: bool = False) -> Hasher:
+        """A hasher of a file; ``extents``: a page image's (:class:`ExtentMacs`, keyed digests only)."""
+        if self.name == KEYED and extents:
+            return ExtentMacs(self.file_key)
         if self.name == KEYED:
             return blake3.blake3(key=self.file_key, max_threads=blake3.blake3.AUTO)
         return _Crc32()
@@ -88,6 +106,126 @@ class Digest:
 
 
 PLAIN = Digest()
+
+_POLY = 0xEDB88320  # CRC-32 (IEEE 802.3), reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (zlib's crc32.c, reflected bit order)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    p, table = 1 << 30, []  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B, from A's, B's and B's length (zlib's crc32_combine)."""
+    p, k, n = 1 << 31, 3, len2  # x^(8 * len2)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def by_extent(files: Mapping[str, object], name: str) -> bool:
+    """Whether an epoch listing ``files`` digested its page image ``name`` by extents."""
+    return f"{name}{MACS_SUFFIX}" in files
+
+
+def extent_table(key: bytes, data: bytes | memoryview, first: int) -> bytes:
+    """The MACs of ``data``'s extents (the last may be short), numbered from ``first``."""
+    view, out = memoryview(data), bytearray()
+    for i, at in enumerate(range(0, len(view), EXTENT), first):
+        h = blake3.blake3(i.to_bytes(8, "little"), key=key)
+        h.update(view[at:at + EXTENT])
+        out += h.digest(EXTENT_MAC)
+    return bytes(out)
+
+
+class ExtentMacs:
+    """A page image's digest: the MAC of each extent (:func:`extent_table`), and the file's a
+    keyed BLAKE3 of the table.  Fed in order (:meth:`update`), or in whole extents computed
+    elsewhere (:meth:`extend`, :func:`table_of_fd`)."""
+
+    def __init__(self, file_key: bytes) -> None:
+        self.key = derive(file_key, _EXTENT_CONTEXT)
+        self._table_key = derive(file_key, _TABLE_CONTEXT)
+        self.table = bytearray()
+        self._part = bytearray()  # a short extent so far
+
+    @property
+    def done(self) -> int:
+        """Bytes fed in whole extents."""
+        return len(self.table) // EXTENT_MAC * EXTENT
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        if self._part:
+            take = min(len(view), EXTENT - len(self._part))
+            self._part += view[:take]
+            view = view[take:]
+            if len(self._part) < EXTENT:
+                return
+            self.table += extent_table(self.key, self._part, len(self.table) // EXTENT_MAC)
+            self._part = bytearray()
+        whole = len(view) - len(view) % EXTENT
+        if whole:
+            self.table += extent_table(self.key, view[:whole], len(self.table) // EXTENT_MAC)
+        self._part += view[whole:]
+
+    def extend(self, table: bytes) -> None:
+        """The MACs of the next whole extents (no short one fed before them)."""
+        assert not self._part
+        self.table += table
+
+    def macs(self) -> bytes:
+        """The table, a short last extent's MAC included."""
+        tail = extent_table(self.key, self._part, len(self.table) // EXTENT_MAC) if self._part else b""
+        return bytes(self.table) + tail
+
+    def hexdigest(self) -> str:
+        return table_digest(self._table_key, self.macs())
+
+
+def table_digest(table_key: bytes, table: bytes) -> str:
+    return blake3.blake3(table, key=table_key).hexdigest()
+
+
+def table_of_fd(key: bytes, fd: int, start: int, end: int, cpus: int) -> bytes:
+    """The MACs of the extents of bytes ``start`` (a multiple of EXTENT) to ``end`` of ``fd``, read
+    through a mapping (a file nobody shortens meanwhile), spread over ``cpus`` threads."""
+    if end <= start:
+        return b""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, end - base, offset=base, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            n = -(-(end - start) // EXTENT)
+            count = max(1, min(cpus, n // 256))  # at least 16 MiB a thread
+            cuts = [start + (n * i // count) * EXTENT for i in range(count)] + [end]
+            with concurrent.futures.ThreadPoolExecutor(count) as pool:
+                parts = pool.map(lambda ab: extent_table(key, view[ab[0] - base:ab[1] - base], ab[0] // EXTENT),
+                                 zip(cuts, cuts[1:]))
+                return b"".join(parts)
+        finally:
+            view.release()
 
 
 def derive(key: bytes, context: str) -> bytes:
@@ -108,6 +246,11 @@ class ImageKeys:
         """The file digest with key ``key_id`` (default: the current one); KeyError if not held."""
         kid = key_id or self.current
         return Digest(KEYED, kid, derive(self.keys[kid], _FILE_CONTEXT))
+
+    def extent_keys(self, key_id: str) -> tuple[bytes, bytes]:
+        """(the extent MAC key, the table key) of key ``key_id``'s page images; KeyError if not held."""
+        file_key = derive(self.keys[key_id], _FILE_CONTEXT)
+        return derive(file_key, _EXTENT_CONTEXT), derive(file_key, _TABLE_CONTEXT)
 
     def manifest_mac(self, key_id: str, data: bytes) -> str:
         """The MAC of a manifest's bytes (its ``mac`` field empty) with key ``key_id``; KeyError if not held."""

@@ -2,9 +2,9 @@
 
 An epoch's manifest holds a digest of every file (agent/storage/epochs.py): a keyed BLAKE3
 where the node holds the cluster's image keys (agent/storage/imagekeys.py), else CRC-32.  What
-follows says CRC-32; keyed BLAKE3 is taken the same way, except that what is left after criu
-is digested as one stream per image (BLAKE3 spreads it over the CPUs itself) rather than in
-pieces combined.  Read only
+follows says CRC-32; keyed digests are taken the same way, a page image's a MAC per 64 KiB extent
+(ExtentMacs: its table written beside it by :func:`seal`), the rest split over the CPUs by
+extent.  Read only
 after criu has exited and then fsynced file by file, 2 GiB of images cost about
 a second of CRC-32 and a second of writes on the commit path.  Nearly all of a
 dump is its page images (``pages-*.img``), which criu writes once each,
@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Mapping
 
 from revenant.agent.storage.fileio import Durable, start_writeback
-from revenant.agent.storage.imagekeys import PLAIN, Digest, Hasher
+from revenant.agent.storage.imagekeys import (EXTENT, MACS_SUFFIX, PLAIN, Digest, ExtentMacs, Hasher,
+                                              crc32_combine, table_of_fd)
 
 try:  # the same CRC-32 as zlib's, with the CPU's carry-less multiply: about 3x as fast here
     from isal.isal_zlib import crc32
@@ -75,43 +76,6 @@ FOLLOW_MIN_CPUS = 4
 MIN_PIECE = 64 * 1024 * 1024
 
 Sums = dict[str, tuple[int, str]]  # name -> (size, CRC-32 as 8 hex digits)
-
-_POLY = 0xEDB88320  # CRC-32 (IEEE 802.3), reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC-32 polynomial (zlib's crc32.c, reflected bit order)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    p, table = 1 << 30, []  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of A + B, from A's, B's and B's length (zlib's crc32_combine)."""
-    p, k, n = 1 << 31, 3, len2  # x^(8 * len2)
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
-
 
 def crc32_range(fd: int, start: int, end: int, buf: bytearray | None = None) -> int:
     """CRC-32 (from 0) of bytes ``start`` to ``end`` of ``fd``; OSError if the file is shorter."""
@@ -145,18 +109,30 @@ def crc32_mapped(fd: int, start: int, end: int) -> int:
     return crc
 
 
-def crc32_file(path: Path, digest: Digest = PLAIN) -> tuple[int, str]:
-    """(size, digest) of ``path``: its CRC-32, or ``digest``'s."""
+def crc32_file(path: Path, digest: Digest = PLAIN, tables: dict[str, bytes] | None = None) -> tuple[int, str]:
+    """(size, digest) of ``path``: its CRC-32, or ``digest``'s; with ``tables``, a page image's
+    MACs by extent (imagekeys.ExtentMacs), its table put there under its name."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if not digest.keyed:
             return size, f"{crc32_range(fd, 0, size):08x}"
+        if tables is not None:
+            macs = digest.new(extents=True)
+            assert isinstance(macs, ExtentMacs)
+            macs.extend(table_of_fd(macs.key, fd, 0, size, len(os.sched_getaffinity(0))))
+            tables[path.name] = macs.macs()
+            return size, macs.hexdigest()
         hasher = digest.new()
         digest_mapped(hasher, fd, 0, size)
         return size, hasher.hexdigest()
     finally:
         os.close(fd)
+
+
+def paged(name: str, digest: Digest) -> bool:
+    """Whether ``name`` of an epoch digested so is a page image digested by extents."""
+    return digest.keyed and FOLLOWED.match(name) is not None
 
 
 def digest_mapped(hasher: Hasher, fd: int, start: int, end: int) -> None:
@@ -175,14 +151,40 @@ def digest_mapped(hasher: Hasher, fd: int, start: int, end: int) -> None:
 
 
 def checksums(directory: Path, names: list[str], followed: Mapping[str, tuple[int, str]] | None = None,
-              digest: Digest = PLAIN) -> Sums:
+              digest: Digest = PLAIN, tables: dict[str, bytes] | None = None) -> Sums:
     """(size, digest) of each of ``names`` in ``directory``: the follower's where it has the file
-    whole at its present size, the others read now (two at a time)."""
+    whole at its present size, the others read now (two at a time); the page images' tables of
+    MACs into ``tables`` (the follower's already there)."""
     followed = followed or {}
+    tables = {} if tables is None else tables
     todo = [n for n in names if n not in followed or followed[n][0] != (directory / n).stat().st_size]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        read = dict(zip(todo, pool.map(lambda n: crc32_file(directory / n, digest), todo)))
+        read = dict(zip(todo, pool.map(
+            lambda n: crc32_file(directory / n, digest, tables if paged(n, digest) else None), todo)))
     return {n: read[n] if n in read else followed[n] for n in names}
+
+
+def _write_tables(directory: Path, tables: dict[str, bytes], digest: Digest) -> Sums:
+    """Each page image's table of MACs beside it (MACS_SUFFIX), durable; their digests."""
+    out: Sums = {}
+    for name, table in tables.items():
+        path = directory / f"{name}{MACS_SUFFIX}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(table)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        out[path.name] = crc32_file(path, digest)
+    if out:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return out
 
 
 def seal(directory: Path, names: list[str], durable: Durable, follower: Follower | None = None,
@@ -199,8 +201,10 @@ def seal(directory: Path, names: list[str], durable: Durable, follower: Follower
         syncing = pool.submit(sync)
         try:
             followed = {**(known or {}), **(follower.finish() if follower is not None else {})}
+            tables = dict(follower.tables) if follower is not None else {}
             t1 = time.monotonic()
-            sums = checksums(directory, names, followed, digest)
+            sums = checksums(directory, names, followed, digest, tables)
+            sums.update(_write_tables(directory, {n: t for n, t in tables.items() if n in sums}, digest))
             t2 = time.monotonic()
         finally:
             sync_s = syncing.result()  # never leave the sync running behind an error
@@ -251,6 +255,7 @@ class Follower:
         self.read_during = read_during if read_during is not None else (
             not writeback or self.cpus >= FOLLOW_MIN_CPUS)
         self.images: dict[str, _Image] = {}
+        self.tables: dict[str, bytes] = {}  # the page images' tables of MACs (keyed digests), once finished
         self.error: OSError | None = None
         self.tail_bytes = 0  # read after criu exited
         self._exited = threading.Event()
@@ -290,6 +295,8 @@ class Follower:
                     continue
                 if self.error is None and not img.broken and st.st_ino == img.ino and st.st_size == img.offset:
                     out[name] = (img.offset, img.hasher.hexdigest() if img.hasher is not None else f"{img.crc:08x}")
+                    if isinstance(img.hasher, ExtentMacs):
+                        self.tables[name] = img.hasher.macs()
             return out
         except OSError as exc:
             log.warning("%s: following criu's images failed, reading them again: %s", self.dir, exc)
@@ -356,7 +363,7 @@ class Follower:
                 st = os.fstat(fd)
                 if stat.S_ISREG(st.st_mode):
                     self.images[entry.name] = _Image(fd, st.st_ino,
-                                                     hasher=self.digest.new() if self.digest.keyed else None)
+                                                     hasher=self.digest.new(extents=True) if self.digest.keyed else None)
                 else:
                     os.close(fd)
 
@@ -389,8 +396,10 @@ class Follower:
             size = os.fstat(img.fd).st_size
             if size < img.offset:
                 img.broken = True
-            elif not img.broken and size > img.offset and img.hasher is not None:  # one stream, BLAKE3's threads
-                digest_mapped(img.hasher, img.fd, img.offset, size)
+            elif not img.broken and size > img.offset and isinstance(img.hasher, ExtentMacs):
+                aligned = min(size, -(-img.offset // EXTENT) * EXTENT)  # its short extent first, then whole ones
+                digest_mapped(img.hasher, img.fd, img.offset, aligned)
+                img.hasher.extend(table_of_fd(img.hasher.key, img.fd, aligned, size, self.cpus))
                 self.tail_bytes += size - img.offset
                 img.offset = size
             elif not img.broken and size > img.offset:

@@ -39,7 +39,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, Collection, Protocol
 
 import msgspec
 
@@ -274,7 +274,7 @@ def _content_manifest(files: JobFiles, m: Manifest, seg: int, lists: dict[str, b
         entry = m.files[name]
         refs, runs = contents.resolve_runs(pages, places, f"epoch {m.epoch}: {name}")
         stream(files, Recipe(packs=refs, runs=runs), entry.size, entry.checksum, f"epoch {m.epoch}: {name}",
-               None, digest)
+               None, digest, imagekeys.by_extent(m.files, name))
         used.update(r for r in refs if not r.startswith("@"))
         recipes[name] = RecipeEntry(size=entry.size, checksum=entry.checksum, recipe=contents.digests_name(name))
         listed = files.epoch_dir(m.epoch) / contents.digests_name(name)
@@ -326,13 +326,14 @@ def materialize(files: JobFiles, m: Manifest, dest: Path) -> None:
             rebuild(files, m, name, out)
 
 
-def link_plain(files: JobFiles, m: Manifest, dest: Path) -> None:
-    """Converted epoch ``m``'s files other than its recipes, in ``dest`` (made private): hardlinked,
-    or copied where the storage cannot link; its pre-dump's ``parent`` link made again."""
+def link_plain(files: JobFiles, m: Manifest, dest: Path, leave: Collection[str] = ()) -> None:
+    """Converted epoch ``m``'s files other than its recipes (and ``leave``), in ``dest`` (made
+    private): hardlinked, or copied where the storage cannot link; its pre-dump's ``parent`` link
+    made again."""
     src = files.epoch_dir(m.epoch)
     check_trusted(files, m)
     private_dir(dest)
-    skip = {r.recipe for r in m.recipes.values()}
+    skip = {r.recipe for r in m.recipes.values()} | set(leave)
     for name in m.files:
         if name in skip:
             continue
