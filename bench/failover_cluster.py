@@ -229,15 +229,33 @@ class Observer(threading.Thread):
         return None
 
 
+def disk_read_bytes(dev: int | None) -> int | None:
+    """Bytes read so far from block device ``dev`` (an st_dev), by /proc/diskstats; None if not found."""
+    if dev is None:
+        return None
+    with open("/proc/diskstats") as f:
+        for line in f:
+            parts = line.split()
+            if (int(parts[0]), int(parts[1])) == (os.major(dev), os.minor(dev)):
+                return int(parts[5]) * 512
+    return None
+
+
 class CriuScanner(threading.Thread):
     """Once a restore request is out, finds node-2's criu restore in /proc: start time and when it is gone."""
 
-    def __init__(self, agent_pid: int, trigger: threading.Event, stop: threading.Event) -> None:
+    def __init__(self, agent_pid: int, trigger: threading.Event, stop: threading.Event,
+                 storage: Path | None = None) -> None:
         super().__init__(name="criu-scan", daemon=True)
         self.agent_pid = agent_pid
         self.trigger = trigger
         self.halt = stop
         self.seen: dict[int, dict] = {}
+        # Bytes read from the storage's device from the restore request until the job runs (criu
+        # restore gone, or become the job): /proc/diskstats, so a cold image's reads count.
+        self.dev = os.stat(storage).st_dev if storage is not None else None
+        self.read_before_run: int | None = None
+        self._read_at_request: int | None = None
 
     def run(self) -> None:
         while not self.trigger.wait(0.05):
@@ -245,6 +263,7 @@ class CriuScanner(threading.Thread):
                 return
         # criu's own process, and the restored tree's root that criu forks as a sibling (our child too):
         # that one starts out as criu and turns into the job.  criu's process is the one that started first.
+        self._read_at_request = disk_read_bytes(self.dev)
         deadline = time.monotonic() + 600
         while not self.halt.is_set() and time.monotonic() < deadline:
             now = time.time()
@@ -271,6 +290,9 @@ class CriuScanner(threading.Thread):
                     rec["gone"] = now
             main = self.main()
             if main is not None and (main["gone"] is not None or main["became_other"] is not None):
+                now_read = disk_read_bytes(self.dev)
+                if now_read is not None and self._read_at_request is not None:
+                    self.read_before_run = now_read - self._read_at_request
                 return
             time.sleep(SCAN_S)
 

@@ -20,6 +20,7 @@ ROWS = [  # label, key, format of one number
     ("  verify + rollback (request → criu start)", "restore_verify_s", ".2f"),
     ("  criu restore (criu start → agent's log line)", "restore_criu_s", ".2f"),
     ("  reply + job record (agent's log → restored)", "restore_after_agent_s", ".2f"),
+    ("  read from the storage's disk before the job runs (MiB)", "restore_read_before_run_mib", ".1f"),
     ("**total: T0 → restored event (job runs)**", "total_s", ".2f"),
     ("restored event's since_last_heartbeat_s", "restored_since_last_heartbeat_s", ".2f"),
     ("last heartbeat → restore request", "heartbeat_to_restore_request_s", ".2f"),

@@ -99,7 +99,7 @@ class Run:
         self.observer.start()
         if not self.observer.ready.wait(15) or self.observer.error:
             raise BenchError(f"observer could not start: {self.observer.error}")
-        scanner = CriuScanner(agent2["pid"], self.observer.restore_request, self.scan_stop)
+        scanner = CriuScanner(agent2["pid"], self.observer.restore_request, self.scan_stop, self.dir)
         scanner.start()
 
         # -------------------------------------------------- the job, resident, with one committed epoch
@@ -283,6 +283,8 @@ class Run:
             "restore_verify_s": rounded(minus(criu_start, request)),
             "restore_criu_s": rounded(minus(agent_done, criu_start)),
             "restore_criu_scan_s": rounded(minus(criu_gone, criu_start)),
+            "restore_read_before_run_mib": None if scanner.read_before_run is None
+            else round(scanner.read_before_run / 2**20, 1),
             "restore_after_agent_s": rounded(minus(restored_at, agent_done)),
             "restore_agent_log_after_request_s": rounded(minus(agent_done, request)),
             "criu_processes": criu,
