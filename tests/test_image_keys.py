@@ -207,3 +207,28 @@ async def test_a_restore_refuses_a_tampered_epoch_and_comes_back_exact_from_the_
     rt = n2.jobs["1"]
     await asyncio.wait_for(rt.exited.wait(), 60)
     assert rt.exit_code == 0 and out.read_bytes() == counter_reference(tmp_path, 150)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("read_during", [3 * imagesum.CHUNK + 100, 70_000, 65_536 * 3, 3 * imagesum.CHUNK + 69_996],
+                         ids=["mid", "short", "aligned", "in-the-last"])
+def test_a_page_images_macs_are_the_same_however_much_the_follower_read_before_criu_ended(tmp_path, read_during):
+    """The follower reads some of an image while criu writes it, the rest after, by extent over the
+    CPUs: the table is the same wherever that cut falls (inside an extent, at its end, or within
+    the last, short one)."""
+    keys = keys_at(tmp_path / "k")
+    d = tmp_path / "epoch"
+    d.mkdir()
+    data = os.urandom(3 * imagesum.CHUNK + 70_001)
+    (d / "pages-1.img").write_bytes(data[:read_during])
+    follower = imagesum.Follower(d, writeback=False, read_during=True, poll_s=0.001, digest=keys.digest()).start()
+    until_read = time.monotonic() + 10
+    while not follower.images or follower.images["pages-1.img"].offset < read_during:
+        assert time.monotonic() < until_read
+        time.sleep(0.001)
+    with open(d / "pages-1.img", "ab") as f:
+        f.write(data[read_during:])
+    got = follower.finish()
+    macs = imagekeys.ExtentMacs(keys.digest().file_key)
+    macs.update(data)
+    assert got == {"pages-1.img": (len(data), macs.hexdigest())} and follower.tables["pages-1.img"] == macs.macs()

@@ -399,7 +399,8 @@ class Follower:
             elif not img.broken and size > img.offset and isinstance(img.hasher, ExtentMacs):
                 aligned = min(size, -(-img.offset // EXTENT) * EXTENT)  # its short extent first, then whole ones
                 digest_mapped(img.hasher, img.fd, img.offset, aligned)
-                img.hasher.extend(table_of_fd(img.hasher.key, img.fd, aligned, size, self.cpus))
+                if aligned < size:
+                    img.hasher.extend(table_of_fd(img.hasher.key, img.fd, aligned, size, self.cpus))
                 self.tail_bytes += size - img.offset
                 img.offset = size
             elif not img.broken and size > img.offset:
