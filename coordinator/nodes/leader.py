@@ -227,9 +227,9 @@ class Leadership:
             log.debug("leader election: %s", described(exc))
             return
         self._renewed_at = self.clock()
-        self.leader = True
+        term = (await self._bucket_made() << 32) | self._revision
+        self.term, self.leader = term, True  # never a leader without its term (a read of the bucket waits)
         self.terms += 1
-        self.term = (await self._bucket_made() << 32) | self._revision
         log.warning("coordinator %s is the leader (term %d here, %d in the cluster)", self.name, self.terms,
                     self.term)
         await self.on_elected()
