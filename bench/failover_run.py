@@ -105,8 +105,9 @@ class Run:
         # -------------------------------------------------- the job, resident, with one committed epoch
         argv = [sys.executable, str(WORKLOAD), "--workload", str(self.mib), "--tag", self.tag]
         # Its own working directory: a restore moves aside what changed in it after the epoch.
+        # Its memory asked for: past the 8 GiB every job is limited to by default it would be OOM-killed.
         job = rv("submit", "--dir", str(self.dir), "--node", "node-1", "--name", f"failover-{self.mib}",
-                 "--workdir", str(self.dir), "--", *argv).stdout.strip()
+                 "--workdir", str(self.dir), "--mem", f"{self.mib + 1024}M", "--", *argv).stdout.strip()
         r["job"] = job
         info = json.loads(rv("show", "job", job, "--dir", str(self.dir), "--json").stdout)
         output = Path(info["output"])
