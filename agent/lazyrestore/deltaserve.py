@@ -144,9 +144,9 @@ class PlainPages:
             raise CorruptEpoch(f"{self.what} has no page {page}")
         first, last = start // EXTENT, -(-end // EXTENT)
         data = os.pread(self.fd, min(self.size, last * EXTENT) - first * EXTENT, first * EXTENT)
-        if extent_table(self.key, data, first) != self.table[first * EXTENT_MAC:last * EXTENT_MAC]:
-            bad = next(i for i in range(first, last) if extent_table(self.key, data[(i - first) * EXTENT:
-                       (i - first + 1) * EXTENT], i) != self.table[i * EXTENT_MAC:(i + 1) * EXTENT_MAC])
+        if extent_table(self.key, data) != self.table[first * EXTENT_MAC:last * EXTENT_MAC]:
+            bad = next(i for i in range(first, last) if extent_table(self.key, data[(i - first) * EXTENT:(i - first + 1)
+                       * EXTENT]) != self.table[i * EXTENT_MAC:(i + 1) * EXTENT_MAC])
             raise CorruptEpoch(f"{self.what}: bytes {bad * EXTENT}..{(bad + 1) * EXTENT} (page {bad * EXTENT // PAGE} "
                                "on) fail their MAC")
         return data[start - first * EXTENT:end - first * EXTENT]
