@@ -103,10 +103,12 @@ def test_create_vacate_restart_cycles_keep_output_byte_exact(make_cluster, tmp_p
 
 @pytest.mark.parametrize("mode,integrity", [("eager", "mac"), ("lazy", "mac"), ("lazy", "crc32")])
 def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_path, mode, integrity):
-    """Eager, and lazy with image keys (every page image's MAC is checked before criu runs): the
-    corrupt epoch is refused before criu runs.  Lazy with CRC-32s: the job runs before its page
-    data is read, so the corruption is found as the pages are checked alongside; the restored copy
-    is killed at once (evicted), the epoch set aside, and the coordinator restores epoch 1."""
+    """Eager: the corrupt epoch is refused before criu runs.  Lazy with image keys: the pages are
+    checked by extent as they are made ready or served; here the changed extent holds a page criu
+    restore reads itself, so it fails before criu runs and the restore falls back at once.  Lazy
+    with CRC-32s: the job runs before its page data is read, so the corruption is found as the
+    pages are checked alongside; the restored copy is killed at once (evicted), the epoch set
+    aside, and the coordinator restores epoch 1."""
     cluster = make_cluster(2, env={"REVENANT_AGENT_RESTORE_MODE": mode, "REVENANT_AGENT_IMAGE_INTEGRITY": integrity})
     job = submit_counter(cluster, "--max-epochs", "2", count=FALLBACK_LINES)
     wait_lines(cluster, job, 10)
@@ -121,8 +123,10 @@ def test_corrupted_newest_epoch_falls_back_to_the_previous(make_cluster, tmp_pat
         f.seek(100)
         f.write(b"\xde\xad\xbe\xef")
     out = cluster.cli("checkpoint", "restart", job, "--node", "node-2")
-    if mode == "eager" or integrity == "mac":
+    if mode == "eager":
         assert f"epoch 2: {pages.name} fails its checksum" in out.stderr, out.stderr
+    elif integrity == "mac":
+        assert f"epoch 2: {pages.name}: bytes 0..65536 (page 0 on) fail their MAC" in out.stderr, out.stderr
     else:
         evicted = wait_until(lambda: [e for e in cluster.events() if e.get("kind") == "evicted"], timeout=60)
         assert "lazy restore of epoch 2 failed" in evicted[0]["reason"] and "checksum" in evicted[0]["reason"]

@@ -48,7 +48,7 @@ from revenant.agent.pipeline.handshake import Handshake
 from revenant.agent.pipeline.steps import DumpContext, RestoreAsk, RestoreContext, Step, check_before_resume
 from revenant.agent.processes import procs
 from revenant.agent.storage import packs
-from revenant.agent.storage.epochs import EpochError, JobFiles, Manifest
+from revenant.agent.storage.epochs import CorruptEpoch, EpochError, JobFiles, Manifest
 from revenant.agent.storage.manifest import JobCaused
 from revenant.agent.storage.fileio import Durable
 from revenant.agent.storage.imagekeys import ImageKeys
@@ -60,6 +60,10 @@ from revenant.messages import CheckpointPolicy
 log = logging.getLogger(__name__)
 
 Restored = tuple[int, Manifest, list[str], "lazy.LazyFetch | None", dict[str, float]]  # Engine.restore's
+
+
+class _BeforeCriu(CorruptEpoch):
+    """Pages found corrupt before criu ran: the epoch refused as a failed verification, the next tried."""
 
 
 class NoSpace(RevenantError):
@@ -286,28 +290,32 @@ class Engine:
     async def restore(self, job: str, generation: int, ask: RestoreAsk = RestoreAsk()) -> Restored:
         """Restore ``job`` from its newest verified epoch (``ask.epoch``: exactly that one) as our
         child; returns (pid, manifest, notes, fetch, criu's statistics).  ``ask.leave_workdir``: why
-        the job's working directory must be left as it is (it is shared).  An epoch stored as a delta
-        (agent/storage/packs.py) gets a temporary directory of images next to the epochs.
-
-        With ``self.lazy`` an epoch is restored lazily (a delta's pages served from its recipes:
-        agent/lazyrestore/deltaserve.py): ``fetch`` (else None) is the rest of the restore, to be
-        awaited: every page fetched and its page data verified (agent/lazyrestore/lazy.py)."""
+        the job's working directory must be left as it is (it is shared).  A delta epoch
+        (agent/storage/packs.py) gets a temporary directory of images next to the epochs.  With
+        ``self.lazy``, lazily (agent/lazyrestore/): ``fetch`` (else None) is the rest, to be awaited."""
         files = JobFiles(self.storage, job, self.keys)
         self.pending += 1
         try:
             async with await self.slots.acquire(ask.user or "root"):
                 checked: dict[str, object] = {}
+                refused: dict[int, str] = {}  # epochs whose pages failed before criu ran (_BeforeCriu)
 
                 def check(m: Manifest) -> None:  # the steps' verdicts on each candidate epoch, newest first
+                    if m.epoch in refused:
+                        raise CorruptEpoch(refused[m.epoch])
                     checked.update((s.name, s.check_restore(m, files.epoch_dir(m.epoch), ask.gpus))
                                    for s in self.steps)
 
                 lazy_here = self.lazy and not await asyncio.to_thread(lazy.eager_next, files)
-                manifest, notes = await asyncio.to_thread(choice.chosen, files, ask.epoch, check,
-                                                          lazy.lazy_serves if lazy_here else None)
-                lazy_here, notes = lazy_here and lazy.served_lazily(manifest), notes + (
-                    ["restored eagerly: its images are encrypted"] if self.lazy and manifest.encryption else [])
-                return await self._restore_chosen(files, manifest, notes, generation, ask, checked, lazy_here)
+                while True:
+                    manifest, notes = await asyncio.to_thread(choice.chosen, files, ask.epoch, check,
+                                                              lazy.lazy_serves if lazy_here else None)
+                    lazy_now, notes = lazy_here and lazy.served_lazily(manifest), notes + (
+                        ["restored eagerly: its images are encrypted"] if self.lazy and manifest.encryption else [])
+                    try:
+                        return await self._restore_chosen(files, manifest, notes, generation, ask, checked, lazy_now)
+                    except _BeforeCriu as exc:
+                        refused[manifest.epoch] = str(exc)  # (an operator's epoch: NoEpoch, from check)
         finally:
             self.pending -= 1
 
@@ -327,7 +335,10 @@ class Engine:
             elif packs.converted(manifest) or (lazy_here and deltaserve.plain_servable(manifest)):
                 # served from its recipes (else rebuilt), or its page images checked by extent as served
                 ctx.images = images = files.new_tmp(self.node)
-                ctx.lazy = await lazy.delta_images(self.criu, files, manifest, images, workdir, lazy_here)
+                try:
+                    ctx.lazy = await lazy.delta_images(self.criu, files, manifest, images, workdir, lazy_here)
+                except CorruptEpoch as exc:
+                    raise _BeforeCriu(str(exc)) from None
             elif lazy_here:
                 ctx.lazy = await lazy.LazyPages.start(self.criu, ctx.epoch_dir, workdir)
             pid, manifest, notes, stats = await self._restore(ctx)
