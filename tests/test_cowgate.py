@@ -146,7 +146,9 @@ def test_a_packed_files_writer_waits_until_its_pages_as_at_the_epoch_are_in_the_
     stats = {}
     scan_workdir(str(wd), 1000, stats=stats)
     tmp = files.new_tmp("n")
-    taken = workdir.Taker(str(wd), tmp, tmp, None, None, 2**30, racy_ns=(0, 0), packer=packer).take(stats)
+    # The writer is the job's (a child of this process): it waits for the copy, however long it takes.
+    taken = workdir.Taker(str(wd), tmp, tmp, None, None, 2**30, racy_ns=(0, 0), packer=packer,
+                          root=os.getpid()).take(stats)
     assert taken.gate is not None and taken.gate.gated == 1
     writer = subprocess.Popen([sys.executable, "-c", f"open({str(wd / 'db')!r}, 'r+b').write(b'AFTER' * 5000)"])
     assert writer.wait(timeout=30) == 0  # its open had the file packed first
