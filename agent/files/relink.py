@@ -46,7 +46,7 @@ from revenant.agent.files import beneath
 from revenant.agent.files.remade import deleted_path
 from revenant.agent.pipeline.blockers import NotCheckpointable
 from revenant.agent.pipeline.steps import BaseStep, DumpContext, RestoreContext
-from revenant.agent.processes.jobprocs import copy_fd, job_pids, private_devs, private_devs_in
+from revenant.agent.processes.jobprocs import copy_fd, fd_info, job_pids, private_devs, private_devs_in
 from revenant.messages import JobResource
 
 # In an epoch: [directory, name, device, inode] for each name made, as the job sees them.
@@ -82,11 +82,10 @@ class _Mounts:
 
 
 def _mnt_id(pid: int, fd: str) -> int:
-    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("mnt_id:"):
-                return int(line.split()[1])
-    return -1
+    try:
+        return fd_info(pid, fd)[0]
+    except (OSError, ValueError):
+        return -1
 
 
 def _same_world(root: int, pid: int) -> bool:

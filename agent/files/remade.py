@@ -37,7 +37,7 @@ import msgspec
 from revenant.agent.files import beneath
 from revenant.agent.files.asuser import sockets as usersockets
 from revenant.agent.pipeline import criuproto
-from revenant.agent.processes.jobprocs import PSEUDO, copy_fd, job_pids, private_devs
+from revenant.agent.processes.jobprocs import PSEUDO, copy_fd, external_id, fd_info, job_pids, private_devs
 from revenant.agent.storage.epochs import REMADE
 from revenant.messages import JobResource
 
@@ -149,10 +149,8 @@ def _in_process(pid: int, found: list[tuple[str, str, int]], inos: dict[tuple[in
 def _ext(pid: int, fd: str, path: str) -> str:
     """criu's external name for the file a descriptor holds (agent/files/asuser/files.py), or ""."""
     try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            mnt = next(int(line.split()[1]) for line in f if line.startswith("mnt_id:"))
-        return f"file[{mnt:x}:{os.stat(path).st_ino:x}]"
-    except (OSError, StopIteration, ValueError, IndexError):
+        return external_id(fd_info(pid, fd)[0], os.stat(path).st_ino)
+    except (OSError, ValueError):
         return ""
 
 

@@ -142,15 +142,31 @@ class OpenFile:
     append: bool
 
 
+def fd_info(pid: int, fd: str | int) -> tuple[int, int]:
+    """(mnt_id, flags) of a process's descriptor, from its fdinfo; OSError if it is gone or says neither."""
+    mnt = flags = -1
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "mnt_id":
+                mnt = int(value)
+            elif key == "flags":
+                flags = int(value, 8)
+    if mnt < 0 or flags < 0:
+        raise OSError(0, f"/proc/{pid}/fdinfo/{fd} names no mnt_id or flags")
+    return mnt, flags
+
+
+def external_id(mnt_id: int, ino: int) -> str:
+    """criu's name for a file dumped as external (criu/files-reg.c dump_one_reg_file): hex, both."""
+    return f"file[{mnt_id:x}:{ino:x}]"
+
+
 def _fd_flags(pid: int, fd: str) -> int | None:
     try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            for line in f:
-                if line.startswith("flags:"):
-                    return int(line.split()[1], 8)
+        return fd_info(pid, fd)[1]
     except (OSError, ValueError):
-        pass
-    return None
+        return None
 
 
 def open_for_writing(root: int) -> dict[str, OpenFile]:

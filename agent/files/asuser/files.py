@@ -39,7 +39,7 @@ import msgspec
 from revenant.agent.files import beneath, remade
 from revenant.agent.files.asuser import creds, sockets
 from revenant.agent.pipeline.criuproto import entries, fields
-from revenant.agent.processes.jobprocs import job_pids, private_devs
+from revenant.agent.processes.jobprocs import external_id, fd_info, job_pids, private_devs
 from revenant.agent.storage.epochs import FILES_DIR, USER_FILES, EpochError
 from revenant.agent.storage.fileio import copy_bytes
 
@@ -66,25 +66,6 @@ class Held:
     file: UserFile
     pid: int
     fd: int
-
-
-def ext_id(mnt_id: int, ino: int) -> str:
-    return f"file[{mnt_id:x}:{ino:x}]"  # as criu/files-reg.c dump_one_reg_file names it
-
-
-def _fdinfo(pid: int, fd: str) -> tuple[int, int]:
-    """(mnt_id, flags) of a descriptor, from /proc."""
-    mnt = flags = -1
-    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key == "mnt_id":
-                mnt = int(value)
-            elif key == "flags":
-                flags = int(value, 8)
-    if mnt < 0 or flags < 0:
-        raise OSError(0, "no mnt_id or flags")
-    return mnt, flags
 
 
 def _access(flags: int) -> int:
@@ -118,10 +99,10 @@ def _in_process(pid: int, uid: int, gid: int, private: set[int], out: dict[str, 
                         continue  # root's alone: criu's own way is safe (remade.py)
                 except OSError:
                     pass  # its directory is gone, or unreadable: as the user, never as root
-                mnt, flags = _fdinfo(pid, fd)
+                mnt, flags = fd_info(pid, fd)
             except OSError:
                 continue  # closed since: criu will not see it either
-            ext = ext_id(mnt, st.st_ino)
+            ext = external_id(mnt, st.st_ino)
             was = out.get(ext)
             if was is not None and (was.file.uid, was.file.gid) != (uid, gid):
                 mixed.add(ext)
@@ -183,7 +164,7 @@ def taken(files: dict[str, Held], carried: set[str], epoch_tmp: Path, max_bytes:
             src = os.open(f"/proc/{h.pid}/fd/{h.fd}", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 st = os.fstat(src)
-                if ext_id(_fdinfo(h.pid, str(h.fd))[0], st.st_ino) != ext:
+                if external_id(fd_info(h.pid, h.fd)[0], st.st_ino) != ext:
                     raise EpochError(f"the job's deleted file {h.file.path} was closed while it was checkpointed; "
                                      "the next checkpoint may not")
                 if st.st_size > max_bytes:
