@@ -14,15 +14,18 @@ from revenant.agent.files import dirwatch, workdir_scan
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["stat", "inotify"])
-def watch(request):
-    """How the freeze knows which directories changed: each looked at, or told by the kernel."""
-    if request.param == "stat":
-        yield None
-        return
+@pytest.fixture
+def inotify():
+    """A watch of the test's own (the agent's is shared by every listing)."""
     w = dirwatch.DirWatch()
     yield w
     os.close(w.fd)
+
+
+@pytest.fixture(params=["stat", "inotify"])
+def watch(request):
+    """How the freeze knows which directories changed: each looked at, or told by the kernel."""
+    yield None if request.param == "stat" else request.getfixturevalue("inotify")
 
 
 def _tree(top) -> None:
@@ -82,52 +85,43 @@ def _changed(top, pre, w) -> set[str]:
     return workdir_scan.rescan(pre, 10_000, frozenset(), lambda rel, st: False, watch=w).changed
 
 
-def test_the_kernel_says_which_directories_changed_and_the_freeze_looks_at_no_other(tmp_path):
+def test_the_kernel_says_which_directories_changed_and_the_freeze_looks_at_no_other(tmp_path, inotify):
     """A directory whose times changed with no entry made, removed or renamed in it (utime) is
     listed anew when the freeze looks at each directory's times, and taken as it was when the
     kernel says nothing changed in it: the freeze made no system call for it."""
     top = tmp_path / "wd"
     _tree(top)
-    w = dirwatch.DirWatch()
-    try:
-        pre = workdir_scan.scan(str(top), 10_000, watch=w)
-        os.utime(top / "keep", (1, 1))
-        assert _changed(top, pre, w) == set()
-        assert _changed(top, pre, None) == {"keep"}
-        (top / "keep" / "new").write_text("n")  # an entry made in it: told
-        assert _changed(top, pre, w) == {"keep"}
-    finally:
-        os.close(w.fd)
+    w = inotify
+    pre = workdir_scan.scan(str(top), 10_000, watch=w)
+    os.utime(top / "keep", (1, 1))
+    assert _changed(top, pre, w) == set()
+    assert _changed(top, pre, None) == {"keep"}
+    (top / "keep" / "new").write_text("n")  # an entry made in it: told
+    assert _changed(top, pre, w) == {"keep"}
 
 
-def test_one_jobs_reading_of_the_changes_never_hides_them_from_another(tmp_path):
+def test_one_jobs_reading_of_the_changes_never_hides_them_from_another(tmp_path, inotify):
     """Two listings of one directory (two jobs sharing it) on the agent's one watch: each sees a
     change made after it began, whichever reads the changes first; a change before a listing
     began is in that listing, not a change to it."""
     top = tmp_path / "wd"
     _tree(top)
-    w = dirwatch.DirWatch()
-    try:
-        first = workdir_scan.scan(str(top), 10_000, watch=w)
-        (top / "a" / "early").write_text("e")
-        second = workdir_scan.scan(str(top), 10_000, watch=w)
-        (top / "keep" / "late").write_text("l")
-        assert _changed(top, first, w) == {"a", "keep"}
-        assert _changed(top, second, w) == {"keep"}
-        assert _changed(top, first, w) == {"a", "keep"}  # read again: still there
-    finally:
-        os.close(w.fd)
+    w = inotify
+    first = workdir_scan.scan(str(top), 10_000, watch=w)
+    (top / "a" / "early").write_text("e")
+    second = workdir_scan.scan(str(top), 10_000, watch=w)
+    (top / "keep" / "late").write_text("l")
+    assert _changed(top, first, w) == {"a", "keep"}
+    assert _changed(top, second, w) == {"keep"}
+    assert _changed(top, first, w) == {"a", "keep"}  # read again: still there
 
 
-def test_lost_events_make_the_freeze_look_at_every_directory(tmp_path):
+def test_lost_events_make_the_freeze_look_at_every_directory(tmp_path, inotify):
     top = tmp_path / "wd"
     _tree(top)
-    w = dirwatch.DirWatch()
-    try:
-        pre = workdir_scan.scan(str(top), 10_000, watch=w)
-        os.utime(top / "keep", (1, 1))
-        w._overflow = w._seq + 1  # as an IN_Q_OVERFLOW read now would set it
-        assert w.dirty(pre.since) is None
-        assert _changed(top, pre, w) == {"keep"}  # looked at, as without the watch
-    finally:
-        os.close(w.fd)
+    w = inotify
+    pre = workdir_scan.scan(str(top), 10_000, watch=w)
+    os.utime(top / "keep", (1, 1))
+    w._overflow = w._seq + 1  # as an IN_Q_OVERFLOW read now would set it
+    assert w.dirty(pre.since) is None
+    assert _changed(top, pre, w) == {"keep"}  # looked at, as without the watch
