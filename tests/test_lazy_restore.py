@@ -40,6 +40,14 @@ def _output(sup, job: str) -> bytes:
     return JobFiles(sup.storage, job).output.read_bytes()
 
 
+def _flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def _lazy(sup):
     sup.engine.lazy = True
     return sup
@@ -91,11 +99,7 @@ async def test_corrupt_page_data_kills_the_restored_job_and_the_next_restore_fal
     files = JobFiles(sup.storage, "l3")
     assert files.committed() == [1, 2]
     pages = sorted(files.epoch_dir(2).glob("pages-*.img"), key=lambda p: p.stat().st_size)[-1]
-    with open(pages, "r+b") as f:  # one byte in the middle of the page data
-        f.seek(pages.stat().st_size // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_a_byte(pages)  # in the middle of the page data
     await sup.restore(spec, 2)
     await _until(lambda: _events(events, "evicted"))
     (ev,) = _events(events, "evicted")
@@ -129,11 +133,7 @@ async def test_a_signed_epoch_served_lazily_checks_each_extent_and_a_corrupt_byt
     m = files.read_signed(2)
     pages = sorted(files.epoch_dir(2).glob("pages-*.img"), key=lambda p: p.stat().st_size)[-1]
     assert imagekeys.by_extent(m.files, pages.name)  # its table beside it, signed with the rest
-    with open(pages, "r+b") as f:  # one byte in the middle of the page data
-        f.seek(pages.stat().st_size // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_a_byte(pages)  # in the middle of the page data
     await sup.restore(spec, 2)  # not refused before it starts: the image itself is not read then
     await _until(lambda: _events(events, "evicted"))
     (ev,) = _events(events, "evicted")
